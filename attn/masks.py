@@ -1,0 +1,127 @@
+"""Mask semantics shared by every variant and backend (DESIGN.md §3).
+
+A key j is visible to query i when every enabled rule allows it:
+  causal: j <= i;  window W: i - W < j <= i;  segment ids (ranker layout, per row
+  one contiguous history range and one contiguous candidate range, the rest padding):
+  history queries see history keys, candidate queries see history keys and
+  themselves, padding sees and is seen by nothing.
+
+The kernels never read segment ids; they read per-row bounds (B, 4) int32 =
+[history_start, history_end, candidate_start, candidate_end) computed here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HISTORY, CANDIDATE, PADDING = 1, -1, 0
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Static part of a mask (hashable, part of kernel specialization)."""
+
+    causal: bool = True
+    window: int | None = None
+
+    def __post_init__(self):
+        if self.window is not None:
+            if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+                raise ValueError(f"window must be a positive int or None, got {self.window!r}")
+
+    @property
+    def is_causal(self) -> bool:
+        # a window implies causality
+        return self.causal or self.window is not None
+
+    @property
+    def kind(self) -> str:
+        return "window" if self.window is not None else ("causal" if self.causal else "full")
+
+
+def _range_of(is_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[start, end) of the True entries per row; (0, 0) for rows without any."""
+    n = is_value.shape[-1]
+    pos = torch.arange(n, device=is_value.device, dtype=torch.int32)
+    big = torch.full_like(pos, n)
+    start = torch.where(is_value, pos, big).amin(dim=-1)
+    end = torch.where(is_value, pos + 1, torch.zeros_like(pos)).amax(dim=-1)
+    start = torch.where(end > 0, start, torch.zeros_like(start))
+    return start, end
+
+
+def segment_bounds(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, N) ids in {1, -1, 0} -> (B, 4) int32 [hist_start, hist_end, cand_start, cand_end)."""
+    hs, he = _range_of(segment_ids == HISTORY)
+    cs, ce = _range_of(segment_ids == CANDIDATE)
+    return torch.stack([hs, he, cs, ce], dim=-1).to(torch.int32).contiguous()
+
+
+def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) -> None:
+    """Shape, values and contiguity checks. Syncs with the device: call in eager mode only."""
+    if segment_ids.shape != (batch, seq_len):
+        raise ValueError(
+            f"segment_ids must have shape (B, N) = ({batch}, {seq_len}), got {tuple(segment_ids.shape)}"
+        )
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
+        raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+    bad = ~((segment_ids == HISTORY) | (segment_ids == CANDIDATE) | (segment_ids == PADDING))
+    if bool(bad.any()):
+        raise ValueError("segment_ids values must be in {1 (history), -1 (candidate), 0 (padding)}")
+    bounds = segment_bounds(segment_ids)
+    for value, (s, e) in ((HISTORY, (0, 1)), (CANDIDATE, (2, 3))):
+        count = (segment_ids == value).sum(dim=-1)
+        if bool((count != (bounds[:, e] - bounds[:, s])).any()):
+            name = "history (1)" if value == HISTORY else "candidate (-1)"
+            raise ValueError(f"segment_ids: the {name} positions must form one contiguous range per row")
+
+
+def dense_mask(
+    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
+    """Boolean visibility (B or 1, N, N), [.., i, j] True when query i sees key j."""
+    if segment_ids is not None:
+        device = segment_ids.device
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    if spec.is_causal:
+        visible &= j <= i
+    if spec.window is not None:
+        visible &= j > i - spec.window
+    visible = visible[None]
+    if segment_ids is not None:
+        q_seg = segment_ids[:, :, None]
+        k_seg = segment_ids[:, None, :]
+        history_key = k_seg == HISTORY
+        seg_visible = ((q_seg == HISTORY) & history_key) | (
+            (q_seg == CANDIDATE) & (history_key | (i == j)[None])
+        )
+        visible = visible & seg_visible
+    return visible
+
+
+def visible_key_counts(
+    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
+    """n_i: number of keys query i sees, (B or 1, N) float (closed form, no N^2 memory)."""
+    if segment_ids is not None:
+        device = segment_ids.device
+    i = torch.arange(seq_len, device=device, dtype=torch.int64)[None]
+    if segment_ids is None:
+        if not spec.is_causal:
+            return torch.full((1, seq_len), float(seq_len), device=device)
+        hi = i + 1
+        lo = torch.zeros_like(i) if spec.window is None else (i - spec.window + 1).clamp_min(0)
+        return (hi - lo).float()
+    b = segment_bounds(segment_ids).long()
+    hs, he = b[:, 0:1], b[:, 1:2]
+    hi = torch.full_like(i, seq_len) if not spec.is_causal else i + 1
+    lo = torch.zeros_like(i) if spec.window is None else (i - spec.window + 1).clamp_min(0)
+    history_seen = (torch.minimum(he, hi) - torch.maximum(hs, lo)).clamp_min(0)
+    is_hist = segment_ids == HISTORY
+    is_cand = segment_ids == CANDIDATE
+    # a candidate always sees itself (j == i passes causal and window too)
+    return torch.where(is_hist, history_seen, torch.where(is_cand, history_seen + 1, 0)).float()

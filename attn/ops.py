@@ -1,0 +1,80 @@
+"""Public attention entry point and backend selection (DESIGN.md §5).
+
+The fused kernels register their own torch custom ops (with fakes and autograd) in
+`attn/kernels/`; this module only validates, chooses a backend and dispatches, so the
+reference path never imports Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from attn.masks import MaskSpec
+from attn.reference import reference_attention
+from attn.registry import family_kernel
+from attn.validation import check_attention_inputs, check_kernel_inputs
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "triton", "reference")
+_announced: set[tuple[str, str]] = set()
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attn.backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_usable(device) else "reference"
+        key = (str(device), backend)
+        if key not in _announced:
+            _announced.add(key)
+            log.info("attention backend=auto on %s -> %s", device, backend)
+    elif backend == "triton" and not triton_usable(device):
+        raise ValueError(
+            f"backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); inputs are on {device}"
+        )
+    return backend
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    q2: torch.Tensor | None = None,
+    k2: torch.Tensor | None = None,
+    lam: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of any registered variant: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+
+    `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
+    Softmax family: optional per-query `temperature` (B, N). Differential threshold:
+    second view `q2`, `k2` and per-head `lam` (H,).
+    """
+    check_attention_inputs(
+        q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam
+    )
+    mask = MaskSpec(causal=causal, window=window)
+    if resolve_backend(backend, q.device) == "reference":
+        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)
+    check_kernel_inputs(q)
+    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)

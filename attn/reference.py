@@ -1,0 +1,104 @@
+"""Float-exact PyTorch implementations of both families (DESIGN.md §4).
+
+Dense O(N^2) and deliberately plain: this is the ground truth every kernel is tested
+against (in float64) and the backend used off-GPU. It computes in the inputs' dtype, so
+the same code in bf16/fp16 gives the "same-dtype PyTorch error" of the tolerance rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attn.caps import apply_cap
+from attn.masks import MaskSpec, dense_mask, visible_key_counts
+from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
+
+
+def _per_query_head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (B,N,H,D), k (B,N,Hkv,D) -> q.k (B,H,N,N); GQA by repeating kv heads."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    return torch.einsum("bihd,bjhd->bhij", q, k)
+
+
+def threshold_tau(beta: float, head_dim: int, counts: torch.Tensor) -> torch.Tensor:
+    """tau_i = beta * sqrt(2 ln(n_i) / D); rows with n_i = 0 see nothing, tau is then 0."""
+    return beta * torch.sqrt(2.0 * torch.log(counts.clamp_min(1.0)) / head_dim)
+
+
+def softmax_family_weights(
+    q, k, spec: SoftmaxFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None
+) -> torch.Tensor:
+    """Attention weights (B, H, N, N); fully masked rows are all zero."""
+    n, d = q.shape[1], q.shape[3]
+    z = apply_cap(_per_query_head_scores(q, k) * spec.scale(d), spec.cap, spec.cap_value, spec.knee)
+    if temperature is not None:
+        z = z * temperature[:, None, :, None].to(z.dtype)
+    visible = dense_mask(mask, n, segment_ids, device=q.device)[:, None]
+    z = z.masked_fill(~visible, float("-inf"))
+    row_max = z.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    e = torch.exp(z - row_max)  # exactly 0 where masked
+    denom = e.sum(dim=-1, keepdim=True)
+    return e / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def _rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
+    positive = x > 0
+    # where() on the base keeps the gradient finite at 0 for p < 1
+    base = torch.where(positive, x, torch.ones_like(x))
+    if power == 1.0:
+        return torch.where(positive, x, torch.zeros_like(x))
+    return torch.where(positive, base**power, torch.zeros_like(x))
+
+
+def threshold_family_weights(
+    q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, q2=None, k2=None, lam=None
+) -> torch.Tensor:
+    """Signed weights (B, H, N, N) of threshold(-differential) attention; masked entries are 0."""
+    n, d = q.shape[1], q.shape[3]
+    visible = dense_mask(mask, n, segment_ids, device=q.device)[:, None]
+    counts = visible_key_counts(mask, n, segment_ids, device=q.device)
+    tau = threshold_tau(spec.beta, d, counts).to(q.dtype)[:, None, :, None]
+
+    def view(qv, kv):
+        w = _rectified_power(_per_query_head_scores(qv, kv) - tau, spec.power)
+        return w.masked_fill(~visible, 0.0)
+
+    w = view(q, k)
+    if spec.differential:
+        w = w - lam.to(w.dtype)[None, :, None, None] * view(q2, k2)
+    return w
+
+
+def attention_weights(q, k, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None):
+    """Weights (B, H, N, N) of any registered variant: what diagnostics read."""
+    if isinstance(spec, SoftmaxFamilySpec):
+        return softmax_family_weights(q, k, spec, mask, segment_ids, temperature)
+    return threshold_family_weights(q, k, spec, mask, segment_ids, q2, k2, lam)
+
+
+def reference_attention(
+    q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None
+) -> torch.Tensor:
+    """out (B, N, H, D) = weights @ v, GQA by repeating kv heads."""
+    w = attention_weights(q, k, spec, mask, segment_ids, temperature, q2, k2, lam)
+    group = q.shape[2] // v.shape[2]
+    return torch.einsum("bhij,bjhd->bihd", w, v.repeat_interleave(group, dim=2))
+
+
+def exact_zero_fraction(weights: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Per head fraction of visible (i, j) whose weight is exactly 0: (H,)."""
+    visible = visible.expand_as(weights)
+    zeros = ((weights == 0) & visible).sum(dim=(0, 2, 3)).double()
+    return zeros / visible.sum(dim=(0, 2, 3)).double().clamp_min(1)
+
+
+__all__ = [
+    "attention_weights",
+    "reference_attention",
+    "softmax_family_weights",
+    "threshold_family_weights",
+    "threshold_tau",
+    "exact_zero_fraction",
+]

@@ -1,0 +1,53 @@
+"""Frozen per-family configs that kernels specialize on (hashable, safe as custom-op args)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from attn.caps import CAP_METHODS
+
+
+@dataclass(frozen=True)
+class SoftmaxFamilySpec:
+    """softmax / softcap / alsc: z = t_i * cap(sm_scale * q.k), softmax over visible keys."""
+
+    cap: str = "none"  # one of CAP_METHODS
+    cap_value: float = 30.0  # c > 0 (unused when cap == "none")
+    knee: float = 0.5  # ALSC kappa in [0, 1)
+    sm_scale: float | None = None  # default D^-1/2
+
+    family = "softmax"
+
+    def __post_init__(self):
+        if self.cap not in CAP_METHODS:
+            raise ValueError(f"attn.cap must be one of {CAP_METHODS}, got {self.cap!r}")
+        if self.cap != "none" and not (isinstance(self.cap_value, (int, float)) and self.cap_value > 0):
+            raise ValueError(f"attn.cap_value must be > 0 for cap {self.cap!r}, got {self.cap_value!r}")
+        if self.cap == "alsc" and not (0.0 <= self.knee < 1.0):
+            raise ValueError(f"attn.knee (kappa) must be in [0, 1), got {self.knee!r}")
+        if self.sm_scale is not None and not self.sm_scale > 0:
+            raise ValueError(f"attn.sm_scale must be > 0 or null, got {self.sm_scale!r}")
+
+    def scale(self, head_dim: int) -> float:
+        return self.sm_scale if self.sm_scale is not None else head_dim**-0.5
+
+
+@dataclass(frozen=True)
+class ThresholdFamilySpec:
+    """threshold / diff_threshold: w = relu(q.k - tau_i)^p [- lambda_h relu(q2.k2 - tau_i)^p]."""
+
+    beta: float = 1.0
+    power: float = 2.0  # p > 0
+    differential: bool = False
+
+    family = "threshold"
+
+    def __post_init__(self):
+        if not (isinstance(self.power, (int, float)) and self.power > 0 and math.isfinite(self.power)):
+            raise ValueError(f"attn.power (p) must be a finite float > 0, got {self.power!r}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta)):
+            raise ValueError(f"attn.beta must be a finite float, got {self.beta!r}")
+
+
+AttentionSpec = SoftmaxFamilySpec | ThresholdFamilySpec
