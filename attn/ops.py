@@ -39,7 +39,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and triton_usable(device) else "reference"
         key = (str(device), backend)
-        if key not in _announced:
+        if key not in _announced and not torch.compiler.is_compiling():
             _announced.add(key)
             log.info("attention backend=auto on %s -> %s", device, backend)
     elif backend == "triton" and not triton_usable(device):

@@ -1,0 +1,36 @@
+"""Whole-config checks run before any data or model is built: each error names the field."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from models.gpt import check_model_config
+from models.lit import OptimConfig, gpt_config_from_dict
+
+ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "lambda_mode", "window"}
+LOGGER_KINDS = ("wandb", "csv", "none")
+
+
+def check_config(cfg: DictConfig) -> None:
+    attn_cfg = OmegaConf.to_container(cfg.attn, resolve=True)
+    unknown = sorted(set(attn_cfg) - ATTN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown attn fields {unknown}; allowed: {sorted(ATTN_KEYS)} (variant parameters go in attn.params)")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["vocab_size"] = 2  # the real size comes from the tokenizer
+    model["attn"] = attn_cfg
+    try:
+        gpt = gpt_config_from_dict(model)
+    except TypeError as e:
+        raise ValueError(f"bad model/attn config fields: {e}") from e
+    check_model_config(gpt)
+
+    t = cfg.train
+    for name in ("max_steps", "batch_size", "grad_accum", "val_every", "val_tokens", "log_every"):
+        if not isinstance(t[name], int) or t[name] < 1:
+            raise ValueError(f"train.{name} must be a positive int, got {t[name]!r}")
+    if t.grad_clip is not None and not t.grad_clip > 0:
+        raise ValueError(f"train.grad_clip must be > 0 or null, got {t.grad_clip!r}")
+    OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps).check()
+    if cfg.logger.kind not in LOGGER_KINDS:
+        raise ValueError(f"logger.kind must be one of {LOGGER_KINDS}, got {cfg.logger.kind!r}")

@@ -1,0 +1,268 @@
+"""One small GPT whose attention is chosen by name from the attn registry.
+
+Token embedding tied to the output head, RoPE, pre-norm RMSNorm, grouped-query
+attention, GELU or SwiGLU MLP, optional QK-norm, per-head output RMSNorm and
+differential heads for the threshold variants (DESIGN.md §4, model side).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attn
+
+QK_NORMS = ("none", "l2", "rms")
+MLP_KINDS = ("gelu", "swiglu")
+LAMBDA_MODES = ("reparam", "clamp")
+
+
+@dataclass
+class AttnConfig:
+    name: str = "softmax"
+    backend: str = "auto"
+    params: dict = field(default_factory=dict)  # the variant's spec parameters (cap, knee, beta, ...)
+    qk_norm: str | None = None  # None: the variant's default (l2 for threshold variants)
+    out_norm: bool | None = None  # None: the variant's default (on for threshold variants)
+    lambda_mode: str = "reparam"  # differential lambda: Diff-Transformer reparameterization or clamp
+    window: int | None = None
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 2048
+    context: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    d_model: int = 256
+    mlp: str = "swiglu"
+    mlp_ratio: float = 4.0
+    rope_base: float = 10000.0
+    dropout: float = 0.0
+    attn: AttnConfig = field(default_factory=AttnConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+class RoPE(nn.Module):
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, N, H, D): rotate pairs (first half, second half) by position."""
+        n = x.shape[1]
+        angles = torch.outer(torch.arange(n, device=x.device, dtype=torch.float32), self.inv_freq)
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def _qk_normalize(x: torch.Tensor, kind: str, norm: nn.Module | None) -> torch.Tensor:
+    if kind == "l2":
+        return F.normalize(x, dim=-1)
+    if kind == "rms":
+        return norm(x)
+    return x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_index: int):
+        super().__init__()
+        acfg = cfg.attn
+        self.variant = attn.get_variant(acfg.name)
+        self.spec = self.variant.make_spec(**acfg.params)
+        self.backend, self.window = acfg.backend, acfg.window
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.views = self.variant.views
+        self.qk_norm = acfg.qk_norm or ("l2" if self.variant.qk_norm else "none")
+        self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        # one fused projection: views x (q, k) and a single v
+        self.qkv = nn.Linear(cfg.d_model, self.views * (q_dim + kv_dim) + kv_dim, bias=False)
+        self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.proj.residual_projection = True
+        self.rope = RoPE(cfg.head_dim, cfg.rope_base)
+        self.q_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
+        self.head_norm = nn.RMSNorm(cfg.head_dim) if self.out_norm else None
+        if self.views == 2:
+            self.lambda_mode = acfg.lambda_mode
+            self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+            if self.lambda_mode == "reparam":
+                # lambda_h = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init (Differential Transformer), per head
+                self.lambda_vectors = nn.Parameter(torch.zeros(4, cfg.n_head, cfg.head_dim).normal_(0, 0.1))
+            else:
+                self.lambda_raw = nn.Parameter(torch.full((cfg.n_head,), self.lambda_init))
+
+    def differential_lambda(self) -> torch.Tensor:
+        if self.lambda_mode == "reparam":
+            lq1, lk1, lq2, lk2 = self.lambda_vectors.float()
+            return torch.exp((lq1 * lk1).sum(-1)) - torch.exp((lq2 * lk2).sum(-1)) + self.lambda_init
+        return self.lambda_raw.float().clamp(0.0, 1.0)
+
+    def split_heads(self, x: torch.Tensor):
+        """(B, N, C) -> list of q/k views and v, each (B, N, heads, D), with RoPE and QK-norm."""
+        b, n, _ = x.shape
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        sizes = [q_dim, kv_dim] * self.views + [kv_dim]
+        parts = self.qkv(x).split(sizes, dim=-1)
+        qs = [p.view(b, n, self.n_head, self.head_dim) for p in parts[0:-1:2]]
+        ks = [p.view(b, n, self.n_kv_head, self.head_dim) for p in parts[1:-1:2]]
+        v = parts[-1].view(b, n, self.n_kv_head, self.head_dim)
+        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm)) for q in qs]
+        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm)) for k in ks]
+        return qs, ks, v
+
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        qs, ks, v = self.split_heads(x)
+        extra = {}
+        if self.views == 2:
+            extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
+        y = attn.attention(
+            qs[0], ks[0], v, self.spec, causal=True, window=self.window, segment_ids=segment_ids,
+            backend=self.backend, **extra,
+        )
+        if self.head_norm is not None:
+            y = self.head_norm(y)
+        if self.views == 2 and self.lambda_mode == "reparam":
+            y = y * (1.0 - self.lambda_init)
+        return self.proj(y.reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        hidden = int(cfg.mlp_ratio * cfg.d_model)
+        if self.kind == "swiglu":
+            hidden = int(2 * hidden / 3)  # same parameter count as the GELU MLP
+            self.up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        else:
+            self.up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.down.residual_projection = True
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_index: int):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, layer_index)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, segment_ids=None):
+        x = x + self.drop(self.attn(self.norm1(x), segment_ids))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        check_model_config(cfg)
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        # GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer)
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 0.02)
+
+    def forward(self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, N) token ids -> logits (B, N, vocab)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, segment_ids)
+        return self.head(self.norm(x))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # the tied head is counted once
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, context: int | None = None) -> float:
+        """Training FLOPs per token: 6 * non-embedding params + 6 * head matmul + attention.
+
+        Attention per layer and token: q.k and w.v are 2 * 2 * T * d_head * H FLOPs forward
+        (non-causal count, as in PaLM's MFU), x3 for forward + backward; differential
+        variants do one extra q.k per view.
+        """
+        cfg, t = self.cfg, context or self.cfg.context
+        dense = 6 * self.num_params(non_embedding=True) + 6 * cfg.d_model * cfg.vocab_size
+        views = self.blocks[0].attn.views
+        attention = 6 * cfg.n_layer * (views + 1) * t * cfg.n_head * cfg.head_dim
+        return float(dense + attention)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
+        """Sample continuations of idx (B, N); the context is cropped to the training length."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.context:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def check_model_config(cfg: GPTConfig) -> None:
+    """Config errors caught before any training: each names the field and what is allowed."""
+    for name in ("vocab_size", "context", "n_layer", "n_head", "n_kv_head", "d_model"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if cfg.d_model % cfg.n_head != 0:
+        raise ValueError(f"model.n_head ({cfg.n_head}) must divide model.d_model ({cfg.d_model})")
+    if cfg.head_dim % 2 != 0:
+        raise ValueError(f"head dim d_model / n_head = {cfg.head_dim} must be even (RoPE)")
+    if cfg.n_head % cfg.n_kv_head != 0:
+        raise ValueError(f"model.n_head ({cfg.n_head}) must be divisible by model.n_kv_head ({cfg.n_kv_head})")
+    if cfg.mlp not in MLP_KINDS:
+        raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {cfg.mlp!r}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ValueError(f"model.dropout must be in [0, 1), got {cfg.dropout!r}")
+    a = cfg.attn
+    variant = attn.get_variant(a.name)
+    variant.make_spec(**a.params)  # spec-level checks (cap > 0, kappa in [0, 1), p > 0, ...)
+    if a.backend not in attn.BACKENDS:
+        raise ValueError(f"attn.backend must be one of {attn.BACKENDS}, got {a.backend!r}")
+    if a.qk_norm is not None and a.qk_norm not in QK_NORMS:
+        raise ValueError(f"attn.qk_norm must be one of {QK_NORMS} or null, got {a.qk_norm!r}")
+    if a.lambda_mode not in LAMBDA_MODES:
+        raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {a.lambda_mode!r}")
+    if a.window is not None and (not isinstance(a.window, int) or a.window < 1):
+        raise ValueError(f"attn.window must be a positive int or null, got {a.window!r}")

@@ -1,0 +1,126 @@
+"""LightningModule: next-token training of the GPT, validation in nats, perplexity and bits per byte."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from models.gpt import GPT, AttnConfig, GPTConfig
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    max_steps: int = 1000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+    def check(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.max_steps < 1:
+            raise ValueError(
+                f"train.warmup_steps must be >= 0 and train.max_steps >= 1, got {self.warmup_steps}, {self.max_steps}"
+            )
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to min_lr_ratio at max_steps."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def gpt_config_from_dict(model: dict) -> GPTConfig:
+    model = dict(model)
+    model["attn"] = AttnConfig(**model.get("attn", {}))
+    return GPTConfig(**model)
+
+
+class LitGPT(L.LightningModule):
+    """Hyperparameters are plain dicts, so checkpoints load with weights_only=True."""
+
+    def __init__(self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_cfg = gpt_config_from_dict(model)
+        self.optim_cfg = OptimConfig(**optim)
+        self.optim_cfg.check()
+        self.model = GPT(self.model_cfg)
+        # kept out of the module tree so the state dict holds each weight once
+        self.__dict__["forward_fn"] = torch.compile(self.model, fullgraph=True) if compile else self.model
+        # UTF-8 bytes per token of each split, for bits per byte
+        self.bytes_per_token = bytes_per_token or {}
+        self._val_sums = None
+        self._last_time = None
+        self.tokens_seen = 0
+
+    def forward(self, idx):
+        return self.forward_fn(idx)
+
+    def _loss(self, batch, reduction="mean"):
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        tokens = batch[0].numel()
+        self.tokens_seen += tokens * self.trainer.world_size
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/tokens", float(self.tokens_seen))
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        now = time.perf_counter()
+        if self._last_time is not None:
+            tps = tokens * self.trainer.world_size / (now - self._last_time)
+            self.log("train/tokens_per_s", tps, prog_bar=True)
+        self._last_time = now
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch, batch_idx):
+        loss_sum = self._loss(batch, reduction="sum")
+        self._val_sums += torch.stack([loss_sum.double(), torch.tensor(batch[1].numel(), device=self.device).double()])
+
+    def on_validation_epoch_end(self):
+        sums = self.all_gather(self._val_sums)
+        if sums.ndim == 2:
+            sums = sums.sum(0)
+        nats = (sums[0] / sums[1].clamp_min(1)).item()
+        self.log("val/loss", nats, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", math.exp(min(nats, 50.0)))
+        if "val" in self.bytes_per_token:
+            self.log("val/bpb", nats / math.log(2) / self.bytes_per_token["val"], prog_bar=True)
+        self._last_time = None  # validation time is not training throughput
+
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            (decay if p.ndim >= 2 else no_decay).append(p)
+        o = self.optim_cfg
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=torch.cuda.is_available() or None,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["model_config"] = asdict(self.model_cfg)
+
+    def on_load_checkpoint(self, checkpoint):
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)

@@ -1,0 +1,129 @@
+"""The GPT: every variant trains on CPU, parameter/FLOP accounting, generation, config errors."""
+
+import pytest
+import torch
+
+import attn
+from models.gpt import GPT, AttnConfig, GPTConfig
+
+VARIANT_PARAMS = {
+    "softmax": {},
+    "softcap_tanh": {"cap": 5.0},
+    "softcap_softsign": {"cap": 5.0},
+    "alsc": {"cap": 5.0, "knee": 0.5},
+    "threshold": {"beta": 1.0, "power": 2.0},
+    "diff_threshold": {"beta": 1.0, "power": 2.0},
+}
+
+
+def tiny(name, **kw):
+    return GPTConfig(vocab_size=37, context=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                     attn=AttnConfig(name=name, backend="reference", params=VARIANT_PARAMS[name], **kw))
+
+
+def test_every_registered_variant_has_a_test_case():
+    assert set(VARIANT_PARAMS) == set(attn.variant_names())
+
+
+@pytest.mark.parametrize("name", list(VARIANT_PARAMS))
+def test_variant_overfits_a_repeated_batch(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(name))
+    x = torch.randint(0, 37, (4, 17))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 37), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_differential_lambda_is_learned():
+    torch.manual_seed(0)
+    for mode in ("reparam", "clamp"):
+        model = GPT(tiny("diff_threshold", lambda_mode=mode))
+        x = torch.randint(0, 37, (2, 16))
+        model(x).sum().backward()
+        layer = model.blocks[1].attn
+        grad = layer.lambda_vectors.grad if mode == "reparam" else layer.lambda_raw.grad
+        assert grad is not None and grad.abs().sum() > 0
+        lam = layer.differential_lambda()
+        assert lam.shape == (4,)
+        if mode == "reparam":  # lambda_init = 0.8 - 0.6 exp(-0.3 * layer)
+            assert abs(layer.lambda_init - (0.8 - 0.6 * torch.exp(torch.tensor(-0.3)).item())) < 1e-6
+
+
+def test_threshold_variants_default_to_l2_qk_norm_and_head_norm():
+    for name in attn.variant_names():
+        layer = GPT(tiny(name)).blocks[0].attn
+        expected = attn.get_variant(name).family == "threshold"
+        assert (layer.qk_norm == "l2") == expected and (layer.head_norm is not None) == expected
+
+
+def test_param_count_tied_embedding_and_flops():
+    model = GPT(tiny("softmax"))
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert model.num_params() == sum(p.numel() for p in set(model.parameters()))
+    cfg = model.cfg
+    # 6 N + head matmul + attention (q.k and w.v, forward + backward)
+    expected = 6 * model.num_params(non_embedding=True) + 6 * cfg.d_model * cfg.vocab_size
+    expected += 6 * cfg.n_layer * 2 * cfg.context * cfg.n_head * cfg.head_dim
+    assert model.flops_per_token() == expected
+
+
+def test_residual_projections_use_scaled_init():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, n_layer=8, d_model=256, n_head=4, n_kv_head=4,
+                    attn=AttnConfig(backend="reference"))
+    model = GPT(cfg)
+    std_proj = model.blocks[0].attn.proj.weight.std().item()
+    std_qkv = model.blocks[0].attn.qkv.weight.std().item()
+    assert abs(std_qkv - 0.02) < 0.002
+    assert abs(std_proj - 0.02 / 4) < 0.001  # 1 / sqrt(2 * 8)
+
+
+def test_generate_extends_and_respects_greedy():
+    torch.manual_seed(0)
+    model = GPT(tiny("alsc")).eval()
+    prompt = torch.randint(0, 37, (2, 5))
+    out = model.generate(prompt, max_new_tokens=20, temperature=0.0)
+    assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)
+    again = model.generate(prompt, max_new_tokens=20, temperature=0.0)
+    assert torch.equal(out, again)
+    # greedy token equals argmax of the model's logits at the last position
+    assert torch.equal(out[:, 5], model(prompt)[:, -1].argmax(-1))
+    sampled = model.generate(prompt, max_new_tokens=3, temperature=1.0, top_k=5)
+    assert sampled.shape == (2, 8)
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    for name in attn.variant_names():
+        model = GPT(tiny(name)).eval()
+        x = torch.randint(0, 37, (1, 12))
+        y = x.clone()
+        y[0, 8:] = (y[0, 8:] + 1) % 37
+        torch.testing.assert_close(model(x)[:, :8], model(y)[:, :8])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(d_model=30), "must divide model.d_model"),
+    (dict(n_kv_head=3), "divisible by model.n_kv_head"),
+    (dict(mlp="relu"), "model.mlp must be one of"),
+    (dict(attn=AttnConfig(name="flash")), "attn.name must be one of"),
+    (dict(attn=AttnConfig(name="softcap_tanh", params={"cap": 0.0})), "attn.cap"),
+    (dict(attn=AttnConfig(name="alsc", params={"knee": 1.0})), "kappa"),
+    (dict(attn=AttnConfig(name="threshold", params={"power": -1.0})), "attn.power"),
+    (dict(attn=AttnConfig(name="threshold", params={"cap": 3.0})), "does not take"),
+    (dict(attn=AttnConfig(backend="cuda")), "attn.backend must be one of"),
+    (dict(attn=AttnConfig(qk_norm="layer")), "attn.qk_norm must be one of"),
+])
+def test_model_config_errors_name_the_field(change, match):
+    base = dict(vocab_size=37, context=16, n_layer=1, n_head=4, n_kv_head=2, d_model=32)
+    with pytest.raises(ValueError, match=match):
+        GPT(GPTConfig(**{**base, **change}))

@@ -1,0 +1,142 @@
+"""attnlab training entry point (Hydra). `python train.py attn=alsc`; see README.md."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
+from models.config_checks import check_config
+from models.lit import LitGPT
+
+log = logging.getLogger("attnlab.train")
+
+
+def _group(cfg: DictConfig) -> str:
+    """wandb group: the experiment/group name; in a multirun, one group per sweep."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # composed outside @hydra.main (tests)
+        return cfg.group
+    if hc.mode.name == "MULTIRUN":
+        return f"{cfg.group}-{Path(hc.sweep.dir).name}"
+    return cfg.group
+
+
+def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None):
+    loggers = [L.pytorch.loggers.CSVLogger(save_dir=str(output_dir), name="", version="csv")]
+    if cfg.logger.kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(
+            WandbLogger(
+                project=cfg.logger.project, entity=cfg.logger.entity, offline=cfg.logger.offline,
+                save_dir=str(output_dir), group=_group(cfg), tags=[cfg.attn.name, f"seed{cfg.seed}"],
+                name=f"{cfg.attn.name}-s{cfg.seed}", id=resume_run_id, resume="allow" if resume_run_id else None,
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        )
+    return loggers
+
+
+class WandbRunIdInCheckpoint(L.Callback):
+    """A resumed run continues the same wandb run."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        for lg in trainer.loggers:
+            if lg.__class__.__name__ == "WandbLogger":
+                checkpoint["wandb_run_id"] = lg.experiment.id
+
+
+def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["vocab_size"] = vocab_size
+    model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
+    optim = {k: cfg.train[k] for k in ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2")}
+    optim["max_steps"] = cfg.train.max_steps
+    return LitGPT(model=model, optim=optim, compile=cfg.train.compile, bytes_per_token=bytes_per_token)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train, validate, checkpoint; returns the final metrics (also written to results.json)."""
+    check_config(cfg)
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    bytes_per_token = {s: datamodule.bytes_per_token(s) for s in ("train", "val")}
+    model = build_model(cfg, datamodule.vocab_size, bytes_per_token)
+    log.info(
+        "model: %s, %.2fM parameters, %.3g training FLOPs/token",
+        cfg.attn.name, model.model.num_params() / 1e6, model.model.flops_per_token(),
+    )
+
+    resume_run_id = None
+    if cfg.ckpt_path:
+        resume_run_id = load_checkpoint(cfg.ckpt_path).get("wandb_run_id")
+    precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
+    checkpointing = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
+        save_top_k=1, save_last=True, auto_insert_metric_name=False,
+    )
+    trainer: L.Trainer = instantiate(
+        cfg.trainer,
+        precision=precision,
+        max_steps=cfg.train.max_steps,
+        val_check_interval=cfg.train.val_every,
+        check_val_every_n_epoch=None,
+        accumulate_grad_batches=cfg.train.grad_accum,
+        gradient_clip_val=cfg.train.grad_clip,
+        log_every_n_steps=cfg.train.log_every,
+        deterministic=cfg.deterministic,
+        default_root_dir=str(output_dir),
+        logger=build_loggers(cfg, output_dir, resume_run_id),
+        callbacks=[checkpointing, WandbRunIdInCheckpoint()],
+        plugins=[AtomicCheckpointIO()],
+    )
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+
+    nats = final["val/loss"]
+    results = {
+        "variant": cfg.attn.name,
+        "seed": cfg.seed,
+        "steps": trainer.global_step,
+        "tokens": model.tokens_seen,
+        "params": model.model.num_params(),
+        "val_loss": nats,
+        "val_ppl": math.exp(min(nats, 50.0)),
+        "val_bpb": nats / math.log(2) / bytes_per_token["val"],
+        "unigram_bpb": datamodule.unigram_bpb("val"),
+        "best_checkpoint": checkpointing.best_model_path,
+        "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
+    }
+    if trainer.is_global_zero:
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        print(
+            f"\n[{cfg.attn.name}] val loss {nats:.4f} nats/token | perplexity {results['val_ppl']:.2f} | "
+            f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f} bits/byte)\n"
+            f"checkpoints: {output_dir / 'checkpoints'}"
+        )
+    return results
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="train")
+def main(cfg: DictConfig) -> float:
+    return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
+
+
+if __name__ == "__main__":
+    main()
