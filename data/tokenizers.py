@@ -1,0 +1,397 @@
+"""Tokenizers: `byte`, `char`, `bpe` (trained on the train split) and `pretrained`.
+
+Every tokenizer has `encode(text) -> list[int]`, `encode_batch(texts)`, `decode(ids) -> str`,
+`vocab_size` and `hash`: a sha256 of everything that determines its output (vocabulary,
+merges, rules), so a token cache built with one tokenizer is never read with another.
+
+Trained tokenizers (`char`, `bpe`) only ever see the train split, so nothing about the
+held-out text leaks into the vocabulary. They are trained once and cached under
+`<cache_dir>/tokenizers/`, keyed by a hash of the source fingerprint (which fixes the train
+works / files), the tokenizer kind and its options (vocab size, ...).
+
+`data.tokenizer` options per kind:
+    byte:       (none)                      vocab 256, the UTF-8 bytes
+    char:       (none)                      train-split characters + one <unk> id (last)
+    bpe:        vocab_size, min_frequency=2, max_train_bytes=null
+                byte-level BPE (GPT-2 style pre-tokenization) from HF `tokenizers`
+    pretrained: name (a tiktoken encoding, e.g. gpt2; needs `pip install -e .[tiktoken]`
+                and the encoding cached or network) or path (an HF `tokenizer.json`)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from data.atomic import atomic_write_text, exclusive_lock
+from data.sources import Source, stable_hash
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_KINDS = ("byte", "char", "bpe", "pretrained")
+TOKENIZER_OPTIONS = {
+    "byte": (),
+    "char": (),
+    "bpe": ("vocab_size", "min_frequency", "max_train_bytes"),
+    "pretrained": ("name", "path"),
+}
+# Bump when training code changes in a way that changes its output, to retire old caches.
+TRAINED_TOKENIZER_VERSION = 1
+UNKNOWN_CHAR = "\ufffd"
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class Tokenizer(ABC):
+    kind: str
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def hash(self) -> str:
+        """sha256 hex of everything that determines encode/decode."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def encode_to_array(self, texts: Sequence[str]) -> np.ndarray:
+        """The token ids of `texts`, concatenated, as int64 (the cache writer's fast path)."""
+        encoded = self.encode_batch(texts)
+        total = sum(len(ids) for ids in encoded)
+        return np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=total)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "hash": self.hash}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, hash={self.hash[:12]})"
+
+
+class ByteTokenizer(Tokenizer):
+    """The UTF-8 bytes of the text: vocab 256, no training, every text round-trips."""
+
+    kind = "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    @property
+    def hash(self) -> str:
+        return _sha256_text("attnlab-byte-tokenizer-v1")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_to_array(self, texts: Sequence[str]) -> np.ndarray:
+        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # A window can cut a multi-byte character; show it as U+FFFD instead of failing.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character seen in the train split (sorted by code point), plus a final
+    <unk> id for characters that occur only in val/test."""
+
+    kind = "char"
+
+    def __init__(self, chars: str):
+        if len(set(chars)) != len(chars) or list(chars) != sorted(chars):
+            raise ValueError("CharTokenizer chars must be unique and sorted by code point")
+        if not chars:
+            raise ValueError("CharTokenizer needs at least one character (is the train split empty?)")
+        self.chars = chars
+        self.unk_id = len(chars)
+        self._code_points = np.array([ord(c) for c in chars], dtype=np.int64)
+
+    @classmethod
+    def fit(cls, texts: Iterable[str]) -> "CharTokenizer":
+        seen: set[str] = set()
+        for text in texts:
+            seen.update(text)
+        return cls("".join(sorted(seen)))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + 1
+
+    @property
+    def hash(self) -> str:
+        return stable_hash({"kind": "char", "chars": self.chars})
+
+    def encode_to_array(self, texts: Sequence[str]) -> np.ndarray:
+        points = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        ids = np.searchsorted(self._code_points, points)
+        ids = np.minimum(ids, len(self.chars) - 1)
+        known = self._code_points[ids] == points
+        return np.where(known, ids, self.unk_id).astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_to_array([text]).tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] if 0 <= i < self.unk_id else UNKNOWN_CHAR for i in (int(j) for j in ids))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "attnlab-char-tokenizer-v1", "chars": self.chars}, ensure_ascii=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CharTokenizer":
+        payload = json.loads(text)
+        if payload.get("format") != "attnlab-char-tokenizer-v1":
+            raise ValueError("not an attnlab char tokenizer file")
+        return cls(payload["chars"])
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers.Tokenizer`: our trained byte-level BPE (`kind="bpe"`) or a
+    pretrained `tokenizer.json` (`kind="pretrained"`)."""
+
+    def __init__(self, tokenizer, kind: str):
+        self.tokenizer = tokenizer
+        self.kind = kind
+        # Hash the canonical JSON (vocab, merges, normalizer, pre-tokenizer, decoder) so two
+        # files that differ only in formatting get the same hash.
+        self._hash = stable_hash(json.loads(tokenizer.to_str()))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def hash(self) -> str:
+        return self._hash
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # encode_batch_fast skips offset tracking; both run in parallel in Rust.
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.tokenizer.to_str()
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A named tiktoken encoding (e.g. gpt2). Special tokens in the text are encoded as plain
+    text (`encode_ordinary`), so a corpus cannot smuggle in control tokens."""
+
+    kind = "pretrained"
+
+    def __init__(self, encoding):
+        self.encoding = encoding
+        token_bytes = []
+        for token_id in range(encoding.n_vocab):
+            try:
+                token_bytes.append(encoding.decode_single_token_bytes(token_id).hex())
+            except KeyError:  # ids that some encodings leave unassigned
+                token_bytes.append(None)
+        self._hash = stable_hash(
+            {"kind": "tiktoken", "name": encoding.name, "pattern": encoding._pat_str, "tokens": token_bytes}
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    @property
+    def hash(self) -> str:
+        return self._hash
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode([int(i) for i in ids], errors="replace")
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
+    """Byte-level BPE: GPT-2 pre-tokenization, all 256 bytes in the initial alphabet (so any
+    text encodes without <unk> and decodes back exactly), merges learned up to `vocab_size`
+    (fewer if the corpus runs out of pairs seen `min_frequency` times)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = RustTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tokenizer, kind="bpe")
+
+
+def _train_texts(source: Source, max_bytes: int | None) -> Iterator[str]:
+    """Train-split documents as they appear in the token stream (with the separator), up
+    to `max_bytes` of UTF-8 (None: all)."""
+    seen = 0
+    for document in source.documents("train"):
+        text = document + source.separator
+        yield text
+        seen += len(text.encode("utf-8"))
+        if max_bytes is not None and seen >= max_bytes:
+            return
+
+
+# --------------------------------------------------------------------------- config
+
+
+class TokenizerNotCached(RuntimeError):
+    """A trained tokenizer is requested without permission to train it (setup on a rank
+    other than the one that runs prepare_data)."""
+
+
+def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
+    """Validate `data.tokenizer`; returns a plain dict with defaults filled in."""
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"data.tokenizer must be a mapping with a 'kind' key, got {cfg!r}")
+    kind = cfg.get("kind")
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"data.tokenizer.kind must be one of {list(TOKENIZER_KINDS)}, got {kind!r}")
+    allowed = TOKENIZER_OPTIONS[kind]
+    unknown = sorted(set(cfg) - {"kind", *allowed})
+    if unknown:
+        raise ValueError(
+            f"data.tokenizer.{unknown[0]}: unknown option for tokenizer kind {kind!r}; allowed: {['kind', *allowed]}"
+        )
+    parsed: dict[str, Any] = {"kind": kind}
+    if kind == "bpe":
+        vocab_size = cfg.get("vocab_size")
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 256:
+            raise ValueError(
+                f"data.tokenizer.vocab_size must be an integer >= 256 (the byte alphabet) for kind 'bpe', got {vocab_size!r}"
+            )
+        min_frequency = cfg.get("min_frequency", 2)
+        if not isinstance(min_frequency, int) or min_frequency < 1:
+            raise ValueError(f"data.tokenizer.min_frequency must be an integer >= 1, got {min_frequency!r}")
+        max_train_bytes = cfg.get("max_train_bytes")
+        if max_train_bytes is not None and (not isinstance(max_train_bytes, int) or max_train_bytes <= 0):
+            raise ValueError(f"data.tokenizer.max_train_bytes must be a positive integer or null, got {max_train_bytes!r}")
+        parsed.update(vocab_size=vocab_size, min_frequency=min_frequency, max_train_bytes=max_train_bytes)
+    elif kind == "pretrained":
+        name, path = cfg.get("name"), cfg.get("path")
+        if (name is None) == (path is None):
+            raise ValueError(
+                "data.tokenizer: kind 'pretrained' needs exactly one of name (a tiktoken encoding such as gpt2) "
+                "or path (an HF tokenizer.json)"
+            )
+        parsed.update(name=name, path=path)
+    return parsed
+
+
+def tokenizer_cache_path(cfg: dict, source: Source, cache_dir: str | os.PathLike) -> Path:
+    """Where a trained tokenizer lives: keyed by the source (hence its train works / files),
+    the tokenizer kind and its options."""
+    key = stable_hash({"tokenizer": cfg, "source": source.fingerprint(), "version": TRAINED_TOKENIZER_VERSION})
+    return Path(cache_dir) / "tokenizers" / f"{cfg['kind']}-{source.slug()}-{key[:16]}.json"
+
+
+def _load_pretrained(cfg: dict) -> Tokenizer:
+    if cfg["path"] is not None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        path = Path(os.path.expanduser(str(cfg["path"])))
+        if not path.is_file():
+            raise ValueError(f"data.tokenizer.path: file not found: {str(cfg['path'])!r} (resolved to {path.resolve()})")
+        return HFTokenizer(RustTokenizer.from_file(str(path)), kind="pretrained")
+    try:
+        import tiktoken
+    except ImportError:
+        raise ValueError(
+            f"data.tokenizer.name={cfg['name']!r} needs tiktoken: pip install -e '.[tiktoken]'"
+        ) from None
+    try:
+        encoding = tiktoken.get_encoding(cfg["name"])
+    except ValueError as error:
+        raise ValueError(f"data.tokenizer.name: {error}") from None
+    except Exception as error:  # network errors while fetching the encoding files
+        raise RuntimeError(
+            f"data.tokenizer.name={cfg['name']!r}: tiktoken could not load the encoding ({type(error).__name__}: "
+            f"{error}). It downloads the files on first use; offline, point TIKTOKEN_CACHE_DIR at a cache "
+            "that has them, or use data.tokenizer.path with an HF tokenizer.json."
+        ) from None
+    return TiktokenTokenizer(encoding)
+
+
+def _read_trained(kind: str, path: Path) -> Tokenizer | None:
+    """Load a cached trained tokenizer; None (with a warning) if the file is unusable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if kind == "char":
+            return CharTokenizer.from_json(text)
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return HFTokenizer(RustTokenizer.from_str(text), kind="bpe")
+    except Exception as error:  # corrupt JSON, truncated file, foreign format
+        logger.warning("tokenizer cache %s is unreadable (%s); retraining", path, error)
+        return None
+
+
+def build_tokenizer(
+    cfg: Mapping[str, Any], source: Source, cache_dir: str | os.PathLike, allow_training: bool = True
+) -> Tokenizer:
+    """The tokenizer for `data.tokenizer`. Trained kinds load from the cache or, when
+    `allow_training`, train on the train split of `source` and cache the result."""
+    cfg = parse_tokenizer_config(cfg)
+    kind = cfg["kind"]
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "pretrained":
+        return _load_pretrained(cfg)
+
+    path = tokenizer_cache_path(cfg, source, cache_dir)
+    if path.is_file():
+        cached = _read_trained(kind, path)
+        if cached is not None:
+            return cached
+    if not allow_training:
+        raise TokenizerNotCached(f"trained tokenizer {path} is missing; run prepare_data() first")
+    with exclusive_lock(path.with_suffix(".lock")):
+        if path.is_file():  # another process finished training while we waited
+            cached = _read_trained(kind, path)
+            if cached is not None:
+                return cached
+        logger.info("training %s tokenizer on the train split of %s -> %s", kind, source.slug(), path)
+        if kind == "char":
+            tokenizer: Tokenizer = CharTokenizer.fit(_train_texts(source, None))
+            atomic_write_text(path, tokenizer.to_json())
+        else:
+            tokenizer = train_bpe(_train_texts(source, cfg["max_train_bytes"]), cfg["vocab_size"], cfg["min_frequency"])
+            atomic_write_text(path, tokenizer.to_json())
+    return tokenizer
