@@ -11,6 +11,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -73,7 +74,12 @@ def run(cfg: DictConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
 
-    datamodule = instantiate(cfg.data)
+    try:
+        datamodule = instantiate(cfg.data)
+    except InstantiationException as e:  # surface our own clear config errors unwrapped
+        if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
+            raise e.__cause__ from None
+        raise
     datamodule.prepare_data()
     datamodule.setup("fit")
     bytes_per_token = {s: datamodule.bytes_per_token(s) for s in ("train", "val")}
@@ -94,7 +100,7 @@ def run(cfg: DictConfig) -> dict:
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
-        max_steps=cfg.train.max_steps,
+        max_steps=cfg.train.stop_at_step or cfg.train.max_steps,
         val_check_interval=cfg.train.val_every,
         check_val_every_n_epoch=None,
         accumulate_grad_batches=cfg.train.grad_accum,
@@ -112,6 +118,8 @@ def run(cfg: DictConfig) -> dict:
     nats = final["val/loss"]
     results = {
         "variant": cfg.attn.name,
+        "run_dir": str(output_dir),
+        "wandb_group": _group(cfg),
         "seed": cfg.seed,
         "steps": trainer.global_step,
         "tokens": model.tokens_seen,

@@ -1,0 +1,57 @@
+"""Helpers to run train.py in-process on a tiny generated corpus (no network)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def write_corpus(path: Path, lines: int = 3000, seed: int = 0) -> Path:
+    """A small learnable corpus: templated sentences over a tiny vocabulary."""
+    rng = random.Random(seed)
+    names = ["anna", "bert", "carl", "dora", "emil", "fred"]
+    verbs = ["sees", "likes", "helps", "calls", "finds"]
+    things = ["the cat", "a dog", "the red ball", "an old book", "the river"]
+    text = "\n".join(
+        f"{rng.choice(names)} {rng.choice(verbs)} {rng.choice(things)} and {rng.choice(names)} {rng.choice(verbs)} it."
+        for _ in range(lines)
+    )
+    path.write_text(text + "\n")
+    return path
+
+
+def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
+    base = {
+        "data": "text",
+        "data.source.path": str(corpus),
+        "data.tokenizer.kind": "byte",
+        "~data.tokenizer.vocab_size": None,
+        "trainer": "cpu",
+        "logger": "csv",
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.n_kv_head": 2,
+        "model.d_model": 32,
+        "model.context": 32,
+        "train.batch_size": 4,
+        "train.max_steps": 6,
+        "train.val_every": 3,
+        "train.val_tokens": 512,
+        "train.warmup_steps": 2,
+        "train.log_every": 1,
+        "train.compile": False,
+        "paths.cache_dir": str(tmp_path / "cache"),
+        "paths.output_dir": str(tmp_path / "run"),
+        "trainer.enable_progress_bar": False,
+    }
+    base.update(extra)
+    return [k if v is None else f"{k}={v}" for k, v in base.items()]
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=overrides)
