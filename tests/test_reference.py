@@ -541,12 +541,16 @@ def test_fully_masked_rows_zero_output_and_gradient(case, mask):
     if case == "threshold_p0.5":
         spec_kwargs = dict(beta=0.7, power=0.5)
     spec = get_variant(registry_name(base)).make_spec(**spec_kwargs)
+    padding = seg == 0
+    # padding embeddings are often exactly zero: scores of 0 against tau = 0 sit exactly on
+    # the threshold's kink, where a careless x**p (p < 1) backward gives 0 * inf = NaN
+    for t in [q, k] + [extra[x] for x in ("q2", "k2") if x in extra]:
+        t[padding] = 0.0
     leaves = [q, k, v] + [extra[x] for x in ("temperature", "q2", "k2", "lam") if x in extra]
     for t in leaves:
         t.requires_grad_(True)
     out = reference_attention(q, k, v, spec, MaskSpec(**mask), seg, extra.get("temperature"),
                               extra.get("q2"), extra.get("k2"), extra.get("lam"))
-    padding = seg == 0
     assert torch.isfinite(out).all()
     assert torch.all(out[padding] == 0)
     assert out[~padding].abs().sum() > 0
@@ -699,18 +703,18 @@ def test_differential_lambda_gradient_matches_finite_differences_and_closed_form
 GRADCHECK_CASES = list(VARIANTS) + ["threshold_p0.5"]
 
 
-@pytest.mark.parametrize("with_seg", [False, True])
 @pytest.mark.parametrize("case", GRADCHECK_CASES)
-def test_gradcheck_reference(case, with_seg):
-    gen = torch.Generator().manual_seed(seed(case, with_seg))
+def test_gradcheck_reference(case):
+    """Causal mask with ranker segments: covers dense rows, candidate isolation and a padding row."""
+    gen = torch.Generator().manual_seed(seed(case, "gradcheck"))
     base = "threshold_p1.5" if case == "threshold_p0.5" else case
     family, spec_kwargs, _ = VARIANTS[base]
     if case == "threshold_p0.5":
         spec_kwargs = dict(beta=0.5, power=0.5)
     spec = get_variant(registry_name(base)).make_spec(**spec_kwargs)
     n = 5
-    q, k, v, extra = make_inputs(base, 1 + with_seg, n, 2, 1, 3, gen, temperature=family == "softmax", logit_scale=1.5)
-    seg = torch.tensor([[1, 1, -1, -1, 0], [0, 1, 1, 1, -1]]) if with_seg else None
+    q, k, v, extra = make_inputs(base, 2, n, 2, 1, 3, gen, temperature=family == "softmax", logit_scale=1.5)
+    seg = torch.tensor([[1, 1, -1, -1, 0], [0, 1, 1, 1, -1]])
     names = ["q", "k", "v"] + [x for x in ("temperature", "q2", "k2", "lam") if x in extra]
     inputs = tuple(t.clone().requires_grad_(True) for t in [q, k, v] + [extra[x] for x in names[3:]])
 
