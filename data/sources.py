@@ -22,6 +22,7 @@ fails before any training starts); downloads and `load_dataset` happen on first 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -75,6 +76,21 @@ class Source(ABC):
     def max_tokens(self, split: str) -> int | None:
         """Stop tokenizing `split` once this many tokens are written (None: the whole split)."""
         return None
+
+
+@contextlib.contextmanager
+def _quiet_local_builder() -> Iterator[None]:
+    """Hide `datasets`' per-split progress bars while converting small local files (they
+    would clutter the training log); restores the user's setting afterwards."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
 
 
 def _check_split(split: str) -> None:
@@ -214,13 +230,14 @@ class ShakespeareSource(Source):
         assert self._split_works is not None
         files = [str(self._work_paths[name]) for name in self._split_works[split]]
         # One row per work: sample_by="document" keeps each play whole.
-        dataset = datasets.load_dataset(
-            "text",
-            data_files={split: files},
-            split=split,
-            sample_by="document",
-            cache_dir=str(self.cache_dir / "hf_datasets"),
-        )
+        with _quiet_local_builder():
+            dataset = datasets.load_dataset(
+                "text",
+                data_files={split: files},
+                split=split,
+                sample_by="document",
+                cache_dir=str(self.cache_dir / "hf_datasets"),
+            )
         yield from _iter_text_column(dataset, "text", f"shakespeare works {self._split_works[split]}")
 
     def describe(self) -> dict:
@@ -355,9 +372,11 @@ class LocalFilesSource(Source):
             if paths and all(p.stat().st_size == 0 for p in paths):
                 raise ValueError(self._empty_message(split))
         try:
-            loaded = datasets.load_dataset(
-                self.BUILDERS[self.kind], data_files=data_files, cache_dir=str(self.cache_dir / "hf_datasets"), **kwargs
-            )
+            with _quiet_local_builder():
+                loaded = datasets.load_dataset(
+                    self.BUILDERS[self.kind], data_files=data_files, cache_dir=str(self.cache_dir / "hf_datasets"),
+                    **kwargs,
+                )
         except ValueError as error:
             # datasets says 'Instruction "val" corresponds to no data!' for a split without rows.
             empty = [split for split in data_files if f'"{split}"' in str(error)]
