@@ -59,7 +59,7 @@ def threshold_family_weights(
     n, d = q.shape[1], q.shape[3]
     visible = dense_mask(mask, n, segment_ids, device=q.device)[:, None]
     counts = visible_key_counts(mask, n, segment_ids, device=q.device)
-    tau = threshold_tau(spec.beta, d, counts).to(q.dtype)[:, None, :, None]
+    tau = threshold_tau(spec.beta, d, counts.to(q.dtype))[:, None, :, None]
 
     def view(qv, kv):
         w = _rectified_power(_per_query_head_scores(qv, kv) - tau, spec.power)

@@ -22,8 +22,10 @@ class SoftmaxFamilySpec:
     def __post_init__(self):
         if self.cap not in CAP_METHODS:
             raise ValueError(f"attn.cap must be one of {CAP_METHODS}, got {self.cap!r}")
-        if self.cap != "none" and not (isinstance(self.cap_value, (int, float)) and self.cap_value > 0):
-            raise ValueError(f"attn.cap (the cap value c) must be > 0 for cap method {self.cap!r}, got {self.cap_value!r}")
+        if self.cap != "none" and not (
+            isinstance(self.cap_value, (int, float)) and 0 < self.cap_value < math.inf
+        ):
+            raise ValueError(f"attn.cap (the cap value c) must be > 0 and finite for cap method {self.cap!r}, got {self.cap_value!r}")
         if self.cap == "alsc" and not (0.0 <= self.knee < 1.0):
             raise ValueError(f"attn.knee (kappa) must be in [0, 1), got {self.knee!r}")
         if self.sm_scale is not None and not self.sm_scale > 0:

@@ -34,7 +34,7 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[1] != n or k.shape[3] != d:
         raise ValueError(f"k must have shape (B, N, H_kv, D) = ({b}, {n}, H_kv, {d}), got {tuple(k.shape)}")
-    if h % k.shape[2] != 0:
+    if k.shape[2] < 1 or h % k.shape[2] != 0:
         raise ValueError(f"the number of query heads ({h}) must be divisible by k's heads H_kv ({k.shape[2]})")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
@@ -42,6 +42,10 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         validate_segment_ids(segment_ids, b, n)
     if isinstance(spec, SoftmaxFamilySpec):
         if temperature is not None:
+            if not isinstance(temperature, torch.Tensor):
+                raise ValueError(f"temperature must be a torch.Tensor, got {type(temperature).__name__}")
+            if not temperature.dtype.is_floating_point:
+                raise ValueError(f"temperature must be a floating tensor, got dtype {temperature.dtype}")
             _check_tensor("temperature", temperature, 2, temperature.dtype, q.device)
             if tuple(temperature.shape) != (b, n):
                 raise ValueError(f"temperature must have shape (B, N) = ({b}, {n}), got {tuple(temperature.shape)}")

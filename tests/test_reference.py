@@ -29,11 +29,9 @@ F64 = torch.float64
 # Softmax-family reference vs the loops: both are float64, only summation order differs.
 SOFTMAX_ATOL = 1e-12
 SOFTMAX_TOL = dict(rtol=0, atol=SOFTMAX_ATOL)
-# Threshold family: loosened because the reference computes tau in float32 (relative error
-# ~4e-8, see the strict xfail `test_threshold_tau_is_float64_exact_in_float64_reference`);
-# tighten to SOFTMAX_TOL once that bug is fixed.
-THRESHOLD_ATOL = 1e-6
-THRESHOLD_TOL = dict(rtol=1e-7, atol=THRESHOLD_ATOL)
+# Threshold family: tau is computed in the inputs' dtype, so float64 throughout as well.
+THRESHOLD_ATOL = SOFTMAX_ATOL
+THRESHOLD_TOL = SOFTMAX_TOL
 
 
 # ----------------------------------------------------------------------------------------
@@ -655,9 +653,6 @@ def test_threshold_tau_with_visible_counts(name, mask, with_seg):
     assert torch.all(tau[loop_counts <= 1] == 0)  # ln 1 = 0; empty rows also get 0, never NaN
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: threshold_family_weights computes tau in float32 "
-                   "(visible_key_counts returns float32; threshold_tau keeps that dtype; only then "
-                   ".to(q.dtype)), so the float64 reference is off by ~4e-8 relative in tau")
 def test_threshold_tau_is_float64_exact_in_float64_reference():
     n, d = 17, 8
     q = torch.zeros(1, n, 1, d, dtype=F64)
