@@ -135,7 +135,8 @@ def eval_window_count(n_tokens: int, seq_len: int, token_budget: int) -> int:
 
 class EvalWindows(IterableDataset):
     """Deterministic contiguous windows 0..n_windows-1; this rank takes every world_size-th,
-    batched in order."""
+    batched in order. When world_size does not divide n_windows, ranks differ by at most
+    one window (no padding duplicates: every window is scored exactly once over all ranks)."""
 
     def __init__(self, tokens: TokenFile, seq_len: int, batch_size: int, n_windows: int, rank: int = 0, world_size: int = 1):
         rank_slice(n_windows, rank, world_size)  # validates rank / world_size

@@ -23,7 +23,6 @@ import torch
 
 from data import cache as cache_module
 from data import shakespeare
-from data import sources as sources_module
 from data import tokenizers as tokenizers_module
 from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
