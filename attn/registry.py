@@ -7,6 +7,7 @@ family's kernel module, one `configs/attn/<name>.yaml` and its tests.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -86,4 +87,8 @@ def get_variant(name: str) -> Variant:
 def family_kernel(spec: AttentionSpec) -> Callable:
     """The fused implementation serving `spec`'s family (imports Triton lazily)."""
     module, fn = FAMILY_KERNELS[spec.family].split(":")
-    return getattr(importlib.import_module(module), fn)
+    # sys.modules first: torch.compile traces a dict lookup, but not importlib (graph break)
+    loaded = sys.modules.get(module)
+    if loaded is None:
+        loaded = importlib.import_module(module)
+    return getattr(loaded, fn)

@@ -1,0 +1,750 @@
+"""Fused Triton kernels of the softmax family: softmax, softcap (tanh, soft_sign), ALSC.
+
+Math (DESIGN.md §4): x = q.k, y = s x, z = t_i * F(y), w = softmax over visible keys of z,
+out = w v. One forward kernel and one backward (dk/dv kernel + dq kernel) serve every
+cap; the cap is a compile-time switch (CAP), its value and the ALSC knee are runtime
+scalars. Cap forms, all written so that the backward derivative comes from the value
+the forward already computes:
+
+    CAP_NONE      F = y                                     F' = 1
+    CAP_TANH      T = tanh(x s/c),  F = c T                 F' = 1 - T^2
+    CAP_SOFT_SIGN u = x s/c, r = 1/(1+|u|), F = c u r       F' = r^2
+    CAP_ALSC      cl = clamp(y, -a, a), g = c - a,
+                  T = tanh((y - cl)/g), F = cl + g T        F' = 1 - T^2
+
+(ALSC: inside the knee y - cl = 0, so T = 0 and F = y, F' = 1; outside it is exactly
+sign(y)(a + g tanh((|y|-a)/g)); kappa = 0 gives the tanh cap.)
+
+Online softmax in base 2: the forward keeps the running max and sum of exp2(z log2 e)
+and saves lse2 = m + log2(l) per row (+inf for a row that sees nothing, so every
+recomputed probability of such a row is exactly 0). The backward is exact:
+dz = p (dp - delta), delta_i = dO_i . O_i; dx = s t_i F'(y) dz; dt_i = sum_j dz_ij F_ij.
+
+Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch
+custom ops with fake implementations (`attnlab::softmax_family_fwd/_bwd`) -> autograd
+via `torch.library.register_autograd` -> `fused_attention`, the public function the
+registry points at. This module never imports `attn.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
+from attn.masks import MaskSpec, segment_bounds
+
+CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
+LOG2E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpreter_blocks(kind: str) -> tuple[int, int]:
+    """Tiles under TRITON_INTERPRET=1 (CPU tests): BLOCK_M != BLOCK_N so that query and key
+    tiles never line up; ATTNLAB_INTERPRET_BLOCKS="BM,BN" overrides (fwd/dq; dk/dv swaps)."""
+    bm, bn = (int(x) for x in os.environ.get("ATTNLAB_INTERPRET_BLOCKS", "64,32").split(","))
+    return (bn, bm) if kind == "kv" else (bm, bn)
+
+
+# --------------------------------------------------------------------------- caps
+
+
+@triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    if FAST:
+        # MUFU.TANH: max relative error ~2^-11, far below the 16-bit inputs' rounding
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|) in (0, 1]: no overflow
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _rcp(x, FAST: tl.constexpr):
+    if FAST:
+        # MUFU.RCP (relative error ~2^-23) instead of an IEEE division
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr):
+    """x = q.k (fp32) -> (G, D): G times the row factor is z; D = F'(y) (1 where unused).
+
+    The row factor (log2 units) is t * log2e * {s, c, c, 1} for CAP = {none, tanh, soft_sign, alsc};
+    `qk_scale` is s for none/alsc and s/c for tanh/soft_sign.
+    """
+    if CAP == 0:
+        g = x
+        d = x  # unused
+    elif CAP == 1:
+        g = _tanh(x * qk_scale, FAST)
+        d = 1.0 - g * g
+    elif CAP == 2:
+        u = x * qk_scale
+        r = _rcp(1.0 + tl.abs(u), FAST)
+        g = u * r
+        d = r * r
+    else:
+        y = x * qk_scale
+        cl = tl.minimum(tl.maximum(y, -alsc_a), alsc_a)
+        t = _tanh((y - cl) * (1.0 / alsc_g), FAST)
+        g = cl + alsc_g * t
+        d = 1.0 - t * t
+    return g, d
+
+
+# ----------------------------------------------------------------- tile splitting
+
+
+@triton.jit
+def _split_key_range(lo, hi, m0, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Tiles start at lo, lo+BN, ...; [a, b) are the ones every query row of the block sees
+    (no mask needed); [lo, a) and [b, hi) need the mask."""
+    s_min = lo
+    s_max = hi  # a full tile ends at or before s_max
+    if CAUSAL:
+        s_max = tl.minimum(s_max, m0 + 1)
+    if HAS_WINDOW:
+        s_min = tl.maximum(s_min, m0 + BLOCK_M - window)
+    n_pre = tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_N)
+    n_all = tl.cdiv(hi - lo, BLOCK_N)
+    n_pre = tl.minimum(n_pre, n_all)
+    a = lo + n_pre * BLOCK_N
+    n_full = tl.maximum(s_max - a, 0) // BLOCK_N
+    n_full = tl.minimum(n_full, n_all - n_pre)
+    b = a + n_full * BLOCK_N
+    return a, b
+
+
+@triton.jit
+def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Mirror of _split_key_range for a key block [n0, n0+BN): query tiles [a, b) see every key
+    of the block (rows that see nothing have lse = +inf, so they add exactly 0)."""
+    s_min = lo
+    s_max = hi
+    if CAUSAL:
+        s_min = tl.maximum(s_min, n0 + BLOCK_N - 1)
+    if HAS_WINDOW:
+        s_max = tl.minimum(s_max, n0 + window)
+    keys_ok = n0 + BLOCK_N <= seq_len
+    if HAS_SEG:
+        keys_ok = keys_ok & (n0 >= hs) & (n0 + BLOCK_N <= he)
+    n_all = tl.cdiv(hi - lo, BLOCK_M)
+    n_pre = tl.minimum(tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_M), n_all)
+    a = lo + n_pre * BLOCK_M
+    n_full = tl.minimum(tl.maximum(s_max - a, 0) // BLOCK_M, n_all - n_pre)
+    n_full = tl.where(keys_ok, n_full, 0)
+    b = a + n_full * BLOCK_M
+    return a, b
+
+
+# ------------------------------------------------------------------------ forward
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len, window,
+              hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
+              CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr):
+    offs_n = start + offs_n0
+    if MASKED:
+        in_n = offs_n < seq_len
+        k = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)
+        v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=in_n[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + offs_n[None, :] * stride_kn)
+        v = tl.load(v_ptrs + offs_n[:, None] * stride_vn)
+    x = tl.dot(q, k, input_precision=DOT_PREC)
+    g, _ = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
+    z = g * row_scale[:, None]
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        z = tl.where(vis, z, float("-inf"))
+    if FIXED_MAX:
+        # bounded logits (|z| <= m_i, a cap without temperature): a fixed shift, no running max
+        # and no rescaling of the accumulator; softmax is shift-invariant, so the math is the same
+        p = tl.exp2(z - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        return acc, l_i, m_i
+    else:
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(z - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        return acc, l_i, m_new
+
+
+def _fwd_configs():
+    if _interpreting():
+        bm, bn = _interpreter_blocks("fwd")
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    if os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0":
+        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)]
+    ]
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs.get("HEAD_DIM", 128)
+    n = named_args["seq_len"]
+    keep = [c for c in configs if not (d >= 128 and c.kwargs["BLOCK_N"] == 128 and c.num_warps == 4)]
+    if n <= 64:  # tiny problems: small tiles, no benchmarking
+        keep = [c for c in keep if c.kwargs["BLOCK_M"] == 64][:1] or keep[:1]
+    return keep
+
+
+@triton.autotune(
+    configs=_fwd_configs(),
+    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "FIXED_MAX"],
+    prune_configs_by={"early_config_prune": _prune_fwd},
+)
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, O, LSE, TEMP, BOUNDS,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_on, stride_oh, stride_od,
+    stride_tb, stride_tn,
+    H, GROUP, seq_len, window, N_BUCKET,
+    qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max,
+    HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    FIXED_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # heaviest (causal: last) query blocks first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    in_m = offs_m < seq_len
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=in_m[:, None], other=0.0)
+    row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + out_scale
+    if HAS_TEMP:
+        t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
+        row_scale = row_scale * t
+    k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
+    v_ptrs = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if FIXED_MAX:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: exp2(m_old - m_new) never NaN
+
+    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, bnd = _split_key_range(lo, hi, m0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for start in range(lo, a, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+                                  window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
+                                  alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
+                                  FIXED_MAX)
+    for start in range(a, bnd, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+                                  window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
+                                  alsc_g, qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
+                                  FIXED_MAX)
+    for start in range(bnd, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+                                  window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
+                                  alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
+                                  FIXED_MAX)
+    if HAS_SEG:  # candidates' own diagonal
+        for start in range(lo2, hi2, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo2, hi2,
+                                      seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
+                                      cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX)
+
+    seen = l_i > 0
+    if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
+        seen = seen & (((offs_m >= hs) & (offs_m < he)) | ((offs_m >= cs) & (offs_m < ce)))
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out = tl.where(seen[:, None], out, 0.0)
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=in_m[:, None])
+    tl.store(LSE + bh * seq_len + offs_m, lse, mask=in_m)
+
+
+# ----------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
+                    stride_dob, stride_don, stride_doh, stride_dod, H, seq_len,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_m = offs_m < seq_len
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+                mask=in_m[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=in_m[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * seq_len + offs_m, tl.sum(o * do, 1), mask=in_m)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n, lo, hi,
+               seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, out_scale, cap_value,
+               alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    offs_m = start + offs_m0
+    in_m = offs_m < seq_len
+    if MASKED:
+        q = tl.load(q_ptrs + offs_m[None, :] * stride_qn, mask=in_m[None, :], other=0.0)  # (D, BM)
+        do = tl.load(do_ptrs + offs_m[:, None] * stride_don, mask=in_m[:, None], other=0.0)  # (BM, D)
+        lse = tl.load(lse_ptr + offs_m, mask=in_m, other=float("inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=in_m, other=0.0)
+    else:
+        q = tl.load(q_ptrs + offs_m[None, :] * stride_qn)
+        do = tl.load(do_ptrs + offs_m[:, None] * stride_don)
+        lse = tl.load(lse_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    col_scale = tl.zeros_like(delta) + out_scale
+    if HAS_TEMP:
+        t = tl.load(t_ptr + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
+        col_scale = col_scale * t
+    xT = tl.dot(k, q, input_precision=DOT_PREC)  # (BN, BM)
+    g, fprime = _cap(xT, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
+    pT = tl.exp2(g * col_scale[None, :] - lse[None, :])
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = vis & (offs_m[:, None] >= lo) & (offs_m[:, None] < hi)
+        pT = tl.where(tl.trans(vis), pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, BM)
+    dsT = pT * (dpT - delta[None, :])
+    # dx = s * t * F' * dz; the constant s (and c for tanh/soft_sign) is applied once at the end
+    if HAS_TEMP:
+        dsT = dsT * t[None, :]
+    if CAP != 0:
+        dsT = dsT * fprime
+    dk = tl.dot(dsT.to(q.dtype), tl.trans(q), dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+def _bwd_configs(kind):
+    if _interpreting():
+        bm, bn = _interpreter_blocks(kind)
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+    if os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0":
+        bm, bn = (64, 128) if kind == "kv" else (128, 64)
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=8, num_stages=2)]
+    if kind == "kv":
+        shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
+    else:
+        shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    if named_args["seq_len"] <= 64:
+        return configs[:1]
+    return configs
+
+
+@triton.autotune(
+    configs=_bwd_configs("kv"),
+    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "GROUP"],
+    prune_configs_by={"early_config_prune": _prune_bwd},
+)
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, TEMP, BOUNDS,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dkb, stride_dkn, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_tb, stride_tn,
+    H, H_KV, GROUP, seq_len, window, N_BUCKET,
+    qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g,
+    HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    in_n = offs_n < seq_len
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=in_n[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=in_n[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    t_ptr = TEMP + b * stride_tb
+
+    lo, hi, lo2, hi2 = query_ranges(n0, seq_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, bnd = _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
+        h = hk * GROUP + gi
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd
+        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
+        lse_ptr = LSE + (b * H + h) * seq_len
+        delta_ptr = DELTA + (b * H + h) * seq_len
+        for start in range(lo, a, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
+                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+        for start in range(a, bnd, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
+                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+        for start in range(bnd, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
+                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+        if HAS_SEG:
+            for start in range(lo2, hi2, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0,
+                                    offs_n, lo2, hi2, seq_len, window, hs, he, cs, ce, stride_qn, stride_don,
+                                    stride_tn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True,
+                                    CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+    dk = dk * grad_scale
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=in_n[:, None])
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=in_n[:, None])
+
+
+@triton.jit
+def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
+             seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g, qk_scale,
+             CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr,
+             DOT_PREC: tl.constexpr):
+    offs_n = start + offs_n0
+    if MASKED:
+        in_n = offs_n < seq_len
+        kT = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)  # (D, BN)
+        vT = tl.load(v_ptrs + offs_n[None, :] * stride_vn, mask=in_n[None, :], other=0.0)  # (D, BN)
+    else:
+        kT = tl.load(k_ptrs + offs_n[None, :] * stride_kn)
+        vT = tl.load(v_ptrs + offs_n[None, :] * stride_vn)
+    x = tl.dot(q, kT, input_precision=DOT_PREC)
+    g, fprime = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
+    p = tl.exp2(g * row_scale[:, None] - lse[:, None])
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, vT, input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    if NEED_DT:
+        dt += tl.sum(ds * g, 1)  # F = g times a constant, applied at the end
+    if HAS_TEMP:
+        ds = ds * t[:, None]
+    if CAP != 0:
+        ds = ds * fprime
+    dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PREC)
+    return dq, dt
+
+
+@triton.autotune(
+    configs=_bwd_configs("q"),
+    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "NEED_DT"],
+    prune_configs_by={"early_config_prune": _prune_bwd},
+)
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, TEMP, DT, BOUNDS,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_dob, stride_don, stride_doh, stride_dod,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
+    stride_tb, stride_tn,
+    H, GROUP, seq_len, window, N_BUCKET,
+    qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g,
+    HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    in_m = offs_m < seq_len
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=in_m[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=in_m[:, None], other=0.0)
+    lse = tl.load(LSE + bh * seq_len + offs_m, mask=in_m, other=float("inf"))
+    delta = tl.load(DELTA + bh * seq_len + offs_m, mask=in_m, other=0.0)
+    row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + out_scale
+    t = row_scale
+    if HAS_TEMP:
+        t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
+        row_scale = row_scale * t
+    k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
+    v_ptrs = V + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dt = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, bnd = _split_key_range(lo, hi, m0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for start in range(lo, a, BLOCK_N):
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
+                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+    for start in range(a, bnd, BLOCK_N):
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
+                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+                          qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+    for start in range(bnd, hi, BLOCK_N):
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
+                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+    if HAS_SEG:
+        for start in range(lo2, hi2, BLOCK_N):
+            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0,
+                              lo2, hi2, seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
+                              alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
+                              DOT_PREC)
+    dq = dq * grad_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
+    if NEED_DT:
+        tl.store(DT + bh * seq_len + offs_m, dt * dt_scale, mask=in_m)
+
+
+# ----------------------------------------------------------------------- launchers
+
+
+def _n_bucket(n: int) -> int:
+    """Autotuning key for N: powers of two, capped (the best tiles stop changing past 8K)."""
+    return min(max(64, triton.next_power_of_2(n)), 16384)
+
+
+def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
+    """(qk_scale, out_scale (log2 units, times t), grad_scale (dx = grad_scale * sum), F scale, a, g)."""
+    c = float(cap_value)
+    if cap == 0:
+        return sm_scale, sm_scale * LOG2E, sm_scale, sm_scale, 0.0, 1.0
+    if cap in (1, 2):
+        return sm_scale / c, c * LOG2E, sm_scale, c, 0.0, 1.0
+    a = float(knee) * c
+    return sm_scale, LOG2E, sm_scale, 1.0, a, c - a
+
+
+def _flags(q: torch.Tensor):
+    fast = q.is_cuda and q.dtype != torch.float32 and not _interpreting()
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    return fast, prec
+
+
+def _check(q, k, v):
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS} for the softmax-family kernels, got {d}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
+
+
+def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
+    _check(q, k, v)
+    bsz, n, h, d = q.shape
+    h_kv = k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    qk_scale, out_scale, _, _, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
+    fast, prec = _flags(q)
+    temp = temperature if temperature is not None else lse  # dummy pointer, never read
+    st = (temperature.stride(0), temperature.stride(1)) if temperature is not None else (0, 0)
+    bnd = bounds if bounds is not None else lse
+    # a cap bounds |z| by c (log2 units: c log2e); without a temperature the forward can then
+    # shift by that bound instead of a running max: exp2(z - bound) >= 2^-2bound stays a
+    # normal float for c <= 40 in bf16/fp32 (fp16 p would underflow, so not there)
+    fixed_max = cap != 0 and temperature is None and q.dtype != torch.float16 and cap_value <= 40.0
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)  # noqa: E731
+    _fwd_kernel[grid](
+        q, k, v, out, lse, temp, bnd,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
+        h, h // h_kv, n, window, _n_bucket(n),
+        qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, float(cap_value) * LOG2E,
+        HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
+        HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
+    )
+    return out, lse
+
+
+def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window):
+    bsz, n, h, d = q.shape
+    h_kv = k.shape[2]
+    group = h // h_kv
+    qk_scale, out_scale, grad_scale, f_scale, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
+    fast, prec = _flags(q)
+    delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    _bwd_preprocess[(triton.cdiv(n, 64), bsz * h)](
+        out, do, delta, *out.stride(), *do.stride(), h, n, HEAD_DIM=d, BLOCK_M=64)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    has_temp = temperature is not None
+    need_dt = bool(need_dt and has_temp)
+    temp = temperature if has_temp else lse
+    st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
+    bnd = bounds if bounds is not None else lse
+    is_causal = causal or window > 0
+    has_seg = bounds is not None
+    nb = _n_bucket(n)
+    # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
+    grid_kv = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), bsz * h_kv)  # noqa: E731
+    _dkdv_kernel[grid_kv](
+        q, k, v, do, dk, dv, lse, delta, temp, bnd,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
+        h, h_kv, group, n, window, nb,
+        qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g,
+        HEAD_DIM=d, CAP=cap, CAUSAL=is_causal, HAS_WINDOW=window > 0, HAS_SEG=has_seg, HAS_TEMP=has_temp,
+        FAST=fast, DOT_PREC=prec,
+    )
+    dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
+    grid_q = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)  # noqa: E731
+    _dq_kernel[grid_q](
+        q, k, v, do, dq, lse, delta, temp, dt_rows, bnd,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
+        h, group, n, window, nb,
+        qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g,
+        HEAD_DIM=d, CAP=cap, CAUSAL=is_causal, HAS_WINDOW=window > 0, HAS_SEG=has_seg, HAS_TEMP=has_temp,
+        NEED_DT=need_dt, FAST=fast, DOT_PREC=prec,
+    )
+    if need_dt:
+        dt = dt_rows.sum(dim=1).to(temperature.dtype)
+    else:
+        dt = q.new_empty(0)
+    return dq, dk, dv, dt
+
+
+# --------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("attnlab::softmax_family_fwd", mutates_args=())
+def softmax_family_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor], cap: int, cap_value: float, knee: float, sm_scale: float,
+    causal: bool, window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B,N,H,D) and lse2 (B,H,N) fp32 (base-2 logsumexp of z log2 e; +inf for empty rows)."""
+    return _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window)
+
+
+@softmax_family_fwd.register_fake
+def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
+    bsz, n, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((bsz, h, n), dtype=torch.float32)
+
+
+@torch.library.custom_op("attnlab::softmax_family_bwd", mutates_args=())
+def softmax_family_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    bounds: Optional[torch.Tensor], temperature: Optional[torch.Tensor], need_dt: bool, cap: int,
+    cap_value: float, knee: float, sm_scale: float, causal: bool, window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and d-temperature ((B, N), or an empty tensor when not asked for)."""
+    return _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale,
+                     causal, window)
+
+
+@softmax_family_bwd.register_fake
+def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window):
+    if need_dt and temperature is not None:
+        dt = torch.empty_like(temperature)
+    else:
+        dt = q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dt
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, bounds, temperature)
+    ctx.params = (cap, cap_value, knee, sm_scale, causal, window)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, bounds, temperature = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    need_dt = temperature is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dt = softmax_family_bwd(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt,
+                                        *ctx.params)
+    return dq, dk, dv, None, (dt if need_dt else None), None, None, None, None, None, None
+
+
+softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------- public
+
+
+def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None):
+    """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D)."""
+    if q2 is not None or k2 is not None or lam is not None:
+        raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
+    _check(q, k, v)
+    bounds = segment_bounds(segment_ids) if segment_ids is not None else None
+    out, _ = softmax_family_fwd(
+        q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
+        float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0),
+    )
+    return out
+
+
+__all__ = ["fused_attention", "softmax_family_fwd", "softmax_family_bwd", "CAP_IDS", "math"]

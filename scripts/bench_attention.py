@@ -1,0 +1,290 @@
+"""Benchmark the fused softmax-family kernels against SDPA and FlexAttention (DESIGN.md §7).
+
+Same process, same inputs: our Triton kernels (through `attn.attention`, backend triton),
+`scaled_dot_product_attention` (plain softmax), FlexAttention compiled with the same
+score_mod / block mask, and (small shapes) the PyTorch reference under torch.compile.
+`triton.testing.do_bench`, median, after warm-up; autotuning and compilation happen in
+the warm-up, never inside a measured time. FLOPs are useful work: 4*B*H*D per visible
+(query, key) pair forward (so half of 4BHN^2D under a causal mask), backward 2.5x that.
+
+    python scripts/bench_attention.py --out docs/benchmarks/softmax_family  [--only main]
+
+Writes OUT.json and OUT.md (date, GPU, torch/triton versions, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import attn  # noqa: E402
+from attn.masks import MaskSpec, visible_key_counts  # noqa: E402
+
+torch._dynamo.config.cache_size_limit = 1000
+if hasattr(torch._dynamo.config, "recompile_limit"):
+    torch._dynamo.config.recompile_limit = 1000
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover
+    flex_attention = None
+
+CAP, KNEE = 30.0, 0.5
+VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
+_flex = torch.compile(flex_attention, dynamic=False) if flex_attention is not None else None
+
+
+def score_mod_for(cap: str):
+    c, a = CAP, KNEE * CAP
+    g = c - a
+    if cap == "none":
+        return None
+    if cap == "tanh":
+        return lambda s, b, h, qi, ki: c * torch.tanh(s / c)
+    if cap == "soft_sign":
+        return lambda s, b, h, qi, ki: s / (1 + torch.abs(s) / c)
+
+    def alsc(s, b, h, qi, ki):
+        cl = torch.clamp(s, -a, a)
+        return cl + g * torch.tanh((s - cl) / g)
+
+    return alsc
+
+
+def block_mask_for(mask: MaskSpec, ids, batch, n):
+    w = mask.window
+
+    def causal(b, h, qi, ki):
+        return qi >= ki
+
+    def window(b, h, qi, ki):
+        return (qi >= ki) & (qi - ki < w)
+
+    if ids is not None:
+        def ranker(b, h, qi, ki):
+            qs, ks = ids[b, qi], ids[b, ki]
+            ok = ((qs != 0) & (ks == 1)) | ((qs == -1) & (qi == ki))
+            if mask.is_causal:
+                ok = ok & (qi >= ki)
+            return ok
+
+        return create_block_mask(ranker, B=batch, H=None, Q_LEN=n, KV_LEN=n)
+    if w is not None:
+        return create_block_mask(window, B=None, H=None, Q_LEN=n, KV_LEN=n)
+    if mask.causal:
+        return create_block_mask(causal, B=None, H=None, Q_LEN=n, KV_LEN=n)
+    return None
+
+
+def bench(fn, grad=False):
+    """Median ms of fn (fwd) or fn + backward (fwd+bwd), and peak memory (GiB) of one call."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    if grad:
+        def call():
+            out = fn()
+            out.backward(call.do)
+        out = fn()
+        call.do = torch.randn_like(out)
+        del out
+        run = call
+    else:
+        def run():
+            with torch.no_grad():
+                fn()
+    for _ in range(3):  # compile / autotune outside the timing
+        run()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = do_bench(run, warmup=50, rep=200, return_mode="median")
+    return ms, peak
+
+
+def useful_flops(b, h, n, d, mask, ids):
+    pairs = visible_key_counts(mask, n, ids.cpu() if ids is not None else None).sum().item()
+    if ids is None:
+        pairs *= b
+    return 4.0 * h * d * pairs
+
+
+def ranker_layout(batch, n, hist, cand, device):
+    ids = torch.zeros(batch, n, dtype=torch.int64)
+    ids[:, :hist] = 1
+    ids[:, hist:hist + cand] = -1
+    return ids.to(device)
+
+
+def run_case(name, b, h, n, d, cap, mask, *, h_kv=None, ids=None, sdpa=False, flex=True, ref=False):
+    h_kv = h_kv or h
+    dev, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(b, n, h, d, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, n, h_kv, d, device=dev, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, n, h_kv, d, device=dev, dtype=dtype, requires_grad=True)
+    params = {} if cap == "none" else ({"cap": CAP, "knee": KNEE} if cap == "alsc" else {"cap": CAP})
+    spec = attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
+    flops = useful_flops(b, h, n, d, mask, ids)
+    row = {"name": name, "B": b, "H": h, "H_kv": h_kv, "N": n, "D": d, "cap": cap, "mask": mask.kind
+           if ids is None else f"ranker{'+causal' if mask.is_causal else ''}", "fwd_gflop": flops / 1e9}
+
+    def ours():
+        return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, segment_ids=ids,
+                              backend="triton")
+
+    impls = {"ours": ours}
+    if sdpa:
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask.causal,
+                                                               enable_gqa=h_kv != h)
+    if flex and _flex is not None:
+        qf, kf, vf = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        bm = block_mask_for(mask, ids, b, n)
+        sm = score_mod_for(cap)
+        impls["flex"] = lambda: _flex(qf, kf, vf, score_mod=sm, block_mask=bm, enable_gqa=h_kv != h)
+    if ref:
+        from attn.reference import reference_attention
+        ref_c = torch.compile(reference_attention)
+        impls["ref_compiled"] = lambda: ref_c(q, k, v, spec, mask, ids, None)
+    for key, fn in impls.items():
+        try:
+            ms_f, mem_f = bench(fn, grad=False)
+            ms_b, mem_b = bench(fn, grad=True)
+        except Exception as e:  # report, keep going
+            print(f"  {name} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        row[key] = {"fwd_ms": ms_f, "fwdbwd_ms": ms_b, "fwd_tflops": flops / ms_f / 1e9,
+                    "fwdbwd_tflops": 3.5 * flops / ms_b / 1e9, "peak_gib_fwdbwd": mem_b}
+        print(f"  {name:34} {key:12} fwd {ms_f:8.3f} ms {flops / ms_f / 1e9:6.1f} TF/s | fwd+bwd {ms_b:8.3f} ms "
+              f"{3.5 * flops / ms_b / 1e9:6.1f} TF/s | peak {mem_b:.2f} GiB", flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def cases(only):
+    main = (4, 16, 4096, 128)
+    causal = MaskSpec(causal=True)
+    full = MaskSpec(causal=False)
+    out = []
+    if only in ("all", "main"):
+        out += [("main softmax causal", *main, "none", causal, {"sdpa": True})]
+        out += [(f"main {cap} causal", *main, cap, causal, {}) for cap in ("tanh", "soft_sign", "alsc")]
+    if only in ("all", "masks"):
+        ids = ranker_layout(4, 2048, 1024, 1024, "cuda")
+        out += [("ranker 1024h+1024c softmax", 4, 16, 2048, 128, "none", full, {"ids": ids})]
+        out += [("full N=2048 softmax", 4, 16, 2048, 128, "none", full, {"sdpa": True})]
+        out += [("window 1024 tanh", *main, "tanh", MaskSpec(causal=True, window=1024), {})]
+        out += [("gqa H_kv=4 tanh causal", *main, "tanh", causal, {"h_kv": 4})]
+        out += [("gqa H_kv=4 softmax causal", *main, "none", causal, {"h_kv": 4, "sdpa": True})]
+    if only in ("all", "shapes"):
+        out += [("small softmax causal", 8, 16, 1024, 64, "none", causal, {"sdpa": True, "ref": True})]
+        out += [("small tanh causal", 8, 16, 1024, 64, "tanh", causal, {"ref": True})]
+        out += [("long softmax causal", 2, 16, 8192, 128, "none", causal, {"sdpa": True})]
+        out += [("long tanh causal", 2, 16, 8192, 128, "tanh", causal, {})]
+    return out
+
+
+def targets(rows):
+    by = {r["name"]: r for r in rows}
+    res = []
+
+    def ratio(a, b, key):
+        try:
+            return a[key] / b[key]
+        except (KeyError, TypeError):
+            return None
+
+    for cap in ("tanh", "soft_sign", "alsc"):
+        r = by.get(f"main {cap} causal")
+        if r and "flex" in r and "ours" in r:
+            res.append((f"{cap}: fwd speed vs Flex (>= 2.0x)", ratio(r["flex"], r["ours"], "fwd_ms"), 2.0))
+            res.append((f"{cap}: fwd+bwd speed vs Flex (>= 1.8x)", ratio(r["flex"], r["ours"], "fwdbwd_ms"), 1.8))
+    r = by.get("main softmax causal")
+    if r and "sdpa" in r and "ours" in r:
+        res.append(("softmax: fwd speed vs SDPA (>= 0.8x)", ratio(r["sdpa"], r["ours"], "fwd_ms"), 0.8))
+        res.append(("softmax: fwd+bwd speed vs SDPA (>= 0.7x)", ratio(r["sdpa"], r["ours"], "fwdbwd_ms"), 0.7))
+    a, t = by.get("main alsc causal"), by.get("main tanh causal")
+    if a and t and "ours" in a and "ours" in t:
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            res.append((f"ALSC / tanh time, {key[:-3]} (<= 1.10)", ratio(a["ours"], t["ours"], key), -1.10))
+    rk, fu = by.get("ranker 1024h+1024c softmax"), by.get("full N=2048 softmax")
+    if rk and fu and "ours" in rk and "ours" in fu:
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            res.append((f"ranker / full time, {key[:-3]} (<= 0.60)", ratio(rk["ours"], fu["ours"], key), -0.60))
+    return [{"target": n, "value": v, "met": (v is not None and (v >= lim if lim > 0 else v <= -lim))}
+            for n, v, lim in res]
+
+
+def markdown(meta, rows, tgts):
+    lines = [f"# Softmax-family attention benchmark", "",
+             f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit "
+             f"`{meta['commit']}` · bf16 · do_bench median", "",
+             "TFLOP/s count useful work (visible pairs; fwd+bwd = 3.5x fwd).", "",
+             "| case | B,H,H_kv,N,D | impl | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | peak GiB |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        for impl in ("ours", "sdpa", "flex", "ref_compiled"):
+            if impl in r:
+                m = r[impl]
+                lines.append(f"| {r['name']} | {r['B']},{r['H']},{r['H_kv']},{r['N']},{r['D']} | {impl} | "
+                             f"{m['fwd_ms']:.3f} | {m['fwd_tflops']:.0f} | {m['fwdbwd_ms']:.3f} | "
+                             f"{m['fwdbwd_tflops']:.0f} | {m['peak_gib_fwdbwd']:.2f} |")
+    lines += ["", "| target | measured | met |", "| --- | ---: | :---: |"]
+    for t in tgts:
+        v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"| {t['target']} | {v} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs/benchmarks/softmax_family")
+    ap.add_argument("--only", default="all", choices=["all", "main", "masks", "shapes"])
+    ap.add_argument("--merge", nargs="*", default=None, help="merge part JSON files into --out, run nothing")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        rows = [r for part in parts for r in part["rows"]]
+        meta = dict(parts[0]["meta"])
+        meta["date"] = " / ".join(dict.fromkeys(p["meta"]["date"] for p in parts))
+        tgts = targets(rows)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
+        out.with_suffix(".md").write_text(markdown(meta, rows, tgts))
+        return
+    commit = os.environ.get("ATTNLAB_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        except Exception:
+            commit = "unknown"
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit}
+    print(meta, flush=True)
+    rows = []
+    for name, b, h, n, d, cap, mask, extra in cases(args.only):
+        rows.append(run_case(name, b, h, n, d, cap, mask, **extra))
+    tgts = targets(rows)
+    for t in tgts:
+        print(f"{t['target']:45} {t['value'] if t['value'] is None else round(t['value'], 3)} "
+              f"{'met' if t['met'] else 'MISSED'}")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
+    out.with_suffix(".md").write_text(markdown(meta, rows, tgts))
+
+
+if __name__ == "__main__":
+    main()

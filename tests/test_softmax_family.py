@@ -1,0 +1,263 @@
+"""Fused softmax-family kernels (softmax, tanh / soft_sign caps, ALSC) against the float64
+reference, by the DESIGN.md §6 rule, on CPU under TRITON_INTERPRET=1.
+
+Every case checks out, dq, dk, dv (and d-temperature when it requires grad) with
+NaN-poisoned allocations. The matrix covers every cap method with caps small enough
+to bind, every mask kind and their compositions, GQA ratios 1/2/4, odd N and rows
+that see nothing. bf16 is checked on the GPU (scripts/check_softmax_family_gpu.py).
+"""
+
+import os
+import zlib
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+import attn
+from attn.kernels.softmax_family import CAP_IDS, fused_attention, softmax_family_bwd, softmax_family_fwd
+from attn.masks import MaskSpec, segment_bounds
+from attn.reference import reference_attention
+from tolerance import assert_within_reference_error
+
+VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
+FLOORS = {torch.float32: 1e-5, torch.float16: 1e-4}
+
+
+def make_spec(cap, cap_value=2.0, knee=0.5):
+    params = {} if cap == "none" else {"cap": cap_value}
+    if cap == "alsc":
+        params["knee"] = knee
+    return attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
+
+
+def ranker_ids(batch, n, gen, pad_row=False):
+    """history, then candidates, then padding; row 0 candidates-first; optional all-padding row."""
+    ids = torch.zeros(batch, n, dtype=torch.int64)
+    for b in range(batch):
+        h = int(torch.randint(0, n + 1, (1,), generator=gen))
+        c = int(torch.randint(0, n - h + 1, (1,), generator=gen))
+        ids[b, :h] = 1
+        ids[b, h:h + c] = -1
+    if n >= 3:
+        c = max(1, n // 3)
+        ids[0] = 0
+        ids[0, :c] = -1
+        ids[0, c:n - 1] = 1  # the last position is padding
+    if pad_row and batch > 1:
+        ids[-1] = 0
+    return ids
+
+
+def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, cap_value=2.0, knee=0.5,
+             seed=0, pad_row=False, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    h = h_kv * group
+    q = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64) * scale
+    k = torch.randn(batch, n, h_kv, d, generator=gen, dtype=torch.float64) * scale
+    v = torch.randn(batch, n, h_kv, d, generator=gen, dtype=torch.float64)
+    do = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64)
+    t = (torch.rand(batch, n, generator=gen, dtype=torch.float64) * 1.5 + 0.25) if temp else None
+    ids = ranker_ids(batch, n, gen, pad_row=pad_row) if seg else None
+    spec = make_spec(cap, cap_value, knee)
+
+    def go(fn, dt):
+        ins = [x.detach().to(dt).clone().requires_grad_() if x is not None else None for x in (q, k, v, t)]
+        out = fn(ins[0], ins[1], ins[2], spec, mask, ids, ins[3])
+        out.backward(do.to(dt))
+        return [out] + [x.grad for x in ins if x is not None]
+
+    ref = go(reference_attention, torch.float64)
+    same = go(reference_attention, dtype)
+    fused = go(fused_attention, dtype)
+    ratios = {}
+    for name, f, s, r in zip(("out", "dq", "dk", "dv", "dtemp"), fused, same, ref):
+        assert f.dtype == dtype and f.shape == r.shape, name
+        # the floor scales with the gradient's size: fp32 summation-order noise does too
+        floor = FLOORS[dtype] * max(1.0, r.abs().max().item())
+        ratios[name] = assert_within_reference_error(name, f, s, r, floor=floor)
+    return fused, ids, ratios
+
+
+MASKS = {
+    "full": (MaskSpec(causal=False), False),
+    "causal": (MaskSpec(causal=True), False),
+    "window": (MaskSpec(causal=True, window=24), False),
+    "ranker": (MaskSpec(causal=False), True),
+    "ranker+causal": (MaskSpec(causal=True), True),
+    "ranker+window": (MaskSpec(causal=True, window=9), True),
+}
+LENGTHS = (1, 17, 127, 200, 333)
+GROUPS = (1, 2, 4)
+
+# every cap x every mask kind; N, GQA ratio and temperature rotate so that each value meets each cap
+MATRIX = [
+    pytest.param(cap, mask, LENGTHS[(i + 2 * j) % len(LENGTHS)], GROUPS[(i + j) % 3], (i + j) % 2 == 0,
+                 id=f"{cap}-{mask}-N{LENGTHS[(i + 2 * j) % len(LENGTHS)]}-G{GROUPS[(i + j) % 3]}")
+    for i, cap in enumerate(CAP_IDS)
+    for j, mask in enumerate(MASKS)
+]
+
+
+@pytest.mark.parametrize("cap,mask,n,group,temp", MATRIX)
+def test_matrix_fp32(nan_poison, cap, mask, n, group, temp):
+    spec, seg = MASKS[mask]
+    # keep the biggest interpreter cases small in batch / heads
+    batch, h_kv = (1, 1) if n >= 200 else (2, 2)
+    run_case(cap, n, group, spec, seg, temp, torch.float32, batch=batch, h_kv=h_kv, seed=zlib.crc32(f"{cap}{mask}".encode()) % 1000)
+
+
+@pytest.mark.parametrize("cap", list(CAP_IDS))
+def test_fp16(nan_poison, cap):
+    run_case(cap, 67, 2, MaskSpec(causal=True), False, True, torch.float16, seed=5)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_head_dims(nan_poison, d):
+    run_case("alsc", 40, 2, MaskSpec(causal=True, window=20), True, True, torch.float32, batch=1, h_kv=1, d=d,
+             scale=0.5)
+
+
+@pytest.mark.parametrize("cap", ["tanh", "alsc"])
+def test_caps_bind(nan_poison, cap):
+    """Logits far past the cap: the capped function, not plain softmax, is what is computed."""
+    n = 33
+    _, _, ratios = run_case(cap, n, 1, MaskSpec(causal=False), False, False, torch.float32, cap_value=1.5,
+                            knee=0.3, scale=4.0, batch=1, h_kv=1)
+    # and the result differs from plain softmax by far more than the tolerance
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, n, 1, 16, generator=gen) * 4
+    k = torch.randn(1, n, 1, 16, generator=gen) * 4
+    v = torch.randn(1, n, 1, 16, generator=gen)
+    capped = fused_attention(q, k, v, make_spec(cap, 1.5, 0.3), MaskSpec(causal=False))
+    plain = fused_attention(q, k, v, make_spec("none"), MaskSpec(causal=False))
+    assert (capped - plain).abs().max() > 0.1
+
+
+def test_alsc_knee_zero_is_tanh():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 29, 2, 16, generator=gen) * 3 for _ in range(3))
+    a = fused_attention(q, k, v, make_spec("alsc", 2.0, 0.0), MaskSpec(causal=True))
+    b = fused_attention(q, k, v, make_spec("tanh", 2.0), MaskSpec(causal=True))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grad(nan_poison):
+    fused, ids, _ = run_case("tanh", 40, 2, MaskSpec(causal=True), True, True, torch.float32, batch=3,
+                             pad_row=True, seed=7)
+    out, dq = fused[0], fused[1]
+    padding = ids == 0
+    assert padding[-1].all() and padding.sum() > 40
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert (out[padding] == 0).all()
+    assert (dq[padding] == 0).all()
+    assert (fused[4][padding] == 0).all()  # d-temperature
+
+
+def test_temperature_without_grad_and_strided_inputs(nan_poison):
+    """Strided (non-contiguous) q/k/v and a temperature that needs no gradient."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 45, 3, 4, 16, generator=gen)
+    q = base[:, :, 0].transpose(1, 2).contiguous().transpose(1, 2)  # (B,N,H,D) with H-major strides
+    k = base[:, :, 1, :2]
+    v = base[:, :, 2, 1:3]
+    assert not k.is_contiguous() and not q.is_contiguous()
+    t = torch.rand(2, 45, generator=gen) + 0.5
+    q.requires_grad_()
+    spec, mask = make_spec("soft_sign"), MaskSpec(causal=True, window=10)
+    out = fused_attention(q, k, v, spec, mask, None, t)
+    ref = reference_attention(q.double(), k.double(), v.double(), spec, mask, None, t.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_errors_name_the_argument():
+    spec = make_spec("tanh")
+    q = torch.randn(1, 8, 2, 48)
+    with pytest.raises(ValueError, match="head dim"):
+        fused_attention(q, q, q, spec, MaskSpec())
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_attention(q, q, q, spec, MaskSpec())
+    q = torch.randn(1, 8, 2, 48)
+    with pytest.raises(ValueError, match="head dim"):
+        attn.attention(q, q, q, spec, backend="triton")
+
+
+def test_public_api_dispatches_to_kernel(nan_poison):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 21, 4, 16, generator=gen)
+    k = torch.randn(2, 21, 2, 16, generator=gen)
+    v = torch.randn(2, 21, 2, 16, generator=gen)
+    spec = make_spec("alsc")
+    via_api = attn.attention(q, k, v, spec, causal=True, backend="triton")
+    direct = fused_attention(q, k, v, spec, MaskSpec(causal=True))
+    assert torch.equal(via_api, direct)
+    assert attn.resolve_backend("auto", torch.device("cpu")) == "reference"
+    from attn.registry import family_kernel
+    assert family_kernel(spec) is fused_attention
+
+
+def _op_args(with_seg, with_temp, requires_grad):
+    gen = torch.Generator().manual_seed(6)
+    n = 11
+    q = torch.randn(1, n, 2, 16, generator=gen, requires_grad=requires_grad)
+    k = torch.randn(1, n, 1, 16, generator=gen, requires_grad=requires_grad)
+    v = torch.randn(1, n, 1, 16, generator=gen, requires_grad=requires_grad)
+    bounds = segment_bounds(ranker_ids(1, n, gen)) if with_seg else None
+    t = (torch.rand(1, n, generator=gen) + 0.5).requires_grad_(requires_grad) if with_temp else None
+    return q, k, v, bounds, t
+
+
+@pytest.mark.parametrize("with_seg,with_temp", [(False, False), (True, True)])
+def test_opcheck(with_seg, with_temp):
+    q, k, v, bounds, t = _op_args(with_seg, with_temp, requires_grad=True)
+    args = (q, k, v, bounds, t, CAP_IDS["alsc"], 2.0, 0.5, 0.25, True, 0 if with_seg else 7)
+    torch.library.opcheck(softmax_family_fwd, args)
+    with torch.no_grad():
+        out, lse = softmax_family_fwd(*args)
+    do = torch.randn_like(out)
+    bwd_args = (do, q.detach(), k.detach(), v.detach(), out, lse, bounds,
+                t.detach() if t is not None else None, with_temp, CAP_IDS["alsc"], 2.0, 0.5, 0.25, True,
+                0 if with_seg else 7)
+    torch.library.opcheck(softmax_family_bwd, bwd_args)
+
+
+class TinyAttentionModel(torch.nn.Module):
+    """A GPT-style block: projections -> registry-chosen attention -> output projection."""
+
+    def __init__(self, dim=32, heads=2, kv_heads=1, variant="alsc"):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.hd)
+        self.o = torch.nn.Linear(dim, dim)
+        self.temp = torch.nn.Linear(dim, 1)
+        self.spec = attn.get_variant(variant).make_spec(cap=3.0)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.hd)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.hd).unbind(2)
+        t = torch.nn.functional.softplus(self.temp(x)).squeeze(-1) + 0.5
+        y = attn.attention(q, k, v, self.spec, causal=True, temperature=t, backend="triton")
+        return self.o(y.reshape(b, n, -1))
+
+
+def test_compiled_matches_eager_fullgraph():
+    torch.manual_seed(0)
+    model = TinyAttentionModel()
+    x = torch.randn(2, 23, 32)
+    eager = model(x)
+    eager.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.square().mean().backward()
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-5)
