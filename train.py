@@ -64,7 +64,23 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitG
     model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
     optim = {k: cfg.train[k] for k in ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2")}
     optim["max_steps"] = cfg.train.max_steps
-    return LitGPT(model=model, optim=optim, compile=cfg.train.compile, bytes_per_token=bytes_per_token)
+    return LitGPT(
+        model=model, optim=optim, compile=cfg.train.compile, bytes_per_token=bytes_per_token,
+        peak_tflops=peak_tflops(cfg.train.peak_tflops),
+    )
+
+
+# dense bf16 tensor-core peaks (TFLOP/s) by device name, for MFU when train.peak_tflops is null
+KNOWN_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "4090": 165.2}
+
+
+def peak_tflops(configured: float | None) -> float | None:
+    if configured is not None:
+        return float(configured)
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -128,6 +144,10 @@ def run(cfg: DictConfig) -> dict:
         "val_ppl": math.exp(min(nats, 50.0)),
         "val_bpb": nats / math.log(2) / bytes_per_token["val"],
         "unigram_bpb": datamodule.unigram_bpb("val"),
+        "tokens_per_s": model.mean_tokens_per_s(),
+        "mfu": (model.mean_tokens_per_s() or 0) * model.flops_per_token / (model.peak_tflops * 1e12 * trainer.world_size)
+        if model.peak_tflops else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "best_checkpoint": checkpointing.best_model_path,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }

@@ -51,7 +51,10 @@ def gpt_config_from_dict(model: dict) -> GPTConfig:
 class LitGPT(L.LightningModule):
     """Hyperparameters are plain dicts, so checkpoints load with weights_only=True."""
 
-    def __init__(self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None):
+    def __init__(
+        self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None,
+        peak_tflops: float | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model_cfg = gpt_config_from_dict(model)
@@ -65,6 +68,9 @@ class LitGPT(L.LightningModule):
         self._val_sums = None
         self._last_time = None
         self.tokens_seen = 0
+        self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
+        self.flops_per_token = self.model.flops_per_token()
+        self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
 
     def forward(self, idx):
         return self.forward_fn(idx)
@@ -81,12 +87,30 @@ class LitGPT(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/tokens", float(self.tokens_seen))
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # timed between consecutive step ends, so the optimizer step is included
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         if self._last_time is not None:
-            tps = tokens * self.trainer.world_size / (now - self._last_time)
+            tokens = batch[0].numel() * self.trainer.world_size
+            tps = tokens / (now - self._last_time)
             self.log("train/tokens_per_s", tps, prog_bar=True)
+            if self.peak_tflops:
+                mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
+                self.log("train/mfu", mfu, prog_bar=True)
+            if self.global_step > 5:
+                self.throughput["tokens"] += tokens
+                self.throughput["seconds"] += now - self._last_time
         self._last_time = now
-        return loss
+        if self.device.type == "cuda" and batch_idx % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log("train/peak_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
+
+    def mean_tokens_per_s(self) -> float | None:
+        t = self.throughput
+        return t["tokens"] / t["seconds"] if t["seconds"] > 0 else None
 
     def on_validation_epoch_start(self):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
