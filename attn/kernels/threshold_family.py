@@ -1,0 +1,908 @@
+"""Fused Triton kernels of the threshold family (DESIGN.md §4): forward and exact backward.
+
+    threshold:       w_ij = relu(q_i.k_j - tau_i)^p
+    diff_threshold:  w_ij = relu(q_i.k_j - tau_i)^p - lambda_h relu(q2_i.k2_j - tau_i)^p
+    out_i = sum_j w_ij v_j over visible keys j,   tau_i = beta * sqrt(2 ln(n_i) / D)
+
+One forward kernel and two backward kernels (dq; dk/dv) serve both variants: the second
+view is the compile-time switch DIFF. The differential kernel computes both score views of
+a tile and feeds their difference to a single w.V product (3 matrix products per forward
+tile, not 4). Nothing is normalized, so, unlike softmax attention, the forward saves no
+row statistics and the backward needs no preprocessing pass:
+
+    dv_j  = sum_i w_ij dout_i                       dp_ij = dout_i . v_j
+    dq_i  = sum_j dp_ij g1_ij k_j                   dk_j  = sum_i dp_ij g1_ij q_i
+    dq2_i = -lambda_h sum_j dp_ij g2_ij k2_j        dk2_j = -lambda_h sum_i dp_ij g2_ij q2_i
+    dlambda_h = -sum_ij dp_ij relu(x2_ij - tau_i)^p
+
+with g = d relu(x - tau)^p / dx = p relu(x - tau)^(p-1) (0 where x <= tau, also for p < 1,
+as the reference's where() gives). d-lambda is reduced without atomics: every key-block
+program writes its own partial sum, and torch sums the partials in a fixed order.
+
+Masks come from the shared `attn/kernels/tiles.py` (key_ranges / query_ranges skip the
+tiles a mask empties; tile_visible masks inside a tile; visible_counts gives n_i). Each
+visited range is further split into tiles that every query (key) of the block sees in
+full, which run without any mask arithmetic, and boundary tiles, which are masked.
+
+Inputs are read through their strides in their own dtype (bf16/fp16 go to the tensor
+cores as they are, fp32 accumulation); fp32 inputs use IEEE fp32 products (no tf32), so
+tests against the float64 reference are meaningful. GQA: query head h reads kv head
+h // (H / H_kv); the dk/dv program of a kv head loops over its query heads, so nothing is
+repeated in memory and nothing is accumulated atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
+from attn.masks import MaskSpec, segment_bounds, visible_key_counts
+from attn.specs import ThresholdFamilySpec
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# d-lambda partial sums are laid out per MIN_BLOCK keys, so every block size fills the
+# whole buffer (see _dkdv_kernel) and autotuning trials leave no stale partials behind
+_DLAM_SLOT = 16
+# the smallest positive normal fp32: general powers clamp x to it before log2, keeping
+# p * x^(p-1) finite for p < 1 (the reference is finite there too)
+_TINY = 1.1754943508222875e-38
+
+# ----------------------------------------------------------------------------------------
+# elementwise pieces
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rectified_power(x, power, POWER_MODE: tl.constexpr):
+    """relu(x)^p (fp32). POWER_MODE 1 / 2: p = 1 / 2 fast paths; 0: any p > 0."""
+    r = tl.maximum(x, 0.0)
+    if POWER_MODE == 1:
+        w = r
+    elif POWER_MODE == 2:
+        w = r * r
+    else:
+        w = tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
+    return w
+
+
+@triton.jit
+def _rectified_power_and_grad(x, power, POWER_MODE: tl.constexpr):
+    """(relu(x)^p, p relu(x)^(p-1) [0 where x <= 0]) in fp32."""
+    positive = x > 0.0
+    r = tl.maximum(x, 0.0)
+    if POWER_MODE == 1:
+        w = r
+        g = tl.where(positive, 1.0, 0.0)
+    elif POWER_MODE == 2:
+        w = r * r
+        g = 2.0 * r
+    else:
+        pm1 = tl.where(positive, tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
+        w = pm1 * r
+        g = power * pm1
+    return w, g
+
+
+@triton.jit
+def _rectified_power_grad(x, power, POWER_MODE: tl.constexpr):
+    """p relu(x)^(p-1), 0 where x <= 0 (fp32)."""
+    positive = x > 0.0
+    if POWER_MODE == 1:
+        g = tl.where(positive, 1.0, 0.0)
+    elif POWER_MODE == 2:
+        g = 2.0 * tl.maximum(x, 0.0)
+    else:
+        g = tl.where(
+            positive, power * tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0
+        )
+    return g
+
+
+@triton.jit
+def _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """tau_i = beta sqrt(2 ln n_i / D) = tau_scale * sqrt(ln n_i); n_i = 0 (sees nothing) -> 0."""
+    n_i = visible_counts(offs_m, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+    return tau_scale * tl.sqrt(tl.log(tl.maximum(n_i, 1.0)))
+
+
+# ----------------------------------------------------------------------------------------
+# tile spans that need no mask
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _aligned_span(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Tiles lo + t*BLOCK lying inside [full_lo, full_hi), as [a, b) with lo <= a <= b <= hi.
+
+    A loop over [lo, hi) in steps of BLOCK is split into [lo, a) masked, [a, b) unmasked
+    and [b, hi) masked; a and b stay on the tile grid that starts at lo.
+    """
+    a = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK) * BLOCK
+    b = lo + (tl.maximum(full_hi - lo, 0) // BLOCK) * BLOCK
+    a = tl.minimum(a, hi)
+    b = tl.minimum(tl.maximum(b, a), hi)
+    return a, b
+
+
+@triton.jit
+def _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
+    """Start and owning range of the t-th boundary tile.
+
+    The boundary tiles of a program are [lo, a) (head), [z, hi) (tail) and [lo2, hi2)
+    (candidates' diagonal), all walked by ONE masked loop: one copy of the loop body
+    instead of three keeps compile time and code size down. Each tile masks keys (or
+    queries) to its own range, so a tile reaching past it counts nothing twice.
+    """
+    n_head = tl.cdiv(a - lo, BLOCK)
+    n_main = n_head + tl.cdiv(hi - z, BLOCK)
+    in_main = t < n_main
+    start = tl.where(t < n_head, lo + t * BLOCK,
+                     tl.where(in_main, z + (t - n_head) * BLOCK, lo2 + (t - n_main) * BLOCK))
+    range_lo = tl.where(in_main, lo, lo2)
+    range_hi = tl.where(in_main, hi, hi2)
+    return start, range_lo, range_hi
+
+
+@triton.jit
+def _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
+    return tl.cdiv(a - lo, BLOCK) + tl.cdiv(hi - z, BLOCK) + tl.cdiv(hi2 - lo2, BLOCK)
+
+
+@triton.jit
+def _segment_union(hs, he, cs, ce):
+    """History plus candidate rows as one span when the two ranges touch, else the history."""
+    adjacent = (he > hs) & (ce > cs) & ((he == cs) | (ce == hs))
+    u_lo = tl.where(adjacent, tl.minimum(hs, cs), hs)
+    u_hi = tl.where(adjacent, tl.maximum(he, ce), he)
+    return u_lo, u_hi
+
+
+@triton.jit
+def _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Key tiles of [lo, hi) that every valid query row of [m0, m0 + BLOCK_M) sees entirely.
+
+    Rows at or past seq_len are never stored by the forward / dq programs, so they do not
+    constrain the span.
+    """
+    m_last = tl.minimum(m0 + BLOCK_M, seq_len) - 1
+    full_lo = lo
+    full_hi = tl.minimum(hi, seq_len)
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m0 + 1)
+    if HAS_WINDOW:
+        full_lo = tl.maximum(full_lo, m_last - window + 1)
+    if HAS_SEG:
+        # key_ranges already keeps keys inside the history; every row must be a history or
+        # candidate row (padding rows see nothing)
+        u_lo, u_hi = _segment_union(hs, he, cs, ce)
+        rows_ok = ((m0 >= hs) & (m_last < he)) | ((m0 >= cs) & (m_last < ce)) | ((m0 >= u_lo) & (m_last < u_hi))
+        full_hi = tl.where(rows_ok, full_hi, full_lo)
+    return _aligned_span(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Query tiles of [lo, hi) (all rows < seq_len) that see every key of [n0, n0 + BLOCK_N)."""
+    full_lo = lo
+    full_hi = tl.minimum(hi, seq_len)
+    if CAUSAL:
+        full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1)
+    if HAS_WINDOW:
+        full_hi = tl.minimum(full_hi, n0 + window)
+    if HAS_SEG:
+        u_lo, u_hi = _segment_union(hs, he, cs, ce)
+        full_lo = tl.maximum(full_lo, u_lo)
+        full_hi = tl.minimum(full_hi, u_hi)
+        keys_in_history = (n0 >= hs) & (n0 + BLOCK_N <= he)
+        full_hi = tl.where(keys_in_history, full_hi, full_lo)
+    # a key block reaching past seq_len stays on the masked path
+    full_hi = tl.where(n0 + BLOCK_N <= seq_len, full_hi, full_lo)
+    return _aligned_span(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+# ----------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
+              skn, skd, svn, svd, sk2n, sk2d,
+              offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_seq = offs_n[:, None] < seq_len
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
+    w = _rectified_power(x, power, POWER_MODE)
+    if DIFF:
+        if MASKED:
+            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
+        else:
+            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d)
+        x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
+        w = w - lam * _rectified_power(x2, power, POWER_MODE)
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        w = tl.where(vis, w, 0.0)
+    # the one w.V product per tile (both views already combined in w)
+    return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Q2, K2, LAM, BOUNDS, OUT,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
+    sob, son, soh, sod,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # heaviest query blocks (most visible keys under causal masks) start first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < seq_len
+    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk * skh
+    v_base = V + b64 * svb + hk * svh
+    if DIFF:
+        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
+                     mask=row_ok, other=0.0)
+        k2_base = K2 + b64 * sk2b + hk * sk2h
+        lam = tl.load(LAM + h * slam).to(tl.float32)
+    else:
+        q2 = q
+        k2_base = k_base
+        lam = 0.0
+    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    for n0 in range(a, z, BLOCK_N):
+        acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
+                        offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
+                        HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+        acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
+                        offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+                        HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    tl.store(OUT + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+             acc.to(OUT.dtype.element_ty), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# backward: dq (query-block programs, same key ranges as the forward)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
+             skn, skd, svn, svd, sk2n, sk2d,
+             offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+             HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_seq = offs_n[:, None] < seq_len
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        dp = tl.where(vis, dp, 0.0)  # masks both views' ds
+    ds = dp * _rectified_power_grad(x, power, POWER_MODE)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    if DIFF:
+        if MASKED:
+            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
+        else:
+            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d)
+        x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
+        ds2 = dp * (-lam * _rectified_power_grad(x2, power, POWER_MODE))
+        dq2 = tl.dot(ds2.to(k2.dtype), k2, dq2, input_precision=DOT_PREC)
+    return dq, dq2
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DQ, DQ2,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
+    sdob, sdon, sdoh, sdod,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < seq_len
+    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    do = tl.load(DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :] * sdod,
+                 mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk * skh
+    v_base = V + b64 * svb + hk * svh
+    if DIFF:
+        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
+                     mask=row_ok, other=0.0)
+        k2_base = K2 + b64 * sk2b + hk * sk2h
+        lam = tl.load(LAM + h * slam).to(tl.float32)
+    else:
+        q2 = q
+        k2_base = k_base
+        lam = 0.0
+    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    for n0 in range(a, z, BLOCK_N):
+        dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
+                           offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
+                           HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+        dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
+                           offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+                           HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    # dq / dq2 are contiguous (B, N, H, D) allocations of the launcher
+    out_offs = b64 * seq_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
+    tl.store(DQ + out_offs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok)
+    if DIFF:
+        tl.store(DQ2 + out_offs + offs_d[None, :], dq2.to(DQ2.dtype.element_ty), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# backward: dk, dv (dk2, d-lambda partials) — key-block programs over the query ranges
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
+               sqn, sqd, sdon, sdod, sq2n, sq2d,
+               offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+               POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One query tile [m0, m0 + BLOCK_M) against this program's keys; MASKED tiles keep
+    queries in [q_lo, q_hi). Tiles are held transposed, (keys, queries), so dv and dk
+    accumulate without transposing the accumulators."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    if MASKED:
+        row_ok = offs_m[:, None] < seq_len
+        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
+        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
+    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+    xT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) - tau[None, :]
+    wT, gT = _rectified_power_and_grad(xT, power, POWER_MODE)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
+        visT = tl.trans(vis)
+        wT = tl.where(visT, wT, 0.0)
+        dpT = tl.where(visT, dpT, 0.0)
+    if DIFF:
+        if MASKED:
+            q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d, mask=row_ok, other=0.0)
+        else:
+            q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d)
+        x2T = tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) - tau[None, :]
+        w2T, g2T = _rectified_power_and_grad(x2T, power, POWER_MODE)
+        # dp is already 0 outside the mask, so are these d-lambda and dk2 terms
+        dlam += tl.sum(tl.sum(dpT * w2T, axis=1), axis=0)
+        ds2T = dpT * (-lam * g2T)
+        dk2 = tl.dot(ds2T.to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
+        if MASKED:
+            w2T = tl.where(visT, w2T, 0.0)
+        wT = wT - lam * w2T
+    dv = tl.dot(wT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dk = tl.dot((dpT * gT).to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv, dk2, dlam
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DK, DV, DK2, DLAM_PART,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
+    sdob, sdon, sdoh, sdod,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DLAM_SLOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    num_kv_heads = num_heads // group
+    b = bhk // num_kv_heads
+    hk = bhk % num_kv_heads
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < seq_len
+    k = tl.load(K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=key_ok, other=0.0)
+    v = tl.load(V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=key_ok, other=0.0)
+    if DIFF:
+        k2 = tl.load(K2 + b64 * sk2b + hk * sk2h + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d,
+                     mask=key_ok, other=0.0)
+    else:
+        k2 = k
+
+    lo, hi, lo2, hi2 = query_ranges(n0, seq_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+                            CAUSAL, HAS_WINDOW, HAS_SEG)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # GQA: this kv head's query heads, one after another (no repeated K/V, no atomics)
+    for h in range(hk * group, hk * group + group):
+        q_base = Q + b64 * sqb + h * sqh
+        do_base = DO + b64 * sdob + h * sdoh
+        if DIFF:
+            q2_base = Q2 + b64 * sq2b + h * sq2h
+            lam = tl.load(LAM + h * slam).to(tl.float32)
+        else:
+            q2_base = q_base
+            lam = 0.0
+        dlam = tl.zeros([], dtype=tl.float32)
+        for m0 in range(a, z, BLOCK_M):
+            dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
+                                           sqn, sqd, sdon, sdod, sq2n, sq2d,
+                                           offs_n, m0, lo, hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+                                           HEAD_DIM, BLOCK_M, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
+                                           DOT_PREC)
+        for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
+            m0, q_lo, q_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
+            dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
+                                           sqn, sqd, sdon, sdod, sq2n, sq2d,
+                                           offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+                                           HEAD_DIM, BLOCK_M, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
+                                           DOT_PREC)
+        if DIFF:
+            # this program owns slots [n0, n0 + BLOCK_N) / DLAM_SLOT of head h: the partial
+            # goes to the first, zeros to the rest, so the buffer is fully written whatever
+            # the block size (no zero-fill, no stale autotuning trials)
+            slots = n0 // DLAM_SLOT + tl.arange(0, BLOCK_N // DLAM_SLOT)
+            vals = tl.where(tl.arange(0, BLOCK_N // DLAM_SLOT) == 0, dlam, 0.0)
+            tl.store(DLAM_PART + (b64 * num_heads + h) * dlam_slots + slots, vals, mask=slots < dlam_slots)
+    # dk / dv / dk2 are contiguous (B, N, H_kv, D) allocations of the launcher
+    out_offs = b64 * seq_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
+    tl.store(DK + out_offs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + out_offs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
+    if DIFF:
+        tl.store(DK2 + out_offs + offs_d[None, :], dk2.to(DK2.dtype.element_ty), mask=key_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# diagnostic: exact zeros of w per (batch, head, query block), without an N x N tensor
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, sk2d,
+                      offs_m, start, end, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, POWER_MODE: tl.constexpr,
+                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+                      DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_seq = offs_n[:, None] < seq_len
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        w = _rectified_power(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None], power, POWER_MODE)
+        if DIFF:
+            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
+            x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
+            w = w - lam * _rectified_power(x2, power, POWER_MODE)
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        # a weight is zero for the w.V product when it is zero in the operands' dtype
+        is_zero = vis & (w.to(k.dtype) == 0.0)
+        zeros += tl.sum(tl.sum(is_zero.to(tl.int32), axis=1), axis=0)
+    return zeros
+
+
+@triton.jit
+def _zero_count_kernel(
+    Q, K, Q2, K2, LAM, BOUNDS, ZEROS,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd,
+    sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
+    seq_len, num_heads, group, window, tau_scale, power,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < seq_len
+    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk * skh
+    if DIFF:
+        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
+                     mask=row_ok, other=0.0)
+        k2_base = K2 + b64 * sk2b + hk * sk2h
+        lam = tl.load(LAM + h * slam).to(tl.float32)
+    else:
+        q2 = q
+        k2_base = k_base
+        lam = 0.0
+    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+    zeros = tl.zeros([], dtype=tl.int32)
+    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    zeros = _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, sk2d,
+                              offs_m, lo, hi, lo, hi, seq_len, window, hs, he, cs, ce, power,
+                              HEAD_DIM, BLOCK_N, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    if HAS_SEG:
+        zeros = _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, sk2d,
+                                  offs_m, lo2, hi2, lo2, hi2, seq_len, window, hs, he, cs, ce, power,
+                                  HEAD_DIM, BLOCK_N, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+    tl.store(ZEROS + (b * num_heads + h) * tl.num_programs(0) + pid_m, zeros)
+
+
+# ----------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _autotune_enabled() -> bool:
+    """ATTNLAB_AUTOTUNE=0 pins the first config (quick correctness sweeps on a GPU)."""
+    return not _interpreting() and os.environ.get("ATTNLAB_AUTOTUNE", "1") != "0"
+
+
+def _cfg(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+# GPU candidates per kernel and head dim (first = pinned default). BLOCK_M: query rows,
+# BLOCK_N: key rows of a tile. The dk/dv kernel keeps three (BLOCK_N, D) fp32
+# accumulators for the differential form, hence its smaller key blocks at D = 128.
+GPU_CONFIGS = {
+    "fwd": {
+        128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
+        64: [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 4)],
+    },
+    "dq": {
+        128: [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2)],
+        64: [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)],
+    },
+    "dkdv": {
+        128: [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 128, 8, 2)],
+        64: [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 128, 4, 3)],
+    },
+}
+# the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
+# unmasked split; tests may override this table
+INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros": (16, 16)}
+
+# autotuning is keyed on head dim, bucketed N, mask kind and the variant (the autotuner
+# adds the tensors' dtypes); the tensors' batch, head counts and exact N are not in the key
+_TUNE_KEY = ["HEAD_DIM", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "DIFF"]
+_KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
+_tuned: dict[tuple[str, int], object] = {}
+
+
+def _n_bucket(n: int) -> int:
+    return max(64, triton.next_power_of_2(n))
+
+
+def _gpu_configs(kind: str, head_dim: int):
+    table = GPU_CONFIGS[kind]
+    return table[head_dim] if head_dim in table else [_cfg(64, 64, 4, 2)]
+
+
+def _launcher(kind: str, head_dim: int):
+    """(kernel, fixed meta-params or None when the autotuner chooses them)."""
+    if _interpreting():
+        bm, bn = INTERPRETER_CONFIG[kind]
+        return _KERNELS[kind], {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
+    configs = _gpu_configs(kind, head_dim)
+    if not _autotune_enabled():
+        cfg = configs[0]
+        return _KERNELS[kind], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    key = (kind, head_dim)
+    if key not in _tuned:
+        _tuned[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_KERNELS[kind])
+    return _tuned[key], {}
+
+
+def _power_mode(power: float) -> int:
+    return 1 if power == 1.0 else 2 if power == 2.0 else 0
+
+
+def _strides(t: Optional[torch.Tensor], like: torch.Tensor):
+    return tuple((t if t is not None else like).stride())
+
+
+def _common_args(q, k, v, q2, k2, lam):
+    """Strides of q, k, v, q2, k2 (q's / k's stand in without a second view) and lam."""
+    lam_stride = lam.stride(0) if lam is not None else 0
+    return (
+        *q.stride(), *k.stride(), *v.stride(),
+        *_strides(q2, q), *_strides(k2, k), lam_stride,
+    )
+
+
+def _meta(q, k, power, causal, window, bounds, differential):
+    head_dim = q.shape[-1]
+    return dict(
+        HEAD_DIM=head_dim,
+        POWER_MODE=_power_mode(power),
+        CAUSAL=bool(causal or window > 0),
+        HAS_WINDOW=window > 0,
+        HAS_SEG=bounds is not None,
+        DIFF=differential,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def _tau_scale(beta: float, head_dim: int) -> float:
+    return beta * math.sqrt(2.0 / head_dim)
+
+
+def _check_kernel_operands(q: torch.Tensor) -> None:
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"q: head dim D must be one of {SUPPORTED_HEAD_DIMS} for the threshold Triton kernels, got {d}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
+
+
+def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+    bsz, n, heads, d = q.shape
+    group = heads // k.shape[2]
+    out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    if n == 0 or bsz == 0:
+        return out
+    differential = q2 is not None
+    kernel, fixed = _launcher("fwd", d)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
+    kernel[grid](
+        q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
+        bounds if bounds is not None else q, out,
+        *_common_args(q, k, v, q2, k2, lam), *out.stride(),
+        n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n),
+        **_meta(q, k, power, causal, window, bounds, differential), **fixed,
+    )
+    return out
+
+
+def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+    bsz, n, heads, d = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    differential = q2 is not None
+    dq = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((bsz, n, kv_heads, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, n, kv_heads, d), device=q.device, dtype=v.dtype)
+    dq2 = torch.empty_like(dq) if differential else None
+    dk2 = torch.empty_like(dk) if differential else None
+    dlam_slots = triton.cdiv(max(n, 1), _DLAM_SLOT)
+    dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
+    if n > 0 and bsz > 0:
+        common = _common_args(q, k, v, q2, k2, lam)
+        meta = _meta(q, k, power, causal, window, bounds, differential)
+        ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
+               bounds if bounds is not None else q)
+        scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
+        kernel, fixed = _launcher("dq", d)
+        grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_M"]), bsz * heads)  # noqa: E731
+        kernel[grid](*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars,
+                     **meta, **fixed)
+        kernel, fixed = _launcher("dkdv", d)
+        grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), bsz * kv_heads)  # noqa: E731
+        kernel[grid](*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
+                     *common, *dout.stride(), *scalars, dlam_slots, **meta, DLAM_SLOT=_DLAM_SLOT, **fixed)
+    if not differential:
+        return dq, dk, dv
+    if n == 0 or bsz == 0:
+        dlam_part.zero_()
+    # fixed-order reduction of the per-(batch, head, key block) partials: deterministic
+    dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
+    return dq, dk, dv, dq2, dk2, dlam
+
+
+# ----------------------------------------------------------------------------------------
+# torch custom ops (fakes + autograd) and the public entry point
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("attnlab::threshold_attention", mutates_args=())
+def threshold_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q2: Optional[torch.Tensor], k2: Optional[torch.Tensor], lam: Optional[torch.Tensor],
+    bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+) -> torch.Tensor:
+    """Fused threshold(-differential) attention forward; q2/k2/lam None -> plain threshold."""
+    return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+
+
+@threshold_attention_op.register_fake
+def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("attnlab::threshold_attention_backward", mutates_args=())
+def threshold_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of plain threshold attention."""
+    return _backward_impl(dout, q, k, v, None, None, None, bounds, beta, power, causal, window)
+
+
+@threshold_attention_backward_op.register_fake
+def _(dout, q, k, v, bounds, beta, power, causal, window):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("attnlab::diff_threshold_attention_backward", mutates_args=())
+def diff_threshold_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,
+    bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention."""
+    return _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+
+
+@diff_threshold_attention_backward_op.register_fake
+def _(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q2.new_empty(q2.shape), k2.new_empty(k2.shape), lam.new_empty(lam.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q2, k2, lam, bounds, beta, power, causal, window = inputs
+    ctx.save_for_backward(q, k, v, q2, k2, lam, bounds)
+    ctx.scalars = (beta, power, causal, window)
+    ctx.differential = q2 is not None
+
+
+def _backward(ctx, dout):
+    q, k, v, q2, k2, lam, bounds = ctx.saved_tensors
+    if ctx.differential:
+        dq, dk, dv, dq2, dk2, dlam = diff_threshold_attention_backward_op(dout, q, k, v, q2, k2, lam, bounds,
+                                                                          *ctx.scalars)
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None
+    dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam):
+    if not isinstance(spec, ThresholdFamilySpec):
+        raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
+    _check_kernel_operands(q)
+    if spec.differential and (q2 is None or k2 is None or lam is None):
+        raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
+    if not spec.differential:
+        q2 = k2 = lam = None
+    bounds = segment_bounds(segment_ids) if segment_ids is not None else None
+    return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
+
+
+def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
+                    q2=None, k2=None, lam=None) -> torch.Tensor:
+    """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+
+    Differentiable in q, k, v (and q2, k2, lam for spec.differential); traceable by
+    torch.compile(fullgraph=True) through the `attnlab::threshold_attention` custom op.
+    """
+    if temperature is not None:
+        raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
+    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
+    return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+
+
+def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
+                  q2=None, k2=None, lam=None) -> torch.Tensor:
+    """Per head fraction (H,) float64 of visible (i, j) whose weight w_ij is exactly zero.
+
+    Counted by a Triton kernel tile by tile (no N x N tensor; same masks and tile skipping
+    as the forward). A weight counts as zero when it is zero in the operands' dtype, i.e.
+    when it drops out of the w.V product. Matches `attn.reference.exact_zero_fraction` up to
+    scores that round across the threshold. No gradient.
+    """
+    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
+    bsz, n, heads, d = q.shape
+    differential = q2 is not None
+    if n == 0 or bsz == 0:
+        return torch.zeros(heads, dtype=torch.float64, device=q.device)
+    if _interpreting():
+        block_m, block_n = INTERPRETER_CONFIG["zeros"]
+        warps = 4
+    else:
+        block_m, block_n, warps = 64, 64, 4
+    n_blocks = triton.cdiv(n, block_m)
+    zeros = torch.empty((bsz, heads, n_blocks), device=q.device, dtype=torch.int32)
+    with torch.no_grad():
+        _zero_count_kernel[(n_blocks, bsz * heads)](
+            q, k, q2 if differential else q, k2 if differential else k, lam if differential else q,
+            bounds if bounds is not None else q, zeros,
+            *q.stride(), *k.stride(), *_strides(q2, q), *_strides(k2, k), lam.stride(0) if differential else 0,
+            n, heads, heads // k.shape[2], window, _tau_scale(beta, d), power,
+            **_meta(q, k, power, causal, window, bounds, differential),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+        visible = visible_key_counts(mask, n, segment_ids, device=q.device).double().expand(bsz, n).sum()
+        return zeros.sum(dim=(0, 2)).double() / visible.clamp_min(1.0)
+
+
+__all__ = ["fused_attention", "zero_fraction", "threshold_attention_op", "GPU_CONFIGS", "SUPPORTED_HEAD_DIMS"]
