@@ -11,14 +11,17 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 from attn.masks import MaskSpec
 from attn.reference import reference_attention
 from attn.registry import family_kernel
+from attn.specs import SoftmaxFamilySpec
 from attn.validation import check_attention_inputs, check_kernel_inputs
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "triton", "reference")
+# sdpa: torch's scaled_dot_product_attention, plain softmax only (the speed yardstick)
+BACKENDS = ("auto", "triton", "reference", "sdpa")
 _announced: set[tuple[str, str]] = set()
 
 
@@ -49,6 +52,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature) -> torch.Tensor:
+    """Plain softmax through torch SDPA (flash / cuDNN kernels): causal only, no caps."""
+    if not (isinstance(spec, SoftmaxFamilySpec) and spec.cap == "none"):
+        raise ValueError("backend='sdpa' serves only attn=softmax (no cap); use 'triton' or 'reference'")
+    if temperature is not None or segment_ids is not None or mask.window is not None:
+        raise ValueError("backend='sdpa' supports causal or full masks only (no window, segment_ids, temperature)")
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask.is_causal,
+        scale=spec.scale(q.shape[-1]), enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,7 +90,10 @@ def attention(
         q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam
     )
     mask = MaskSpec(causal=causal, window=window)
-    if resolve_backend(backend, q.device) == "reference":
+    backend = resolve_backend(backend, q.device)
+    if backend == "reference":
         return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, spec, mask, segment_ids, temperature)
     check_kernel_inputs(q)
     return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)

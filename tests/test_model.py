@@ -127,3 +127,18 @@ def test_model_config_errors_name_the_field(change, match):
     base = dict(vocab_size=37, context=16, n_layer=1, n_head=4, n_kv_head=2, d_model=32)
     with pytest.raises(ValueError, match=match):
         GPT(GPTConfig(**{**base, **change}))
+
+
+def test_sdpa_backend_matches_reference_and_refuses_other_variants():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 33, 4, 16), torch.randn(2, 33, 2, 16), torch.randn(2, 33, 2, 16)
+    spec = attn.get_variant("softmax").make_spec()
+    for causal in (True, False):
+        torch.testing.assert_close(
+            attn.attention(q, k, v, spec, causal=causal, backend="sdpa"),
+            attn.attention(q, k, v, spec, causal=causal, backend="reference"),
+        )
+    with pytest.raises(ValueError, match="backend='sdpa' serves only attn=softmax"):
+        attn.attention(q, k, v, attn.get_variant("alsc").make_spec(), backend="sdpa")
+    with pytest.raises(ValueError, match="no window"):
+        attn.attention(q, k, v, spec, window=4, backend="sdpa")
