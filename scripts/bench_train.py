@@ -1,0 +1,136 @@
+"""Training throughput (tokens/s, MFU, peak memory) of the GPT per attention variant on one GPU.
+
+The same model with torch SDPA (plain softmax) is the yardstick, in the same process.
+bf16 autocast, fused AdamW, torch.compile(fullgraph=True) end to end, random tokens.
+
+    python scripts/bench_train.py --model gpt2_small --batch 16 --out docs/results/bench_train
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
+
+CASES = [  # (variant, backend, params)
+    ("softmax", "sdpa", {}),
+    ("softmax", "triton", {}),
+    ("softcap_tanh", "triton", {"cap": 30.0}),
+    ("softcap_softsign", "triton", {"cap": 30.0}),
+    ("alsc", "triton", {"cap": 30.0, "knee": 0.5}),
+    ("threshold", "triton", {"beta": 1.0, "power": 2.0}),
+    ("diff_threshold", "triton", {"beta": 1.0, "power": 2.0}),
+]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    cfg = GPTConfig(**model_cfg, attn=AttnConfig(name=variant, backend=backend, params=params))
+    model = GPT(cfg).cuda()
+    compiled = torch.compile(model, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = compiled(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(5):  # compile + autotune, never timed
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
+    tps = batch * cfg.context / dt
+    return {
+        "variant": variant, "backend": backend, "ms_per_step": dt * 1e3, "tokens_per_s": tps,
+        "mfu": tps * model.flops_per_token() / (peak * 1e12), "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "params_m": model.num_params() / 1e6, "loss": loss.item(), "new_graphs_while_timed": recompiles,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt2_small", help="a configs/model/*.yaml preset")
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
+    ap.add_argument("--variants", default=None, help="comma list to run a subset")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    args = ap.parse_args()
+    model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    model_cfg["vocab_size"] = args.vocab
+    wanted = set(args.variants.split(",")) if args.variants else None
+    rows = []
+    for variant, backend, params in CASES:
+        if wanted and variant not in wanted:
+            continue
+        try:
+            rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops))
+        except Exception as e:  # report and continue: one failing variant must not hide the others
+            rows.append({"variant": variant, "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+    base = next((r["tokens_per_s"] for r in rows if r.get("backend") == "sdpa" and "tokens_per_s" in r), None)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "commit": git_commit(), "model": args.model,
+        "model_config": model_cfg, "batch": args.batch, "steps": args.steps, "peak_tflops": args.peak_tflops,
+    }
+    lines = [
+        f"# Training throughput: {args.model}, batch {args.batch} x {model_cfg['context']}, bf16, compiled",
+        "", f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']}", "",
+        "| variant | backend | ms/step | tokens/s | vs SDPA | MFU | peak mem GB | graphs compiled while timed |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['backend']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {r['variant']} | {r['backend']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {rel} | "
+            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['new_graphs_while_timed']} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(table + "\n")
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
