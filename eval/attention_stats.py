@@ -1,0 +1,342 @@
+"""Attention diagnostics per layer and head, for every registered variant.
+
+    python -m eval.attention_stats ckpt=RUN_DIR [split=val] [num_tokens=16384] [seq_len=...]
+
+On a fixed set of tokens (num_tokens, as evenly spaced windows of the training context
+over the split) the model runs forward; at each layer the attention input is captured and
+the float-exact weights are recomputed with `attn.attention_weights` (the registry's
+reference path, which serves every variant, so there is no per-variant code here). Per
+layer and head:
+
+  zero_fraction    share of visible (query, key) pairs whose weight is exactly 0
+  empty_rows       share of query rows whose weights are all 0 (possible without softmax)
+  surviving_keys   mean number of keys with nonzero weight per query row
+  surviving_share  the same divided by the number of visible keys, averaged over rows
+  sink_mass        mean over rows i >= 1 of |w_i0| / sum_j |w_ij|: the weight on the first
+                   token (for the softmax family exactly w_i0, for threshold variants its
+                   share of |w|); rows with all-zero weights are left out
+  entropy          mean over rows i >= 1 of the entropy (nats) of |w_i.| / sum |w_i.|,
+                   for the softmax family the softmax entropy
+  max_logit        largest pre-softmax logit z (after the cap) for the softmax family; for
+                   the threshold family the largest score q.k (compared with tau)
+  max_score        largest raw score before any cap: s q.k (softmax family), q.k (threshold)
+
+Output: <checkpoint stem>.attention-<split>.json beside the checkpoint, PNG heatmaps
+(layer x head) per metric next to it, and wandb logging in the run's group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+import attn
+from attn.caps import apply_cap
+from eval import common
+
+log = logging.getLogger("attnlab.eval.attention_stats")
+
+# metric -> (how per-layer/head values aggregate into the model summary, plot title, table header)
+METRICS = {
+    "zero_fraction": ("mean", "exact-zero fraction of visible weights", "zero"),
+    "empty_rows": ("mean", "share of all-zero rows", "empty"),
+    "surviving_keys": ("mean", "mean nonzero keys per row", "keys"),
+    "surviving_share": ("mean", "mean share of visible keys kept", "kept"),
+    "sink_mass": ("mean", "sink mass (|w| share of the first token)", "sink"),
+    "entropy": ("mean", "row entropy of |w| (nats)", "entropy"),
+    "max_logit": ("max", "max logit z (softmax) / max q.k (threshold)", "max z"),
+    "max_score": ("max", "max raw score before any cap", "max s"),
+}
+
+
+def family_logits(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The per-family quantity a row's weights are a function of: z = cap(s q.k) for the softmax
+    family, the score q.k itself for the threshold family (compared with tau)."""
+    if spec.family == "softmax":
+        return apply_cap(scores * spec.scale(head_dim), spec.cap, spec.cap_value, spec.knee)
+    return scores
+
+
+def raw_scores(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return scores * spec.scale(head_dim) if spec.family == "softmax" else scores
+
+
+def per_head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (B,N,H,D), k (B,N,Hkv,D) -> q.k (B,H,N,N), kv heads repeated for GQA."""
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bihd,bjhd->bhij", q.float(), k.float())
+
+
+class HeadStats:
+    """Running per-head sums of one layer over batches."""
+
+    def __init__(self, n_head: int):
+        z = lambda: torch.zeros(n_head, dtype=torch.float64)  # noqa: E731
+        self.zero, self.visible = z(), z()
+        self.rows, self.empty_rows = z(), z()
+        self.surviving, self.surviving_share = z(), z()
+        self.sink_rows, self.sink, self.entropy = z(), z(), z()
+        self.max_logit = torch.full((n_head,), -math.inf, dtype=torch.float64)
+        self.max_score = torch.full((n_head,), -math.inf, dtype=torch.float64)
+
+    def add(self, weights: torch.Tensor, visible: torch.Tensor, logits: torch.Tensor, scores: torch.Tensor) -> None:
+        """weights, logits, scores (B, H, N, N); visible (1 or B, N, N) bool."""
+        w = weights.double()
+        vis = visible[:, None].expand_as(w)
+        nonzero = (w != 0) & vis
+        abs_w = w.abs() * vis
+        row_sum = abs_w.sum(-1)  # (B, H, N)
+        visible_per_row = vis.sum(-1).double()
+        live_row = visible_per_row > 0  # rows that see any key (all of them under a causal mask)
+        kept = nonzero.sum(-1).double()
+
+        def per_head(t: torch.Tensor, dims=(0, 2)) -> torch.Tensor:
+            return t.sum(dim=dims).double().cpu()
+
+        self.zero += per_head((w == 0) & vis, (0, 2, 3))
+        self.visible += per_head(vis, (0, 2, 3))
+        self.rows += per_head(live_row)
+        self.empty_rows += per_head((row_sum == 0) & live_row)
+        self.surviving += per_head(kept * live_row)
+        self.surviving_share += per_head(torch.where(live_row, kept / visible_per_row.clamp_min(1), 0))
+        # the first query row can only see the first key: its sink share is 1 by construction
+        sink_row = (row_sum > 0) & live_row
+        sink_row[..., 0] = False
+        p = abs_w / row_sum.clamp_min(torch.finfo(torch.float64).tiny)[..., None]
+        entropy = -(torch.where(p > 0, p * p.log(), 0.0)).sum(-1)
+        self.sink_rows += per_head(sink_row)
+        self.sink += per_head(torch.where(sink_row, p[..., 0], 0))
+        self.entropy += per_head(torch.where(sink_row, entropy, 0))
+        neg_inf = torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device)
+        self.max_logit = torch.maximum(self.max_logit, torch.where(vis, logits, neg_inf).amax(dim=(0, 2, 3)).double().cpu())
+        self.max_score = torch.maximum(self.max_score, torch.where(vis, scores, neg_inf).amax(dim=(0, 2, 3)).double().cpu())
+
+    def result(self) -> dict[str, list[float | None]]:
+        def ratio(num, den):
+            return [float(n / d) if d > 0 else None for n, d in zip(num.tolist(), den.tolist())]
+
+        return {
+            "zero_fraction": ratio(self.zero, self.visible),
+            "empty_rows": ratio(self.empty_rows, self.rows),
+            "surviving_keys": ratio(self.surviving, self.rows),
+            "surviving_share": ratio(self.surviving_share, self.rows),
+            "sink_mass": ratio(self.sink, self.sink_rows),
+            "entropy": ratio(self.entropy, self.sink_rows),
+            "max_logit": [float(x) if math.isfinite(x) else None for x in self.max_logit.tolist()],
+            "max_score": [float(x) if math.isfinite(x) else None for x in self.max_score.tolist()],
+        }
+
+
+def layer_weights(layer, x: torch.Tensor):
+    """Float-exact weights, logits and raw scores of one attention layer for its input x (B, N, C).
+
+    Only generic layer properties are used: its spec, its number of score views (a second q/k
+    view and lambda for differential variants), its window.
+    """
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        qs, ks, _ = layer.split_heads(x.float())
+        qs, ks = [q.float() for q in qs], [k.float() for k in ks]
+        mask = attn.MaskSpec(causal=True, window=layer.window)
+        extra = {}
+        if layer.views == 2:
+            extra = dict(q2=qs[1], k2=ks[1], lam=layer.differential_lambda().float())
+        weights = attn.attention_weights(qs[0], ks[0], layer.spec, mask, **extra)
+        views = [per_head_scores(q, k) for q, k in zip(qs, ks)]
+        head_dim = qs[0].shape[-1]
+        logits = torch.stack([family_logits(layer.spec, s, head_dim) for s in views]).amax(0)
+        scores = torch.stack([raw_scores(layer.spec, s, head_dim) for s in views]).amax(0)
+        visible = attn.dense_mask(mask, x.shape[1], device=x.device)
+    return weights, visible, logits, scores
+
+
+@torch.no_grad()
+def attention_statistics(model, batches) -> dict:
+    """Per layer x head statistics of `model` over an iterable of id batches (B, N)."""
+    layers = [block.attn for block in model.blocks]
+    stats = [HeadStats(layer.n_head) for layer in layers]
+    hooks = []
+    for layer, acc in zip(layers, stats):
+        def capture(module, args, acc=acc):
+            acc.add(*layer_weights(module, args[0]))
+
+        hooks.append(layer.register_forward_pre_hook(capture))
+    try:
+        tokens = 0
+        for ids in batches:
+            model(ids)
+            tokens += ids.numel()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_layer = [s.result() for s in stats]
+    metrics = {name: [layer[name] for layer in per_layer] for name in METRICS}
+    return {"tokens": tokens, "metrics": metrics, "summary": summarize(metrics)}
+
+
+def summarize(metrics: dict) -> dict:
+    """Model-level numbers: mean (or max) over layers and heads, ignoring undefined entries."""
+    summary = {}
+    for name, (how, _, _) in METRICS.items():
+        values = [v for layer in metrics[name] for v in layer if v is not None]
+        if not values:
+            summary[name] = None
+        else:
+            summary[name] = float(np.mean(values)) if how == "mean" else float(np.max(values))
+    return summary
+
+
+def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[int]:
+    """Evenly spaced window starts over the split: a fixed, deterministic sample."""
+    if num_split_tokens < seq_len:
+        raise ValueError(f"the split has {num_split_tokens} tokens, fewer than seq_len={seq_len}")
+    count = max(1, math.ceil(num_tokens / seq_len))
+    last = num_split_tokens - seq_len
+    return sorted(set(np.linspace(0, last, count).round().astype(int).tolist()))
+
+
+def token_batches(tokens: np.ndarray, seq_len: int, num_tokens: int, batch_size: int, device):
+    starts = window_starts(len(tokens), seq_len, num_tokens)
+    for i in range(0, len(starts), batch_size):
+        chunk = np.stack([tokens[s : s + seq_len] for s in starts[i : i + batch_size]]).astype(np.int64)
+        yield torch.from_numpy(chunk).to(device)
+
+
+def plot_heatmaps(result: dict, prefix: Path) -> list[Path]:
+    """One PNG per metric: layers down, heads across, values annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    model = result["model"]
+    for name, (_, title, _) in METRICS.items():
+        values = np.array([[np.nan if v is None else v for v in layer] for layer in result["metrics"][name]], dtype=float)
+        n_layer, n_head = values.shape
+        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n_head, 1.0 + 0.5 * n_layer), dpi=110)
+        image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
+        middle = np.nanmean(values) if np.isfinite(values).any() else 0.0
+        fig.colorbar(image, ax=ax)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(n_head))
+        ax.set_yticks(range(n_layer))
+        ax.set_title(f"{model['variant']} s{model['seed']}: {title}", fontsize=9)
+        if n_layer * n_head <= 256:
+            for (i, j), v in np.ndenumerate(values):
+                if np.isfinite(v):
+                    # dark text on the bright (high) end of viridis, light text on the dark end
+                    color = "k" if v > middle else "w"
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6, color=color)
+        fig.tight_layout()
+        path = prefix.with_name(f"{prefix.name}.{name}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device) -> dict:
+    seq_len = cfg.seq_len or run.model_config.context
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len must be an int >= 2 or null, got {seq_len!r}")
+    if not isinstance(cfg.num_tokens, int) or cfg.num_tokens < 1:
+        raise ValueError(f"num_tokens must be a positive int, got {cfg.num_tokens!r}")
+    if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {cfg.batch_size!r}")
+    tokens = np.asarray(datamodule.token_ids(cfg.split))
+    with common.autocast(device, cfg.precision):
+        stats = attention_statistics(run.model, token_batches(tokens, seq_len, cfg.num_tokens, cfg.batch_size, device))
+    return {
+        "kind": "attention_stats",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": run.describe(),
+        "split": cfg.split,
+        "seq_len": seq_len,
+        **stats,
+        "definitions": {name: title for name, (_, title, _) in METRICS.items()},
+        "eval": common.eval_config_record(cfg),
+        "versions": common.versions(),
+    }
+
+
+def print_summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = result["model"]
+    table = Table(title=f"attention stats ({result['tokens']} {result['split']} tokens): {m['variant']} seed {m['seed']}")
+    table.add_column("layer", justify="right")
+    names = list(METRICS)
+    for name in names:
+        table.add_column(METRICS[name][2], justify="right")
+
+    def fmt(values, how):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        return f"{(np.mean(values) if how == 'mean' else np.max(values)):.4g}"
+
+    for i in range(len(result["metrics"][names[0]])):
+        table.add_row(str(i), *(fmt(result["metrics"][n][i], METRICS[n][0]) for n in names))
+    table.add_row("all", *(fmt([result["summary"][n]], "mean") for n in names))
+    Console().print(table)
+
+
+def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict, images: list[Path]) -> None:
+    wb = common.start_wandb(run, cfg, "attention_stats", result["eval"]["config"])
+    if wb is None:
+        return
+    import wandb
+
+    for name, value in result["summary"].items():
+        wb.summary[f"attention/{name}"] = value
+    rows = []
+    for name in METRICS:
+        for layer, values in enumerate(result["metrics"][name]):
+            for head, value in enumerate(values):
+                rows.append([name, layer, head, value])
+    wb.log({
+        "attention/per_head": wandb.Table(columns=["metric", "layer", "head", "value"], data=rows),
+        **{f"attention/heatmap/{p.name.split('.')[-2]}": wandb.Image(str(p)) for p in images},
+    })
+    wb.finish()
+
+
+def run_attention_stats(cfg: DictConfig) -> list[dict]:
+    common.require_ckpt(cfg)
+    if cfg.split not in ("train", "val", "test"):
+        raise ValueError(f"split must be one of train, val, test; got {cfg.split!r}")
+    device = common.pick_device(cfg.device)
+    datamodules = common.DataModuleCache()
+    results = []
+    for run in common.iter_runs(cfg, device):
+        datamodule = datamodules.get(common.data_config_for(run, cfg), run.model_config.vocab_size)
+        result = evaluate_run(run, cfg, datamodule, device)
+        path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out)
+        images = plot_heatmaps(result, path.with_suffix("")) if cfg.plot else []
+        result["path"] = str(path)
+        result["heatmaps"] = [str(p) for p in images]
+        common.write_json(path, result)
+        print_summary(result)
+        log.info("wrote %s and %d heatmaps", path, len(images))
+        log_to_wandb(run, cfg, result, images)
+        results.append(result)
+    return results
+
+
+@hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/attention_stats")
+def main(cfg: DictConfig) -> None:
+    with common.clean_errors():
+        run_attention_stats(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,480 @@
+"""What every eval command shares: finding and loading a trained run, its data, its wandb group.
+
+A `ckpt=` argument may name
+  - a checkpoint file (`.../checkpoints/best.ckpt`),
+  - a run directory (the folder train.py wrote: `.hydra/`, `results.json`, `checkpoints/`),
+    whose best checkpoint is used (`which=last` for the last one), or
+  - a folder holding run directories (a multirun sweep), which evaluates every run in it.
+
+Checkpoints are read with `models.checkpoint_io.load_checkpoint` (weights_only=True, never
+unpickling code). A checkpoint that this attnlab cannot rebuild (unknown variant, unknown or
+missing config fields, weights that do not fit the model) is refused with a ValueError that
+names the file and what does not match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import attn
+from models.checkpoint_io import load_checkpoint
+from models.gpt import GPT, GPTConfig
+from models.lit import gpt_config_from_dict
+
+log = logging.getLogger("attnlab.eval")
+
+# absolute, so the entry points find their configs however the module is imported
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CHECKPOINT_CHOICES = ("best", "last")
+PRECISIONS = ("auto", "32", "bf16", "fp16")
+
+
+@dataclass
+class LoadedRun:
+    """A trained model rebuilt from its checkpoint, with whatever the run directory adds."""
+
+    model: GPT
+    model_config: GPTConfig
+    checkpoint_path: Path
+    hparams: dict
+    run_dir: Path | None  # the training run's directory, when the checkpoint sits in one
+    run_config: DictConfig | None  # the run's composed config (.hydra/config.yaml), unresolved
+    results: dict | None  # the run's results.json
+    global_step: int | None
+    tokens_seen: int | None
+
+    @property
+    def variant(self) -> str:
+        return self.model_config.attn.name
+
+    @property
+    def family(self) -> str:
+        return attn.get_variant(self.variant).family
+
+    @property
+    def seed(self) -> int | None:
+        if self.results and "seed" in self.results:
+            return self.results["seed"]
+        if self.run_config is not None and "seed" in self.run_config:
+            return self.run_config.seed
+        return None
+
+    def describe(self) -> dict:
+        """Identity of the evaluated model, stored in every eval JSON."""
+        return {
+            "checkpoint": str(self.checkpoint_path),
+            "run_dir": str(self.run_dir) if self.run_dir else None,
+            "variant": self.variant,
+            "family": self.family,
+            "seed": self.seed,
+            "global_step": self.global_step,
+            "tokens_seen": self.tokens_seen,
+            "params": self.model.num_params(),
+            "training_context": self.model_config.context,
+        }
+
+
+# ---------------------------------------------------------------------------- finding runs
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "results.json").is_file() or (path / "checkpoints").is_dir())
+
+
+def find_run_dirs(root: str | os.PathLike) -> list[Path]:
+    """`root` itself when it is a run directory, else the run directories below it (sorted)."""
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"no such file or directory: {root}")
+    if is_run_dir(root):
+        return [root]
+    runs = sorted({p.parent for p in root.rglob("results.json")} | {p.parent for p in root.rglob("checkpoints")})
+    runs = [r for r in runs if is_run_dir(r)]
+    if not runs:
+        raise FileNotFoundError(
+            f"{root} holds no training run (looked for results.json or checkpoints/ in it and below it)"
+        )
+    return runs
+
+
+def checkpoint_of_run(run_dir: Path, which: str = "best") -> Path:
+    """The run's best (or last) checkpoint file; best falls back to last when there is none."""
+    if which not in CHECKPOINT_CHOICES:
+        raise ValueError(f"which must be one of {CHECKPOINT_CHOICES}, got {which!r}")
+    candidates = []
+    results = read_json_if_exists(run_dir / "results.json") or {}
+    key = f"{which}_checkpoint"
+    if results.get(key):
+        recorded = Path(results[key])
+        # the run may have moved since (copied off a GPU machine): try the file name in place too
+        candidates += [recorded, run_dir / "checkpoints" / recorded.name]
+    candidates.append(run_dir / "checkpoints" / f"{which}.ckpt")
+    if which == "best":
+        candidates.append(run_dir / "checkpoints" / "last.ckpt")
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"run directory {run_dir} has no {which} checkpoint (looked for {[str(c) for c in candidates]})"
+    )
+
+
+def resolve_checkpoints(ckpt: Any, which: str = "best") -> list[Path]:
+    """Checkpoint files named by `ckpt`: a file, a run directory, a sweep folder, or a list of them."""
+    if ckpt is None or ckpt == "" or ckpt == "???":
+        raise ValueError("ckpt=... is required: a checkpoint file, a run directory or a folder of runs")
+    if isinstance(ckpt, (list, tuple)) or OmegaConf.is_list(ckpt):
+        return [p for item in ckpt for p in resolve_checkpoints(item, which)]
+    path = Path(os.path.expanduser(str(ckpt)))
+    if path.is_file():
+        return [path]
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path} (ckpt= takes a .ckpt file, a run directory or a folder of runs)")
+    return [checkpoint_of_run(run, which) for run in find_run_dirs(path)]
+
+
+def run_dir_of(checkpoint_path: Path) -> Path | None:
+    """train.py writes <run>/checkpoints/<name>.ckpt; the run is recognised by its .hydra/ or results.json."""
+    candidate = checkpoint_path.resolve().parent.parent
+    if (candidate / ".hydra" / "config.yaml").is_file() or (candidate / "results.json").is_file():
+        return candidate
+    return None
+
+
+def read_json_if_exists(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+# ---------------------------------------------------------------------------- loading models
+
+
+def _state_dict_of_model(state_dict: dict, path: Path) -> dict:
+    """LitGPT saves the GPT under the `model.` prefix."""
+    inner = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+    if not inner:
+        raise ValueError(
+            f"checkpoint {path} has no GPT weights (no state_dict key starts with 'model.'; "
+            f"found e.g. {sorted(state_dict)[:5]})"
+        )
+    return inner
+
+
+def build_model_from_checkpoint(ckpt: dict, path: Path, backend: str | None = None) -> tuple[GPT, GPTConfig]:
+    """Rebuild the GPT a checkpoint was trained with and load its weights, or explain why not."""
+    hparams = ckpt["hyper_parameters"]
+    model_dict = hparams.get("model") if isinstance(hparams, dict) else None
+    if not isinstance(model_dict, dict):
+        raise ValueError(f"checkpoint {path} is not an attnlab GPT checkpoint: hyper_parameters has no 'model' dict")
+    model_dict = dict(model_dict)
+    attn_dict = dict(model_dict.get("attn") or {})
+    name = attn_dict.get("name", "softmax")
+    if name not in attn.variant_names():
+        raise ValueError(
+            f"checkpoint {path} was trained with attention variant {name!r}, which this attnlab does not "
+            f"register; registered variants: {attn.variant_names()}"
+        )
+    if backend is not None:
+        attn_dict["backend"] = backend
+    model_dict["attn"] = attn_dict
+    try:
+        cfg = gpt_config_from_dict(model_dict)
+    except TypeError as e:  # unknown or missing dataclass fields
+        raise ValueError(f"checkpoint {path} has a model config this attnlab cannot build ({e})") from e
+    try:
+        model = GPT(cfg)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path} has an invalid model config: {e}") from e
+    weights = _state_dict_of_model(ckpt["state_dict"], path)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"checkpoint {path}: weights do not fit the model its config describes: {e}") from e
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model its config describes: "
+            f"missing weights {list(missing)[:8]}, unexpected weights {list(unexpected)[:8]}"
+        )
+    return model.eval(), cfg
+
+
+def load_run(path: str | os.PathLike, device: str | torch.device = "cpu", backend: str | None = None) -> LoadedRun:
+    """Load one checkpoint file into a GPT in eval mode, plus its run directory's config and results."""
+    path = Path(path)
+    ckpt = load_checkpoint(path)  # FileNotFoundError / ValueError with the file named
+    model, cfg = build_model_from_checkpoint(ckpt, path, backend)
+    run_dir = run_dir_of(path)
+    run_config = None
+    results = None
+    if run_dir is not None:
+        config_file = run_dir / ".hydra" / "config.yaml"
+        if config_file.is_file():
+            run_config = OmegaConf.load(config_file)
+        results = read_json_if_exists(run_dir / "results.json")
+    return LoadedRun(
+        model=model.to(device),
+        model_config=cfg,
+        checkpoint_path=path,
+        hparams=ckpt["hyper_parameters"],
+        run_dir=run_dir,
+        run_config=run_config,
+        results=results,
+        global_step=ckpt.get("global_step"),
+        tokens_seen=ckpt.get("tokens_seen"),
+    )
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def data_config_for(run: LoadedRun, cfg: DictConfig) -> DictConfig:
+    """The data config to evaluate on: the run's own (identical data and tokenizer) unless the
+    eval command selected one with `data=<option>`. Interpolations such as ${model.context},
+    ${paths.cache_dir} resolve against the run's config (or the eval config without one)."""
+    override = cfg.get("data") if "data" in cfg else None
+    if run.run_config is None and override is None:
+        raise ValueError(
+            f"checkpoint {run.checkpoint_path} is not inside a run directory with .hydra/config.yaml, so its "
+            "data config is unknown: pass data=<option> (e.g. data=shakespeare) to the eval command"
+        )
+    # a plain-container copy of the root (eval or run config) whose `data` is replaced
+    root = OmegaConf.to_container(run.run_config if run.run_config is not None else cfg, resolve=False)
+    if run.run_config is None:
+        # the eval config has no model/train keys the data presets interpolate: give them
+        root.setdefault("model", {})["context"] = run.model_config.context
+        root.setdefault("train", {}).update({"batch_size": 8, "val_tokens": 65536})
+        root.setdefault("seed", 0)
+    if override is not None:
+        root["data"] = OmegaConf.to_container(override, resolve=False)
+    paths = root.setdefault("paths", {})
+    if "output_dir" in paths:
+        del paths["output_dir"]  # ${hydra:...} cannot resolve outside the training job
+    if cfg.get("cache_dir"):
+        root["data"]["cache_dir"] = str(cfg.cache_dir)
+    full = OmegaConf.create(root)
+    return full.data
+
+
+def build_datamodule(data_cfg: DictConfig):
+    """Instantiate, prepare (builds or verifies the token cache) and set up the data module."""
+    from hydra.utils import instantiate
+
+    datamodule = instantiate(data_cfg)
+    datamodule.prepare_data()
+    datamodule.setup("test")
+    return datamodule
+
+
+# ---------------------------------------------------------------------------- devices
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but CUDA is not available; use device=cpu or device=auto")
+    return device
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast on CUDA by default (as in training), fp32 on CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "32"
+    if precision == "32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Atomic write (temp file + rename): a crash never leaves a half-written result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=2, default=_json_default, allow_nan=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _json_default(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def output_path(checkpoint_path: Path, kind: str, split: str, out: str | None = None, suffix: str = ".json") -> Path:
+    """Results live beside the checkpoint: <ckpt stem>.<kind>-<split>.json (or `out` when given)."""
+    if out:
+        return Path(out)
+    return checkpoint_path.with_name(f"{checkpoint_path.stem}.{kind}-{split}{suffix}")
+
+
+def eval_config_record(cfg: DictConfig) -> dict:
+    """The eval command's own resolved config and command-line overrides, stored with its result."""
+    record = OmegaConf.to_container(cfg, resolve=True)
+    record.pop("hydra", None)
+    overrides = None
+    with contextlib.suppress(Exception):
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    return {"config": record, "overrides": overrides}
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+# ---------------------------------------------------------------------------- wandb
+
+
+def wandb_group(run: LoadedRun) -> str | None:
+    """The training run's wandb group: results.json's `wandb_group` when recorded, else derived
+    as train.py does (`<group>` for a single run, `<group>-<sweep folder>` in a multirun)."""
+    if run.results and run.results.get("wandb_group"):
+        return run.results["wandb_group"]
+    if run.run_config is None:
+        return None
+    group = run.run_config.get("group")
+    hydra_file = run.run_dir / ".hydra" / "hydra.yaml" if run.run_dir else None
+    if group and hydra_file is not None and hydra_file.is_file():
+        hydra_cfg = OmegaConf.load(hydra_file).hydra
+        if str(hydra_cfg.get("mode")) == "MULTIRUN":
+            output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
+            sweep_dir = Path(output_dir).parent if output_dir else run.run_dir.parent
+            return f"{group}-{sweep_dir.name}"
+    return group
+
+
+def wandb_enabled(run: LoadedRun, cfg: DictConfig) -> bool:
+    enabled = cfg.wandb.enabled
+    if enabled == "auto":
+        return bool(run.run_config is not None and OmegaConf.select(run.run_config, "logger.kind") == "wandb")
+    if not isinstance(enabled, bool):
+        raise ValueError(f"wandb.enabled must be auto, true or false, got {enabled!r}")
+    return enabled
+
+
+def start_wandb(run: LoadedRun, cfg: DictConfig, job_type: str, extra_config: dict | None = None):
+    """A wandb run in the training run's group (offline unless configured otherwise), or None."""
+    if not wandb_enabled(run, cfg):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is not installed: skipping wandb logging (results are in the JSON file)")
+        return None
+    run_logger = OmegaConf.select(run.run_config, "logger", default=None) if run.run_config is not None else None
+    offline = cfg.wandb.offline
+    if offline is None:
+        offline = bool(run_logger.get("offline", True)) if run_logger is not None else True
+    project = cfg.wandb.project or (run_logger.get("project") if run_logger is not None else None) or "attnlab"
+    entity = run_logger.get("entity") if run_logger is not None else None
+    save_dir = run.run_dir or run.checkpoint_path.parent
+    seed = run.seed
+    return wandb.init(
+        project=project,
+        entity=entity,
+        group=wandb_group(run),
+        job_type=job_type,
+        name=f"{run.variant}-s{seed}-{job_type}" if seed is not None else f"{run.variant}-{job_type}",
+        tags=[run.variant, f"seed{seed}", job_type],
+        dir=str(save_dir),
+        mode="offline" if offline else "online",
+        config={"eval": extra_config or {}, "model": run.describe()},
+    )
+
+
+def iter_runs(cfg: DictConfig, device: torch.device) -> Iterable[LoadedRun]:
+    """Load each checkpoint named by cfg.ckpt in turn (one model in memory at a time)."""
+    paths = resolve_checkpoints(cfg.get("ckpt"), cfg.get("which", "best"))
+    if cfg.get("out") and len(paths) > 1:
+        raise ValueError(f"out= names one file but ckpt= gives {len(paths)} checkpoints; leave out= unset")
+    for path in paths:
+        yield load_run(path, device=device, backend=cfg.get("backend"))
+
+
+def require_ckpt(cfg: DictConfig) -> None:
+    if OmegaConf.is_missing(cfg, "ckpt") or not cfg.ckpt:
+        raise ValueError("ckpt=... is required: a checkpoint file, a run directory or a folder of runs")
+
+
+class DataModuleCache:
+    """One data module per distinct data config: a sweep's runs share their data, load it once."""
+
+    def __init__(self):
+        self._modules: dict[str, Any] = {}
+
+    def get(self, data_cfg: DictConfig, vocab_size: int | None = None):
+        key = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True, default=str)
+        if key not in self._modules:
+            self._modules[key] = build_datamodule(data_cfg)
+        datamodule = self._modules[key]
+        if vocab_size is not None and datamodule.vocab_size != vocab_size:
+            raise ValueError(
+                f"data/tokenizer mismatch: the data config gives vocabulary size {datamodule.vocab_size}, "
+                f"the checkpoint's model has {vocab_size}; evaluate with the data config it was trained on"
+            )
+        return datamodule
+
+
+def versions() -> dict:
+    """Software versions and the code commit, stored with every result."""
+    import platform
+    import subprocess
+
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    with contextlib.suppress(Exception):
+        import triton
+
+        info["triton"] = triton.__version__
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    with contextlib.suppress(Exception):
+        root = Path(__file__).resolve().parent.parent
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip() or None
+    return info
+
+
+@contextlib.contextmanager
+def clean_errors():
+    """Command-line use: a user error (missing file, incompatible checkpoint, bad option) prints
+    one clear line and exits with status 2 instead of a traceback."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

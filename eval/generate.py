@@ -1,0 +1,87 @@
+"""Sample text from a trained run.
+
+    python -m eval.generate ckpt=RUN_DIR prompt="To be, or not" [max_new_tokens=200]
+        [temperature=0.8] [top_k=50] [num_samples=1] [seed=0]
+
+The prompt is encoded with the run's own tokenizer (from its data config, or data=<option>);
+the context is cropped to the training length as the model generates (GPT.generate).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from eval import common
+
+log = logging.getLogger("attnlab.eval.generate")
+
+
+def check_options(cfg: DictConfig) -> None:
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {cfg.max_new_tokens!r}")
+    if not isinstance(cfg.temperature, (int, float)) or cfg.temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {cfg.temperature!r}")
+    if cfg.top_k is not None and (not isinstance(cfg.top_k, int) or cfg.top_k < 1):
+        raise ValueError(f"top_k must be a positive int or null, got {cfg.top_k!r}")
+    if not isinstance(cfg.num_samples, int) or cfg.num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {cfg.num_samples!r}")
+    if not isinstance(cfg.prompt, str) or cfg.prompt == "":
+        raise ValueError('prompt must be a non-empty string, e.g. prompt="ROMEO:"')
+
+
+def sample(run: common.LoadedRun, tokenizer, cfg: DictConfig, device: torch.device) -> list[str]:
+    """num_samples continuations of the prompt (prompt text included)."""
+    ids = tokenizer.encode(cfg.prompt)
+    if not ids:
+        raise ValueError(f"prompt {cfg.prompt!r} encodes to no tokens with this tokenizer")
+    vocab = run.model_config.vocab_size
+    if max(ids) >= vocab:
+        raise ValueError(f"the prompt encodes to token ids up to {max(ids)}, beyond the model's vocabulary ({vocab})")
+    generator_seed = int(cfg.seed)
+    torch.manual_seed(generator_seed)
+    idx = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)
+    with common.autocast(device, cfg.precision):
+        out = run.model.generate(idx, cfg.max_new_tokens, temperature=float(cfg.temperature), top_k=cfg.top_k)
+    return [tokenizer.decode(row.tolist()) for row in out]
+
+
+def run_generate(cfg: DictConfig) -> list[str]:
+    common.require_ckpt(cfg)
+    check_options(cfg)
+    device = common.pick_device(cfg.device)
+    paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
+    if len(paths) != 1:
+        raise ValueError(f"eval.generate samples from one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
+    run = common.load_run(paths[0], device=device, backend=cfg.backend)
+    datamodule = common.DataModuleCache().get(common.data_config_for(run, cfg), run.model_config.vocab_size)
+    texts = sample(run, datamodule.tokenizer, cfg, device)
+
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+
+    console = Console()
+    for i, text in enumerate(texts):
+        body = Text(cfg.prompt, style="bold")
+        body.append(text[len(cfg.prompt):] if text.startswith(cfg.prompt) else text)
+        console.print(Panel(body, title=f"{run.variant} seed {run.seed} sample {i}", expand=False))
+    if cfg.out:
+        common.write_json(
+            common.output_path(paths[0], "samples", "prompt", cfg.out),
+            {"model": run.describe(), "samples": texts, "eval": common.eval_config_record(cfg)},
+        )
+    return texts
+
+
+@hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/generate")
+def main(cfg: DictConfig) -> None:
+    with common.clean_errors():
+        run_generate(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""scripts/ablation_report.py on fake run directories, its t quantiles, and the ablation config's parameter match."""
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+import attn
+from models.gpt import GPT
+from models.lit import gpt_config_from_dict
+from train_helpers import compose_cfg
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("ablation_report", REPO / "scripts" / "ablation_report.py")
+report = importlib.util.module_from_spec(spec)
+sys.modules["ablation_report"] = report  # dataclasses look their module up while the class is built
+spec.loader.exec_module(report)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("df,expected", [(1, 12.7062047), (2, 4.3026527), (4, 2.7764451), (10, 2.2281389), (30, 2.0422725), (1000, 1.9623391)])
+def test_t_quantile_matches_tables(df, expected):
+    assert report.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-6)
+
+
+def test_t_quantile_symmetry_and_median():
+    assert report.t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-9)
+    assert report.t_quantile(0.025, 5) == pytest.approx(-report.t_quantile(0.975, 5), abs=1e-9)
+    assert report.t_quantile(0.95, 7) == pytest.approx(1.8945786, abs=1e-6)
+
+
+def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=(900.0, 1000.0, 1100.0),
+             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5))) -> Path:
+    """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step)."""
+    run = root / f"{variant}_s{seed}"
+    (run / "csv").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    results = {
+        "variant": variant, "seed": seed, "steps": 4, "tokens": 400, "params": 1000,
+        "val_loss": val_loss, "val_ppl": math.exp(val_loss), "val_bpb": val_loss / math.log(2) / 4.0,
+        "best_checkpoint": str(run / "checkpoints" / "best.ckpt"), "peak_memory_bytes": 2.5 * 2**30,
+    }
+    (run / "results.json").write_text(json.dumps(results))
+    columns = ["epoch", "step", "train/loss", "train/tokens", "train/tokens_per_s", "val/loss", "val/ppl"]
+    with (run / "csv" / "metrics.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for step, tps in enumerate(tokens_per_s):
+            w.writerow({"epoch": 0, "step": step, "train/loss": 3.0, "train/tokens": (step + 1) * 100, "train/tokens_per_s": tps})
+        for step, loss in curve:
+            w.writerow({"epoch": 0, "step": step, "val/loss": loss})
+        w.writerow({"epoch": 1, "step": 4, "val/loss": curve[-1][1]})  # the final validate after fit
+    if ppl is not None:
+        rows = [{"context": c, "context_multiple": c / 512, "nats_per_token": math.log(p), "ppl": p, "bpb": 1.0}
+                for c, p in ppl.items()]
+        (run / "checkpoints" / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
+    if attention is not None:
+        (run / "checkpoints" / "best.attention-val.json").write_text(json.dumps({"summary": attention}))
+    return run
+
+
+def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
+    a = make_run(tmp_path / "runs", "softmax", 0, 2.0, ppl={512: 10.0, 1024: 12.0},
+                 attention={"zero_fraction": 0.0, "sink_mass": 0.3})
+    b = make_run(tmp_path / "runs", "softmax", 1, 2.2, tokens_per_s=(1.0, 2000.0, 2000.0, 2200.0),
+                 ppl={512: 14.0, 1024: 16.0}, attention={"zero_fraction": 0.0, "sink_mass": 0.5})
+    out = tmp_path / "report"
+    assert report.main([str(a), str(b), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    loss = summary["per_variant"]["softmax"]["val_loss"]
+    assert loss["n"] == 2 and loss["mean"] == pytest.approx(2.1)
+    assert loss["std"] == pytest.approx(math.sqrt(0.02))  # sample std of (2.0, 2.2)
+    assert loss["ci95"] == pytest.approx(12.7062047 * math.sqrt(0.02) / math.sqrt(2), rel=1e-6)
+    # tokens/s: median of each run's logged steps after the first, then the mean over runs
+    assert summary["per_variant"]["softmax"]["tokens_per_s"]["mean"] == pytest.approx((1050.0 + 2000.0) / 2)
+    assert summary["per_variant"]["softmax"]["peak_memory_gb"]["mean"] == pytest.approx(2.5)
+    assert summary["extrapolation"]["softmax"]["1024"]["ppl"]["mean"] == pytest.approx(14.0)
+    assert summary["attention"]["softmax"]["sink_mass"]["mean"] == pytest.approx(0.4)
+    md = (out / "report.md").read_text()
+    assert "2.1000 ± 0.1414 [0.8294, 3.3706]" in md
+    for name in ("val_loss_vs_tokens.png", "extrapolation.png", "throughput.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+        assert f"]({name})" in md
+
+
+def test_validation_curve_is_read_against_tokens(tmp_path):
+    run = make_run(tmp_path, "softmax", 0, 2.0, curve=((1, 3.0), (3, 2.5)))
+    loaded = report.load_run(run, "test", "val")
+    # val at step s follows s + 1 steps of 100 tokens; the final validate (step 4) repeats the 400-token point
+    assert loaded.curve == [(200.0, 3.0), (400.0, 2.5)]
+
+
+def test_paired_difference_to_softmax(tmp_path):
+    runs = tmp_path / "sweep"
+    for seed, (base, alsc) in enumerate([(2.00, 1.95), (2.20, 2.13), (2.10, 2.06)]):
+        make_run(runs, "softmax", seed, base)
+        make_run(runs, "alsc", seed, alsc)
+    make_run(runs, "threshold", 0, 2.5)  # one seed only: no CI
+    summary = report.build_report([runs], tmp_path / "out")
+    d = summary["paired_vs_softmax"]["alsc"]["val_loss"]
+    diffs = [-0.05, -0.07, -0.04]
+    mean = sum(diffs) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 2)
+    assert d["values"] == pytest.approx(diffs) and d["mean"] == pytest.approx(mean)
+    assert d["ci95"] == pytest.approx(4.3026527 * std / math.sqrt(3), rel=1e-6)
+    assert d["ci95_high"] < 0  # consistently better on every seed
+    assert summary["paired_vs_softmax"]["threshold"]["val_loss"]["ci95"] is None
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "better than softmax (CI below 0)" in md and "too few paired seeds" in md
+    assert summary["variants"] == ["softmax", "alsc", "threshold"]  # registry order
+
+
+def test_report_refuses_folders_without_runs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert report.main([str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    assert report.main([str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+
+
+def ablation_model(variant: str, vocab_size: int, **overrides) -> GPT:
+    cfg = compose_cfg(["experiment=ablation", f"attn={variant}", "paths.output_dir=/tmp/unused"]
+                      + [f"{k}={v}" for k, v in overrides.items()])
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model["vocab_size"] = vocab_size
+    model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
+    return GPT(gpt_config_from_dict(model))
+
+
+def test_ablation_parameter_counts_within_two_percent():
+    """Build all six ablation models: total and non-embedding parameters within 2% of softmax.
+    diff_threshold's second q/k projection is paid for by its narrower MLP (configs/experiment/ablation.yaml)."""
+    cfg = compose_cfg(["experiment=ablation", "paths.output_dir=/tmp/unused"])
+    vocab = cfg.data.tokenizer.vocab_size  # the BPE size of the ablation's corpus
+    counts = {v: ablation_model(v, vocab) for v in attn.variant_names()}
+    base = counts["softmax"]
+    for variant, model in counts.items():
+        for non_embedding in (False, True):
+            rel = abs(model.num_params(non_embedding) - base.num_params(non_embedding)) / base.num_params(non_embedding)
+            assert rel < 0.02, (variant, non_embedding, rel)
+    assert counts["diff_threshold"].cfg.mlp_ratio == 3.0 and base.cfg.mlp_ratio == 4.0
+    # and the compensation is needed: at the base MLP width the differential model is far off
+    unmatched = ablation_model("diff_threshold", vocab, **{"model.mlp_ratio": 4.0})
+    assert (unmatched.num_params(True) - base.num_params(True)) / base.num_params(True) > 0.1
+
+
+def test_ablation_sweeps_six_variants_times_three_seeds():
+    from hydra import compose, initialize_config_dir
+
+    from train_helpers import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=ablation", "paths.output_dir=/tmp/unused"], return_hydra_config=True)
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True)
+    assert sorted(params["attn"].split(",")) == sorted(attn.variant_names())
+    assert params["seed"].split(",") == ["0", "1", "2"]
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and cfg.logger.kind == "wandb"
