@@ -8,6 +8,7 @@ the warm-up, never inside a measured time. FLOPs are useful work: 4*B*H*D per vi
 (query, key) pair forward (so half of 4BHN^2D under a causal mask), backward 2.5x that.
 
     python scripts/bench_attention.py --out docs/benchmarks/softmax_family  [--only main]
+    python scripts/bench_attention.py --only threshold --out docs/results/bench_threshold
 
 Writes OUT.json and OUT.md (date, GPU, torch/triton versions, commit).
 """
@@ -227,8 +228,8 @@ def targets(rows):
             for n, v, lim in res]
 
 
-def markdown(meta, rows, tgts):
-    lines = [f"# Softmax-family attention benchmark", "",
+def markdown(meta, rows, tgts, title="Softmax-family attention benchmark"):
+    lines = [f"# {title}", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit "
              f"`{meta['commit']}` · bf16 · do_bench median", "",
              "TFLOP/s count useful work (visible pairs; fwd+bwd = 3.5x fwd).", "",
@@ -248,10 +249,119 @@ def markdown(meta, rows, tgts):
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------
+# threshold family (issue 4): threshold / diff_threshold vs SDPA and the compiled reference
+# ----------------------------------------------------------------------------------------
+
+
+def run_threshold_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False,
+                       beta=1.0, power=2.0):
+    """One threshold-family case; rows look like run_case's (impls: ours, sdpa, ref_compiled).
+
+    q and k are L2-normalized as the model does; the kernels' speed does not depend on how
+    many weights the threshold zeroes (no data-dependent skipping)."""
+    h_kv = h_kv or h
+    dev, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+
+    def unit(heads):
+        return F.normalize(torch.randn(b, n, heads, d, device=dev, dtype=torch.float32), dim=-1).to(dtype)
+
+    q, k = unit(h).requires_grad_(), unit(h_kv).requires_grad_()
+    v = torch.randn(b, n, h_kv, d, device=dev, dtype=dtype, requires_grad=True)
+    spec = attn.get_variant(variant).make_spec(beta=beta, power=power)
+    second = {}
+    if spec.differential:
+        second = {"q2": unit(h).requires_grad_(), "k2": unit(h_kv).requires_grad_(),
+                  "lam": torch.full((h,), 0.5, device=dev, dtype=torch.float32, requires_grad=True)}
+    flops = useful_flops(b, h, n, d, mask, ids)
+    row = {"name": name, "variant": variant, "B": b, "H": h, "H_kv": h_kv, "N": n, "D": d, "beta": beta,
+           "power": power, "mask": mask.kind if ids is None else f"ranker{'+causal' if mask.is_causal else ''}",
+           "fwd_gflop": flops / 1e9}
+
+    def ours():
+        return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, segment_ids=ids,
+                              backend="triton", **second)
+
+    impls = {"ours": ours}
+    if sdpa:
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask.causal,
+                                                               enable_gqa=h_kv != h)
+    if ref:
+        from attn.reference import reference_attention
+        ref_c = torch.compile(reference_attention)
+        impls["ref_compiled"] = lambda: ref_c(q, k, v, spec, mask, ids, None, second.get("q2"),
+                                              second.get("k2"), second.get("lam"))
+    for key, fn in impls.items():
+        try:
+            ms_f, mem_f = bench(fn, grad=False)
+            ms_b, mem_b = bench(fn, grad=True)
+        except Exception as e:  # report, keep going
+            print(f"  {name} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        row[key] = {"fwd_ms": ms_f, "fwdbwd_ms": ms_b, "fwd_tflops": flops / ms_f / 1e9,
+                    "fwdbwd_tflops": 3.5 * flops / ms_b / 1e9, "peak_gib_fwd": mem_f, "peak_gib_fwdbwd": mem_b}
+        print(f"  {name:34} {key:12} fwd {ms_f:8.3f} ms {flops / ms_f / 1e9:6.1f} TF/s | fwd+bwd {ms_b:8.3f} ms "
+              f"{3.5 * flops / ms_b / 1e9:6.1f} TF/s | peak {mem_b:.2f} GiB", flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def threshold_cases(only="threshold"):
+    """(name, b, h, n, d, variant, mask, extra) like cases(); only: threshold | threshold_main."""
+    main = (4, 16, 4096, 128)
+    causal = MaskSpec(causal=True)
+    out = []
+    for variant in ("threshold", "diff_threshold"):
+        out += [(f"main {variant} causal", *main, variant, causal, {"sdpa": variant == "threshold", "ref": True})]
+    if only == "threshold_main":
+        return out
+    for variant in ("threshold", "diff_threshold"):
+        first = variant == "threshold"
+        out += [(f"small {variant} causal", 8, 16, 1024, 64, variant, causal, {"sdpa": first})]
+        out += [(f"long {variant} causal", 2, 16, 8192, 128, variant, causal, {"sdpa": first})]
+        out += [(f"gqa H_kv=4 {variant} causal", *main, variant, causal, {"h_kv": 4, "sdpa": first})]
+        out += [(f"window 1024 {variant}", *main, variant, MaskSpec(causal=True, window=1024), {})]
+        ids = ranker_layout(4, 2048, 1024, 1024, "cuda")
+        out += [(f"ranker 1024h+1024c {variant}", 4, 16, 2048, 128, variant, MaskSpec(causal=False),
+                 {"ids": ids})]
+    return out
+
+
+def threshold_targets(rows):
+    by = {r["name"]: r for r in rows}
+    res = []
+
+    def ratio(a, b, key):
+        try:
+            return a[key] / b[key]
+        except (KeyError, TypeError):
+            return None
+
+    t, dt_ = by.get("main threshold causal"), by.get("main diff_threshold causal")
+    if t and "ours" in t and "sdpa" in t:
+        res.append(("threshold: fwd TFLOP/s vs SDPA (>= 0.9x)", ratio(t["sdpa"], t["ours"], "fwd_ms"), 0.9))
+        res.append(("threshold: fwd+bwd TFLOP/s vs SDPA (>= 0.8x)", ratio(t["sdpa"], t["ours"], "fwdbwd_ms"), 0.8))
+    if t and dt_ and "ours" in t and "ours" in dt_:
+        res.append(("diff_threshold / threshold fwd+bwd time (<= 1.6)", ratio(dt_["ours"], t["ours"], "fwdbwd_ms"),
+                    -1.6))
+    for r in (t, dt_):
+        if r and "ours" in r and "ref_compiled" in r:
+            res.append((f"{r['variant']}: fwd+bwd speed vs compiled reference (> 1x)",
+                        ratio(r["ref_compiled"], r["ours"], "fwdbwd_ms"), 1.0))
+            res.append((f"{r['variant']}: fwd+bwd peak memory, reference / ours (> 1x)",
+                        ratio(r["ref_compiled"], r["ours"], "peak_gib_fwdbwd"), 1.0))
+    return [{"target": n, "value": v, "met": (v is not None and (v >= lim if lim > 0 else v <= -lim))}
+            for n, v, lim in res]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/benchmarks/softmax_family")
-    ap.add_argument("--only", default="all", choices=["all", "main", "masks", "shapes"])
+    ap.add_argument("--only", default="all",
+                    choices=["all", "main", "masks", "shapes", "threshold", "threshold_main"])
     ap.add_argument("--merge", nargs="*", default=None, help="merge part JSON files into --out, run nothing")
     args = ap.parse_args()
     out = Path(args.out)
@@ -276,14 +386,16 @@ def main():
             "commit": commit}
     print(meta, flush=True)
     rows = []
-    for name, b, h, n, d, cap, mask, extra in cases(args.only):
-        rows.append(run_case(name, b, h, n, d, cap, mask, **extra))
-    tgts = targets(rows)
+    threshold = args.only.startswith("threshold")
+    for name, b, h, n, d, cap, mask, extra in (threshold_cases(args.only) if threshold else cases(args.only)):
+        rows.append((run_threshold_case if threshold else run_case)(name, b, h, n, d, cap, mask, **extra))
+    tgts = threshold_targets(rows) if threshold else targets(rows)
     for t in tgts:
         print(f"{t['target']:45} {t['value'] if t['value'] is None else round(t['value'], 3)} "
               f"{'met' if t['met'] else 'MISSED'}")
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
-    out.with_suffix(".md").write_text(markdown(meta, rows, tgts))
+    title = "Threshold-family attention benchmark" if threshold else "Softmax-family attention benchmark"
+    out.with_suffix(".md").write_text(markdown(meta, rows, tgts, title))
 
 
 if __name__ == "__main__":
