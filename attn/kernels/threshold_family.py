@@ -251,7 +251,13 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
 
-@triton.jit
+# Scalars that vary with the problem size are not specialized on (value 1 / divisibility
+# by 16), so one compiled kernel serves every N, head count, GQA ratio and window: compile
+# once per mask kind / variant / dtype / head dim, and a warm-up anywhere fills the cache.
+_RUNTIME_SCALARS = ["seq_len", "num_heads", "group", "window", "N_BUCKET"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _fwd_kernel(
     Q, K, V, Q2, K2, LAM, BOUNDS, OUT,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -345,7 +351,7 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
     return dq, dq2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _dq_kernel(
     Q, K, V, Q2, K2, LAM, BOUNDS, DO, DQ, DQ2,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -458,7 +464,7 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
     return dk, dv, dk2, dlam
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS + ["dlam_slots"])
 def _dkdv_kernel(
     Q, K, V, Q2, K2, LAM, BOUNDS, DO, DK, DV, DK2, DLAM_PART,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
@@ -563,7 +569,7 @@ def _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, s
     return zeros
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS[:4])
 def _zero_count_kernel(
     Q, K, Q2, K2, LAM, BOUNDS, ZEROS,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd,
@@ -626,22 +632,24 @@ def _cfg(block_m, block_n, warps, stages):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-# GPU candidates per kernel and head dim (first = pinned default). BLOCK_M: query rows,
-# BLOCK_N: key rows of a tile. The dk/dv kernel keeps three (BLOCK_N, D) fp32
-# accumulators for the differential form, hence its smaller key blocks at D = 128.
+# GPU candidates per (kernel, head dim, differential); the first is the pinned default.
+# BLOCK_M: query rows, BLOCK_N: key rows of a tile. Chosen from the sm_90 compiler's
+# resource report (registers <= 255 without spills, shared memory <= 227 KiB): the dk/dv
+# kernel keeps two (three with the second view) (BLOCK_N, D) fp32 accumulators live,
+# hence its short query tiles; the second view's extra k2 / q2 tiles shorten the pipeline.
 GPU_CONFIGS = {
-    "fwd": {
-        128: [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3)],
-        64: [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 4)],
-    },
-    "dq": {
-        128: [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 8, 2)],
-        64: [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 32, 4, 3)],
-    },
-    "dkdv": {
-        128: [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 128, 8, 2)],
-        64: [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3), _cfg(32, 128, 4, 3)],
-    },
+    ("fwd", 128, False): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3)],
+    ("fwd", 128, True): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2)],
+    ("fwd", 64, False): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
+    ("fwd", 64, True): [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3)],
+    ("dq", 128, False): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dq", 128, True): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 3)],
+    ("dq", 64, False): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dq", 64, True): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dkdv", 128, False): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
+    ("dkdv", 128, True): [_cfg(16, 128, 8, 2), _cfg(32, 64, 8, 3)],
+    ("dkdv", 64, False): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
+    ("dkdv", 64, True): [_cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3)],
 }
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
 # unmasked split; tests may override this table
@@ -651,28 +659,30 @@ INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros"
 # adds the tensors' dtypes); the tensors' batch, head counts and exact N are not in the key
 _TUNE_KEY = ["HEAD_DIM", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "DIFF"]
 _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
-_tuned: dict[tuple[str, int], object] = {}
+_tuned: dict[tuple[str, int, bool], object] = {}
 
 
 def _n_bucket(n: int) -> int:
     return max(64, triton.next_power_of_2(n))
 
 
-def _gpu_configs(kind: str, head_dim: int):
-    table = GPU_CONFIGS[kind]
-    return table[head_dim] if head_dim in table else [_cfg(64, 64, 4, 2)]
+def _gpu_configs(kind: str, head_dim: int, differential: bool):
+    return GPU_CONFIGS.get((kind, head_dim, differential), [_cfg(64, 64, 4, 2)])
 
 
-def _launcher(kind: str, head_dim: int):
-    """(kernel, fixed meta-params or None when the autotuner chooses them)."""
+def _launcher(kind: str, head_dim: int, differential: bool):
+    """(kernel, fixed meta-params; empty when the autotuner chooses them).
+
+    ATTNLAB_AUTOTUNE=0 pins a config: the first, or ATTNLAB_THRESHOLD_CONFIG=i's.
+    """
     if _interpreting():
         bm, bn = INTERPRETER_CONFIG[kind]
         return _KERNELS[kind], {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
-    configs = _gpu_configs(kind, head_dim)
+    configs = _gpu_configs(kind, head_dim, differential)
     if not _autotune_enabled():
-        cfg = configs[0]
+        cfg = configs[min(int(os.environ.get("ATTNLAB_THRESHOLD_CONFIG", "0")), len(configs) - 1)]
         return _KERNELS[kind], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    key = (kind, head_dim)
+    key = (kind, head_dim, differential)
     if key not in _tuned:
         _tuned[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_KERNELS[kind])
     return _tuned[key], {}
@@ -729,7 +739,7 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
     if n == 0 or bsz == 0:
         return out
     differential = q2 is not None
-    kernel, fixed = _launcher("fwd", d)
+    kernel, fixed = _launcher("fwd", d, differential)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
     kernel[grid](
         q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
@@ -759,11 +769,11 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
-        kernel, fixed = _launcher("dq", d)
+        kernel, fixed = _launcher("dq", d, differential)
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_M"]), bsz * heads)  # noqa: E731
         kernel[grid](*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars,
                      **meta, **fixed)
-        kernel, fixed = _launcher("dkdv", d)
+        kernel, fixed = _launcher("dkdv", d, differential)
         grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), bsz * kv_heads)  # noqa: E731
         kernel[grid](*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
                      *common, *dout.stride(), *scalars, dlam_slots, **meta, DLAM_SLOT=_DLAM_SLOT, **fixed)
