@@ -261,3 +261,22 @@ def test_compiled_matches_eager_fullgraph():
     torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cap", ["none", "alsc"])
+def test_zero_and_negative_temperature(nan_poison, cap):
+    """t = 0 rows are uniform, t < 0 rows favour the smallest logits; masked keys stay masked."""
+    gen = torch.Generator().manual_seed(8)
+    n = 37
+    q, k, v = (torch.randn(1, n, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    t = torch.randn(1, n, generator=gen, dtype=torch.float64) * 2
+    t[0, ::5] = 0.0
+    spec, mask = make_spec(cap), MaskSpec(causal=True, window=11)
+    ref = reference_attention(q, k, v, spec, mask, None, t)
+    ins = [x.float().requires_grad_() for x in (q, k, v, t)]
+    out = fused_attention(ins[0], ins[1], ins[2], spec, mask, None, ins[3])
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    out.sum().backward()
+    tr = t.clone().requires_grad_()
+    reference_attention(q, k, v, spec, mask, None, tr).sum().backward()
+    torch.testing.assert_close(ins[3].grad.double(), tr.grad, atol=5e-5, rtol=1e-4)

@@ -9,8 +9,8 @@ the forward already computes:
     CAP_NONE      F = y                                     F' = 1
     CAP_TANH      T = tanh(x s/c),  F = c T                 F' = 1 - T^2
     CAP_SOFT_SIGN u = x s/c, r = 1/(1+|u|), F = c u r       F' = r^2
-    CAP_ALSC      cl = clamp(y, -a, a), g = c - a,
-                  T = tanh((y - cl)/g), F = cl + g T        F' = 1 - T^2
+    CAP_ALSC      g = c - a, y'' = y/g, cl = clamp(y'', -a/g, a/g),
+                  T = tanh(y'' - cl), F = g (cl + T)         F' = 1 - T^2
 
 (ALSC: inside the knee y - cl = 0, so T = 0 and F = y, F' = 1; outside it is exactly
 sign(y)(a + g tanh((|y|-a)/g)); kappa = 0 gives the tanh cap.)
@@ -86,8 +86,8 @@ def _rcp(x, FAST: tl.constexpr):
 def _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr):
     """x = q.k (fp32) -> (G, D): G times the row factor is z; D = F'(y) (1 where unused).
 
-    The row factor (log2 units) is t * log2e * {s, c, c, 1} for CAP = {none, tanh, soft_sign, alsc};
-    `qk_scale` is s for none/alsc and s/c for tanh/soft_sign.
+    The row factor (log2 units) is t * log2e * {s, c, c, g} for CAP = {none, tanh, soft_sign, alsc};
+    `qk_scale` is s for none, s/c for tanh/soft_sign, s/g for alsc (whose `alsc_a` is then a/g).
     """
     if CAP == 0:
         g = x
@@ -101,10 +101,11 @@ def _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.con
         g = u * r
         d = r * r
     else:
+        # in units of g = c - a: y'' = s x / g, a'' = a / g; F = g (cl + T)
         y = x * qk_scale
         cl = tl.minimum(tl.maximum(y, -alsc_a), alsc_a)
-        t = _tanh((y - cl) * (1.0 / alsc_g), FAST)
-        g = cl + alsc_g * t
+        t = _tanh(y - cl, FAST)
+        g = cl + t
         d = 1.0 - t * t
     return g, d
 
@@ -163,7 +164,10 @@ def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexp
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len, window,
               hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
               CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr):
+              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr,
+              HAS_TEMP: tl.constexpr):
+    """One key tile of the online softmax. Without a temperature `row_scale` is a positive
+    scalar, so max(g) * scale is the row max and g * scale - m is one FMA per score."""
     offs_n = start + offs_n0
     if MASKED:
         in_n = offs_n < seq_len
@@ -174,21 +178,28 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         v = tl.load(v_ptrs + offs_n[:, None] * stride_vn)
     x = tl.dot(q, k, input_precision=DOT_PREC)
     g, _ = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
-    z = g * row_scale[:, None]
     if MASKED:
         vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
-        z = tl.where(vis, z, float("-inf"))
+        g = tl.where(vis, g, float("-inf"))  # scale > 0 or per-row: -inf stays -inf (t = 0 rows: see below)
     if FIXED_MAX:
-        # bounded logits (|z| <= m_i, a cap without temperature): a fixed shift, no running max
-        # and no rescaling of the accumulator; softmax is shift-invariant, so the math is the same
-        p = tl.exp2(z - m_i[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
+        # bounded logits (|z| <= m_i: a cap without temperature): a fixed shift, no running max
+        # and no rescaling of the accumulator; softmax is shift-invariant, so the math is the
+        # same. The normalizer sums the probabilities as rounded for the p.v product.
+        p = tl.exp2(g * row_scale - m_i[:, None]).to(v.dtype)
+        l_i = l_i + tl.sum(p.to(tl.float32), 1)
+        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_i
     else:
-        m_new = tl.maximum(m_i, tl.max(z, 1))
+        if HAS_TEMP:
+            z = g * row_scale[:, None]
+            if MASKED:
+                z = tl.where(vis, z, float("-inf"))  # a zero / negative temperature must not flip -inf
+            m_new = tl.maximum(m_i, tl.max(z, 1))
+            p = tl.exp2(z - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(g, 1) * row_scale)
+            p = tl.exp2(g * row_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(z - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -250,10 +261,11 @@ def _fwd_kernel(
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=in_m[:, None], other=0.0)
-    row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + out_scale
     if HAS_TEMP:
         t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
-        row_scale = row_scale * t
+        row_scale = t * out_scale
+    else:
+        row_scale = out_scale
     k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
     v_ptrs = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
 
@@ -270,23 +282,23 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX)
+                                  FIXED_MAX, HAS_TEMP)
     for start in range(a, bnd, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX)
+                                  FIXED_MAX, HAS_TEMP)
     for start in range(bnd, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX)
+                                  FIXED_MAX, HAS_TEMP)
     if HAS_SEG:  # candidates' own diagonal
         for start in range(lo2, hi2, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo2, hi2,
                                       seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
                                       cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX)
+                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP)
 
     seen = l_i > 0
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
@@ -581,7 +593,8 @@ def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
     if cap in (1, 2):
         return sm_scale / c, c * LOG2E, sm_scale, c, 0.0, 1.0
     a = float(knee) * c
-    return sm_scale, LOG2E, sm_scale, 1.0, a, c - a
+    g = c - a
+    return sm_scale / g, g * LOG2E, sm_scale, g, a / g, 1.0
 
 
 def _flags(q: torch.Tensor):
