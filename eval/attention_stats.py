@@ -243,7 +243,7 @@ def plot_heatmaps(result: dict, prefix: Path) -> list[Path]:
     return paths
 
 
-def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device) -> dict:
+def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
     seq_len = cfg.seq_len or run.model_config.context
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2 or null, got {seq_len!r}")
@@ -262,7 +262,7 @@ def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: tor
         "seq_len": seq_len,
         **stats,
         "definitions": {name: title for name, (_, title, _) in METRICS.items()},
-        "eval": common.eval_config_record(cfg),
+        "eval": common.eval_config_record(cfg, data_cfg),
         "versions": common.versions(),
     }
 
@@ -318,8 +318,9 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
     datamodules = common.DataModuleCache()
     results = []
     for run in common.iter_runs(cfg, device):
-        datamodule = datamodules.get(common.data_config_for(run, cfg), run.model_config.vocab_size)
-        result = evaluate_run(run, cfg, datamodule, device)
+        data_cfg = common.data_config_for(run, cfg)
+        datamodule = datamodules.get(data_cfg, run.model_config.vocab_size)
+        result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out)
         images = plot_heatmaps(result, path.with_suffix("")) if cfg.plot else []
         result["path"] = str(path)

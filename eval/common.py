@@ -338,10 +338,15 @@ def output_path(checkpoint_path: Path, kind: str, split: str, out: str | None = 
     return checkpoint_path.with_name(f"{checkpoint_path.stem}.{kind}-{split}{suffix}")
 
 
-def eval_config_record(cfg: DictConfig) -> dict:
-    """The eval command's own resolved config and command-line overrides, stored with its result."""
-    record = OmegaConf.to_container(cfg, resolve=True)
-    record.pop("hydra", None)
+def eval_config_record(cfg: DictConfig, data_cfg: DictConfig | None = None) -> dict:
+    """The eval command's own resolved config and command-line overrides, stored with its result.
+    `data` is the data config actually used (the run's, or the one data=<option> selected, resolved
+    against the run's config); a data= group alone cannot resolve its ${model.context}-style keys."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    plain.pop("hydra", None)
+    plain.pop("data", None)
+    record = OmegaConf.to_container(OmegaConf.create(plain), resolve=True)
+    record["data"] = OmegaConf.to_container(data_cfg, resolve=True) if data_cfg is not None else None
     overrides = None
     with contextlib.suppress(Exception):
         from hydra.core.hydra_config import HydraConfig
@@ -369,9 +374,16 @@ def wandb_group(run: LoadedRun) -> str | None:
     if group and hydra_file is not None and hydra_file.is_file():
         hydra_cfg = OmegaConf.load(hydra_file).hydra
         if str(hydra_cfg.get("mode")) == "MULTIRUN":
-            output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
-            sweep_dir = Path(output_dir).parent if output_dir else run.run_dir.parent
-            return f"{group}-{sweep_dir.name}"
+            sweep = OmegaConf.to_container(hydra_cfg.sweep, resolve=False) if "sweep" in hydra_cfg else {}
+            sweep_dir = str(sweep.get("dir") or "")
+            if not sweep_dir or "${" in sweep_dir:
+                # the saved sweep dir still holds ${now:...}: walk up from the job's folder instead,
+                # one level per path component of the job's subdir
+                subdir = str(sweep.get("subdir") or "job").strip("/")
+                output_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None)
+                job_dir = Path(output_dir) if output_dir else run.run_dir
+                sweep_dir = job_dir.parents[subdir.count("/")]
+            return f"{group}-{Path(sweep_dir).name}"
     return group
 
 

@@ -57,7 +57,8 @@ def run_generate(cfg: DictConfig) -> list[str]:
     if len(paths) != 1:
         raise ValueError(f"eval.generate samples from one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
     run = common.load_run(paths[0], device=device, backend=cfg.backend)
-    datamodule = common.DataModuleCache().get(common.data_config_for(run, cfg), run.model_config.vocab_size)
+    data_cfg = common.data_config_for(run, cfg)
+    datamodule = common.DataModuleCache().get(data_cfg, run.model_config.vocab_size)
     texts = sample(run, datamodule.tokenizer, cfg, device)
 
     from rich.console import Console
@@ -72,7 +73,7 @@ def run_generate(cfg: DictConfig) -> list[str]:
     if cfg.out:
         common.write_json(
             common.output_path(paths[0], "samples", "prompt", cfg.out),
-            {"model": run.describe(), "samples": texts, "eval": common.eval_config_record(cfg)},
+            {"model": run.describe(), "samples": texts, "eval": common.eval_config_record(cfg, data_cfg)},
         )
     return texts
 

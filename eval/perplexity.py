@@ -154,7 +154,7 @@ def _evaluated_bytes(datamodule, split: str, tokens: np.ndarray, truncated: bool
     return len(tokens), len(text.encode("utf-8"))
 
 
-def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device) -> dict:
+def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
     """Perplexity of one loaded run at every requested context length."""
     split = cfg.split
     tokens = np.asarray(datamodule.token_ids(split))
@@ -202,7 +202,7 @@ def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: tor
             "unigram_bpb": _unigram_bpb(datamodule, split, truncated),
         },
         "results": rows,
-        "eval": common.eval_config_record(cfg),
+        "eval": common.eval_config_record(cfg, data_cfg),
         "versions": common.versions(),
     }
 
@@ -219,7 +219,7 @@ def print_table(result: dict) -> None:
 
     m = result["model"]
     table = Table(title=f"perplexity on {result['split']}: {m['variant']} seed {m['seed']} ({m['checkpoint']})")
-    for column in ("context", "x train", "stride", "windows", "tokens", "nats/token", "ppl", "bits/byte"):
+    for column in ("context", "x train", "stride", "windows", "tokens", "nats/tok", "ppl", "bpb"):
         table.add_column(column, justify="right")
     for r in result["results"]:
         table.add_row(
@@ -258,8 +258,9 @@ def run_perplexity(cfg: DictConfig) -> list[dict]:
     datamodules = common.DataModuleCache()
     for run in common.iter_runs(cfg, device):
         context_lengths(cfg, run.model_config.context)  # fail on a bad list before loading data
-        datamodule = datamodules.get(common.data_config_for(run, cfg), run.model_config.vocab_size)
-        result = evaluate_run(run, cfg, datamodule, device)
+        data_cfg = common.data_config_for(run, cfg)
+        datamodule = datamodules.get(data_cfg, run.model_config.vocab_size)
+        result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out)
         result["path"] = str(path)
         common.write_json(path, result)

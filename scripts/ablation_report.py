@@ -421,6 +421,44 @@ def plot_throughput(analysis: dict, path: Path) -> Path:
     return path
 
 
+def plot_attention_grid(runs: list[Run], variants: list[str], path: Path) -> Path | None:
+    """Layer x head maps of sink mass and exact-zero fraction per variant (mean over seeds)."""
+    import numpy as np
+
+    panels = ("sink_mass", "zero_fraction")
+    maps = {}
+    for v in variants:
+        stacks = [np.array([[np.nan if x is None else x for x in layer] for layer in r.attention["metrics"][m]], dtype=float)
+                  for r in runs if r.variant == v and r.attention and "metrics" in r.attention for m in panels]
+        if stacks:
+            per_metric = [np.nanmean(np.stack(stacks[i::len(panels)]), axis=0) for i in range(len(panels))]
+            maps[v] = per_metric
+    if not maps:
+        return None
+    plt = _plt()
+    names = [v for v in variants if v in maps]
+    fig, axes = plt.subplots(len(panels), len(names), figsize=(2.0 * len(names) + 1.2, 2.0 * len(panels) + 0.8),
+                             dpi=110, squeeze=False, layout="constrained")
+    for row, metric in enumerate(panels):
+        for col, v in enumerate(names):
+            ax = axes[row][col]
+            values = maps[v][row]
+            image = ax.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            ax.set_xticks(range(values.shape[1]))
+            ax.set_yticks(range(values.shape[0]))
+            ax.tick_params(labelsize=6)
+            if row == 0:
+                ax.set_title(v, fontsize=8)
+            if row == len(panels) - 1:
+                ax.set_xlabel("head", fontsize=7)
+            if col == 0:
+                ax.set_ylabel(f"{metric}\nlayer", fontsize=7)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 # ---------------------------------------------------------------------------- markdown
 
 
@@ -560,6 +598,9 @@ def build_report(paths, out: Path, title: str = "Attention ablation", split: str
         plots["length extrapolation"] = plot_extrapolation(analysis, out / "extrapolation.png")
     if any(analysis["per_variant"][v]["tokens_per_s"]["n"] for v in analysis["variants"]):
         plots["throughput"] = plot_throughput(analysis, out / "throughput.png")
+    grid = plot_attention_grid(runs, analysis["variants"], out / "attention_maps.png")
+    if grid is not None:
+        plots["attention maps (layer x head, mean over seeds)"] = grid
     report = write_markdown(analysis, runs, out, title, plots, split)
     analysis["report"] = str(report)
     analysis["plots"] = {k: str(p) for k, p in plots.items()}

@@ -36,7 +36,7 @@ def test_t_quantile_symmetry_and_median():
 
 
 def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=(900.0, 1000.0, 1100.0),
-             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5))) -> Path:
+             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None) -> Path:
     """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step)."""
     run = root / f"{variant}_s{seed}"
     (run / "csv").mkdir(parents=True)
@@ -61,13 +61,15 @@ def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=
                 for c, p in ppl.items()]
         (run / "checkpoints" / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
     if attention is not None:
-        (run / "checkpoints" / "best.attention-val.json").write_text(json.dumps({"summary": attention}))
+        payload = {"summary": attention, **({"metrics": maps} if maps else {})}
+        (run / "checkpoints" / "best.attention-val.json").write_text(json.dumps(payload))
     return run
 
 
 def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
+    maps = {"sink_mass": [[0.3, 0.2], [0.1, None]], "zero_fraction": [[0.0, 0.0], [0.0, 0.0]]}
     a = make_run(tmp_path / "runs", "softmax", 0, 2.0, ppl={512: 10.0, 1024: 12.0},
-                 attention={"zero_fraction": 0.0, "sink_mass": 0.3})
+                 attention={"zero_fraction": 0.0, "sink_mass": 0.3}, maps=maps)
     b = make_run(tmp_path / "runs", "softmax", 1, 2.2, tokens_per_s=(1.0, 2000.0, 2000.0, 2200.0),
                  ppl={512: 14.0, 1024: 16.0}, attention={"zero_fraction": 0.0, "sink_mass": 0.5})
     out = tmp_path / "report"
@@ -84,7 +86,7 @@ def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
     assert summary["attention"]["softmax"]["sink_mass"]["mean"] == pytest.approx(0.4)
     md = (out / "report.md").read_text()
     assert "2.1000 ± 0.1414 [0.8294, 3.3706]" in md
-    for name in ("val_loss_vs_tokens.png", "extrapolation.png", "throughput.png"):
+    for name in ("val_loss_vs_tokens.png", "extrapolation.png", "throughput.png", "attention_maps.png"):
         assert (out / name).read_bytes()[:8] == PNG
         assert f"]({name})" in md
 

@@ -347,6 +347,18 @@ def test_perplexity_command_writes_json_beside_checkpoint(trained_run):
     assert len(results) == 1 and results[0]["results"][0]["context"] == 8
 
 
+def test_data_option_selects_another_data_config(trained_run, tmp_path):
+    """data=<option> replaces the run's data config; its ${model.context}-style keys resolve against the run."""
+    corpus = write_corpus(tmp_path / "other.txt", lines=200, seed=5)
+    cfg = eval_cfg("perplexity", trained_run, "data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte",
+                   "~data.tokenizer.vocab_size", f"cache_dir={tmp_path / 'cache'}", "split=test", "contexts=[16]",
+                   f"out={tmp_path / 'other.json'}")
+    result = perplexity.run_perplexity(cfg)[0]
+    used = result["eval"]["config"]["data"]
+    assert used["source"]["path"] == str(corpus) and used["seq_len"] == 16 and used["cache_dir"] == str(tmp_path / "cache")
+    assert (tmp_path / "other.json").is_file() and result["results"][0]["tokens"] > 0
+
+
 def test_attention_stats_command_writes_json_and_heatmaps(trained_run):
     results = attention_stats.run_attention_stats(eval_cfg("attention_stats", trained_run, "num_tokens=64"))
     saved = json.loads(Path(results[0]["path"]).read_text())
@@ -478,3 +490,23 @@ def test_command_line_reports_a_missing_checkpoint_in_one_line(tmp_path, monkeyp
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: checkpoint not found" in err and "Traceback" not in err
+
+
+def test_wandb_group_follows_train_py(tmp_path):
+    """results.json's wandb_group when recorded; else <group>-<sweep folder> for a multirun job
+    (also when the saved sweep dir still holds ${now:...} and the job subdir is nested)."""
+    job = tmp_path / "multirun" / "2026-01-01_00-00-00" / "softmax" / "s0"
+    (job / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"hydra": {
+        "mode": "MULTIRUN", "runtime": {"output_dir": str(job)},
+        "sweep": {"dir": "multirun/${group}/${now:%Y-%m-%d_%H-%M-%S}", "subdir": "${attn.name}/s${seed}"},
+    }}), job / ".hydra" / "hydra.yaml")
+    run = common.LoadedRun(model=None, model_config=None, checkpoint_path=job / "checkpoints" / "best.ckpt", hparams={},
+                           run_dir=job, run_config=OmegaConf.create({"group": "ablation"}), results={},
+                           global_step=None, tokens_seen=None)
+    assert common.wandb_group(run) == "ablation-2026-01-01_00-00-00"
+    run.results = {"wandb_group": "recorded"}
+    assert common.wandb_group(run) == "recorded"
+    (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
+    run.results = {}
+    assert common.wandb_group(run) == "ablation"

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The attention ablation end to end: train six variants x seeds (configs/experiment/ablation.yaml),
+# evaluate each run (perplexity at 1x/2x/4x context on the test split, attention statistics on
+# validation tokens), write the report.
+#
+#   scripts/run_ablation.sh prepare                 # here, with network: wheels + token cache to carry
+#   scripts/run_ablation.sh device [OVERRIDES...]   # on the GPU machine: everything, packed into $OUT
+#   scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR]   # here: report from what came back
+#
+# Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
+#   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache"], timeout_s=600)
+# Extra Hydra overrides go after `device`, e.g. `train.max_steps=300`. Environment knobs:
+#   ABLATION_VARIANTS  comma list (default: all six)      ABLATION_SEEDS  comma list (default 0,1,2)
+#   ABLATION_PARALLEL  variant chains at once on the GPU (default 6; 1 gives clean throughput numbers)
+#   ABLATION_TRAIN_BUDGET_S  wall seconds after which unfinished training is stopped (default 420),
+#                      so the evals, the report and the packing still fit in one 600 s call
+#   ABLATION_SWEEP     sweep folder (default multirun/ablation/device: a second call on the same warm
+#                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
+#   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10")
+#   ABLATION_PPL_ARGS, ABLATION_STATS_ARGS  extra overrides of eval.perplexity / eval.attention_stats
+#   PYTHON             interpreter (default python3)
+# A run stopped by the budget gets no results.json and is left out of the report (it lists the runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+WHEELS=${ABLATION_WHEELS:-.whl}
+CACHE=${ABLATION_CACHE:-$ROOT/.device_cache/attnlab}
+ALL_VARIANTS=softmax,softcap_tanh,softcap_softsign,alsc,threshold,diff_threshold
+
+prepare() {
+  # 1) wheels the GPU image lacks (hydra and its two dependencies), the versions this venv uses
+  mkdir -p "$WHEELS"
+  for pkg in hydra-core omegaconf antlr4-python3-runtime; do
+    version=$($PYTHON -m pip show "$pkg" 2>/dev/null | awk '/^Version:/{print $2}')
+    [ -n "$version" ] || { echo "install $pkg here first (pip install -e .)"; exit 1; }
+    stem=$(echo "$pkg" | tr - _)
+    if ls "$WHEELS"/${stem}-${version}-*.whl >/dev/null 2>&1; then continue; fi
+    # antlr4-python3-runtime is published as an sdist only: build its (pure Python) wheel here
+    $PYTHON -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$pkg==$version"
+  done
+  # 2) the ablation corpus tokenized once (tokenizer + token shards; the device cannot download it)
+  ATTNLAB_CACHE_DIR=$CACHE $PYTHON - <<'EOF'
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+import os
+
+with initialize_config_dir(config_dir=os.path.abspath("configs"), version_base="1.3"):
+    cfg = compose("train", overrides=["experiment=ablation", "paths.output_dir=/tmp/unused"])
+dm = instantiate(cfg.data)
+dm.prepare_data()
+dm.setup("fit")
+print("token cache:", dm.cache_path, {s: dm.split_stats(s) for s in ("train", "val", "test")})
+EOF
+  # only the tokenizer and the token shards travel (the source texts are not needed once tokenized)
+  rm -rf "$CACHE/sources" "$CACHE/hf_datasets"
+  du -sh "$WHEELS" "$CACHE"
+  echo "carry: $WHEELS and $(dirname "$CACHE") (keep both ignored: .git/info/exclude or .gitignore)"
+}
+
+pack() {
+  # one archive of everything but checkpoints (at most 8 files come back from $OUT)
+  local out=$1 sweep=$2
+  (
+    command -v flock >/dev/null && flock 9
+    # exit status 1 only says a file changed while read (another chain still writing): keep the archive
+    tar czf "$out/.ablation.tar.gz.tmp" --exclude='*.ckpt' -C "$(dirname "$sweep")" "$(basename "$sweep")" \
+      || [ $? -eq 1 ]
+    mv "$out/.ablation.tar.gz.tmp" "$out/ablation.tar.gz"
+  ) 9>"$out/.pack.lock"
+}
+
+runs_of_variant() {
+  # run directories of one variant (by results.json, not by folder name: threshold vs diff_threshold)
+  $PYTHON - "$1" "$2" <<'EOF'
+import json, sys
+from pathlib import Path
+sweep, variant = Path(sys.argv[1]), sys.argv[2]
+runs = [p.parent for p in sorted(sweep.glob("*/results.json")) if json.loads(p.read_text())["variant"] == variant]
+print(",".join(f'"{r}"' for r in runs))
+EOF
+}
+
+device() {
+  local out=${OUT:-$ROOT/ablation_out}
+  mkdir -p "$out"
+  local sweep=${ABLATION_SWEEP:-$ROOT/multirun/ablation/device}
+  mkdir -p "$sweep/logs"
+  local log=$sweep/logs
+  export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ATTNLAB_CACHE_DIR=$CACHE WANDB_MODE=offline
+  if ! $PYTHON -c "import hydra" 2>/dev/null; then
+    $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+    echo "command: scripts/run_ablation.sh device $*"
+    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-0,1,2} parallel: ${ABLATION_PARALLEL:-6}"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
+  } | tee "$sweep/environment.txt"
+
+  local budget=${ABLATION_TRAIN_BUDGET_S:-420}
+  local seeds=${ABLATION_SEEDS:-0,1,2}
+  local deadline=$(( $(date +%s) + budget ))
+  chain() {
+    local v=$1 left=$(( deadline - $(date +%s) ))
+    if [ "$left" -gt 10 ]; then
+      # SIGTERM makes Lightning stop with an error: a cut-off run writes no results.json
+      # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
+      local own="ABLATION_OVERRIDES_$v"
+      timeout -s TERM "$left" $PYTHON train.py experiment=ablation "attn=$v" "seed=$seeds" logger=csv \
+        "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false "${extra[@]}" ${!own:-} >"$log/train_$v.log" 2>&1 \
+        || echo "[$v] training ended early (exit $?), see logs/train_$v.log"
+    fi
+    local runs
+    runs=$(runs_of_variant "$sweep" "$v")
+    if [ -z "$runs" ]; then echo "[$v] no finished run"; return; fi
+    $PYTHON -m eval.perplexity "ckpt=[$runs]" split=test ${ABLATION_PPL_ARGS:-} >"$log/perplexity_$v.log" 2>&1 \
+      || echo "[$v] perplexity failed, see logs/perplexity_$v.log"
+    $PYTHON -m eval.attention_stats "ckpt=[$runs]" split=val ${ABLATION_STATS_ARGS:-} >"$log/attention_$v.log" 2>&1 \
+      || echo "[$v] attention stats failed, see logs/attention_$v.log"
+    pack "$out" "$sweep"
+    echo "[$v] done at +$(( $(date +%s) - deadline + budget ))s"
+  }
+  local extra=("$@")
+  local parallel=${ABLATION_PARALLEL:-6}
+  IFS=, read -r -a variants <<<"${ABLATION_VARIANTS:-$ALL_VARIANTS}"
+  for v in "${variants[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
+    chain "$v" &
+  done
+  wait || true
+  $PYTHON scripts/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \
+    || echo "report failed, see logs/report.log"
+  pack "$out" "$sweep"
+  cp "$sweep/environment.txt" "$out/"
+  [ -f "$sweep/report/report.md" ] && cp "$sweep/report/report.md" "$out/"
+  rm -f "$out/.pack.lock"
+  ls -la "$out"
+  tail -n 40 "$sweep/report/report.md" 2>/dev/null || true
+}
+
+report() {
+  local fetched=${1:?usage: scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR]}
+  local dest=${2:-docs/results/ablation}
+  local unpack=$ROOT/multirun/ablation-fetched
+  rm -rf "$unpack" && mkdir -p "$unpack"
+  tar xzf "$fetched/ablation.tar.gz" -C "$unpack"
+  local sweep
+  sweep=$(find "$unpack" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  # heatmaps are re-drawn here from the JSONs (the device may have had no matplotlib)
+  $PYTHON - "$sweep" <<'EOF'
+import json, sys
+from pathlib import Path
+from eval.attention_stats import plot_heatmaps
+for path in sorted(Path(sys.argv[1]).glob("*/checkpoints/*.attention-*.json")):
+    plot_heatmaps(json.loads(path.read_text()), path.with_suffix(""))
+EOF
+  mkdir -p "$dest"
+  $PYTHON scripts/ablation_report.py "$sweep" --out "$dest"
+  cp "$sweep/environment.txt" "$dest/" 2>/dev/null || true
+  echo "report: $dest/report.md (runs unpacked in $sweep)"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  prepare) prepare ;;
+  device) device "$@" ;;
+  report) report "$@" ;;
+  *) sed -n '2,24p' "$0"; exit 2 ;;
+esac
