@@ -288,6 +288,7 @@ def analyze(runs: list[Run]) -> dict:
             "params": sorted({r.results.get("params") for r in rs if r.results.get("params") is not None}),
             "tokens": sorted({r.results.get("tokens") for r in rs if r.results.get("tokens") is not None}),
             "tokens_per_s": summarize([r.tokens_per_s for r in rs]).as_dict(),
+            "mfu": summarize([r.results.get("mfu") for r in rs]).as_dict(),
             "peak_memory_gb": summarize([r.peak_memory_gb for r in rs]).as_dict(),
         }
         for key, _ in METRICS:
@@ -540,11 +541,12 @@ def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots
         "training steps (first interval left out); mean ± std over seeds. Runs that shared a GPU "
         "(scripts/run_ablation.sh runs variants side by side) were measured under contention: compare "
         "variants within one report only.", "",
-        "| variant | tokens/s | peak memory (GiB) |", "| --- | --- | --- |",
+        "| variant | tokens/s | MFU | peak memory (GiB) |", "| --- | --- | --- | --- |",
     ]
     for v in variants:
         lines.append(
-            f"| {v} | {fmt_summary(pv[v]['tokens_per_s'], 0, ci=False)} | {fmt_summary(pv[v]['peak_memory_gb'], 2, ci=False)} |"
+            f"| {v} | {fmt_summary(pv[v]['tokens_per_s'], 0, ci=False)} | {fmt_summary(pv[v]['mfu'], 3, ci=False)} | "
+            f"{fmt_summary(pv[v]['peak_memory_gb'], 2, ci=False)} |"
         )
     if not any(pv[v]["peak_memory_gb"]["n"] for v in variants):
         lines.append("\nPeak memory: not recorded in these runs' results.json.")

@@ -18,6 +18,7 @@
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
 #   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10")
 #   ABLATION_PPL_ARGS, ABLATION_STATS_ARGS  extra overrides of eval.perplexity / eval.attention_stats
+#   ABLATION_COMMIT    the commit to record (the device's copy of the tree may have no .git)
 #   PYTHON             interpreter (default python3)
 # A run stopped by the budget gets no results.json and is left out of the report (it lists the runs).
 set -euo pipefail
@@ -95,7 +96,8 @@ device() {
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | grep -q . && echo '(with local changes)')"
+    # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
+    echo "commit: ${ABLATION_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     echo "command: scripts/run_ablation.sh device $*"
     echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-0,1,2} parallel: ${ABLATION_PARALLEL:-6}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
@@ -162,6 +164,7 @@ EOF
   mkdir -p "$dest"
   $PYTHON scripts/ablation_report.py "$sweep" --out "$dest"
   cp "$sweep/environment.txt" "$dest/" 2>/dev/null || true
+  echo "report made here at commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$dest/environment.txt"
   echo "report: $dest/report.md (runs unpacked in $sweep)"
 }
 
