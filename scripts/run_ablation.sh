@@ -8,7 +8,7 @@
 #   scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR]   # here: report from what came back
 #
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
-#   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache"], timeout_s=600)
+#   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
 # Extra Hydra overrides go after `device`, e.g. `train.max_steps=300`. Environment knobs:
 #   ABLATION_VARIANTS  comma list (default: all six)      ABLATION_SEEDS  comma list (default 0,1,2)
 #   ABLATION_PARALLEL  variant chains at once on the GPU (default 6; 1 gives clean throughput numbers)
@@ -27,7 +27,9 @@ ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 WHEELS=${ABLATION_WHEELS:-.whl}
 CACHE=${ABLATION_CACHE:-$ROOT/.device_cache/attnlab}
-ALL_VARIANTS=softmax,softcap_tanh,softcap_softsign,alsc,threshold,diff_threshold
+# the sweep's defaults, read from the experiment config (one source of truth)
+ALL_VARIANTS=$(awk '$1 == "variants:" {print $2; exit}' configs/experiment/ablation.yaml)
+ALL_SEEDS=$(awk '$1 == "seeds:" {print $2; exit}' configs/experiment/ablation.yaml)
 
 prepare() {
   # 1) wheels the GPU image lacks (hydra and its two dependencies), the versions this venv uses
@@ -53,10 +55,11 @@ dm.prepare_data()
 dm.setup("fit")
 print("token cache:", dm.cache_path, {s: dm.split_stats(s) for s in ("train", "val", "test")})
 EOF
-  # only the tokenizer and the token shards travel (the source texts are not needed once tokenized)
-  rm -rf "$CACHE/sources" "$CACHE/hf_datasets"
+  # only the tokenizer and the token shards need to travel (the source texts are not read once
+  # tokenized); trimmed only in the script's own cache folder, never in one passed by ABLATION_CACHE
+  if [ -z "${ABLATION_CACHE:-}" ]; then rm -rf "$CACHE/sources" "$CACHE/hf_datasets"; fi
   du -sh "$WHEELS" "$CACHE"
-  echo "carry: $WHEELS and $(dirname "$CACHE") (keep both ignored: .git/info/exclude or .gitignore)"
+  echo "carry: $WHEELS and ${CACHE#"$ROOT"/} (keep both ignored: .git/info/exclude or .gitignore)"
 }
 
 pack() {
@@ -99,13 +102,13 @@ device() {
     # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
     echo "commit: ${ABLATION_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
     echo "command: scripts/run_ablation.sh device $*"
-    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-0,1,2} parallel: ${ABLATION_PARALLEL:-6}"
+    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-6}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
   } | tee "$sweep/environment.txt"
 
   local budget=${ABLATION_TRAIN_BUDGET_S:-420}
-  local seeds=${ABLATION_SEEDS:-0,1,2}
+  local seeds=${ABLATION_SEEDS:-$ALL_SEEDS}
   local deadline=$(( $(date +%s) + budget ))
   chain() {
     local v=$1 left=$(( deadline - $(date +%s) ))
@@ -174,5 +177,5 @@ case "$cmd" in
   prepare) prepare ;;
   device) device "$@" ;;
   report) report "$@" ;;
-  *) sed -n '2,24p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
 esac
