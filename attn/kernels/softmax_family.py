@@ -182,12 +182,12 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         g = tl.where(vis, g, float("-inf"))  # scale > 0 or per-row: -inf stays -inf (t = 0 rows: see below)
     if FIXED_MAX:
-        # bounded logits (|z| <= m_i: a cap without temperature): a fixed shift, no running max
-        # and no rescaling of the accumulator; softmax is shift-invariant, so the math is the
-        # same. The normalizer sums the probabilities as rounded for the p.v product.
-        p = tl.exp2(g * row_scale - m_i[:, None]).to(v.dtype)
-        l_i = l_i + tl.sum(p.to(tl.float32), 1)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
+        # bounded logits (a cap without temperature): shift by the row's own diagonal logit
+        # (visible to every row that sees anything), no running max and no rescaling of the
+        # accumulator; softmax is shift-invariant, so the math is the same
+        p = tl.exp2(g * row_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_i
     else:
         if HAS_TEMP:
@@ -272,7 +272,12 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FIXED_MAX:
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + fixed_max
+        # shift = z_ii: |z - z_ii| <= 2 c log2e, so exp2 neither overflows nor underflows (host
+        # guard), the diagonal adds exactly ~1 to l, and a single-key row gets p = 1 as with a max
+        kd = tl.load(K + b * stride_kb + hk * stride_kh + offs_m[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                     mask=in_m[:, None], other=0.0)
+        gd, _ = _cap(tl.sum(q.to(tl.float32) * kd.to(tl.float32), 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
+        m_i = gd * out_scale
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: exp2(m_old - m_new) never NaN
 
@@ -623,15 +628,18 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     st = (temperature.stride(0), temperature.stride(1)) if temperature is not None else (0, 0)
     bnd = bounds if bounds is not None else lse
     # a cap bounds |z| by c (log2 units: c log2e); without a temperature the forward can then
-    # shift by that bound instead of a running max: exp2(z - bound) >= 2^-2bound stays a
-    # normal float for c <= 40 in bf16/fp32 (fp16 p would underflow, so not there)
-    fixed_max = cap != 0 and temperature is None and q.dtype != torch.float16 and cap_value <= 40.0
+    # shift by the diagonal logit instead of a running max: p = exp2(z - z_ii) lies in
+    # [2^-2B, 2^2B], B = c log2e, and l <= N 2^2B; bf16/fp32 keep that range (fp16 p would
+    # not), with 2^18 headroom in fp32 for |v| in acc = sum p v
+    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16
+                 and 2.0 * float(cap_value) * LOG2E + math.log2(max(n, 2)) <= 108.0
+                 and os.environ.get("ATTNLAB_FIXED_SHIFT", "1") == "1")
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)  # noqa: E731
     _fwd_kernel[grid](
         q, k, v, out, lse, temp, bnd,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
         h, h // h_kv, n, window, _n_bucket(n),
-        qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, float(cap_value) * LOG2E,
+        qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0,
         HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
         HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
     )
