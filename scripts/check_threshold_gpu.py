@@ -155,6 +155,8 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
         return tf.fused_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
 
     os.environ["ATTNLAB_THRESHOLD_CONFIG"] = str(config)
+    # both forms of the differential dk/dv kernel: split with config 0, fused with config 1
+    os.environ["ATTNLAB_DIFF_DKDV"] = "fused" if config == 1 else "split"
     ref64 = _outputs_and_grads(reference, leaves(torch.float64), dout)
     same = _outputs_and_grads(reference, leaves(torch.bfloat16), dout)
     with _Poison():
@@ -170,12 +172,13 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     return ratios
 
 
-def warm_variant(d, mask_name, differential, config):
-    """Compile one benchmark variant's three kernels with tile config `config` (small shapes:
-    the kernels do not specialize on sizes, so the cache entry serves every size)."""
+def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
+    """Compile one benchmark variant's kernels with tile config `config` (small shapes: the
+    kernels do not specialize on sizes, so the cache entry serves every size)."""
     import attn
 
     os.environ["ATTNLAB_THRESHOLD_CONFIG"] = str(config)
+    os.environ["ATTNLAB_DIFF_DKDV"] = dkdv_form
     dev, dtype, b, n, h = DEVICE, torch.bfloat16, 2, 300, 4
     spec = attn.get_variant("diff_threshold" if differential else "threshold").make_spec()
     ids = None
@@ -202,7 +205,7 @@ def warm_reference(variant):
     """Compile the PyTorch reference at the main shape (fills inductor's on-disk caches)."""
     import bench_attention as ba
 
-    ba.do_bench = lambda fn, **kw: (fn(), 0.0)[1]  # compile + one run, no timing
+    ba.do_bench = lambda fn, **kw: (fn(), 1.0)[1]  # compile + one run, no timing
     name, b, h, n, d, var, mask, extra = next(c for c in ba.threshold_cases("threshold_main") if c[5] == variant)
     row = ba.run_threshold_case(name, b, h, n, d, var, mask, ref=True)
     return "ok" if "ref_compiled" in row else "failed"
@@ -279,11 +282,63 @@ def compile_check(log):
             wl, ll = w.clone().requires_grad_(), lam.clone().requires_grad_()
             loss = fn(x, wl, ll)
             loss.backward()
-            outs.append((loss.detach().float(), wl.grad.float(), ll.grad.float()))
+            outs.append((loss.detach().float(), wl.grad.float())
+                        + ((ll.grad.float(),) if spec.differential else ()))
         diffs = [((c - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() for e, c in zip(*outs)]
         results[variant] = diffs
         log(f"  compile(fullgraph, inductor) vs eager {variant}: rel. max diff loss/dW/dlam = "
             + " ".join(f"{v:.1e}" for v in diffs))
+    return results
+
+
+def profile(ba, log):
+    """GPU time per kernel (torch.profiler) and host wall time per fwd+bwd step."""
+    import attn
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    results = {}
+    for name, b, h, n, d, variant in (("main thr", 4, 16, 4096, 128, "threshold"),
+                                      ("main diff", 4, 16, 4096, 128, "diff_threshold"),
+                                      ("small thr", 8, 16, 1024, 64, "threshold"),
+                                      ("small diff", 8, 16, 1024, 64, "diff_threshold")):
+        spec = attn.get_variant(variant).make_spec()
+        unit = lambda: F.normalize(torch.randn(b, n, h, d, device="cuda"), dim=-1).to(torch.bfloat16)  # noqa
+        x = {"q": unit(), "k": unit(), "v": unit()}
+        if spec.differential:
+            x.update(q2=unit(), k2=unit(), lam=torch.full((h,), 0.5, device="cuda"))
+        x = {k: t.requires_grad_() for k, t in x.items()}
+        entry = attn.registry.family_kernel(spec)
+        do = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            out = entry(x["q"], x["k"], x["v"], spec, attn.MaskSpec(True), None, None, x.get("q2"), x.get("k2"),
+                        x.get("lam"))
+            out.backward(do)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        iters = 10
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) / iters * 1e3
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if t > 0:
+                kernels[e.key[:60]] = t / iters / 1e3  # ms per step
+        top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:6])
+        gpu_ms = sum(kernels.values())
+        results[name] = {"wall_ms_per_step": wall_ms, "gpu_ms_per_step": gpu_ms, "kernels_ms": top}
+        log(f"  profile {name}: wall {wall_ms:.3f} ms/step, GPU kernels {gpu_ms:.3f} ms/step: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in top.items()))
     return results
 
 
@@ -319,7 +374,8 @@ def main():
         tasks += [("warm_ref", (v,)) for v in ("threshold", "diff_threshold")]
     tasks += [("check", c) for c in CHECK_CASES]
     if not args.skip_bench:
-        tasks += [("warm", (d, m, diff, cfg)) for d, m, diff in BENCH_VARIANTS for cfg in (0, 1)
+        tasks += [("warm", (d, m, diff, cfg, form)) for d, m, diff in BENCH_VARIANTS for cfg in (0, 1)
+                  for form in (("split", "fused") if diff else ("split",))
                   if not (args.quick and (d, m) != (128, "causal"))]
     checks = {}
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -370,15 +426,18 @@ def main():
             except Exception:
                 log(f"bench {name} failed:\n" + traceback.format_exc())
             tgts = ba.threshold_targets(rows)
-            bench_meta = {**meta, "tuned_configs": {
-                f"{k[0]} D={k[1]} diff={k[2]}": {str(key): str(cfg) for key, cfg in kern.cache.items()}
-                for k, kern in tf._tuned.items()}}
+            bench_meta = {**meta, "tuned_configs": tf.tuned_configs()}
             (out / "bench_threshold.json").write_text(json.dumps({"meta": bench_meta, "rows": rows,
                                                                   "targets": tgts}, indent=1))
             (out / "bench_threshold.md").write_text(ba.markdown(meta, rows, tgts,
                                                                 "Threshold-family attention benchmark"))
         for k, v in bench_meta["tuned_configs"].items():
             log(f"  autotuned {k}: {v}")
+        try:
+            report["profile"] = profile(ba, log)
+        except Exception:
+            log("profile failed:\n" + traceback.format_exc())
+        (out / "check_threshold_gpu.json").write_text(json.dumps(report, indent=1, default=str))
         log("targets:")
         for t in tgts:
             value = "n/a" if t["value"] is None else f"{t['value']:.3f}"

@@ -151,9 +151,11 @@ def test_matches_float64_reference(case, nan_poison):
     check_against_reference(spec, mask, seg, tensors, dout, dtype)
 
 
-@pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])
-def test_other_tile_shapes(blocks, monkeypatch, nan_poison):
-    """Query and key tiles of different sizes move the masked / unmasked split."""
+@pytest.mark.parametrize("blocks,dkdv_form", [((32, 16), "split"), ((16, 32), "fused")])
+def test_other_tile_shapes(blocks, dkdv_form, monkeypatch, nan_poison):
+    """Query and key tiles of different sizes move the masked / unmasked split; both forms
+    of the differential dk/dv kernel (fused: one launch, split: two)."""
+    monkeypatch.setenv("ATTNLAB_DIFF_DKDV", dkdv_form)
     bm, bn = blocks
     monkeypatch.setitem(tf.INTERPRETER_CONFIG, "fwd", (bm, bn))
     monkeypatch.setitem(tf.INTERPRETER_CONFIG, "dq", (bm, bn))
@@ -296,6 +298,19 @@ def _op_args(differential, with_seg):
     seg = ranker_segment_ids(1, 17, torch.Generator().manual_seed(1)) if with_seg else None
     bounds = attn.segment_bounds(seg) if seg is not None else None
     return x, bounds, dout.float()
+
+
+@pytest.mark.parametrize("differential,with_seg", [(False, False), (True, True)])
+def test_custom_op_matches_eager_path(differential, with_seg):
+    """Eager calls skip the custom-op layer (same implementation); traced calls use the op."""
+    x, bounds, dout = _op_args(differential, with_seg)
+    args = (x["q"], x["k"], x["v"], x.get("q2"), x.get("k2"), x.get("lam"), bounds, 0.2, 1.5, True, 0)
+    results = []
+    for fn in (tf.threshold_attention_op, tf._EagerThresholdAttention.apply):
+        out = fn(*args)
+        results.append((out, *torch.autograd.grad(out, list(x.values()), dout)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("differential,with_seg", [(False, False), (True, True)])

@@ -421,30 +421,38 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr):
     """One query tile [m0, m0 + BLOCK_M) against this program's keys; MASKED tiles keep
     queries in [q_lo, q_hi). Tiles are held transposed, (keys, queries), so dv and dk
-    accumulate without transposing the accumulators."""
+    accumulate without transposing the accumulators.
+
+    VIEWS (differential only): 0 = dk, dv, dk2 and d-lambda in one pass; 1 = dk and dv;
+    2 = dk2 and d-lambda (the split form: two launches with 2 and 1 accumulators instead
+    of one launch with 3, which at D = 128 does not fit the register file)."""
+    FIRST: tl.constexpr = (not DIFF) or VIEWS != 2
+    SECOND: tl.constexpr = DIFF and VIEWS != 1
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     if MASKED:
         row_ok = offs_m[:, None] < seq_len
-        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
     else:
-        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
         do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
     tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
-    xT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) - tau[None, :]
-    wT, gT = _rectified_power_and_grad(xT, power, POWER_MODE)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
         vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
         visT = tl.trans(vis)
-        wT = tl.where(visT, wT, 0.0)
-        dpT = tl.where(visT, dpT, 0.0)
+        dpT = tl.where(visT, dpT, 0.0)  # masks every ds term and d-lambda
+    if FIRST:
+        if MASKED:
+            q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
+        xT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) - tau[None, :]
+        wT, gT = _rectified_power_and_grad(xT, power, POWER_MODE)
     if DIFF:
         if MASKED:
             q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d, mask=row_ok, other=0.0)
@@ -452,15 +460,16 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
             q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d)
         x2T = tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) - tau[None, :]
         w2T, g2T = _rectified_power_and_grad(x2T, power, POWER_MODE)
-        # dp is already 0 outside the mask, so are these d-lambda and dk2 terms
-        dlam += tl.sum(tl.sum(dpT * w2T, axis=1), axis=0)
-        ds2T = dpT * (-lam * g2T)
-        dk2 = tl.dot(ds2T.to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
+        if SECOND:
+            dlam += tl.sum(tl.sum(dpT * w2T, axis=1), axis=0)
+            dk2 = tl.dot((dpT * (-lam * g2T)).to(q2.dtype), q2, dk2, input_precision=DOT_PREC)
+        if FIRST:
+            wT = wT - lam * w2T
+    if FIRST:
         if MASKED:
-            w2T = tl.where(visT, w2T, 0.0)
-        wT = wT - lam * w2T
-    dv = tl.dot(wT.to(do.dtype), do, dv, input_precision=DOT_PREC)
-    dk = tl.dot((dpT * gT).to(q.dtype), q, dk, input_precision=DOT_PREC)
+            wT = tl.where(visT, wT, 0.0)
+        dv = tl.dot(wT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dk = tl.dot((dpT * gT).to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv, dk2, dlam
 
 
@@ -473,8 +482,11 @@ def _dkdv_kernel(
     seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DLAM_SLOT: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr,
+    DLAM_SLOT: tl.constexpr,
 ):
+    FIRST: tl.constexpr = (not DIFF) or VIEWS != 2
+    SECOND: tl.constexpr = DIFF and VIEWS != 1
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     num_kv_heads = num_heads // group
@@ -517,15 +529,15 @@ def _dkdv_kernel(
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
                                            offs_n, m0, lo, hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
-                                           DOT_PREC)
+                                           VIEWS, DOT_PREC)
         for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
             m0, q_lo, q_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
             dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
                                            offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
-                                           DOT_PREC)
-        if DIFF:
+                                           VIEWS, DOT_PREC)
+        if SECOND:
             # this program owns slots [n0, n0 + BLOCK_N) / DLAM_SLOT of head h: the partial
             # goes to the first, zeros to the rest, so the buffer is fully written whatever
             # the block size (no zero-fill, no stale autotuning trials)
@@ -534,9 +546,10 @@ def _dkdv_kernel(
             tl.store(DLAM_PART + (b64 * num_heads + h) * dlam_slots + slots, vals, mask=slots < dlam_slots)
     # dk / dv / dk2 are contiguous (B, N, H_kv, D) allocations of the launcher
     out_offs = b64 * seq_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
-    tl.store(DK + out_offs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(DV + out_offs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
-    if DIFF:
+    if FIRST:
+        tl.store(DK + out_offs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
+        tl.store(DV + out_offs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
+    if SECOND:
         tl.store(DK2 + out_offs + offs_d[None, :], dk2.to(DK2.dtype.element_ty), mask=key_ok)
 
 
@@ -632,60 +645,101 @@ def _cfg(block_m, block_n, warps, stages):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
-# GPU candidates per (kernel, head dim, differential); the first is the pinned default.
-# BLOCK_M: query rows, BLOCK_N: key rows of a tile. Chosen from the sm_90 compiler's
-# resource report (registers <= 255 without spills, shared memory <= 227 KiB): the dk/dv
-# kernel keeps two (three with the second view) (BLOCK_N, D) fp32 accumulators live,
-# hence its short query tiles; the second view's extra k2 / q2 tiles shorten the pipeline.
+# GPU candidates per (kernel, head dim, differential, views); the first is the pinned
+# default. BLOCK_M: query rows, BLOCK_N: key rows of a tile. Chosen from the sm_90
+# compiler's resource report (<= 255 registers without spills, <= 227 KiB shared memory):
+# the dk/dv kernel keeps two (BLOCK_N, D) fp32 accumulators live (three in the fused
+# differential form, views 0), hence its short query tiles. views 1 / 2: the split
+# differential dk/dv (dk, dv / dk2 + d-lambda), see _dkdv_diff.
 GPU_CONFIGS = {
-    ("fwd", 128, False): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 128, True): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2)],
-    ("fwd", 64, False): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 64, True): [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3)],
-    ("dq", 128, False): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 128, True): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 3)],
-    ("dq", 64, False): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 64, True): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dkdv", 128, False): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
-    ("dkdv", 128, True): [_cfg(16, 128, 8, 2), _cfg(32, 64, 8, 3)],
-    ("dkdv", 64, False): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
-    ("dkdv", 64, True): [_cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3)],
+    ("fwd", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3)],
+    ("fwd", 128, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2)],
+    ("fwd", 64, False, 0): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
+    ("fwd", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3)],
+    ("dq", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dq", 128, True, 0): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 3)],
+    ("dq", 64, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dq", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dkdv", 128, False, 0): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
+    ("dkdv", 128, True, 0): [_cfg(16, 64, 8, 3), _cfg(32, 64, 8, 2)],
+    ("dkdv", 128, True, 1): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 3)],
+    ("dkdv", 128, True, 2): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
+    ("dkdv", 64, False, 0): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
+    ("dkdv", 64, True, 0): [_cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3)],
+    ("dkdv", 64, True, 1): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
+    ("dkdv", 64, True, 2): [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3)],
 }
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
 # unmasked split; tests may override this table
 INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros": (16, 16)}
 
-# autotuning is keyed on head dim, bucketed N, mask kind and the variant (the autotuner
-# adds the tensors' dtypes); the tensors' batch, head counts and exact N are not in the key
+# Autotuning is keyed on head dim, bucketed N, mask kind and the variant (plus dtype); the
+# batch, head counts and exact N are not in the key. triton.autotune measures the
+# candidates at a key's first launch; later launches skip the autotuner's per-call work
+# and start the compiled kernel with the remembered config.
 _TUNE_KEY = ["HEAD_DIM", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "DIFF"]
 _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
-_tuned: dict[tuple[str, int, bool], object] = {}
+_tuners: dict[tuple, object] = {}
+_best: dict[tuple, dict] = {}
+# fused (one launch) or split (two launches) differential dk/dv, measured per key
+_dkdv_diff_form: dict[tuple, str] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv goes through the JIT's call machinery (~5 us per call)
+    return -(-a // b)
 
 
 def _n_bucket(n: int) -> int:
-    return max(64, triton.next_power_of_2(n))
+    return max(64, 1 << (n - 1).bit_length())
 
 
-def _gpu_configs(kind: str, head_dim: int, differential: bool):
-    return GPU_CONFIGS.get((kind, head_dim, differential), [_cfg(64, 64, 4, 2)])
+def _gpu_configs(kind: str, head_dim: int, differential: bool, views: int = 0):
+    return GPU_CONFIGS.get((kind, head_dim, differential, views), [_cfg(64, 64, 4, 2)])
 
 
-def _launcher(kind: str, head_dim: int, differential: bool):
-    """(kernel, fixed meta-params; empty when the autotuner chooses them).
+def _fixed(cfg) -> dict:
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _launch(kind: str, grid, args, meta: dict, n_bucket: int, dtype, views: int = 0) -> None:
+    """Launch kernel `kind` with an interpreter / pinned / autotuned config.
 
     ATTNLAB_AUTOTUNE=0 pins a config: the first, or ATTNLAB_THRESHOLD_CONFIG=i's.
     """
+    kernel = _KERNELS[kind]
+    if kind == "dkdv":
+        meta = {**meta, "VIEWS": views}
     if _interpreting():
         bm, bn = INTERPRETER_CONFIG[kind]
-        return _KERNELS[kind], {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
-    configs = _gpu_configs(kind, head_dim, differential)
+        fixed = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
+        kernel[grid(fixed)](*args, **meta, **fixed)
+        return
+    head_dim, differential = meta["HEAD_DIM"], meta["DIFF"]
+    configs = _gpu_configs(kind, head_dim, differential, views)
     if not _autotune_enabled():
-        cfg = configs[min(int(os.environ.get("ATTNLAB_THRESHOLD_CONFIG", "0")), len(configs) - 1)]
-        return _KERNELS[kind], {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    key = (kind, head_dim, differential)
-    if key not in _tuned:
-        _tuned[key] = triton.autotune(configs=configs, key=_TUNE_KEY)(_KERNELS[kind])
-    return _tuned[key], {}
+        fixed = _fixed(configs[min(int(os.environ.get("ATTNLAB_THRESHOLD_CONFIG", "0")), len(configs) - 1)])
+        kernel[grid(fixed)](*args, **meta, **fixed)
+        return
+    key = (kind, head_dim, differential, views, dtype, n_bucket, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"])
+    fixed = _best.get(key)
+    if fixed is None:
+        tuner_key = (kind, head_dim, differential, views)
+        if tuner_key not in _tuners:
+            _tuners[tuner_key] = triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+        tuner = _tuners[tuner_key]
+        tuner[grid](*args, **meta)  # measures the candidates (first time for this key), then runs
+        _best[key] = _fixed(tuner.best_config)
+        return
+    kernel[grid(fixed)](*args, **meta, **fixed)
+
+
+def tuned_configs() -> dict[str, str]:
+    """The configs the autotuner chose so far, readable (for benchmark reports)."""
+    names = ("kernel", "D", "diff", "views", "dtype", "N_bucket", "causal", "window", "seg")
+    out = {" ".join(f"{n}={v}" for n, v in zip(names, key)): str(cfg) for key, cfg in _best.items()}
+    out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
+    return out
 
 
 def _power_mode(power: float) -> int:
@@ -739,16 +793,43 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
     if n == 0 or bsz == 0:
         return out
     differential = q2 is not None
-    kernel, fixed = _launcher("fwd", d, differential)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * heads)  # noqa: E731
-    kernel[grid](
-        q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-        bounds if bounds is not None else q, out,
-        *_common_args(q, k, v, q2, k2, lam), *out.stride(),
-        n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n),
-        **_meta(q, k, power, causal, window, bounds, differential), **fixed,
-    )
+    args = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
+            bounds if bounds is not None else q, out,
+            *_common_args(q, k, v, q2, k2, lam), *out.stride(),
+            n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
+    _launch("fwd", lambda meta: (_cdiv(n, meta["BLOCK_M"]), bsz * heads), args,
+            _meta(q, k, power, causal, window, bounds, differential), _n_bucket(n), q.dtype)
     return out
+
+
+def _dkdv_diff(dkdv, key) -> None:
+    """Differential dk/dv: fused (one launch: dk, dv, dk2, d-lambda; 6 products per tile and
+    three accumulators) or split (two launches, dk + dv and dk2 + d-lambda: 8 products per
+    tile pair, at most two accumulators, so larger tiles fit the registers). Autotuning
+    measures both forms at a key's first call (both write every output, so whichever runs
+    last leaves a complete result); ATTNLAB_DIFF_DKDV=fused|split pins one."""
+
+    def fused():
+        dkdv(0)
+
+    def split():
+        dkdv(1)
+        dkdv(2)
+
+    forms = {"fused": fused, "split": split}
+    if _interpreting() or not _autotune_enabled():
+        forms[os.environ.get("ATTNLAB_DIFF_DKDV", "split")]()
+        return
+    form = _dkdv_diff_form.get(key)
+    if form is None:
+        for fn in forms.values():  # autotune each form's kernels outside the timing
+            fn()
+        from triton.testing import do_bench
+
+        times = {name: do_bench(fn, warmup=10, rep=40, return_mode="median")
+                 for name, fn in forms.items()}
+        form = _dkdv_diff_form[key] = min(times, key=times.get)
+    forms[form]()
 
 
 def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
@@ -761,7 +842,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
     dv = torch.empty((bsz, n, kv_heads, d), device=q.device, dtype=v.dtype)
     dq2 = torch.empty_like(dq) if differential else None
     dk2 = torch.empty_like(dk) if differential else None
-    dlam_slots = triton.cdiv(max(n, 1), _DLAM_SLOT)
+    dlam_slots = _cdiv(max(n, 1), _DLAM_SLOT)
     dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
     if n > 0 and bsz > 0:
         common = _common_args(q, k, v, q2, k2, lam)
@@ -769,14 +850,21 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
-        kernel, fixed = _launcher("dq", d, differential)
-        grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_M"]), bsz * heads)  # noqa: E731
-        kernel[grid](*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars,
-                     **meta, **fixed)
-        kernel, fixed = _launcher("dkdv", d, differential)
-        grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), bsz * kv_heads)  # noqa: E731
-        kernel[grid](*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
-                     *common, *dout.stride(), *scalars, dlam_slots, **meta, DLAM_SLOT=_DLAM_SLOT, **fixed)
+        _launch("dq", lambda meta_: (_cdiv(n, meta_["BLOCK_M"]), bsz * heads),
+                (*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars),
+                meta, _n_bucket(n), q.dtype)
+        dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
+                     *common, *dout.stride(), *scalars, dlam_slots)
+        dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
+
+        def dkdv(views):
+            _launch("dkdv", lambda meta_: (_cdiv(n, meta_["BLOCK_N"]), bsz * kv_heads),
+                    dkdv_args, dkdv_meta, _n_bucket(n), q.dtype, views)
+
+        if differential:
+            _dkdv_diff(dkdv, (d, q.dtype, _n_bucket(n), meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"]))
+        else:
+            dkdv(0)
     if not differential:
         return dq, dk, dv
     if n == 0 or bsz == 0:
@@ -856,6 +944,35 @@ def _backward(ctx, dout):
 threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerThresholdAttention(torch.autograd.Function):
+    """The custom op's forward / backward without the dispatcher's Python custom-op layer.
+
+    Eager calls take this path: it runs the same `_forward_impl` / `_backward_impl` and
+    saves ~0.2 ms of host time per forward + backward, which is most of a step at small
+    sizes. Anything traced (torch.compile, export, fake or subclass tensors) goes through
+    `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+        ctx.save_for_backward(q, k, v, q2, k2, lam, bounds)
+        ctx.scalars = (beta, power, causal, window)
+        ctx.differential = q2 is not None
+        return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, q2, k2, lam, bounds = ctx.saved_tensors
+        grads = _backward_impl(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars)
+        if not ctx.differential:
+            grads = (*grads, None, None, None)
+        return (*grads, None, None, None, None, None)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
+
+
 def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam):
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
@@ -878,7 +995,9 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
     q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
-    return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+    if _traced(q):
+        return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+    return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
 
 
 def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
@@ -900,7 +1019,7 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
         warps = 4
     else:
         block_m, block_n, warps = 64, 64, 4
-    n_blocks = triton.cdiv(n, block_m)
+    n_blocks = _cdiv(n, block_m)
     zeros = torch.empty((bsz, heads, n_blocks), device=q.device, dtype=torch.int32)
     with torch.no_grad():
         _zero_count_kernel[(n_blocks, bsz * heads)](
