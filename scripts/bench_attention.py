@@ -185,6 +185,8 @@ def cases(only):
     if only in ("all", "main"):
         out += [("main softmax causal", *main, "none", causal, {"sdpa": True})]
         out += [(f"main {cap} causal", *main, cap, causal, {}) for cap in ("tanh", "soft_sign", "alsc")]
+    if only == "ours":  # our kernels alone, main shape (quick regression check)
+        out += [(f"main {cap} causal", *main, cap, causal, {"flex": False}) for cap in VARIANT_OF_CAP]
     if only in ("all", "masks"):
         ids = ranker_layout(4, 2048, 1024, 1024, "cuda")
         out += [("ranker 1024h+1024c softmax", 4, 16, 2048, 128, "none", full, {"ids": ids})]
