@@ -347,7 +347,8 @@ def main():
     ap.add_argument("--out", default="docs/results")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="main benchmark shape only")
+    ap.add_argument("--quick", action="store_true", help="main benchmark shape only, no inductor compile check")
+    ap.add_argument("--no-ref", action="store_true", help="skip the compiled PyTorch reference in the benchmark")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -370,7 +371,7 @@ def main():
 
     # ---- (a) correctness matrix + compile warm-up, in parallel worker processes
     tasks = []
-    if not args.skip_bench:
+    if not args.skip_bench and not args.no_ref:
         tasks += [("warm_ref", (v,)) for v in ("threshold", "diff_threshold")]
     tasks += [("check", c) for c in CHECK_CASES]
     if not args.skip_bench:
@@ -407,7 +408,8 @@ def main():
     try:
         report["tuned_checks"] = tuned_check(log)
         report["deterministic_grads"] = determinism(log)
-        report["compile_vs_eager"] = compile_check(log)
+        if not args.quick:
+            report["compile_vs_eager"] = compile_check(log)
     except Exception:
         log("main-process checks failed:\n" + traceback.format_exc())
     (out / "check_threshold_gpu.json").write_text(json.dumps(report, indent=1, default=str))
@@ -421,6 +423,8 @@ def main():
         rows = []
         for name, b, h, n, d, variant, mask, extra in ba.threshold_cases("threshold_main" if args.quick
                                                                           else "threshold"):
+            if args.no_ref:
+                extra = {**extra, "ref": False}
             try:
                 rows.append(ba.run_threshold_case(name, b, h, n, d, variant, mask, **extra))
             except Exception:
