@@ -118,8 +118,9 @@ class Attention(nn.Module):
         qs = [p.view(b, n, self.n_head, self.head_dim) for p in parts[0:-1:2]]
         ks = [p.view(b, n, self.n_kv_head, self.head_dim) for p in parts[1:-1:2]]
         v = parts[-1].view(b, n, self.n_kv_head, self.head_dim)
-        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm)) for q in qs]
-        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm)) for k in ks]
+        # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
+        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm)).to(v.dtype) for q in qs]
+        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm)).to(v.dtype) for k in ks]
         return qs, ks, v
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

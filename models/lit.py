@@ -137,10 +137,17 @@ class LitGPT(L.LightningModule):
         o = self.optim_cfg
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=torch.cuda.is_available() or None,
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            fused=(torch.cuda.is_available() and str(self.trainer.precision) != "16-mixed") or None,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # Lightning's AMP plugin refuses to clip for fused AdamW (built for fp16 loss scaling);
+        # under bf16 / fp32 there is no scaler, so the gradients are the true ones: clip here.
+        if gradient_clip_val:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["tokens_seen"] = self.tokens_seen

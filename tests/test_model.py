@@ -142,3 +142,20 @@ def test_sdpa_backend_matches_reference_and_refuses_other_variants():
         attn.attention(q, k, v, attn.get_variant("alsc").make_spec(), backend="sdpa")
     with pytest.raises(ValueError, match="no window"):
         attn.attention(q, k, v, spec, window=4, backend="sdpa")
+
+
+@pytest.mark.parametrize("name", list(VARIANT_PARAMS))
+def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
+    """Norms run in fp32 under autocast; the kernels need q, k, v (and views) in one dtype."""
+    seen = []
+    real = attn.attention
+
+    def spy(q, k, v, spec, **kw):
+        seen.append({t.dtype for t in (q, k, v, kw.get("q2"), kw.get("k2"), kw.get("lam")) if t is not None})
+        return real(q, k, v, spec, **kw)
+
+    monkeypatch.setattr(attn, "attention", spy)
+    model = GPT(tiny(name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 37, (2, 16)))
+    assert seen and all(s == {torch.bfloat16} for s in seen), seen
