@@ -280,3 +280,11 @@ def test_zero_and_negative_temperature(nan_poison, cap):
     tr = t.clone().requires_grad_()
     reference_attention(q, k, v, spec, mask, None, tr).sum().backward()
     torch.testing.assert_close(ins[3].grad.double(), tr.grad, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cap,mask,n", [("tanh", "causal", 17), ("alsc", "ranker+window", 127), ("soft_sign", "full", 1)])
+def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
+    """The opt-in fixed-shift forward (ATTNLAB_FIXED_SHIFT=1; capped, no temperature) meets the same rule."""
+    monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
+    spec, seg = MASKS[mask]
+    run_case(cap, n, 2, spec, seg, False, torch.float32, batch=1, h_kv=1, pad_row=seg)
