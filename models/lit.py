@@ -84,7 +84,9 @@ class LitGPT(L.LightningModule):
         loss = self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
-        self.log("train/loss", loss, prog_bar=True)
+        # sync_dist: the logged value is the mean over ranks, i.e. the loss of the global
+        # batch (equal per-rank batches), the same number a one-device run would log
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         self.log("train/tokens", float(self.tokens_seen))
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
