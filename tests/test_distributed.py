@@ -1,0 +1,94 @@
+"""Data-parallel training on CPU: 2 processes (gloo) through Lightning's ddp launcher.
+
+train.py runs as a subprocess with trainer=ddp_cpu, so Lightning re-runs the script for
+rank 1 exactly as it does on a GPU node. Checked: the per-step training losses and the
+validation loss equal those of one process with the same global batch (up to fp32
+reduction order), and all ranks write into one Hydra run directory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def run_train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    # a clean environment for the run-dir hand-over (no inherited ATTNLAB_RUN_DIR / ranks)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ATTNLAB_RUN") and k not in ("ATTNLAB_JOB_OVERRIDES", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def ddp_args(tmp_path: Path, corpus: Path, per_rank_batch: int, **extra) -> list[str]:
+    """tiny_overrides for train.py on the command line, the run dir left to Hydra."""
+    overrides = tiny_overrides(tmp_path, corpus, **{
+        "trainer": "ddp_cpu", "train.batch_size": per_rank_batch, "train.max_steps": STEPS,
+        "train.val_every": STEPS, **extra,
+    })
+    return [o for o in overrides if not o.startswith("paths.output_dir=")]
+
+
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    # one process, global batch 8 (also builds the shared token cache before the DDP run)
+    single = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.batch_size": 8, "train.max_steps": STEPS, "train.val_every": STEPS,
+        "paths.output_dir": str(tmp_path / "single"),
+    })))
+    # two processes, 4 each
+    ddp_cwd = tmp_path / "ddp"
+    run_train_py(ddp_args(tmp_path, corpus, per_rank_batch=4), cwd=ddp_cwd)
+
+    run_dirs = [p for p in (ddp_cwd / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, f"ranks scattered their outputs: {run_dirs}"
+    assert len(list(ddp_cwd.rglob("metrics.csv"))) == 1 and len(list(ddp_cwd.rglob("results.json"))) == 1
+    run_dir = run_dirs[0]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert Path(results["run_dir"]).resolve() == run_dir.resolve()
+    assert results["steps"] == STEPS
+    assert results["tokens"] == single["tokens"] == STEPS * 8 * 32  # tokens of the global batches
+
+    want, got = train_losses(tmp_path / "single"), train_losses(run_dir)
+    assert sorted(got) == sorted(want) and len(want) == STEPS
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), (step, got, want)
+    # the losses moved, so equal numbers mean equal training, not equal initialization only
+    assert want[min(want)] != want[max(want)]
+    # the validation windows and their mean do not depend on the world size
+    assert results["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_multirun_with_ddp_keeps_each_job_in_its_sweep_dir(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
+    args = ddp_args(tmp_path, corpus, per_rank_batch=2, **{"train.max_steps": 2, "train.val_every": 2})
+    sweep = tmp_path / "sweep"
+    run_train_py(["-m", "seed=0,1", f"hydra.sweep.dir={sweep}", *args], cwd=tmp_path / "cwd")
+    results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"))]
+    assert [r["seed"] for r in results] == [0, 1]
+    assert all(r["steps"] == 2 for r in results)
+    assert len(list(sweep.rglob("metrics.csv"))) == 2
+    assert not (tmp_path / "cwd" / "outputs").exists(), "a rank ran outside the sweep"
