@@ -10,7 +10,13 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
+# matplotlib, imported by torchmetrics through lightning, writes a font cache on import: keep it
+# in attnlab's cache (ATTNLAB_CACHE_DIR, else the default paths.cache_dir) unless the user chose a place.
+os.environ.setdefault(
+    "MPLCONFIGDIR", os.path.join(os.environ.get("ATTNLAB_CACHE_DIR") or os.path.expanduser("~/.cache/attnlab"), "matplotlib")
+)
+
+import hydra  # noqa: E402
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -20,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from models.config_checks import check_config
+from models.guards import MaxLogitMonitor, NonFiniteGuard
 from models.lit import LitGPT
 
 log = logging.getLogger("attnlab.train")
@@ -157,6 +164,9 @@ def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    # every file this run writes goes under one of these two (plus Hydra's files in the run dir)
+    log.info("run dir: %s", output_dir.resolve())
+    log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())
     L.seed_everything(cfg.seed, workers=True)
 
     try:
@@ -182,6 +192,17 @@ def run(cfg: DictConfig) -> dict:
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
         save_top_k=1, save_last=True, auto_insert_metric_name=False,
     )
+    every = cfg.train.ckpt_every_steps
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
+    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite)]
+    if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=str(output_dir / "checkpoints"), monitor=None, save_top_k=0, save_last=True,
+            every_n_train_steps=cfg.train.ckpt_every_steps,
+        ))
+    if cfg.train.log_max_logit:
+        callbacks.append(MaxLogitMonitor())
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
@@ -194,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
         deterministic=cfg.deterministic,
         default_root_dir=str(output_dir),
         logger=build_loggers(cfg, output_dir, resume_run_id),
-        callbacks=[checkpointing, WandbRunIdInCheckpoint()],
+        callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
     )
     with run_dir_for_launched_ranks(output_dir):

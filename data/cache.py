@@ -130,7 +130,7 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
     """Tokenize `split` into `path` (atomically), streaming: memory stays bounded by one
     chunk however large the split. Returns the manifest entry."""
     digest = hashlib.sha256()
-    tokens = byte_count = documents = 0
+    tokens = byte_count = documents = nonempty_documents = 0
     cap = source.max_tokens(split)
     with atomic_writer(path) as handle:
         for chunk in _document_chunks(source.documents(split), source.separator):
@@ -143,13 +143,15 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
             tokens += int(ids.size)
             byte_count += sum(len(text.encode("utf-8")) for text in chunk)
             documents += len(chunk)
+            # rows that were empty (or became empty after filtering) add only separators
+            nonempty_documents += sum(len(text) > len(source.separator) for text in chunk)
             # The cap is checked per chunk so documents stay whole: the split may exceed
             # it by at most one chunk.
             if cap is not None and tokens >= cap:
                 break
-        if tokens == 0:
+        if tokens == 0 or nonempty_documents == 0:
             raise ValueError(
-                f"the {split} split of data source {source.slug()!r} is empty (no text); "
+                f"the {split} split of data source {source.slug()!r} is empty (no document with text); "
                 "check data.source (held-out works, files, fractions, text column)"
             )
     return {"file": path.name, "tokens": tokens, "bytes": byte_count, "documents": documents, "sha256": digest.hexdigest()}

@@ -22,6 +22,7 @@ fails before any training starts); downloads and `load_dataset` happen on first 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import glob
@@ -297,6 +298,31 @@ def resolve_files(value: Any, field: str) -> list[Path]:
     return files
 
 
+def check_utf8(path: Path, field: str, chunk_bytes: int = 1 << 24) -> None:
+    """Raise a ValueError naming the file, byte offset and line of the first invalid UTF-8
+    sequence. Text is never decoded with replacement: silently training on U+FFFD would
+    hide a wrong-encoding file (the `datasets` builders fail deep inside instead)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0
+    with open(path, "rb") as handle:
+        while True:
+            chunk = handle.read(chunk_bytes)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                # the decoder may hold back up to 3 bytes of an unfinished sequence from the last chunk
+                position = max(0, offset + error.start - len(error.object) + len(chunk))
+                line = newlines + chunk[: max(0, position - offset)].count(b"\n") + 1
+                raise ValueError(
+                    f"data.source.{field}: {path} is not valid UTF-8 (byte {position}, line {line}: {error.reason}); "
+                    "re-encode it, e.g. `iconv -f latin1 -t utf-8`"
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+            newlines += chunk.count(b"\n")
+
+
 def _file_identity(path: Path) -> dict:
     stat = path.stat()
     return {"path": str(path), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -371,6 +397,9 @@ class LocalFilesSource(Source):
         for split, paths in self.files.items():
             if paths and all(p.stat().st_size == 0 for p in paths):
                 raise ValueError(self._empty_message(split))
+            if self.kind in ("text", "jsonl"):
+                for path in paths:
+                    check_utf8(path, "path" if split == "train" else f"{split}_path")
         try:
             with _quiet_local_builder():
                 loaded = datasets.load_dataset(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -10,10 +11,45 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
+# sha256 over the content of a checkpoint dict, stored in the file: torch.load notices some
+# flipped bits in the pickled metadata but none in tensor bytes, which would load silently.
+CHECKSUM_KEY = "attnlab_content_sha256"
+
+
+def tensor_digest(obj) -> str:
+    """sha256 over a nested dict/list, in order: every tensor's dtype, shape and bytes, every
+    key and every plain value (numbers, strings), so a flipped bit anywhere is noticed."""
+    digest = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"T{t.dtype}{tuple(x.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for key, value in x.items():
+                digest.update(f"K{key!r}".encode())
+                walk(value)
+        elif isinstance(x, (list, tuple)):
+            digest.update(f"L{len(x)}".encode())
+            for value in x:
+                walk(value)
+        elif x is None or isinstance(x, (bool, int, float, str, bytes)):
+            digest.update(f"V{type(x).__name__}:{x!r}".encode())  # steps, hyperparameters, loop state
+        else:
+            digest.update(f"O{type(x).__name__}".encode())
+
+    walk(obj)
+    return digest.hexdigest()
+
+
 def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     """Write to a temp file in the same directory, fsync, then rename over `path`:
-    a crash leaves either the previous file or the new one, never a torn one."""
+    a crash leaves either the previous file or the new one, never a torn one. A dict gets
+    the sha256 of its content (CHECKSUM_KEY), verified by load_checkpoint."""
     path = Path(path)
+    if isinstance(obj, dict):
+        obj = {**obj, CHECKSUM_KEY: tensor_digest(obj)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -43,6 +79,9 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise ValueError(f"checkpoint {path} cannot be read safely (corrupt, truncated or not a torch file): {e}") from e
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"checkpoint {path} is not an attnlab training checkpoint (no state_dict / hyper_parameters)")
+    expected = ckpt.pop(CHECKSUM_KEY, None)  # absent in checkpoints written before the checksum existed
+    if expected is not None and tensor_digest(ckpt) != expected:
+        raise ValueError(f"checkpoint {path} fails its content sha256 checksum (corrupted on disk: flipped bits)")
     return ckpt
 
 

@@ -1,0 +1,161 @@
+"""Training guards: non-finite loss / gradients (skip or stop) and the max attention logit.
+
+NonFiniteGuard (train.nonfinite: skip | stop | off)
+    After backward and before gradient clipping and the optimizer step (Lightning's
+    on_before_optimizer_step), the loss of the step and every gradient are checked.
+    - skip: the gradients are dropped (set to None), so AdamW leaves every parameter and its
+      moments untouched; the step is counted in `train/nonfinite_steps` (saved in
+      checkpoints). The LR schedule still advances: the step index stays the data position.
+    - stop: raises NonFiniteError naming the global step, whether the loss was finite, the first
+      parameter (module order) with a non-finite gradient and the first module whose forward
+      output went non-finite (found by re-running the batch's forward with hooks, only then).
+    Under precision=16-mixed the GradScaler already skips steps with inf/NaN (scaled) gradients
+    and lowers the scale; the guard then leaves gradients to it and only checks the loss.
+
+MaxLogitMonitor (train.log_max_logit: true)
+    At the first validation batch, the largest scaled score s*q.k (before any cap) over the
+    visible (causal, windowed) positions of each softmax-family layer, as
+    `val/max_logit/layer{i}`. Computed in fp32 from the layer's own q/k projection in a forward
+    pre-hook: one extra QK^T per layer per validation, nothing during training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+import attn
+from eval.attention_stats import per_head_scores
+
+POLICIES = ("skip", "stop", "off")
+
+
+class NonFiniteError(FloatingPointError):
+    """Training met a non-finite loss or gradient under train.nonfinite=stop."""
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+class NonFiniteGuard(L.Callback):
+    def __init__(self, policy: str = "skip"):
+        if policy not in POLICIES:
+            raise ValueError(f"train.nonfinite must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.nonfinite_steps = 0
+        self._loss_finite = True
+        self._batch = None
+
+    # the batch is kept only to locate the first non-finite module if we stop
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._batch = batch
+        self._loss_finite = True
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        # with gradient accumulation one bad micro-batch marks the whole step
+        self._loss_finite = self._loss_finite and _all_finite(loss.detach())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.policy == "off":
+            return
+        scaler_handles_grads = str(trainer.precision) == "16-mixed"
+        bad_param = None
+        if not scaler_handles_grads:
+            bad_param = next(
+                (name for name, p in pl_module.named_parameters() if p.grad is not None and not _all_finite(p.grad)),
+                None,
+            )
+        if self._loss_finite and bad_param is None:
+            return
+        if self.policy == "stop":
+            raise NonFiniteError(self._describe(trainer, pl_module, bad_param))
+        self.nonfinite_steps += 1
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._batch = None
+        if self.policy != "off":
+            pl_module.log("train/nonfinite_steps", float(self.nonfinite_steps))
+
+    def _describe(self, trainer, pl_module, bad_param: str | None) -> str:
+        step = trainer.global_step
+        parts = [f"non-finite values at global step {step} (train.nonfinite=stop)"]
+        parts.append("loss is finite" if self._loss_finite else "loss is not finite")
+        if bad_param is not None:
+            parts.append(f"first parameter with a non-finite gradient: {bad_param}")
+        module = self._first_nonfinite_module(pl_module)
+        if module is not None:
+            parts.append(f"first module with a non-finite forward output: {module}")
+        return "; ".join(parts)
+
+    @torch.no_grad()
+    def _first_nonfinite_module(self, pl_module) -> str | None:
+        """Re-run the step's forward with hooks (only after a failure, so it costs nothing otherwise)."""
+        if self._batch is None:
+            return None
+        found: list[str] = []
+        handles = []
+        for name, module in pl_module.named_modules():
+            if not name:
+                continue
+
+            def hook(mod, args, output, name=name):
+                if not found and isinstance(output, torch.Tensor) and output.is_floating_point() and not _all_finite(output):
+                    found.append(name)
+
+            handles.append(module.register_forward_hook(hook))
+        try:
+            pl_module._loss(self._batch)
+        finally:
+            for h in handles:
+                h.remove()
+        return found[0] if found else None
+
+    def state_dict(self):
+        return {"nonfinite_steps": self.nonfinite_steps}
+
+    def load_state_dict(self, state_dict):
+        self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
+
+
+class MaxLogitMonitor(L.Callback):
+    def __init__(self):
+        self._max: dict[int, float] = {}
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx != 0 or trainer.sanity_checking:
+            return
+        model = pl_module.model  # the eager module (the compiled forward is not hooked)
+        handles = [
+            block.attn.register_forward_pre_hook(self._hook(i))
+            for i, block in enumerate(model.blocks) if block.attn.spec.family == "softmax"
+        ]
+        if not handles:
+            return
+        try:
+            with torch.no_grad():
+                model(batch[0])
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, index: int):
+        def pre_hook(layer, args):
+            x = args[0]
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                qs, ks, _ = layer.split_heads(x.float())
+                scores = per_head_scores(qs[0], ks[0]) * layer.spec.scale(qs[0].shape[-1])
+                visible = attn.dense_mask(attn.MaskSpec(causal=True, window=layer.window), x.shape[1], device=x.device)
+                self._max[index] = scores.masked_fill(~visible[:, None], -math.inf).amax().item()
+
+        return pre_hook
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        for i, value in sorted(self._max.items()):
+            pl_module.log(f"val/max_logit/layer{i}", value, sync_dist=True, reduce_fx="max")
+        self._max = {}

@@ -1,0 +1,680 @@
+"""Reliability guarantees of docs/reliability.md, each proven by a test that can fail:
+crash safety (SIGKILL), corrupted inputs, numeric guards, kernel input validation,
+determinism and security (weights_only loads, no eval of configs, no writes outside the
+run and cache directories)."""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import logging
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel validation tests below run on CPU
+
+import pytest
+import torch
+
+import attn
+from data.cache import MANIFEST_NAME
+from data.datamodule import TokenDataModule
+from models.checkpoint_io import atomic_torch_save, load_checkpoint
+from models.guards import NonFiniteError
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs a script in a subprocess with two test-only instruments, installed from outside the
+# code under test: fsyncs of files whose name contains $PATTERN are recorded in $MARKER (one
+# line each) and, from the $SLEEP_FROM-th on, sleep: that window lies between the temp file's
+# write and its rename. $STEP_SLEEP slows each training step so that random kills land
+# inside training.
+INSTRUMENTED = r"""
+import os, runpy, sys, time
+marker, pattern = os.environ["RELIABILITY_MARKER"], os.environ["RELIABILITY_PATTERN"]
+sleep_from, sleep_s = int(os.environ.get("RELIABILITY_SLEEP_FROM", "0")), float(os.environ.get("RELIABILITY_SLEEP", "0"))
+real_fsync = os.fsync
+def fsync(fd):
+    real_fsync(fd)
+    try:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    if pattern in os.path.basename(name):
+        with open(marker, "a") as f:
+            f.write(name + "\n")
+        with open(marker) as f:
+            seen = len(f.read().splitlines())
+        if sleep_from and seen >= sleep_from:
+            time.sleep(sleep_s)
+os.fsync = fsync
+step_sleep = float(os.environ.get("RELIABILITY_STEP_SLEEP", "0"))
+if step_sleep:
+    import models.lit as lit
+    real_step = lit.LitGPT.training_step
+    def slow_step(self, batch, batch_idx):
+        time.sleep(step_sleep)
+        return real_step(self, batch, batch_idx)
+    lit.LitGPT.training_step = slow_step
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def start_instrumented(script_args: list[str], marker: Path, pattern: str, cwd: Path, sleep_from=0, sleep=0.0,
+                       step_sleep=0.0) -> subprocess.Popen:
+    env = {**os.environ, "RELIABILITY_MARKER": str(marker), "RELIABILITY_PATTERN": pattern,
+           "RELIABILITY_SLEEP_FROM": str(sleep_from), "RELIABILITY_SLEEP": str(sleep),
+           "RELIABILITY_STEP_SLEEP": str(step_sleep), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    # output goes to a file: a full pipe would block the child
+    log = open(marker.with_name(marker.name + f".{time.monotonic_ns()}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-c", INSTRUMENTED, *script_args], cwd=cwd, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = Path(log.name)
+    log.close()
+    return proc
+
+
+def wait_for_lines(marker: Path, count: int, proc: subprocess.Popen, timeout: float = 240.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = marker.read_text().splitlines() if marker.exists() else []
+        if len(lines) >= count:
+            return lines
+        if proc.poll() is not None:
+            pytest.fail(f"process ended (rc {proc.returncode}) before {count} marked fsyncs: "
+                        f"{proc.log_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no {count} marked fsyncs within {timeout} s")
+
+
+def sigkill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    return {int(r["step"]): float(r["train/loss"]) for r in rows}
+
+
+def metric_column(run_dir: Path, name: str) -> list[float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
+
+
+def train_args(overrides: list[str], run_dir: Path) -> list[str]:
+    return [str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+
+
+# ======================================================================== 1. crash safety
+
+
+def test_sigkill_during_checkpoint_write_and_at_random_moments_then_exact_resume(tmp_path):
+    """A SIGKILL while last.ckpt is being written leaves the previous complete last.ckpt;
+    kills at random moments never leave an unloadable one; resuming from whatever is left
+    reaches the uninterrupted run's losses bitwise."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
+    common = {"train.max_steps": 12, "train.val_every": 6, "train.ckpt_every_steps": 2,
+              "paths.cache_dir": str(tmp_path / "cache")}
+    reference = train.run(compose_cfg(tiny_overrides(tmp_path / "straight", corpus, **common)))
+    straight = train_losses(tmp_path / "straight" / "run")
+
+    killed_dir = tmp_path / "killed"
+    overrides = tiny_overrides(killed_dir, corpus, **common)
+    last = killed_dir / "run" / "checkpoints" / "last.ckpt"
+
+    # (a) killed inside the second write of last.ckpt (step 4), between fsync and rename
+    marker = tmp_path / "ckpt_fsyncs.txt"
+    proc = start_instrumented(train_args(overrides, killed_dir / "run"), marker, ".last.ckpt.", tmp_path,
+                              sleep_from=2, sleep=600)
+    lines = wait_for_lines(marker, 2, proc)
+    sigkill(proc)
+    assert all(line.endswith(".tmp") for line in lines), "last.ckpt is written through a temp file"
+    ckpt = load_checkpoint(last)
+    assert ckpt["global_step"] == 2, "the interrupted write must not have replaced the step-2 checkpoint"
+
+    # (b) resumed, then killed at random moments (startup, training, validation or a write)
+    rng = random.Random(os.environ.get("RELIABILITY_KILL_SEED", time.time_ns()))
+    for attempt in range(2):
+        delay = rng.uniform(2.0, 14.0)
+        proc = start_instrumented(train_args(overrides + [f"ckpt_path={last}"], killed_dir / "run"), tmp_path / "none",
+                                  "no-such-file", tmp_path, step_sleep=0.4)
+        try:
+            proc.wait(timeout=delay)
+            assert proc.returncode == 0, proc.log_path.read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            sigkill(proc)
+        ckpt = load_checkpoint(last)  # never torn, whenever the kill came
+        assert 2 <= ckpt["global_step"] <= 12, (attempt, delay, ckpt["global_step"])
+
+    # (c) resume to the end: the same losses as the uninterrupted run, bitwise on CPU
+    resumed_step = load_checkpoint(last)["global_step"]
+    final = train.run(compose_cfg(tiny_overrides(tmp_path / "final", corpus, **common) + [f"ckpt_path={last}"]))
+    assert final["val_loss"] == reference["val_loss"], f"resumed from step {resumed_step}"
+    if resumed_step < 12:
+        resumed = train_losses(tmp_path / "final" / "run")
+        steps = sorted(s for s in resumed if s >= resumed_step)
+        assert steps and [resumed[s] for s in steps] == [straight[s] for s in steps], f"resumed from step {resumed_step}"
+
+
+CACHE_BUILD = r"""
+import sys
+from data.datamodule import TokenDataModule
+corpus, cache = sys.argv[1:3]
+dm = TokenDataModule(source={"kind": "text", "path": corpus}, tokenizer={"kind": "byte"}, cache_dir=cache,
+                     seq_len=16, batch_size=4, val_tokens=1000, seed=0)
+dm.prepare_data()
+"""
+
+
+def test_sigkill_during_tokenization_then_rerun_rebuilds_the_same_cache(tmp_path, caplog):
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=2000)
+    script = tmp_path / "build_cache.py"
+    script.write_text(CACHE_BUILD)
+    # killed while val.bin is being written (train.bin already complete, no manifest yet)
+    marker = tmp_path / "fsyncs.txt"
+    proc = start_instrumented([str(script), str(corpus), str(tmp_path / "cache")], marker, "val.bin.tmp-", tmp_path,
+                              sleep_from=1, sleep=600)
+    wait_for_lines(marker, 1, proc)
+    sigkill(proc)
+    directory = next(p for p in (tmp_path / "cache" / "tokens").glob("text-*") if p.is_dir())
+    assert (directory / "train.bin").is_file() and not (directory / MANIFEST_NAME).exists()
+    assert list(directory.glob("val.bin.tmp-*")), "the kill left the half-written temp file"
+
+    def build(cache_dir: Path) -> TokenDataModule:
+        dm = TokenDataModule(source={"kind": "text", "path": str(corpus)}, tokenizer={"kind": "byte"},
+                             cache_dir=str(cache_dir), seq_len=16, batch_size=4, val_tokens=1000, seed=0)
+        dm.prepare_data()
+        dm.setup()
+        return dm
+
+    with caplog.at_level(logging.WARNING, logger="data.cache"):
+        rerun = build(tmp_path / "cache")
+    assert any("partial cache" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
+    clean = build(tmp_path / "clean_cache")
+    assert not list(rerun.cache_path.glob("*.tmp-*")), "stale temp files are removed by the rebuild"
+    for name in ("train.bin", "val.bin", "test.bin"):
+        assert (rerun.cache_path / name).read_bytes() == (clean.cache_path / name).read_bytes(), name
+    strip = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "created_utc"}
+    assert strip(rerun.cache_path / MANIFEST_NAME) == strip(clean.cache_path / MANIFEST_NAME)
+
+
+# ======================================================================== 2. corrupted inputs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny finished run: (its tmp dir, corpus, last.ckpt)."""
+    import train
+
+    tmp = tmp_path_factory.mktemp("trained")
+    corpus = write_corpus(tmp / "corpus.txt", lines=1000)
+    train.run(compose_cfg(tiny_overrides(tmp, corpus, **{"train.max_steps": 4, "train.val_every": 4})))
+    return tmp, corpus, tmp / "run" / "checkpoints" / "last.ckpt"
+
+
+def tensor_offset(path: Path) -> int:
+    """Byte offset in the file of the data of the largest weight (a flip there changes a value)."""
+    state = load_checkpoint(path)["state_dict"]
+    name = max(state, key=lambda k: state[k].numel())
+    offset = path.read_bytes().find(state[name].numpy().tobytes())
+    assert offset > 0
+    return offset + state[name].numel() * state[name].element_size() // 2
+
+
+def flip_byte(src: Path, dst: Path, offset: int) -> Path:
+    payload = bytearray(src.read_bytes())
+    payload[offset] ^= 0x04
+    dst.write_bytes(bytes(payload))
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flip-in-weights"])
+def test_corrupt_checkpoint_as_ckpt_path_is_a_clear_error_from_load_checkpoint(trained, tmp_path, damage):
+    import train
+
+    _, corpus, last = trained
+    bad = tmp_path / "bad.ckpt"
+    if damage == "truncated":
+        bad.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    else:
+        flip_byte(last, bad, tensor_offset(last))
+    cfg = compose_cfg(tiny_overrides(tmp_path, corpus) + [f"ckpt_path={bad}"])
+    with pytest.raises(ValueError, match=rf"checkpoint {bad} (cannot be read safely|fails its content sha256)") as info:
+        train.run(cfg)
+    assert Path(info.traceback[-1].path).name == "checkpoint_io.py", "raised by load_checkpoint itself"
+    assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training started"
+
+
+def test_no_bit_flip_loads_silently_different_values(trained, tmp_path):
+    """Flips spread over the whole file: each either raises a ValueError or loads the
+    identical checkpoint (a flip in zip padding or in an unused header field)."""
+    _, _, last = trained
+    original = load_checkpoint(last)
+    size = last.stat().st_size
+    silent = 0
+    for i, offset in enumerate(range(7, size, max(1, size // 60))):
+        try:
+            loaded = load_checkpoint(flip_byte(last, tmp_path / f"flip{i}.ckpt", offset))
+        except ValueError:
+            continue
+        silent += 1
+        for key, value in original["state_dict"].items():
+            assert torch.equal(loaded["state_dict"][key], value), f"flip at byte {offset} changed {key} silently"
+        assert loaded["global_step"] == original["global_step"]
+    assert silent < 30, "most flips must be detected"
+
+
+def test_checkpoint_without_training_fields_is_refused(tmp_path):
+    path = tmp_path / "weights.pt"
+    atomic_torch_save({"w": torch.ones(2)}, path)
+    with pytest.raises(ValueError, match=r"is not an attnlab training checkpoint"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint not found: .*missing\.ckpt"):
+        load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def byte_dm(corpus: Path, cache_dir: Path, **source) -> TokenDataModule:
+    return TokenDataModule(source={"kind": "text", "path": str(corpus), **source}, tokenizer={"kind": "byte"},
+                           cache_dir=str(cache_dir), seq_len=16, batch_size=4, val_tokens=1000, seed=0)
+
+
+def edit_manifest_tokens(directory: Path) -> None:
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["splits"]["val"]["tokens"] += 5
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def lengthen_shard(directory: Path) -> None:
+    with open(directory / "train.bin", "ab") as f:
+        f.write(b"\x00\x01" * 3)
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [(edit_manifest_tokens, r"shard val\.bin has \d+ bytes, the manifest says"),
+     (lengthen_shard, r"shard train\.bin has \d+ bytes, the manifest says")],
+    ids=["manifest-does-not-match-shards", "shard-of-wrong-length"],
+)
+def test_cache_mismatch_is_named_and_rebuilt(tmp_path, caplog, damage, reason):
+    """Recovery: the cache is derived data, so a mismatch is logged (naming the file) and rebuilt."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=500)
+    dm = byte_dm(corpus, tmp_path / "cache")
+    dm.prepare_data()
+    dm.setup()
+    original = {name: (dm.cache_path / name).read_bytes() for name in ("train.bin", "val.bin", "test.bin")}
+    damage(dm.cache_path)
+    # setup() alone (no prepare_data) runs the cheap size check and must not read a mismatched shard
+    with caplog.at_level(logging.WARNING, logger="data.cache"):
+        again = byte_dm(corpus, tmp_path / "cache")
+        again.setup()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "data.cache"]
+    assert len(warnings) == 1 and "rebuilding" in warnings[0]
+    assert re.search(reason, warnings[0]), warnings[0]
+    for name, payload in original.items():
+        assert (again.cache_path / name).read_bytes() == payload
+
+
+def test_empty_train_file_names_the_file(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=rf"the train split .* is empty: data\.source\.path \({empty}\) holds no rows"):
+        byte_dm(empty, tmp_path / "cache").prepare_data()
+
+
+def test_non_utf8_text_file_is_an_error_naming_file_byte_and_line(tmp_path):
+    corpus = tmp_path / "latin1.txt"
+    corpus.write_bytes("ok line\nsecond line\n".encode() * 50 + "caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"data\.source\.path: {corpus} is not valid UTF-8 \(byte 1003, line 101"):
+        byte_dm(corpus, tmp_path / "cache").prepare_data()
+    assert not (tmp_path / "cache" / "tokens").exists() or not any((tmp_path / "cache" / "tokens").rglob("*.bin"))
+
+
+def test_non_utf8_sequence_split_across_read_chunks_is_located(tmp_path):
+    from data.sources import check_utf8
+
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"a" * 9 + "é".encode() + b"\n" + b"\xff")  # é's 2 bytes straddle the 10-byte chunks
+    with pytest.raises(ValueError, match=r"is not valid UTF-8 \(byte 12, line 2"):
+        check_utf8(path, "path", chunk_bytes=10)
+    path.write_bytes(b"abc" + "é".encode()[:1])  # truncated sequence at the end of the file
+    with pytest.raises(ValueError, match=r"is not valid UTF-8 \(byte 3, line 1"):
+        check_utf8(path, "path", chunk_bytes=2)
+
+
+def test_split_empty_after_filtering_is_a_clear_error(tmp_path):
+    """jsonl rows whose text is null or empty are dropped: a val split of only such rows is refused."""
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps({"text": f"document {i} with words"}) + "\n" for i in range(50)))
+    val_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["", None, "", None]))
+    dm = TokenDataModule(source={"kind": "jsonl", "path": str(train_file), "val_path": str(val_file),
+                                 "test_fraction": 0.1},
+                         tokenizer={"kind": "byte"}, cache_dir=str(tmp_path / "cache"), seq_len=16, batch_size=4,
+                         val_tokens=1000, seed=0)
+    with pytest.raises(ValueError, match=r"the val split of data source .* is empty \(no document with text\)"):
+        dm.prepare_data()
+
+
+# ======================================================================== 3. numeric guards
+
+
+def poison_layer(monkeypatch, bad_steps: set[int], kind: str):
+    """Make the built model produce inf: 'forward' makes block 1's MLP output inf at the
+    given steps; 'grad' makes only the gradient of block 0's MLP down-projection inf."""
+    import train
+
+    real_build = train.build_model
+
+    def build(*args, **kwargs):
+        lit = real_build(*args, **kwargs)
+
+        def active() -> bool:
+            return lit.training and lit._trainer is not None and lit.trainer.global_step in bad_steps
+
+        if kind == "forward":
+            lit.model.blocks[1].mlp.register_forward_hook(lambda m, a, out: out * float("inf") if active() else out)
+        else:
+            weight = lit.model.blocks[0].mlp.down.weight
+            weight.register_hook(lambda g: torch.full_like(g, float("inf")) if active() else g)
+        return lit
+
+    monkeypatch.setattr(train, "build_model", build)
+
+
+def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch):
+    import train
+
+    poison_layer(monkeypatch, {2, 4}, "forward")
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"})))
+    assert metric_column(tmp_path / "run", "train/nonfinite_steps")[-1] == 2.0
+    losses = [v for _, v in sorted(train_losses(tmp_path / "run").items())]
+    assert len(losses) == 6 and sum(not torch.isfinite(torch.tensor(v)) for v in losses) == 2
+    assert torch.isfinite(torch.tensor(losses[-1]))
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values()), "no inf/NaN reached the weights"
+    assert torch.isfinite(torch.tensor(results["val_loss"]))
+    guard_state = next(v for k, v in state["callbacks"].items() if k.startswith("NonFiniteGuard"))
+    assert guard_state == {"nonfinite_steps": 2}, "the count survives a resume"
+
+
+def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypatch):
+    """The control for the test above: it would fail if the guard did nothing."""
+    import train
+
+    poison_layer(monkeypatch, {2}, "forward")
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "off", "train.max_steps": 4,
+                                                                 "train.val_every": 4})))
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["state_dict"]
+    assert not all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_nonfinite_loss_stops_naming_step_and_first_module(tmp_path, monkeypatch):
+    import train
+
+    poison_layer(monkeypatch, {3}, "forward")
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    with pytest.raises(NonFiniteError) as info:
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "stop"})))
+    message = str(info.value)
+    assert "global step 3" in message and "loss is not finite" in message
+    assert "first module with a non-finite forward output: model.blocks.1.mlp" in message
+    assert "first parameter with a non-finite gradient: model." in message
+
+
+def test_nonfinite_gradient_with_finite_loss_stops_naming_the_parameter(tmp_path, monkeypatch):
+    import train
+
+    poison_layer(monkeypatch, {1}, "grad")
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    with pytest.raises(NonFiniteError, match=r"global step 1 .*; loss is finite; first parameter with a non-finite "
+                                             r"gradient: model\.blocks\.0\.mlp\.down\.weight"):
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "stop"})))
+
+
+def test_bad_nonfinite_policy_is_named(tmp_path):
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=200)
+    with pytest.raises(ValueError, match=r"train\.nonfinite must be one of \('skip', 'stop', 'off'\), got 'ignore'"):
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "ignore"})))
+    with pytest.raises(ValueError, match=r"train\.ckpt_every_steps must be null or a positive int, got 0"):
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.ckpt_every_steps": 0})))
+
+
+def test_max_logit_per_layer_is_logged_and_correct(trained):
+    """val/max_logit/layer{i} equals the max scaled q.k over visible pairs of the first
+    validation batch, recomputed here independently with the final weights."""
+    tmp, _, last = trained
+    logged = [metric_column(tmp / "run", f"val/max_logit/layer{i}") for i in range(2)]
+    assert all(len(v) >= 1 for v in logged)
+    from models.lit import LitGPT
+
+    ckpt = load_checkpoint(last)
+    lit = LitGPT(**ckpt["hyper_parameters"])
+    lit.load_state_dict(ckpt["state_dict"])
+    lit.eval()
+    cfg = compose_cfg(tiny_overrides(tmp, tmp / "corpus.txt"))
+    from hydra.utils import instantiate
+
+    dm = instantiate(cfg.data)
+    dm.setup("validate")
+    x = next(iter(dm.val_dataloader()))[0]
+    with torch.no_grad():
+        h = lit.model.embed(x)
+        expected = []
+        for block in lit.model.blocks:
+            qs, ks, _ = block.attn.split_heads(block.norm1(h))
+            s = torch.einsum("bihd,bjhd->bhij", qs[0], ks[0]) * block.attn.spec.scale(qs[0].shape[-1])
+            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+            expected.append(s.masked_fill(~causal, -float("inf")).amax().item())
+            h = block(h)
+    # the final validation (trainer.validate after fit) used these weights
+    assert [v[-1] for v in logged] == pytest.approx(expected, rel=1e-5)
+
+
+# ======================================================================== 4. kernel input validation
+
+B, N, H, D = 2, 8, 4, 16
+
+
+def qkv(h_kv=2, d=D, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(B, N, H, d, generator=gen).to(dtype), torch.randn(B, N, h_kv, d, generator=gen).to(dtype),
+            torch.randn(B, N, h_kv, d, generator=gen).to(dtype))
+
+
+BAD_INPUTS = {
+    "k-dtype": (lambda q, k, v: dict(k=k.half()), r"k must have the dtype of q"),
+    "v-device": (lambda q, k, v: dict(v=v.to("meta")), r"v must be on the device of q"),
+    "k-ndim": (lambda q, k, v: dict(k=k[0]), r"k must have 4 dims"),
+    "q-shape": (lambda q, k, v: dict(q=q[:, :, :, :8]), r"k must have shape \(B, N, H_kv, D\) = \(2, 8, H_kv, 8\)"),
+    "gqa-heads": (lambda q, k, v: dict(k=k[:, :, :1].expand(B, N, 3, D).contiguous(), v=v[:, :, :1].expand(B, N, 3, D).contiguous()),
+                  r"query heads \(4\) must be divisible by k's heads H_kv \(3\)"),
+    "segment-value": (lambda q, k, v: dict(segment_ids=torch.tensor([[1, 1, 2, -1, -1, 0, 0, 0]] * B)),
+                      r"segment_ids values must be in \{1 \(history\), -1 \(candidate\), 0 \(padding\)\}"),
+    "segment-history-gap": (lambda q, k, v: dict(segment_ids=torch.tensor([[1, 0, 1, -1, -1, 0, 0, 0]] * B)),
+                            r"segment_ids: the history \(1\) positions must form one contiguous range"),
+    "segment-candidate-gap": (lambda q, k, v: dict(segment_ids=torch.tensor([[1, 1, -1, 0, -1, 0, 0, 0]] * B)),
+                              r"segment_ids: the candidate \(-1\) positions must form one contiguous range"),
+    "temperature-shape": (lambda q, k, v: dict(temperature=torch.ones(B, N, H)), r"temperature must have 2 dims"),
+    "temperature-transposed": (lambda q, k, v: dict(temperature=torch.ones(N, B)),
+                               r"temperature must have shape \(B, N\) = \(2, 8\), got \(8, 2\)"),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_kernel_inputs_are_value_errors_naming_the_argument(backend, case, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = attn.get_variant("softmax").make_spec()
+    q, k, v = qkv()
+    change, message = BAD_INPUTS[case]
+    args = {"q": q, "k": k, "v": v, **change(q, k, v)}
+    with pytest.raises(ValueError, match=message):
+        attn.attention(args.pop("q"), args.pop("k"), args.pop("v"), spec, backend=backend, **args)
+
+
+@pytest.mark.parametrize("d, dtype, message", [
+    (24, torch.float32, r"head dim D must be one of \(16, 32, 64, 128\) for backend='triton', got 24"),
+    (256, torch.float32, r"head dim D must be one of \(16, 32, 64, 128\) for backend='triton', got 256"),
+    (16, torch.float64, r"q\.dtype must be float16, bfloat16 or float32 for backend='triton'"),
+])
+@pytest.mark.parametrize("variant", ["softmax", "threshold"])
+def test_kernel_limits_under_the_interpreter(d, dtype, message, variant, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = qkv(d=d, dtype=dtype)
+    with pytest.raises(ValueError, match=message):
+        attn.attention(q, k, v, attn.get_variant(variant).make_spec(), backend="triton")
+
+
+def test_valid_inputs_pass_on_both_backends(monkeypatch):
+    """The control: the same tensors without the fault run and agree across backends."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = attn.get_variant("softmax").make_spec()
+    q, k, v = qkv()
+    seg = torch.tensor([[1, 1, 1, -1, -1, 0, 0, 0]] * B)
+    temp = torch.full((B, N), 1.5)
+    ref = attn.attention(q, k, v, spec, backend="reference", segment_ids=seg, temperature=temp)
+    tri = attn.attention(q, k, v, spec, backend="triton", segment_ids=seg, temperature=temp)
+    valid = seg != 0
+    torch.testing.assert_close(tri[valid], ref[valid], atol=2e-5, rtol=1e-4)
+
+
+# ======================================================================== 5. determinism
+
+
+def test_deterministic_runs_give_bitwise_equal_losses(tmp_path):
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    runs = []
+    for name in ("a", "b"):
+        overrides = tiny_overrides(tmp_path / name, corpus, **{"deterministic": True, "train.max_steps": 5,
+                                                                 "train.val_every": 5,
+                                                                 "paths.cache_dir": str(tmp_path / "cache")})
+        results = train.run(compose_cfg(overrides))
+        runs.append((train_losses(tmp_path / name / "run"), results["val_loss"]))
+    (losses_a, val_a), (losses_b, val_b) = runs
+    assert len(losses_a) == 5 and losses_a == losses_b and val_a == val_b
+
+
+# ======================================================================== 6. security
+
+
+def python_sources() -> list[Path]:
+    """Every Python file of the project (not the venv, not generated outputs)."""
+    skip = {".venv", "outputs", "multirun", ".git", "attnlab.egg-info"}
+    return [p for p in ROOT.rglob("*.py") if not skip.intersection(p.relative_to(ROOT).parts)]
+
+
+def calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+            yield node, owner, name
+
+
+def test_torch_load_only_with_weights_only_true():
+    """Outside tests/, every torch.load( passes weights_only=True (a literal True)."""
+    offenders, seen = [], 0
+    for path in python_sources():
+        if path.relative_to(ROOT).parts[0] == "tests":
+            continue
+        for node, owner, name in calls(ast.parse(path.read_text(), str(path))):
+            if owner == "torch" and name == "load":
+                seen += 1
+                kw = {k.arg: k.value for k in node.keywords}
+                ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
+                if not ok:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert seen >= 1, "the scan found the loader in models/checkpoint_io.py"
+    assert not offenders, offenders
+
+
+def test_no_code_evaluation_of_configs_or_files():
+    """No eval/exec/compile of strings, no pickle/marshal/yaml.load (unsafe) and no
+    OmegaConf resolver that evaluates, anywhere in the project's code outside tests/."""
+    offenders = []
+    for path in python_sources():
+        if path.relative_to(ROOT).parts[0] == "tests":
+            continue
+        text = path.read_text()
+        for node, owner, name in calls(ast.parse(text, str(path))):
+            literal_import = name == "__import__" and node.args and isinstance(node.args[0], ast.Constant)
+            bad = (owner is None and name in {"eval", "exec", "compile", "__import__"} and not literal_import) \
+                or (owner in {"pickle", "marshal", "dill", "cloudpickle"} and name in {"load", "loads"}) \
+                or (owner == "yaml" and name in {"load", "unsafe_load", "full_load"}) \
+                or (owner == "OmegaConf" and name == "register_new_resolver")
+            if bad:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {owner or ''}.{name}")
+    assert not offenders, offenders
+    for cfg in (ROOT / "configs").rglob("*.yaml"):
+        assert "${eval:" not in cfg.read_text() and "${python:" not in cfg.read_text(), cfg
+
+
+class _Payload:
+    """Unpickling this would create the marker file (arbitrary code at load time)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_with_a_pickled_object_is_refused_without_running_it(trained, tmp_path):
+    _, _, last = trained
+    ckpt = load_checkpoint(last)
+    marker = tmp_path / "code_ran"
+    ckpt["extra"] = _Payload(marker)
+    evil = tmp_path / "evil.ckpt"
+    torch.save(ckpt, evil)
+    with pytest.raises(ValueError, match=rf"checkpoint {evil} cannot be read safely"):
+        load_checkpoint(evil)
+    assert not marker.exists(), "the pickled object's code must not run"
+    torch.load(evil, weights_only=False)  # the control: an unsafe load would have run it
+    assert marker.exists()
+
+
+def test_paths_are_reported_and_nothing_is_written_outside_run_and_cache(tmp_path):
+    """python train.py from an empty cwd with HOME and TMPDIR inside tmp: afterwards, new
+    files exist only under the run and cache directories, and both are logged resolved."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
+    cwd, home, tmpdir = tmp_path / "cwd", tmp_path / "home", tmp_path / "tmpdir"
+    for d in (cwd, home, tmpdir):
+        d.mkdir()
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "WANDB_DIR", "TRITON_CACHE",
+                                                                  "TORCHINDUCTOR", "MPLCONFIG", "ATTNLAB_CACHE"))}
+    # ATTNLAB_CACHE_DIR (the documented way to move the cache) also places matplotlib's font cache
+    env.update(HOME=str(home), TMPDIR=str(tmpdir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=str(ROOT), ATTNLAB_CACHE_DIR=str(cache_dir))
+    before = {p for p in tmp_path.rglob("*")}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    created = {p for p in tmp_path.rglob("*") if p.is_file()} - before
+    outside = sorted(str(p.relative_to(tmp_path)) for p in created
+                     if not (p.is_relative_to(run_dir) or p.is_relative_to(cache_dir)))
+    assert not outside, outside
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()
+    output = proc.stdout + proc.stderr
+    assert f"run dir: {run_dir.resolve()}" in output and f"cache dir: {cache_dir.resolve()}" in output
