@@ -10,8 +10,9 @@ source, trains or loads the tokenizer and builds or verifies the token cache (fu
 check). setup() (every rank) loads the tokenizer and memory-maps the shards after a cheap
 size check; called alone in a single process it runs prepare_data() itself if needed.
 
-Training stream and resume: the train loader yields the batch at position s as a pure
-function of (seed, s, rank, world_size) (see data/sampling.py). The position is the number
+Training stream and resume: the global batch at position s (batch_size x world_size windows)
+is a pure function of (seed, s, global batch size); rank r yields its rows [r*b, (r+1)*b)
+(see data/sampling.py). The position is the number
 of train batches the training loop has consumed: under a Trainer it advances in
 `on_after_batch_transfer` while `trainer.training` (once per batch the loop actually takes,
 however far the DataLoader and Lightning's fetcher have prefetched; also correct with

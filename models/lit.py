@@ -148,7 +148,12 @@ class LitGPT(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's AMP plugin refuses to clip for fused AdamW (built for fp16 loss scaling);
         # under bf16 / fp32 there is no scaler, so the gradients are the true ones: clip here.
-        if gradient_clip_val:
+        if not gradient_clip_val:
+            return
+        wrapped = self.trainer.strategy.model
+        if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm over every rank's shard
+            wrapped.clip_grad_norm_(gradient_clip_val)
+        else:
             torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
 
     def on_save_checkpoint(self, checkpoint):

@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in the interpreter. Set before any test module imports
+# triton: a jit function created without it cannot run on CPU, whichever module made it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tolerance.py and friends
 
 

@@ -251,7 +251,7 @@ def test_spec_of_wrong_type():
 def test_unknown_backend():
     q, k, v = inputs()
     for bad in ("cuda", "Triton", "", None):
-        with pytest.raises(ValueError, match=r"attn\.backend must be one of \('auto', 'triton', 'reference'\)"):
+        with pytest.raises(ValueError, match=r"attn\.backend must be one of \('auto', 'triton', 'reference', 'sdpa'\)"):
             call(q, k, v, backend=bad)
 
 
