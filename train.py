@@ -192,9 +192,6 @@ def run(cfg: DictConfig) -> dict:
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
         save_top_k=1, save_last=True, auto_insert_metric_name=False,
     )
-    every = cfg.train.ckpt_every_steps
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
     callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite)]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(

@@ -31,6 +31,9 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"train.{name} must be a positive int, got {t[name]!r}")
     if t.stop_at_step is not None and not (isinstance(t.stop_at_step, int) and 1 <= t.stop_at_step <= t.max_steps):
         raise ValueError(f"train.stop_at_step must be null or an int in [1, train.max_steps], got {t.stop_at_step!r}")
+    every = t.ckpt_every_steps
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
     if t.grad_clip is not None and not t.grad_clip > 0:
         raise ValueError(f"train.grad_clip must be > 0 or null, got {t.grad_clip!r}")
     OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps).check()
