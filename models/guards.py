@@ -52,24 +52,30 @@ class NonFiniteGuard(L.Callback):
     # the batch is kept only to locate the first non-finite module if we stop
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._batch = batch
-        self._loss_finite = True
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._loss_finite = True
 
     def on_before_backward(self, trainer, pl_module, loss):
-        # with gradient accumulation one bad micro-batch marks the whole step
-        self._loss_finite = self._loss_finite and _all_finite(loss.detach())
+        # a device tensor, read once per step (no host sync per micro-batch); with gradient
+        # accumulation one bad micro-batch marks the whole step
+        self._loss_finite = torch.isfinite(loss.detach()).all() & self._loss_finite
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.policy == "off":
             return
         scaler_handles_grads = str(trainer.precision) == "16-mixed"
-        bad_param = None
+        flags = [torch.as_tensor(self._loss_finite, device=pl_module.device).reshape(())]
         if not scaler_handles_grads:
+            flags += [torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None]
+        if bool(torch.stack(flags).all()):  # one host sync per step
+            return
+        self._loss_finite = bool(self._loss_finite)
+        bad_param = None
+        if not scaler_handles_grads:  # only after a failure: name the first bad gradient
             bad_param = next(
                 (name for name, p in pl_module.named_parameters() if p.grad is not None and not _all_finite(p.grad)),
                 None,
             )
-        if self._loss_finite and bad_param is None:
-            return
         if self.policy == "stop":
             raise NonFiniteError(self._describe(trainer, pl_module, bad_param))
         self.nonfinite_steps += 1
