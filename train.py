@@ -134,6 +134,14 @@ class WandbRunIdInCheckpoint(L.Callback):
                 checkpoint["wandb_run_id"] = lg.experiment.id
 
 
+def finish_wandb(loggers) -> None:
+    """End this job's wandb run: the next job of an in-process multirun must start its own
+    (Lightning's WandbLogger would otherwise reuse the active run)."""
+    for lg in loggers:
+        if lg.__class__.__name__ == "WandbLogger" and lg._experiment is not None:
+            lg.experiment.finish()
+
+
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["vocab_size"] = vocab_size
@@ -200,6 +208,7 @@ def run(cfg: DictConfig) -> dict:
         ))
     if cfg.train.log_max_logit:
         callbacks.append(MaxLogitMonitor())
+    loggers = build_loggers(cfg, output_dir, resume_run_id)
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
@@ -211,13 +220,16 @@ def run(cfg: DictConfig) -> dict:
         log_every_n_steps=cfg.train.log_every,
         deterministic=cfg.deterministic,
         default_root_dir=str(output_dir),
-        logger=build_loggers(cfg, output_dir, resume_run_id),
+        logger=loggers,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
     )
-    with run_dir_for_launched_ranks(output_dir):
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+    try:
+        with run_dir_for_launched_ranks(output_dir):
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+    finally:
+        finish_wandb(loggers)
 
     nats = final["val/loss"]
     results = {

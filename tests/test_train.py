@@ -73,3 +73,19 @@ def test_multirun_separate_dirs_one_group(tmp_path):
     assert [r["variant"] for r in results] == ["softmax", "threshold"]
     assert len({r["run_dir"] for r in results}) == 2
     assert len({r["wandb_group"] for r in results}) == 1 and results[0]["wandb_group"].startswith("default-")
+
+
+def test_wandb_offline_run_id_is_checkpointed_and_resumed(tmp_path):
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
+    first = tmp_path / "first"
+    common = {"logger": "wandb", "train.max_steps": 4, "train.val_every": 2}
+    train.run(compose_cfg(tiny_overrides(first, corpus, **common, **{"train.stop_at_step": 2})))
+    ckpt = load_checkpoint(first / "run" / "checkpoints" / "last.ckpt")
+    run_id = ckpt["wandb_run_id"]
+    assert [p.name.endswith(run_id) for p in (first / "run" / "wandb").glob("offline-run-*")] == [True]
+    resumed = tmp_path / "resumed"
+    train.run(compose_cfg(tiny_overrides(resumed, corpus, **common) + [f"ckpt_path={first / 'run' / 'checkpoints' / 'last.ckpt'}"]))
+    assert [p.name.endswith(run_id) for p in (resumed / "run" / "wandb").glob("offline-run-*")] == [True]
+    assert load_checkpoint(resumed / "run" / "checkpoints" / "last.ckpt")["wandb_run_id"] == run_id
