@@ -578,8 +578,12 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path):
 
 def python_sources() -> list[Path]:
     """Every Python file of the project (not the venv, not generated outputs)."""
-    skip = {".venv", "outputs", "multirun", ".git", "attnlab.egg-info"}
-    return [p for p in ROOT.rglob("*.py") if not skip.intersection(p.relative_to(ROOT).parts)]
+    skip = {"outputs", "multirun", "attnlab.egg-info"}
+
+    def ours(parts) -> bool:  # hidden folders hold virtualenvs (.venv, CI's .ci-venv), caches, git
+        return not skip.intersection(parts) and not any(part.startswith(".") for part in parts)
+
+    return [p for p in ROOT.rglob("*.py") if ours(p.relative_to(ROOT).parts)]
 
 
 def calls(tree: ast.AST):
