@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attn  # noqa: E402
 from attn.kernels import softmax_family as sf  # noqa: E402
 from attn.masks import MaskSpec  # noqa: E402
+from attn.testing import nan_poisoned_empty, random_segment_ids  # noqa: E402
 from attn.reference import reference_attention  # noqa: E402
 
 VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
@@ -38,31 +39,8 @@ MASKS = {
 }
 
 
-def ranker_ids(batch, n, gen, device):
-    ids = torch.zeros(batch, n, dtype=torch.int64)
-    for b in range(batch):
-        h = int(torch.randint(n // 4, n // 2 + 1, (1,), generator=gen))
-        c = int(torch.randint(0, n - h + 1, (1,), generator=gen))
-        ids[b, :h] = 1
-        ids[b, h:h + c] = -1
-    ids[0] = 0
-    ids[0, : n // 3] = -1
-    ids[0, n // 3: n - 5] = 1
-    if batch > 2:
-        ids[-1] = 0  # a row of padding only
-    return ids.to(device)
 
 
-def poison():
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def p(t):
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = lambda *a, **k: p(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: p(real_empty_like(*a, **k))
 
 
 def set_configs(i):
@@ -85,7 +63,7 @@ def run_case(cap, mask_name, n, group, temp, dtype, cfg, d=128, batch=3, h_kv=2,
     v = torch.randn(batch, n, h_kv, d, generator=gen, dtype=torch.float64).to(dev)
     do = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64).to(dev)
     t = (torch.rand(batch, n, generator=gen, dtype=torch.float64) * 1.5 + 0.25).to(dev) if temp else None
-    ids = ranker_ids(batch, n, gen, dev) if seg else None
+    ids = random_segment_ids(batch, n, gen, min_history=n // 4, max_history=n // 2, padding_row=True).to(dev) if seg else None
     params = {} if cap == "none" else {"cap": cap_value}
     spec = attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
     set_configs(cfg)
@@ -118,7 +96,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fixed-only", action="store_true", help="only the single-key / fixed-shift cases")
     args = ap.parse_args()
-    poison()
+    nan_poisoned_empty().__enter__()  # the whole check runs with NaN-poisoned allocations
     lengths = (1, 17, 127, 200, 333, 1000, 2048)
     groups = (1, 2, 4)
     cases = []

@@ -79,39 +79,8 @@ BENCH_VARIANTS = [(d, m, diff) for diff in (False, True)
                   for d, m in ((128, "causal"), (64, "causal"), (128, "window1024"), (128, "ranker"))]
 
 
-def ranker_ids(batch, n, gen, device):
-    """Random ranker rows; row 0 puts candidates first; a 3rd row is padding only."""
-    ids = torch.zeros(batch, n, dtype=torch.int64)
-    for b in range(batch):
-        h = int(torch.randint(n // 4, n // 2 + 1, (1,), generator=gen))
-        c = int(torch.randint(0, n - h + 1, (1,), generator=gen))
-        ids[b, :h] = 1
-        ids[b, h:h + c] = -1
-    if n >= 6:
-        ids[0] = 0
-        ids[0, : n // 3] = -1
-        ids[0, n // 3: n - 5] = 1
-    if batch > 2:
-        ids[-1] = 0
-    return ids.to(device)
 
 
-class _Poison:
-    """torch.empty / empty_like return NaN-filled tensors inside the block."""
-
-    def __enter__(self):
-        self.real = torch.empty, torch.empty_like
-
-        def fill(t):
-            if t.dtype.is_floating_point:
-                t.fill_(float("nan"))
-            return t
-
-        torch.empty = lambda *a, **k: fill(self.real[0](*a, **k))
-        torch.empty_like = lambda *a, **k: fill(self.real[1](*a, **k))
-
-    def __exit__(self, *exc):
-        torch.empty, torch.empty_like = self.real
 
 
 def _outputs_and_grads(fn, tensors, dout):
@@ -126,13 +95,14 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     from attn.masks import MaskSpec
     from attn.reference import reference_attention
     from attn.specs import ThresholdFamilySpec
+    from attn.testing import nan_poisoned_empty, random_segment_ids
 
     dev = DEVICE
     gen = torch.Generator().manual_seed(seed or sum(map(ord, name)))
     causal, window, with_seg = MASKS[mask_name]
     mask = MaskSpec(causal=causal, window=window)
     spec = ThresholdFamilySpec(beta=BETA[beta], power=power, differential=differential)
-    seg = ranker_ids(b, n, gen, dev) if with_seg else None
+    seg = random_segment_ids(b, n, gen, min_history=n // 4, max_history=n // 2, padding_row=True).to(dev) if with_seg else None
 
     def unit(heads):
         return F.normalize(torch.randn(b, n, heads, d, generator=gen, dtype=torch.float64), dim=-1).to(dev)
@@ -159,7 +129,7 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     os.environ["ATTNLAB_DIFF_DKDV"] = "fused" if config == 1 else "split"
     ref64 = _outputs_and_grads(reference, leaves(torch.float64), dout)
     same = _outputs_and_grads(reference, leaves(torch.bfloat16), dout)
-    with _Poison():
+    with nan_poisoned_empty():
         got = _outputs_and_grads(fused, leaves(torch.bfloat16), dout)
     ratios = {}
     for key, want in ref64.items():

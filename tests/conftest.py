@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from attn.testing import nan_poisoned_empty
+
 # Without a GPU the Triton kernels run in the interpreter. Set before any test module imports
 # triton: a jit function created without it cannot run on CPU, whichever module made it first.
 if not torch.cuda.is_available():
@@ -17,16 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tolerance.py and friends
 def nan_poison(monkeypatch):
     """Floating tensors from torch.empty / empty_like start as NaN, so an element a kernel
     never wrote fails the comparison instead of passing by luck."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poisoned(t):
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
-    yield
+    with nan_poisoned_empty():
+        yield
 
 
 @pytest.fixture(autouse=True)

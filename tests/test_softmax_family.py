@@ -17,6 +17,7 @@ import torch
 
 import attn
 from attn.kernels.softmax_family import CAP_IDS, fused_attention, softmax_family_bwd, softmax_family_fwd
+from attn.testing import random_segment_ids
 from attn.masks import MaskSpec, segment_bounds
 from attn.reference import reference_attention
 from tolerance import assert_within_reference_error
@@ -32,22 +33,6 @@ def make_spec(cap, cap_value=2.0, knee=0.5):
     return attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
 
 
-def ranker_ids(batch, n, gen, pad_row=False):
-    """history, then candidates, then padding; row 0 candidates-first; optional all-padding row."""
-    ids = torch.zeros(batch, n, dtype=torch.int64)
-    for b in range(batch):
-        h = int(torch.randint(0, n + 1, (1,), generator=gen))
-        c = int(torch.randint(0, n - h + 1, (1,), generator=gen))
-        ids[b, :h] = 1
-        ids[b, h:h + c] = -1
-    if n >= 3:
-        c = max(1, n // 3)
-        ids[0] = 0
-        ids[0, :c] = -1
-        ids[0, c:n - 1] = 1  # the last position is padding
-    if pad_row and batch > 1:
-        ids[-1] = 0
-    return ids
 
 
 def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, cap_value=2.0, knee=0.5,
@@ -59,7 +44,7 @@ def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, ca
     v = torch.randn(batch, n, h_kv, d, generator=gen, dtype=torch.float64)
     do = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64)
     t = (torch.rand(batch, n, generator=gen, dtype=torch.float64) * 1.5 + 0.25) if temp else None
-    ids = ranker_ids(batch, n, gen, pad_row=pad_row) if seg else None
+    ids = random_segment_ids(batch, n, gen, padding_row=pad_row) if seg else None
     spec = make_spec(cap, cap_value, knee)
 
     def go(fn, dt):
@@ -206,7 +191,7 @@ def _op_args(with_seg, with_temp, requires_grad):
     q = torch.randn(1, n, 2, 16, generator=gen, requires_grad=requires_grad)
     k = torch.randn(1, n, 1, 16, generator=gen, requires_grad=requires_grad)
     v = torch.randn(1, n, 1, 16, generator=gen, requires_grad=requires_grad)
-    bounds = segment_bounds(ranker_ids(1, n, gen)) if with_seg else None
+    bounds = segment_bounds(random_segment_ids(1, n, gen)) if with_seg else None
     t = (torch.rand(1, n, generator=gen) + 0.5).requires_grad_(requires_grad) if with_temp else None
     return q, k, v, bounds, t
 

@@ -19,6 +19,7 @@ from tolerance import assert_within_reference_error  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import threshold_family as tf  # noqa: E402
+from attn.testing import random_segment_ids
 from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
@@ -29,20 +30,7 @@ FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3}
 BETA = {"dense": -1.0, "sparse": 0.5, "zero": 6.0}
 
 
-def ranker_segment_ids(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """Ranker layout per row: history, then candidates, then padding (row 0 candidates first)."""
-    ids = torch.zeros(batch, n, dtype=torch.int64)
-    for b in range(batch):
-        hist = int(torch.randint(n // 3, n + 1, (1,), generator=gen))
-        cand = int(torch.randint(0, n - hist + 1, (1,), generator=gen))
-        ids[b, :hist] = 1
-        ids[b, hist:hist + cand] = -1
-    if n >= 3:
-        c = n // 3
-        ids[0] = 0
-        ids[0, :c] = -1  # candidates before the history: spans must not assume an order
-        ids[0, c:n - 1] = 1
-    return ids
+
 
 
 def make_inputs(batch, n, heads, kv_heads, d, dtype, differential, seed, strided=False):
@@ -146,7 +134,7 @@ def test_matches_float64_reference(case, nan_poison):
     batch = 1 if n > 100 else 2  # the interpreter's time grows with B * H * N^2
     spec = ThresholdFamilySpec(beta=BETA[beta], power=power, differential=differential)
     mask = MASKS[mask_name]
-    seg = ranker_segment_ids(batch, n, torch.Generator().manual_seed(seed)) if with_seg else None
+    seg = random_segment_ids(batch, n, torch.Generator().manual_seed(seed), min_history=n // 3) if with_seg else None
     tensors, dout = make_inputs(batch, n, heads, kv_heads, d, dtype, differential, seed, strided)
     check_against_reference(spec, mask, seg, tensors, dout, dtype)
 
@@ -162,7 +150,7 @@ def test_other_tile_shapes(blocks, dkdv_form, monkeypatch, nan_poison):
     monkeypatch.setitem(tf.INTERPRETER_CONFIG, "dkdv", (bm, bn))
     batch, n = 2, 70
     gen = torch.Generator().manual_seed(bm * 7 + bn)
-    seg = ranker_segment_ids(batch, n, gen)
+    seg = random_segment_ids(batch, n, gen, min_history=n // 3)
     for mask, s in ((MaskSpec(causal=True, window=37), None), (MaskSpec(causal=True), seg)):
         spec = ThresholdFamilySpec(beta=0.0, power=2.0, differential=True)
         tensors, dout = make_inputs(batch, n, 2, 1, 16, torch.float32, True, bm + bn)
@@ -203,7 +191,7 @@ def test_threshold_tau_windowed_and_ranker(mask_name, with_seg, nan_poison):
     out_i[0] = n_i (1 - tau_i), so tau_i = 1 - out_i[0] / n_i."""
     batch, n, d, beta = 2, 70, 16, 0.7
     mask = MaskSpec(causal=True, window=20) if mask_name == "window" else MaskSpec(causal=False)
-    seg = ranker_segment_ids(batch, n, torch.Generator().manual_seed(3)) if with_seg else None
+    seg = random_segment_ids(batch, n, torch.Generator().manual_seed(3), min_history=n // 3) if with_seg else None
     e0 = torch.zeros(d)
     e0[0] = 1.0
     q = e0.expand(batch, n, 2, d)
@@ -254,7 +242,7 @@ def test_agrees_with_seed_formula(power, nan_poison):
 def test_zero_fraction_matches_reference(differential, mask_name, with_seg, nan_poison):
     batch, n, heads, kv_heads, d = 2, 57, 4, 2, 16
     mask = MASKS[mask_name]
-    seg = ranker_segment_ids(batch, n, torch.Generator().manual_seed(9)) if with_seg else None
+    seg = random_segment_ids(batch, n, torch.Generator().manual_seed(9), min_history=n // 3) if with_seg else None
     spec = ThresholdFamilySpec(beta=0.3, power=2.0, differential=differential)
     tensors, _ = make_inputs(batch, n, heads, kv_heads, d, torch.float32, differential, 21)
     x = {name: t.float() for name, t in tensors.items()}
@@ -295,7 +283,7 @@ def test_rejects_unsupported_inputs():
 def _op_args(differential, with_seg):
     tensors, dout = make_inputs(1, 17, 2, 1, 16, torch.float32, differential, 2)
     x = {name: t.float().requires_grad_() for name, t in tensors.items()}
-    seg = ranker_segment_ids(1, 17, torch.Generator().manual_seed(1)) if with_seg else None
+    seg = random_segment_ids(1, 17, torch.Generator().manual_seed(1), min_history=17 // 3) if with_seg else None
     bounds = attn.segment_bounds(seg) if seg is not None else None
     return x, bounds, dout.float()
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
+from attn.testing import random_segment_ids
 from attn.masks import MaskSpec, dense_mask, segment_bounds, visible_key_counts
 
 
@@ -67,15 +68,6 @@ def _paint_by_key_blocks(out_ptr, bounds_ptr, seq_len, window,
         tl.store(ptrs, tl.load(ptrs, mask=inb, other=0) + vis.to(tl.int32), mask=inb)
 
 
-def ranker_ids(batch, n, gen):
-    """Random ranker layouts: history, then candidates, then padding (some rows degenerate)."""
-    ids = torch.zeros(batch, n, dtype=torch.int64)
-    for b in range(batch):
-        h = int(torch.randint(0, n + 1, (1,), generator=gen))
-        c = int(torch.randint(0, n - h + 1, (1,), generator=gen))
-        ids[b, :h] = 1
-        ids[b, h:h + c] = -1
-    return ids
 
 
 @pytest.mark.parametrize("n", [1, 17, 40, 67])
@@ -84,7 +76,7 @@ def ranker_ids(batch, n, gen):
 def test_tile_ranges_cover_mask_exactly_once(n, causal, window, with_seg):
     gen = torch.Generator().manual_seed(n * 31 + (window or 0))
     batch = 4
-    seg = ranker_ids(batch, n, gen) if with_seg else None
+    seg = random_segment_ids(batch, n, gen, candidates_first_row=False) if with_seg else None
     if with_seg:
         seg[0] = torch.tensor([-1] * (n // 3) + [1] * (n - n // 3))  # candidates before history
     spec = MaskSpec(causal=causal, window=window)

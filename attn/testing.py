@@ -1,0 +1,55 @@
+"""Inputs and guards shared by the kernel tests (tests/) and the GPU checks (scripts/)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from attn.masks import CANDIDATE, HISTORY
+
+
+def random_segment_ids(
+    batch: int, n: int, generator: torch.Generator, *, min_history: int = 0, max_history: int | None = None,
+    candidates_first_row: bool = True, padding_row: bool = False,
+) -> torch.Tensor:
+    """Random ranker layouts (B, N) int64: per row history, then candidates, then padding.
+
+    Row 0 (when `candidates_first_row` and N >= 3) puts the candidates before the history and
+    ends with one padding position, so no code may assume an order of the two ranges; the last
+    row is all padding when `padding_row` (and B > 1).
+    """
+    ids = torch.zeros(batch, n, dtype=torch.int64)
+    hi = n if max_history is None else max_history
+    for b in range(batch):
+        history = int(torch.randint(min_history, hi + 1, (1,), generator=generator))
+        candidates = int(torch.randint(0, n - history + 1, (1,), generator=generator))
+        ids[b, :history] = HISTORY
+        ids[b, history:history + candidates] = CANDIDATE
+    if candidates_first_row and n >= 3:
+        c = n // 3
+        ids[0] = 0
+        ids[0, :c] = CANDIDATE
+        ids[0, c:n - 1] = HISTORY
+    if padding_row and batch > 1:
+        ids[-1] = 0
+    return ids
+
+
+@contextlib.contextmanager
+def nan_poisoned_empty():
+    """Inside the block, floating tensors from torch.empty / empty_like start as NaN, so an
+    element a kernel never wrote fails the comparison instead of passing by luck."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t):
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = lambda *a, **k: poisoned(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poisoned(real_empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
