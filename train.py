@@ -24,6 +24,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import attn
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from models.config_checks import check_config
 from models.guards import MaxLogitMonitor, NonFiniteGuard
@@ -176,6 +177,8 @@ def run(cfg: DictConfig) -> dict:
     log.info("run dir: %s", output_dir.resolve())
     log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
+        attn.pin_kernel_configs(True)
 
     try:
         datamodule = instantiate(cfg.data)

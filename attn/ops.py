@@ -25,6 +25,22 @@ BACKENDS = ("auto", "triton", "reference", "sdpa")
 _announced: set[tuple[str, str]] = set()
 
 
+PIN_ENV = "ATTNLAB_AUTOTUNE"
+
+
+def pin_kernel_configs(pinned: bool) -> None:
+    """Run every fused kernel with its first (fixed) tile config instead of autotuning by timing.
+
+    Autotuning can pick different tile sizes in two processes, and a different tile changes the
+    fp32 summation order; pinned, the kernels (which use no atomics) are bitwise reproducible
+    across runs. Takes effect for (kernel, shape key) pairs not yet tuned in this process.
+    """
+    if pinned:
+        os.environ[PIN_ENV] = "0"
+    else:
+        os.environ.pop(PIN_ENV, None)
+
+
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -50,6 +66,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             f"backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU); inputs are on {device}"
         )
     return backend
+
+
+def preload_kernel(spec, backend: str) -> None:
+    """Import the fused kernel module that `backend` may dispatch `spec` to, now: torch.compile
+    cannot trace an import, so a model compiled before its first eager call would break its
+    graph there. Call at model construction (no-op where Triton cannot run)."""
+    if backend == "triton" or (backend == "auto" and torch.cuda.is_available()):
+        if triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+            family_kernel(spec)
 
 
 def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature) -> torch.Tensor:

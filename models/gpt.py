@@ -81,6 +81,7 @@ class Attention(nn.Module):
         self.variant = attn.get_variant(acfg.name)
         self.spec = self.variant.make_spec(**acfg.params)
         self.backend, self.window = acfg.backend, acfg.window
+        attn.preload_kernel(self.spec, self.backend)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
         self.qk_norm = acfg.qk_norm or ("l2" if self.variant.qk_norm else "none")

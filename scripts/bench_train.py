@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a dry run of the script
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
 CASES = [  # (variant, backend, params)
     ("softmax", "sdpa", {}),
     ("softmax", "triton", {}),
@@ -36,6 +44,8 @@ CASES = [  # (variant, backend, params)
 
 
 def git_commit() -> str:
+    if os.environ.get("ATTNLAB_COMMIT"):  # a copy of the tree without .git (GPU machine)
+        return os.environ["ATTNLAB_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -46,13 +56,13 @@ def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch:
     torch.manual_seed(0)
     torch._dynamo.reset()
     cfg = GPTConfig(**model_cfg, attn=AttnConfig(name=variant, backend=backend, params=params))
-    model = GPT(cfg).cuda()
+    model = GPT(cfg).to(DEVICE)
     compiled = torch.compile(model, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), device="cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), device=DEVICE)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             logits = compiled(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
         loss.backward()
@@ -62,19 +72,20 @@ def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch:
 
     for _ in range(5):  # compile + autotune, never timed
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     dt = (time.perf_counter() - t0) / steps
     recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
     tps = batch * cfg.context / dt
     return {
         "variant": variant, "backend": backend, "ms_per_step": dt * 1e3, "tokens_per_s": tps,
-        "mfu": tps * model.flops_per_token() / (peak * 1e12), "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "mfu": tps * model.flops_per_token() / (peak * 1e12), "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0,
         "params_m": model.num_params() / 1e6, "loss": loss.item(), "new_graphs_while_timed": recompiles,
     }
 
@@ -86,7 +97,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
-    ap.add_argument("--variants", default=None, help="comma list to run a subset")
+    ap.add_argument("--variants", default=None, help="comma list of the kernel cases to run (the SDPA yardstick always runs)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
@@ -94,7 +105,7 @@ def main():
     wanted = set(args.variants.split(",")) if args.variants else None
     rows = []
     for variant, backend, params in CASES:
-        if wanted and variant not in wanted:
+        if wanted and backend != "sdpa" and variant not in wanted:
             continue
         try:
             rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops))
@@ -104,7 +115,7 @@ def main():
     base = next((r["tokens_per_s"] for r in rows if r.get("backend") == "sdpa" and "tokens_per_s" in r), None)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)", "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": git_commit(), "model": args.model,
         "model_config": model_cfg, "batch": args.batch, "steps": args.steps, "peak_tflops": args.peak_tflops,
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from attn.masks import MaskSpec  # noqa: E402
 from attn.testing import nan_poisoned_empty, random_segment_ids  # noqa: E402
 from attn.reference import reference_attention  # noqa: E402
 
+DEVICE = os.environ.get("ATTNLAB_CHECK_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: dry run of the script
 VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
 MASKS = {
     "full": (MaskSpec(causal=False), False),
@@ -54,7 +56,7 @@ def set_configs(i):
 
 def run_case(cap, mask_name, n, group, temp, dtype, cfg, d=128, batch=3, h_kv=2, seed=0):
     mask, seg = MASKS[mask_name]
-    dev = "cuda"
+    dev = DEVICE
     gen = torch.Generator().manual_seed(seed)
     h = h_kv * group
     cap_value = 5.0

@@ -43,3 +43,35 @@ def test_compiled_training_steps_compile_the_forward_once(attn_name):
     # a recompile or graph break would also show in dynamo's own counters
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("attn_name", ["softcap_tanh", "diff_threshold"])
+def test_model_compiled_before_any_eager_call_traces_the_kernels(attn_name, tmp_path):
+    """The fused-kernel module is imported when the model is built: compiling a fresh process's
+    model with fullgraph=True, before any eager call, must not hit an import (a graph break).
+    A fresh interpreter, so no other test has imported the kernels already."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = f"""
+import torch, torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
+from models.gpt import GPT
+from models.lit import gpt_config_from_dict
+cfg = gpt_config_from_dict({{"vocab_size": 64, "context": 16, "n_layer": 1, "n_head": 2, "n_kv_head": 2,
+                            "d_model": 32, "attn": {{"name": "{attn_name}", "backend": "triton"}}}})
+model = GPT(cfg)
+counter = CompileCounter()
+idx = torch.randint(0, 64, (2, 16))
+logits = torch.compile(model, backend=counter, fullgraph=True)(idx)
+F.cross_entropy(logits.view(-1, 64), idx.reshape(-1)).backward()
+assert counter.frame_count == 1, counter.frame_count
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

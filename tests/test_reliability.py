@@ -558,8 +558,10 @@ def test_valid_inputs_pass_on_both_backends(monkeypatch):
 # ======================================================================== 5. determinism
 
 
-def test_deterministic_runs_give_bitwise_equal_losses(tmp_path):
+def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
     import train
+
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)  # restored after the test
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     runs = []
@@ -571,6 +573,7 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path):
         runs.append((train_losses(tmp_path / name / "run"), results["val_loss"]))
     (losses_a, val_a), (losses_b, val_b) = runs
     assert len(losses_a) == 5 and losses_a == losses_b and val_a == val_b
+    assert os.environ.get("ATTNLAB_AUTOTUNE") == "0"  # kernel tiles pinned (GPU: no timing-based choice)
 
 
 # ======================================================================== 6. security

@@ -273,3 +273,20 @@ def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
     spec, seg = MASKS[mask]
     run_case(cap, n, 2, spec, seg, False, torch.float32, batch=1, h_kv=1, pad_row=seg)
+
+
+def test_pinned_configs_skip_timing(monkeypatch):
+    """attn.pin_kernel_configs (deterministic=true) makes every autotuned kernel keep one config,
+    so no timing can choose a different tile (summation order) in another process."""
+    from attn.kernels import softmax_family as sf
+
+    configs = [f"cfg{i}" for i in range(4)]
+    args = {"HEAD_DIM": 64, "seq_len": 4096}
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    assert len(sf._prune_bwd(configs, args)) == 4
+    attn.pin_kernel_configs(True)
+    assert sf._prune_bwd(configs, args) == ["cfg0"]
+    real = sf._fwd_configs()
+    assert sf._prune_fwd(real, args) == real[:1]
+    attn.pin_kernel_configs(False)
+    assert "ATTNLAB_AUTOTUNE" not in os.environ

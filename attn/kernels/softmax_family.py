@@ -210,15 +210,22 @@ def _fwd_configs():
     if _interpreting():
         bm, bn = _interpreter_blocks("fwd")
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    if os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0":
-        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)]
+    # the first config is the pinned one (see _autotune_pinned)
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)]
     ]
 
 
+def _autotune_pinned() -> bool:
+    """ATTNLAB_AUTOTUNE=0 (set by `attn.pin_kernel_configs`, e.g. for deterministic=true): every
+    kernel runs its first config, so two processes sum in the same order (read at each tuning)."""
+    return os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0"
+
+
 def _prune_fwd(configs, named_args, **kwargs):
+    if _autotune_pinned():
+        return configs[:1]
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs.get("HEAD_DIM", 128)
     n = named_args["seq_len"]
     keep = [c for c in configs if not (d >= 128 and c.kwargs["BLOCK_N"] == 128 and c.num_warps == 4)]
@@ -383,10 +390,7 @@ def _bwd_configs(kind):
     if _interpreting():
         bm, bn = _interpreter_blocks(kind)
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    if os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0":
-        bm, bn = (64, 128) if kind == "kv" else (128, 64)
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=8, num_stages=2)]
-    if kind == "kv":
+    if kind == "kv":  # the first config is the pinned one
         shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
     else:
         shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
@@ -394,7 +398,7 @@ def _bwd_configs(kind):
 
 
 def _prune_bwd(configs, named_args, **kwargs):
-    if named_args["seq_len"] <= 64:
+    if _autotune_pinned() or named_args["seq_len"] <= 64:
         return configs[:1]
     return configs
 

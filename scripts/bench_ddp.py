@@ -1,0 +1,78 @@
+"""Data-parallel scaling of train.py: the same config on 1 GPU (trainer=gpu) and on N GPUs
+(trainer=ddp), same per-GPU batch, steady-state tokens/s from each run's results.json.
+
+Extra arguments are Hydra overrides for both runs. Writes OUT.md / OUT.json.
+
+    python scripts/bench_ddp.py --gpus 2 --out docs/results/bench_ddp experiment=gpu_small model=gpt2_small \
+        train.batch_size=16 train.max_steps=100 train.val_every=100 train.val_tokens=65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNLAB_RUN") and k != "ATTNLAB_JOB_OVERRIDES"}
+    args = [sys.executable, str(ROOT / "train.py"), "logger=csv", "trainer.enable_progress_bar=false",
+            *overrides, f"hydra.run.dir={run_dir}"]
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise RuntimeError(f"train.py failed ({' '.join(overrides)}), see {log_path}")
+    results = json.loads((run_dir / "results.json").read_text())
+    results["wall_s"] = time.time() - t0
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--out", default="docs/results/bench_ddp")
+    args, overrides = ap.parse_known_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for gpus in (1, args.gpus):
+            trainer = ["trainer=gpu"] if gpus == 1 else ["trainer=ddp", f"trainer.devices={gpus}"]
+            r = train(trainer + overrides, Path(tmp) / f"gpus{gpus}", out.parent / f"{out.name}_gpus{gpus}.log")
+            rows.append({"gpus": gpus, **{k: r.get(k) for k in ("tokens_per_s", "mfu", "peak_memory_gb", "steps",
+                                                               "tokens", "val_loss", "wall_s")}})
+            print(rows[-1], flush=True)
+    import torch
+
+    speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "overrides": overrides}
+    lines = [f"# Data-parallel scaling of train.py: 1 vs {args.gpus} GPUs, same per-GPU batch", "",
+             f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}", "",
+             f"overrides: `{' '.join(overrides)}`", "",
+             "| GPUs | tokens/s (all GPUs) | MFU (per GPU) | peak mem GiB | steps | final val loss |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        lines.append(f"| {r['gpus']} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_gb']:.1f} | {r['steps']} | "
+                     f"{r['val_loss']:.4f} |")
+    lines += ["", f"speed-up {args.gpus} GPUs / 1 GPU: **{speedup:.2f}x** (target >= {0.9 * args.gpus:.1f}x)"]
+    table = "\n".join(lines)
+    print(table)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "speedup": speedup}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The GPU validation and measurement rounds, sized for the `device` tool's 2x H200 machine
+# (nvidia-h200-x2) and its 600 s per call: each phase is one call, the two GPUs work in parallel.
+#
+#   phase kernels : GPU0  bf16 check of the softmax-family kernels, bench --only main, --only masks
+#                   GPU1  the ablation (scripts/run_ablation.sh device)
+#   phase train   : GPU0/GPU1  scripts/bench_train.py (gpt2_small, compiled), the cases split in two;
+#                   then GPU0 compute-sanitizer memcheck (scripts/sanitize_kernels.py),
+#                   GPU1 scripts/check_train_determinism.py
+#   phase ddp     : both GPUs  scripts/bench_ddp.py (1 vs 2 GPUs), then bench --only shapes
+#
+# Call (from the repo root, on the device tool):
+#   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
+#       command="ATTNLAB_COMMIT=<sha> bash scripts/gpu_validation.sh kernels")
+# Everything lands in $OUT as a few files (the tool returns at most 8); unpack here with tar.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_out}
+mkdir -p "$OUT"
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 ATTNLAB_CACHE_DIR=$ROOT/.device_cache WANDB_MODE=offline
+export ATTNLAB_COMMIT=${ATTNLAB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if ! python3 -c "import hydra" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+T0=$(date +%s)
+stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+
+on_gpu() {  # on_gpu GPU SECONDS LOG CMD...: one step, bounded, logged, never fatal
+  local gpu=$1 secs=$2 log=$3
+  shift 3
+  stamp "GPU$gpu start: $*" | tee -a "$WORK/steps.log"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM "$secs" "$@" >"$log" 2>&1
+  local rc=$?
+  stamp "GPU$gpu done (exit $rc): $*" | tee -a "$WORK/steps.log"
+  tail -n 25 "$log"
+}
+
+pack() {  # pack NAME: the phase's outputs as one archive in $OUT
+  cp "$WORK/steps.log" "$OUT/$1_steps.log" 2>/dev/null
+  tar czf "$OUT/$1.tar.gz" -C "$WORK" .
+}
+
+phase_kernels() {
+  local k=$WORK/kernels
+  mkdir -p "$k"
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    ABLATION_CACHE=$ROOT/.device_cache ABLATION_TRAIN_BUDGET_S=${ABLATION_TRAIN_BUDGET_S:-330} \
+      bash scripts/run_ablation.sh device >"$OUT/ablation.log" 2>&1
+  ) &
+  on_gpu 0 250 "$k/check_softmax_family.log" python3 scripts/check_softmax_family_gpu.py --json "$k/check_softmax_family.json"
+  on_gpu 0 150 "$k/bench_main.log" python3 scripts/bench_attention.py --only main --out "$k/bench_main"
+  on_gpu 0 140 "$k/bench_masks.log" python3 scripts/bench_attention.py --only masks --out "$k/bench_masks"
+  wait
+  pack kernels
+}
+
+phase_train() {
+  local t=$WORK/train
+  mkdir -p "$t"
+  on_gpu 0 300 "$t/bench_train_a.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants softmax,softcap_tanh,softcap_softsign --out "$t/bench_train_a" &
+  on_gpu 1 300 "$t/bench_train_b.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants alsc,threshold,diff_threshold --out "$t/bench_train_b"
+  wait
+  on_gpu 0 200 "$t/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    python3 scripts/sanitize_kernels.py &
+  on_gpu 1 200 "$t/determinism.log" python3 scripts/check_train_determinism.py --json "$t/determinism.json" \
+    experiment=gpu_small train.max_steps=30 train.val_every=15 train.val_tokens=65536 train.compile=false \
+    train.log_every=1
+  wait
+  pack train
+}
+
+phase_ddp() {
+  local d=$WORK/ddp
+  mkdir -p "$d"
+  on_gpu 0,1 330 "$d/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$d/bench_ddp" \
+    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
+    train.val_tokens=65536 train.warmup_steps=10
+  on_gpu 0 200 "$d/bench_shapes.log" python3 scripts/bench_attention.py --only shapes --out "$d/bench_shapes"
+  pack ddp
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) commit: $ATTNLAB_COMMIT"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+} | tee "$WORK/environment.txt"
+case "${1:-}" in
+  kernels) phase_kernels ;;
+  train) phase_train ;;
+  ddp) phase_ddp ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
+esac
+stamp "phase ${1} finished"
+ls -la "$OUT"

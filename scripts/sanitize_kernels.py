@@ -1,0 +1,83 @@
+"""Both kernel families on a reduced matrix of small shapes, for `compute-sanitizer`.
+
+Every mask kind, odd N (1, 17, 127, 200, 333), GQA 1/2/4, head dims 64/128, temperature and
+the differential form, forward and backward, bf16, each case also checked against the float64
+reference (DESIGN.md §6 rule, NaN-poisoned outputs). Tile configs rotate through each kernel's
+candidate list, so every tile shape is launched. Exits non-zero on an error-ratio failure;
+memory errors are the sanitizer's to report (it exits non-zero with --error-exitcode).
+
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/sanitize_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# one fixed tile config per launch (the case picks it): no autotuning runs under the sanitizer
+os.environ["ATTNLAB_AUTOTUNE"] = "0"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_softmax_family_gpu as sfc  # noqa: E402
+import check_threshold_gpu as thc  # noqa: E402
+
+LENGTHS = (1, 17, 127, 200, 333)
+
+
+def softmax_family_cases():
+    for i, (cap, mask_name) in enumerate(itertools.product(sfc.VARIANT_OF_CAP, sfc.MASKS)):
+        # (cap, mask, N, GQA group, temperature, dtype, tile config index, head dim)
+        yield cap, mask_name, LENGTHS[i % len(LENGTHS)], (1, 2, 4)[i % 3], i % 2 == 0, torch.bfloat16, i, (64, 128)[i % 2]
+
+
+def threshold_cases():
+    for i, (mask_name, differential) in enumerate(itertools.product(thc.MASKS, (False, True))):
+        n = LENGTHS[i % len(LENGTHS)]
+        h_kv = (4, 2, 1)[i % 3]
+        # (name, B, N, H, H_kv, D, p, beta, mask, differential, tile config index)
+        yield (f"{'diff' if differential else 'thr'} {mask_name} N={n}", 2, n, 4, h_kv, (64, 128)[i % 2],
+               (1.0, 2.0, 1.5)[i % 3], ("dense", "sparse", "zero")[i % 3], mask_name, differential, i % 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=["all", "softmax", "threshold"], default="all")
+    args = ap.parse_args()
+    t0 = time.time()
+    worst, failed, count = 0.0, [], 0
+    if args.family in ("all", "softmax"):
+        with sfc.nan_poisoned_empty():
+            for cap, mask_name, n, group, temp, dtype, cfg, d in softmax_family_cases():
+                ratios = sfc.run_case(cap, mask_name, n, group, temp, dtype, cfg, d=d, batch=3, seed=count)
+                name = f"{cap} {mask_name} N={n} G={group} D={d} t={int(temp)} cfg={cfg}"
+                count += 1
+                worst = max(worst, *ratios.values())
+                if max(ratios.values()) > 1:
+                    failed.append(name)
+                print(f"{'ok' if max(ratios.values()) <= 1 else 'FAIL':4} {name:48} max ratio {max(ratios.values()):.3f}",
+                      flush=True)
+    if args.family in ("all", "threshold"):
+        for case in threshold_cases():
+            ratios = thc.check_case(*case)
+            count += 1
+            worst = max(worst, *ratios.values())
+            if max(ratios.values()) > 1:
+                failed.append(case[0])
+            print(f"{'ok' if max(ratios.values()) <= 1 else 'FAIL':4} {case[0]:48} max ratio {max(ratios.values()):.3f}",
+                  flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"{count} cases in {time.time() - t0:.0f}s, max error ratio {worst:.3f}, failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
