@@ -53,10 +53,15 @@ def _range_of(is_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def segment_bounds(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, N) ids in {1, -1, 0} -> (B, 4) int32 [hist_start, hist_end, cand_start, cand_end)."""
-    hs, he = _range_of(segment_ids == HISTORY)
-    cs, ce = _range_of(segment_ids == CANDIDATE)
-    return torch.stack([hs, he, cs, ce], dim=-1).to(torch.int32).contiguous()
+    """(B, N) valid ids (`validate_segment_ids`: contiguous ranges) -> (B, 4) int32
+    [hist_start, hist_end, cand_start, cand_end); (0, 0) for a kind a row lacks.
+
+    Start = first index (argmax of the indicator), end = start + count: few device ops, since
+    this runs on every kernel call and its host-side launch cost showed in small problems."""
+    member = torch.stack([segment_ids == HISTORY, segment_ids == CANDIDATE], dim=1).to(torch.int32)  # (B, 2, N)
+    count = member.sum(dim=-1)
+    start = member.argmax(dim=-1) * (count > 0)
+    return torch.stack([start, start + count], dim=-1).reshape(-1, 4).to(torch.int32)
 
 
 def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -70,10 +75,10 @@ def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) ->
     bad = ~((segment_ids == HISTORY) | (segment_ids == CANDIDATE) | (segment_ids == PADDING))
     if bool(bad.any()):
         raise ValueError("segment_ids values must be in {1 (history), -1 (candidate), 0 (padding)}")
-    bounds = segment_bounds(segment_ids)
-    for value, (s, e) in ((HISTORY, (0, 1)), (CANDIDATE, (2, 3))):
+    for value in (HISTORY, CANDIDATE):
+        start, end = _range_of(segment_ids == value)  # first and last position, whatever lies between
         count = (segment_ids == value).sum(dim=-1)
-        if bool((count != (bounds[:, e] - bounds[:, s])).any()):
+        if bool((count != (end - start)).any()):
             name = "history (1)" if value == HISTORY else "candidate (-1)"
             raise ValueError(f"segment_ids: the {name} positions must form one contiguous range per row")
 

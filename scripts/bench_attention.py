@@ -371,6 +371,7 @@ def main():
     ap.add_argument("--only", default="all",
                     choices=["all", "main", "masks", "shapes", "threshold", "threshold_main"])
     ap.add_argument("--merge", nargs="*", default=None, help="merge part JSON files into --out, run nothing")
+    ap.add_argument("--names", default=None, help="comma list: run only the cases whose name contains one of these")
     args = ap.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -393,17 +394,21 @@ def main():
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit}
     print(meta, flush=True)
-    rows = []
+    rows, tgts = [], []
     threshold = args.only.startswith("threshold")
+    title = "Threshold-family attention benchmark" if threshold else "Softmax-family attention benchmark"
+    wanted = args.names.split(",") if args.names else None
     for name, b, h, n, d, cap, mask, extra in (threshold_cases(args.only) if threshold else cases(args.only)):
+        if wanted and not any(w in name for w in wanted):
+            continue
         rows.append((run_threshold_case if threshold else run_case)(name, b, h, n, d, cap, mask, **extra))
-    tgts = threshold_targets(rows) if threshold else targets(rows)
+        # written after every case: a run cut off by a time limit keeps what it measured
+        tgts = threshold_targets(rows) if threshold else targets(rows)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
+        out.with_suffix(".md").write_text(markdown(meta, rows, tgts, title))
     for t in tgts:
         print(f"{t['target']:45} {t['value'] if t['value'] is None else round(t['value'], 3)} "
               f"{'met' if t['met'] else 'MISSED'}")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
-    title = "Threshold-family attention benchmark" if threshold else "Softmax-family attention benchmark"
-    out.with_suffix(".md").write_text(markdown(meta, rows, tgts, title))
 
 
 if __name__ == "__main__":

@@ -90,28 +90,8 @@ def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch:
     }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gpt2_small", help="a configs/model/*.yaml preset")
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
-    ap.add_argument("--variants", default=None, help="comma list of the kernel cases to run (the SDPA yardstick always runs)")
-    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
-    args = ap.parse_args()
-    model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
-    model_cfg["vocab_size"] = args.vocab
-    wanted = set(args.variants.split(",")) if args.variants else None
-    rows = []
-    for variant, backend, params in CASES:
-        if wanted and backend != "sdpa" and variant not in wanted:
-            continue
-        try:
-            rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops))
-        except Exception as e:  # report and continue: one failing variant must not hide the others
-            rows.append({"variant": variant, "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]})
-        print(rows[-1], flush=True)
+def write_report(args, model_cfg, rows):
+    """Table + JSON of the rows so far (written after every case: a cut-off run keeps its numbers)."""
     base = next((r["tokens_per_s"] for r in rows if r.get("backend") == "sdpa" and "tokens_per_s" in r), None)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -135,12 +115,38 @@ def main():
             f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['new_graphs_while_timed']} |"
         )
     table = "\n".join(lines)
-    print(table)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".md").write_text(table + "\n")
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    return table
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt2_small", help="a configs/model/*.yaml preset")
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
+    ap.add_argument("--variants", default=None, help="comma list of the kernel cases to run (the SDPA yardstick always runs)")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    args = ap.parse_args()
+    model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    model_cfg["vocab_size"] = args.vocab
+    wanted = set(args.variants.split(",")) if args.variants else None
+    rows = []
+    for variant, backend, params in CASES:
+        if wanted and backend != "sdpa" and variant not in wanted:
+            continue
+        try:
+            rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops))
+        except Exception as e:  # report and continue: one failing variant must not hide the others
+            rows.append({"variant": variant, "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+        write_report(args, model_cfg, rows)
+    print(write_report(args, model_cfg, rows))
 
 
 if __name__ == "__main__":
