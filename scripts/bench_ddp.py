@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,14 @@ def train(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
             *overrides, f"hydra.run.dir={run_dir}"]
     t0 = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # its own process group: a time limit that stops this script must also stop the ranks
+        # Lightning starts, or they keep the GPUs busy under the next measurement
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     if proc.returncode:
         raise RuntimeError(f"train.py failed ({' '.join(overrides)}), see {log_path}")
     results = json.loads((run_dir / "results.json").read_text())
@@ -37,6 +45,7 @@ def train(overrides: list[str], run_dir: Path, log_path: Path) -> dict:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally above on `timeout`
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--out", default="docs/results/bench_ddp")

@@ -18,7 +18,7 @@
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
 #   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10")
 #   ABLATION_PPL_ARGS, ABLATION_STATS_ARGS  extra overrides of eval.perplexity / eval.attention_stats
-#   ABLATION_COMMIT    the commit to record (the device's copy of the tree may have no .git)
+#   ABLATION_COMMIT    the commit to record (else ATTNLAB_COMMIT; the device's copy of .git can be stale)
 #   PYTHON             interpreter (default python3)
 # A run stopped by the budget gets no results.json and is left out of the report (it lists the runs).
 set -euo pipefail
@@ -100,7 +100,7 @@ device() {
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
-    echo "commit: ${ABLATION_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+    echo "commit: ${ABLATION_COMMIT:-${ATTNLAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}"
     echo "command: scripts/run_ablation.sh device $*"
     echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-6}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
