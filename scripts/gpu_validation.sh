@@ -8,6 +8,8 @@
 #                   then GPU0 compute-sanitizer memcheck (scripts/sanitize_kernels.py),
 #                   GPU1 scripts/check_train_determinism.py
 #   phase ddp     : both GPUs  scripts/bench_ddp.py (1 vs 2 GPUs), then the kernel cases left over
+#   phase followup: GPU0 memcheck of the threshold kernels, GPU1 an FSDP smoke run; then compiled
+#                   1 vs 2 GPU scaling (what the first three phases left undone)
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -93,6 +95,23 @@ phase_ddp() {
   pack ddp
 }
 
+phase_followup() {  # what the 2026-11-30 rounds could not finish (see docs/results/gpu_checks/README.md)
+  local f=$WORK/followup
+  mkdir -p "$f"
+  on_gpu 0 200 "$f/sanitize_threshold.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    python3 scripts/sanitize_kernels.py --family threshold &
+  on_gpu 1 200 "$f/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
+    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
+    "hydra.run.dir=$f/fsdp_run"
+  wait
+  # compiled 1 vs 2 GPUs: the 2-GPU compile alone takes ~80 s, hence the longer limit
+  on_gpu 0,1 380 "$f/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$f/bench_ddp_compiled" \
+    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
+    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false
+  rm -rf "$f/fsdp_run/checkpoints"
+  pack followup
+}
+
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) commit: $ATTNLAB_COMMIT"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -102,7 +121,8 @@ case "${1:-}" in
   kernels) phase_kernels ;;
   train) phase_train ;;
   ddp) phase_ddp ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  followup) phase_followup ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

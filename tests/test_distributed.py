@@ -8,7 +8,6 @@ reduction order), and all ranks write into one Hydra run directory.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -17,15 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import compose_cfg, tiny_overrides, write_corpus
+from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
 
 
 def run_train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

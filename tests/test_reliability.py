@@ -28,7 +28,7 @@ from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
 from models.checkpoint_io import atomic_torch_save, load_checkpoint
 from models.guards import NonFiniteError
-from train_helpers import compose_cfg, tiny_overrides, write_corpus
+from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,12 +100,6 @@ def wait_for_lines(marker: Path, count: int, proc: subprocess.Popen, timeout: fl
 def sigkill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    return {int(r["step"]): float(r["train/loss"]) for r in rows}
 
 
 def metric_column(run_dir: Path, name: str) -> list[float]:

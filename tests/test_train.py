@@ -11,15 +11,9 @@ import pytest
 import torch
 
 from models.checkpoint_io import load_checkpoint
-from train_helpers import compose_cfg, tiny_overrides, write_corpus
+from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
-    return {int(r["step"]): float(r["train/loss"]) for r in rows}
 
 
 def test_training_checkpoints_and_reports(tmp_path):
