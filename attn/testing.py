@@ -53,3 +53,27 @@ def nan_poisoned_empty():
         yield
     finally:
         torch.empty, torch.empty_like = real_empty, real_empty_like
+
+
+def max_error(x: torch.Tensor, ref64: torch.Tensor) -> float:
+    return (x.double() - ref64).abs().max().item() if x.numel() else 0.0
+
+
+def error_ratio(fused: torch.Tensor, torch_same_dtype: torch.Tensor, ref64: torch.Tensor, floor: float,
+                factor: float = 2.0) -> float:
+    """DESIGN.md §6: err(fused) / (factor x err(PyTorch in the same dtype) + floor), errors vs
+    float64; <= 1 passes. inf when `fused` holds a non-finite value (an unwritten NaN-poisoned
+    element, say)."""
+    if not torch.isfinite(fused).all():
+        return float("inf")
+    return max_error(fused, ref64) / (factor * max_error(torch_same_dtype, ref64) + floor)
+
+
+def softmax_family_outputs_and_grads(fn, q, k, v, temperature, dout, spec, mask, segment_ids, dtype) -> list:
+    """[out, dq, dk, dv(, d-temperature)] of `fn` (reference or kernel entry) on leaf copies of
+    the float64 inputs cast to `dtype`."""
+    leaves = [x.detach().to(dtype).clone().requires_grad_() if x is not None else None
+              for x in (q, k, v, temperature)]
+    out = fn(leaves[0], leaves[1], leaves[2], spec, mask, segment_ids, leaves[3])
+    out.backward(dout.to(dtype))
+    return [out] + [x.grad for x in leaves if x is not None]

@@ -202,15 +202,17 @@ def cases(only):
     return out
 
 
+def ratio(a, b, key):
+    """a[key] / b[key], None where a row or its timing is missing (a failed implementation)."""
+    try:
+        return a[key] / b[key]
+    except (KeyError, TypeError):
+        return None
+
+
 def targets(rows):
     by = {r["name"]: r for r in rows}
     res = []
-
-    def ratio(a, b, key):
-        try:
-            return a[key] / b[key]
-        except (KeyError, TypeError):
-            return None
 
     for cap in ("tanh", "soft_sign", "alsc"):
         r = by.get(f"main {cap} causal")
@@ -341,12 +343,6 @@ def threshold_cases(only="threshold"):
 def threshold_targets(rows):
     by = {r["name"]: r for r in rows}
     res = []
-
-    def ratio(a, b, key):
-        try:
-            return a[key] / b[key]
-        except (KeyError, TypeError):
-            return None
 
     t, dt_ = by.get("main threshold causal"), by.get("main diff_threshold causal")
     if t and "ours" in t and "sdpa" in t:

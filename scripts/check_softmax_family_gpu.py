@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attn  # noqa: E402
 from attn.kernels import softmax_family as sf  # noqa: E402
 from attn.masks import MaskSpec  # noqa: E402
-from attn.testing import nan_poisoned_empty, random_segment_ids  # noqa: E402
+from attn.testing import (  # noqa: E402
+    error_ratio, nan_poisoned_empty, random_segment_ids, softmax_family_outputs_and_grads,
+)
 from attn.reference import reference_attention  # noqa: E402
 
 DEVICE = os.environ.get("ATTNLAB_CHECK_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: dry run of the script
@@ -70,23 +72,11 @@ def run_case(cap, mask_name, n, group, temp, dtype, cfg, d=128, batch=3, h_kv=2,
     spec = attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
     set_configs(cfg)
 
-    def go(fn, dt):
-        ins = [x.detach().to(dt).clone().requires_grad_() if x is not None else None for x in (q, k, v, t)]
-        out = fn(ins[0], ins[1], ins[2], spec, mask, ids, ins[3])
-        out.backward(do.to(dt))
-        return [out] + [x.grad for x in ins if x is not None]
-
-    ref = go(reference_attention, torch.float64)
-    same = go(reference_attention, dtype)
-    fused = go(sf.fused_attention, dtype)
-    ratios = {}
-    for name, f, s, r in zip(("out", "dq", "dk", "dv", "dtemp"), fused, same, ref):
-        if not torch.isfinite(f).all():
-            ratios[name] = float("inf")
-            continue
-        err = (f.double() - r).abs().max().item()
-        budget = 2 * (s.double() - r).abs().max().item() + 1e-4 * max(1.0, r.abs().max().item())
-        ratios[name] = err / budget
+    ref, same, fused = (softmax_family_outputs_and_grads(fn, q, k, v, t, do, spec, mask, ids, dt)
+                        for fn, dt in ((reference_attention, torch.float64), (reference_attention, dtype),
+                                       (sf.fused_attention, dtype)))
+    ratios = {name: error_ratio(f, s, r, floor=1e-4 * max(1.0, r.abs().max().item()))
+              for name, f, s, r in zip(("out", "dq", "dk", "dv", "dtemp"), fused, same, ref)}
     if seg and batch > 2:  # the all-padding row: zeros, zero gradient
         assert (fused[0][-1] == 0).all() and (fused[1][-1] == 0).all()
     return ratios

@@ -95,7 +95,7 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     from attn.masks import MaskSpec
     from attn.reference import reference_attention
     from attn.specs import ThresholdFamilySpec
-    from attn.testing import nan_poisoned_empty, random_segment_ids
+    from attn.testing import error_ratio, nan_poisoned_empty, random_segment_ids
 
     dev = DEVICE
     gen = torch.Generator().manual_seed(seed or sum(map(ord, name)))
@@ -131,15 +131,7 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     same = _outputs_and_grads(reference, leaves(torch.bfloat16), dout)
     with nan_poisoned_empty():
         got = _outputs_and_grads(fused, leaves(torch.bfloat16), dout)
-    ratios = {}
-    for key, want in ref64.items():
-        if not torch.isfinite(got[key]).all():
-            ratios[key] = math.inf
-            continue
-        err = (got[key].double() - want).abs().max().item() if want.numel() else 0.0
-        budget = 2.0 * ((same[key].double() - want).abs().max().item() if want.numel() else 0.0) + FLOOR
-        ratios[key] = err / budget
-    return ratios
+    return {key: error_ratio(got[key], same[key], want, FLOOR) for key, want in ref64.items()}
 
 
 def warm_variant(d, mask_name, differential, config, dkdv_form="split"):

@@ -17,7 +17,7 @@ import torch
 
 import attn
 from attn.kernels.softmax_family import CAP_IDS, fused_attention, softmax_family_bwd, softmax_family_fwd
-from attn.testing import random_segment_ids
+from attn.testing import random_segment_ids, softmax_family_outputs_and_grads
 from attn.masks import MaskSpec, segment_bounds
 from attn.reference import reference_attention
 from tolerance import assert_within_reference_error
@@ -47,15 +47,9 @@ def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, ca
     ids = random_segment_ids(batch, n, gen, padding_row=pad_row) if seg else None
     spec = make_spec(cap, cap_value, knee)
 
-    def go(fn, dt):
-        ins = [x.detach().to(dt).clone().requires_grad_() if x is not None else None for x in (q, k, v, t)]
-        out = fn(ins[0], ins[1], ins[2], spec, mask, ids, ins[3])
-        out.backward(do.to(dt))
-        return [out] + [x.grad for x in ins if x is not None]
-
-    ref = go(reference_attention, torch.float64)
-    same = go(reference_attention, dtype)
-    fused = go(fused_attention, dtype)
+    ref, same, fused = (softmax_family_outputs_and_grads(fn, q, k, v, t, do, spec, mask, ids, dt)
+                        for fn, dt in ((reference_attention, torch.float64), (reference_attention, dtype),
+                                       (fused_attention, dtype)))
     ratios = {}
     for name, f, s, r in zip(("out", "dq", "dk", "dv", "dtemp"), fused, same, ref):
         assert f.dtype == dtype and f.shape == r.shape, name
@@ -280,13 +274,16 @@ def test_pinned_configs_skip_timing(monkeypatch):
     so no timing can choose a different tile (summation order) in another process."""
     from attn.kernels import softmax_family as sf
 
-    configs = [f"cfg{i}" for i in range(4)]
+    import triton
+
+    # the GPU candidate lists (the interpreter's have one config, which could not tell)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in
+               [(128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4)]]
     args = {"HEAD_DIM": 64, "seq_len": 4096}
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
-    assert len(sf._prune_bwd(configs, args)) == 4
+    assert len(sf._prune_bwd(configs, args)) == 4 and len(sf._prune_fwd(configs, args)) == 4
     attn.pin_kernel_configs(True)
-    assert sf._prune_bwd(configs, args) == ["cfg0"]
-    real = sf._fwd_configs()
-    assert sf._prune_fwd(real, args) == real[:1]
+    assert sf._prune_bwd(configs, args) == configs[:1]
+    assert sf._prune_fwd(configs, args) == configs[:1]
     attn.pin_kernel_configs(False)
     assert "ATTNLAB_AUTOTUNE" not in os.environ
