@@ -116,7 +116,7 @@ class NonFiniteGuard(L.Callback):
 
             handles.append(module.register_forward_hook(hook))
         try:
-            pl_module._loss(self._batch)
+            pl_module._loss(self._batch, eager=True)  # hooks do not fire inside a compiled graph
         finally:
             for h in handles:
                 h.remove()

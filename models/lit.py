@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from models.gpt import GPT, AttnConfig, GPTConfig
 
@@ -75,10 +74,16 @@ class LitGPT(L.LightningModule):
     def forward(self, idx):
         return self.forward_fn(idx)
 
-    def _loss(self, batch, reduction="mean"):
+    def _loss(self, batch, reduction="mean", eager=False):
+        """Next-token cross-entropy of a batch in nats; eager=True bypasses torch.compile (forward
+        hooks only fire on the eager module)."""
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction=reduction)
+        loss_sum = (self.model if eager else self.forward_fn)(x, targets=y)  # the loss inside the compiled graph
+        if reduction == "sum":
+            return loss_sum
+        if reduction == "mean":
+            return loss_sum / y.numel()
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)

@@ -52,7 +52,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float):
+def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, loss_in_graph: bool = True):
+    """The compiled model and one full training step (forward, loss, backward, fused AdamW) on random tokens.
+
+    loss_in_graph=False computes the loss outside the compiled graph, from fp32-upcast logits
+    (how the trainer did it before; kept to measure the difference)."""
     torch.manual_seed(0)
     torch._dynamo.reset()
     cfg = GPTConfig(**model_cfg, attn=AttnConfig(name=variant, backend=backend, params=params))
@@ -60,16 +64,28 @@ def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch:
     compiled = torch.compile(model, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), device=DEVICE)
+    inputs, targets = x[:, :-1], x[:, 1:]
 
     def step():
         with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            logits = compiled(x[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, cfg.vocab_size), x[:, 1:].reshape(-1))
+            if loss_in_graph:
+                loss = compiled(inputs, targets=targets) / targets.numel()
+            else:
+                logits = compiled(inputs)
+        if not loss_in_graph:
+            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, cfg.vocab_size), targets.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return model, step
+
+
+def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float,
+               loss_in_graph: bool = True):
+    model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph)
+    cfg = model.cfg
     for _ in range(5):  # compile + autotune, never timed
         step()
     sync()
@@ -87,6 +103,7 @@ def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch:
         "variant": variant, "backend": backend, "ms_per_step": dt * 1e3, "tokens_per_s": tps,
         "mfu": tps * model.flops_per_token() / (peak * 1e12), "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0,
         "params_m": model.num_params() / 1e6, "loss": loss.item(), "new_graphs_while_timed": recompiles,
+        "loss_in_graph": loss_in_graph,
     }
 
 
@@ -98,9 +115,11 @@ def write_report(args, model_cfg, rows):
         "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (dry run)", "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": git_commit(), "model": args.model,
         "model_config": model_cfg, "batch": args.batch, "steps": args.steps, "peak_tflops": args.peak_tflops,
+        "loss_in_graph": not args.loss_outside_graph,
     }
     lines = [
-        f"# Training throughput: {args.model}, batch {args.batch} x {model_cfg['context']}, bf16, compiled",
+        f"# Training throughput: {args.model}, batch {args.batch} x {model_cfg['context']}, bf16, compiled"
+        + ("" if meta["loss_in_graph"] else ", loss outside the compiled graph"),
         "", f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']}", "",
         "| variant | backend | ms/step | tokens/s | vs SDPA | MFU | peak mem GB | graphs compiled while timed |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -131,6 +150,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
     ap.add_argument("--variants", default=None, help="comma list of the kernel cases to run (the SDPA yardstick always runs)")
+    ap.add_argument("--loss-outside-graph", action="store_true",
+                    help="compute the loss eagerly from fp32 logits (the trainer's former path), for comparison")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     args = ap.parse_args()
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
@@ -141,7 +162,8 @@ def main():
         if wanted and backend != "sdpa" and variant not in wanted:
             continue
         try:
-            rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops))
+            rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops,
+                                   loss_in_graph=not args.loss_outside_graph))
         except Exception as e:  # report and continue: one failing variant must not hide the others
             rows.append({"variant": variant, "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]})
         print(rows[-1], flush=True)

@@ -10,6 +10,9 @@
 #   phase ddp     : both GPUs  scripts/bench_ddp.py (1 vs 2 GPUs), then the kernel cases left over
 #   phase followup: GPU0 memcheck of the threshold kernels, GPU1 an FSDP smoke run; then compiled
 #                   1 vs 2 GPU scaling (what the first three phases left undone)
+#   phase profile : GPU0 scripts/profile_train_step.py (where the step's time goes, loss in/out of the
+#                   graph, batch 16/32), then bench_train's threshold cases; GPU1 bench_train's
+#                   softmax-family cases (GPT-2 small, loss inside the compiled graph)
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -112,6 +115,19 @@ phase_followup() {  # what the 2026-11-30 rounds could not finish (see docs/resu
   pack followup
 }
 
+phase_profile() {
+  local p=$WORK/profile
+  mkdir -p "$p"
+  on_gpu 1 420 "$p/bench_train_a.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants softmax,softcap_tanh,softcap_softsign,alsc --out "$p/bench_train_a" &
+  on_gpu 0 330 "$p/profile.log" python3 scripts/profile_train_step.py \
+    --cases sdpa:16:eager,sdpa:16,triton:16,sdpa:32,triton:32 --out "$p/profile_train_step"
+  on_gpu 0 220 "$p/bench_train_b.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants threshold,diff_threshold --out "$p/bench_train_b"
+  wait
+  pack profile
+}
+
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) commit: $ATTNLAB_COMMIT"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -122,7 +138,8 @@ case "${1:-}" in
   train) phase_train ;;
   ddp) phase_ddp ;;
   followup) phase_followup ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  profile) phase_profile ;;
+  *) sed -n '2,21p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

@@ -32,8 +32,12 @@ def test_compiled_training_steps_compile_the_forward_once(attn_name):
     batch = torch.randint(0, cfg.vocab_size, (2, cfg.context), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS):
         idx = batch.clone()  # a fresh input tensor each step, as a DataLoader would give (memorizable)
-        logits = compiled(idx)
-        loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), idx.roll(-1, dims=1).reshape(-1))
+        targets = idx.roll(-1, dims=1)
+        loss = compiled(idx, targets=targets) / targets.numel()  # the trainer's path: the loss in the graph
+        if step == 0:
+            with torch.no_grad():
+                expected = F.cross_entropy(model(idx).view(-1, cfg.vocab_size), targets.reshape(-1))
+            torch.testing.assert_close(loss.detach(), expected)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

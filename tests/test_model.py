@@ -43,6 +43,19 @@ def test_variant_overfits_a_repeated_batch(name):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.mark.parametrize("name", ["softmax", "diff_threshold"])
+def test_forward_with_targets_returns_the_summed_cross_entropy(name):
+    torch.manual_seed(0)
+    model = GPT(tiny(name))
+    x, y = torch.randint(0, 37, (3, 16)), torch.randint(0, 37, (3, 16))
+    loss_sum = model(x, targets=y)
+    expected = torch.nn.functional.cross_entropy(model(x).float().reshape(-1, 37), y.reshape(-1), reduction="sum")
+    assert loss_sum.dtype == torch.float32 and loss_sum.shape == ()
+    torch.testing.assert_close(loss_sum, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits, fp32 loss
+        assert model(x, targets=y).dtype == torch.float32
+
+
 def test_differential_lambda_is_learned():
     torch.manual_seed(0)
     for mode in ("reparam", "clamp"):
