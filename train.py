@@ -211,6 +211,9 @@ def run(cfg: DictConfig) -> dict:
         ))
     if cfg.train.log_max_logit:
         callbacks.append(MaxLogitMonitor())
+    if cfg.trainer.get("enable_progress_bar", True):
+        # each refresh reads the logged values (a device sync): once per log interval, not per step
+        callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every))
     loggers = build_loggers(cfg, output_dir, resume_run_id)
     trainer: L.Trainer = instantiate(
         cfg.trainer,

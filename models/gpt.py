@@ -52,16 +52,28 @@ class GPTConfig:
 
 
 class RoPE(nn.Module):
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, max_len: int):
         super().__init__()
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # cos/sin tables up to the training context, built once: inside a compiled step the
+        # fused kernel otherwise recomputes them for every batch element and head
+        cos, sin = self._tables(max_len)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
+        return angles.cos(), angles.sin()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, N, H, D): rotate pairs (first half, second half) by position."""
         n = x.shape[1]
-        angles = torch.outer(torch.arange(n, device=x.device, dtype=torch.float32), self.inv_freq)
-        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        if n <= self.cos_table.shape[0]:
+            cos, sin = self.cos_table[:n], self.sin_table[:n]
+        else:  # beyond the training context (length-extrapolation evals)
+            cos, sin = self._tables(n)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
@@ -91,7 +103,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, self.views * (q_dim + kv_dim) + kv_dim, bias=False)
         self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.proj.residual_projection = True
-        self.rope = RoPE(cfg.head_dim, cfg.rope_base)
+        self.rope = RoPE(cfg.head_dim, cfg.rope_base, cfg.context)
         self.q_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
         self.k_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
         self.head_norm = nn.RMSNorm(cfg.head_dim) if self.out_norm else None

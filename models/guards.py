@@ -3,9 +3,12 @@
 NonFiniteGuard (train.nonfinite: skip | stop | off)
     After backward and before gradient clipping and the optimizer step (Lightning's
     on_before_optimizer_step), the loss of the step and every gradient are checked.
-    - skip: the gradients are dropped (set to None), so AdamW leaves every parameter and its
-      moments untouched; the step is counted in `train/nonfinite_steps` (saved in
-      checkpoints). The LR schedule still advances: the step index stays the data position.
+    - skip: AdamW leaves every parameter, its moments and its step count untouched; the step
+      is counted in `train/nonfinite_steps` (saved in checkpoints). The LR schedule still
+      advances: the step index stays the data position. With a fused optimizer (AdamW on
+      GPU) the check and the skip stay on the device, through the optimizer's `found_inf`
+      (the mechanism GradScaler uses), so training never waits for the host; otherwise the
+      step costs one host sync and the gradients are dropped (set to None).
     - stop: raises NonFiniteError naming the global step, whether the loss was finite, the first
       parameter (module order) with a non-finite gradient and the first module whose forward
       output went non-finite (found by re-running the batch's forward with hooks, only then).
@@ -45,9 +48,13 @@ class NonFiniteGuard(L.Callback):
         if policy not in POLICIES:
             raise ValueError(f"train.nonfinite must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self.nonfinite_steps = 0
+        self._skipped: torch.Tensor | int = 0  # a device tensor once steps are checked on the device
         self._loss_finite = True
         self._batch = None
+
+    @property
+    def nonfinite_steps(self) -> int:
+        return int(self._skipped)
 
     # the batch is kept only to locate the first non-finite module if we stop
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -64,10 +71,27 @@ class NonFiniteGuard(L.Callback):
         if self.policy == "off":
             return
         scaler_handles_grads = str(trainer.precision) == "16-mixed"
-        flags = [torch.as_tensor(self._loss_finite, device=pl_module.device).reshape(())]
+        found = torch.logical_not(torch.as_tensor(self._loss_finite, device=pl_module.device)).float().reshape(())
         if not scaler_handles_grads:
-            flags += [torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None]
-        if bool(torch.stack(flags).all()):  # one host sync per step
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+            for device, group in by_device.items():  # GradScaler's multi-tensor check, scale 1
+                flag = torch.zeros((), device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones((), device=device))
+                found = torch.maximum(found, flag.to(found.device))
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            # ranks agree (FSDP: each checked only its own gradient shard)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
+        if self.policy == "skip" and getattr(optimizer, "_step_supports_amp_scaling", False) and not scaler_handles_grads:
+            optimizer.found_inf = found  # the fused step skips itself when found == 1
+            if not isinstance(self._skipped, torch.Tensor):
+                self._skipped = torch.tensor(float(self._skipped), device=found.device)
+            self._skipped += found
+            return
+        if not bool(found):  # one host sync per step
             return
         self._loss_finite = bool(self._loss_finite)
         bad_param = None
@@ -78,7 +102,7 @@ class NonFiniteGuard(L.Callback):
             )
         if self.policy == "stop":
             raise NonFiniteError(self._describe(trainer, pl_module, bad_param))
-        self.nonfinite_steps += 1
+        self._skipped += 1
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -86,7 +110,8 @@ class NonFiniteGuard(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._batch = None
         if self.policy != "off":
-            pl_module.log("train/nonfinite_steps", float(self.nonfinite_steps))
+            count = self._skipped.clone() if isinstance(self._skipped, torch.Tensor) else float(self._skipped)
+            pl_module.log("train/nonfinite_steps", count)
 
     def _describe(self, trainer, pl_module, bad_param: str | None) -> str:
         step = trainer.global_step
@@ -126,7 +151,7 @@ class NonFiniteGuard(L.Callback):
         return {"nonfinite_steps": self.nonfinite_steps}
 
     def load_state_dict(self, state_dict):
-        self.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
+        self._skipped = int(state_dict.get("nonfinite_steps", 0))
 
 
 class MaxLogitMonitor(L.Callback):
@@ -154,7 +179,10 @@ class MaxLogitMonitor(L.Callback):
         def pre_hook(layer, args):
             x = args[0]
             with torch.autocast(device_type=x.device.type, enabled=False):
-                qs, ks, _ = layer.split_heads(x.float())
+                # the projection runs in its weights' dtype (bf16 under FSDP mixed precision,
+                # fp32 otherwise); the scores in fp32
+                qs, ks, _ = layer.split_heads(x.to(layer.qkv.weight.dtype))
+                qs, ks = [q.float() for q in qs], [k.float() for k in ks]
                 scores = per_head_scores(qs[0], ks[0]) * layer.spec.scale(qs[0].shape[-1])
                 visible = attn.dense_mask(attn.MaskSpec(causal=True, window=layer.window), x.shape[1], device=x.device)
                 self._max[index] = scores.masked_fill(~visible[:, None], -math.inf).amax().item()

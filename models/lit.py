@@ -41,6 +41,9 @@ class OptimConfig:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+WARMUP_STEPS = 5  # throughput windows starting earlier hold compilation and autotuning; not in the mean
+
+
 def gpt_config_from_dict(model: dict) -> GPTConfig:
     model = dict(model)
     model["attn"] = AttnConfig(**model.get("attn", {}))
@@ -65,7 +68,7 @@ class LitGPT(L.LightningModule):
         # UTF-8 bytes per token of each split, for bits per byte
         self.bytes_per_token = bytes_per_token or {}
         self._val_sums = None
-        self._last_time = None
+        self._window = None  # the throughput window being timed (see on_train_batch_end)
         self.tokens_seen = 0
         self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
         self.flops_per_token = self.model.flops_per_token()
@@ -97,23 +100,34 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # timed between consecutive step ends, so the optimizer step is included
+        # Throughput over the batches between two log writes, timed between batch ends (the
+        # optimizer step included). The clock needs a device sync, so it is read only when the
+        # loggers write (every log_every_n_steps): a per-step sync stops the host from queueing
+        # the next step's kernels ahead of the GPU.
+        if self._window is None:
+            self._window = {"start": self._clock(), "tokens": 0, "first_step": self.global_step}
+            return
+        self._window["tokens"] += batch[0].numel() * self.trainer.world_size
+        if not self.trainer._logger_connector.should_update_logs:  # Lightning's own write condition
+            return
+        now = self._clock()
+        seconds = now - self._window["start"]
+        tps = self._window["tokens"] / seconds
+        self.log("train/tokens_per_s", tps, prog_bar=True)
+        if self.peak_tflops:
+            mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
+            self.log("train/mfu", mfu, prog_bar=True)
+        if self.device.type == "cuda":
+            self.log("train/peak_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
+        if self._window["first_step"] >= WARMUP_STEPS:  # steady state: compile and autotune are done
+            self.throughput["tokens"] += self._window["tokens"]
+            self.throughput["seconds"] += seconds
+        self._window = {"start": now, "tokens": 0, "first_step": self.global_step}
+
+    def _clock(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        if self._last_time is not None:
-            tokens = batch[0].numel() * self.trainer.world_size
-            tps = tokens / (now - self._last_time)
-            self.log("train/tokens_per_s", tps, prog_bar=True)
-            if self.peak_tflops:
-                mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
-                self.log("train/mfu", mfu, prog_bar=True)
-            if self.global_step > 5:
-                self.throughput["tokens"] += tokens
-                self.throughput["seconds"] += now - self._last_time
-        self._last_time = now
-        if self.device.type == "cuda" and batch_idx % max(1, self.trainer.log_every_n_steps) == 0:
-            self.log("train/peak_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
+        return time.perf_counter()
 
     def mean_tokens_per_s(self) -> float | None:
         t = self.throughput
@@ -135,7 +149,7 @@ class LitGPT(L.LightningModule):
         self.log("val/ppl", math.exp(min(nats, 50.0)))
         if "val" in self.bytes_per_token:
             self.log("val/bpb", nats / math.log(2) / self.bytes_per_token["val"], prog_bar=True)
-        self._last_time = None  # validation time is not training throughput
+        self._window = None  # validation time is not training throughput
 
     def configure_optimizers(self):
         decay, no_decay = [], []

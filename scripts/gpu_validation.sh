@@ -13,6 +13,9 @@
 #   phase profile : GPU0 scripts/profile_train_step.py (where the step's time goes, loss in/out of the
 #                   graph, batch 16/32), then bench_train's threshold cases; GPU1 bench_train's
 #                   softmax-family cases (GPT-2 small, loss inside the compiled graph)
+#   phase confirm : after the RoPE tables and the sync-free training loop: compiled 1 vs 2 GPU
+#                   scaling; then GPU0 bench_train's softmax-family cases, GPU1 the FSDP smoke run,
+#                   bench_train's threshold cases and memcheck of the last 3 softmax-family cases
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -128,6 +131,27 @@ phase_profile() {
   pack profile
 }
 
+phase_confirm() {
+  local c=$WORK/confirm
+  mkdir -p "$c"
+  on_gpu 0,1 260 "$c/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$c/bench_ddp_compiled" \
+    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
+    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false
+  on_gpu 0 250 "$c/bench_train_a.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants softmax,softcap_tanh,softcap_softsign,alsc --out "$c/bench_train_a" &
+  on_gpu 1 60 "$c/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
+    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
+    "hydra.run.dir=$c/fsdp_run"
+  rm -rf "$c/fsdp_run/checkpoints"
+  on_gpu 1 100 "$c/bench_train_b.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants threshold,diff_threshold --out "$c/bench_train_b"
+  # the 3 softmax-family cases the train phase's memcheck did not reach (cut by its limit)
+  on_gpu 1 85 "$c/sanitize_softmax_rest.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
+    python3 scripts/sanitize_kernels.py --family softmax --from-case 21
+  wait
+  pack confirm
+}
+
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) commit: $ATTNLAB_COMMIT"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -139,7 +163,8 @@ case "${1:-}" in
   ddp) phase_ddp ;;
   followup) phase_followup ;;
   profile) phase_profile ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  confirm) phase_confirm ;;
+  *) sed -n '2,24p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

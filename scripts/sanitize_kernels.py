@@ -50,12 +50,15 @@ def threshold_cases():
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", choices=["all", "softmax", "threshold"], default="all")
+    ap.add_argument("--from-case", type=int, default=0, help="skip the softmax-family cases before this index")
     args = ap.parse_args()
     t0 = time.time()
     worst, failed, count = 0.0, [], 0
     if args.family in ("all", "softmax"):
         with sfc.nan_poisoned_empty():
             for cap, mask_name, n, group, temp, dtype, cfg, d in softmax_family_cases():
+                if cfg < args.from_case:  # cfg is the case index
+                    continue
                 ratios = sfc.run_case(cap, mask_name, n, group, temp, dtype, cfg, d=d, batch=3, seed=count)
                 name = f"{cap} {mask_name} N={n} G={group} D={d} t={int(temp)} cfg={cfg}"
                 count += 1

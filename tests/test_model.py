@@ -56,6 +56,20 @@ def test_forward_with_targets_returns_the_summed_cross_entropy(name):
         assert model(x, targets=y).dtype == torch.float32
 
 
+def test_rope_tables_match_the_rotation_within_and_beyond_the_context():
+    from models.gpt import RoPE
+
+    rope = RoPE(head_dim=8, base=10000.0, max_len=4)
+    x = torch.randn(2, 6, 3, 8)
+    pos = torch.arange(6, dtype=torch.float32)[:, None] * rope.inv_freq  # (N, D/2)
+    cos, sin = pos.cos()[None, :, None], pos.sin()[None, :, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    torch.testing.assert_close(rope(x), expected)  # 6 > max_len: computed on the fly
+    torch.testing.assert_close(rope(x[:, :4]), expected[:, :4])  # from the tables
+    assert "cos_table" not in rope.state_dict(), "tables are derived, not checkpointed"
+
+
 def test_differential_lambda_is_learned():
     torch.manual_seed(0)
     for mode in ("reparam", "clamp"):

@@ -388,9 +388,29 @@ def poison_layer(monkeypatch, bad_steps: set[int], kind: str):
     monkeypatch.setattr(train, "build_model", build)
 
 
-def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch):
+class RecordingFusedAdamW(torch.optim.AdamW):
+    """Fused AdamW (as on GPU) that records the guard's on-device skip flag at each step."""
+
+    flags: list[float] = []
+
+    def __init__(self, *args, fused=None, **kwargs):
+        super().__init__(*args, fused=True, **kwargs)
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        RecordingFusedAdamW.flags.append(float(self.found_inf))
+        return out
+
+
+@pytest.mark.parametrize("optimizer", ["foreach", "fused"])
+def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, optimizer):
+    """foreach: the host-synced path (gradients dropped); fused: the skip stays on the device
+    (the optimizer's found_inf flag, no host sync)."""
     import train
 
+    if optimizer == "fused":
+        RecordingFusedAdamW.flags = []
+        monkeypatch.setattr(torch.optim, "AdamW", RecordingFusedAdamW)
     poison_layer(monkeypatch, {2, 4}, "forward")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"})))
@@ -403,6 +423,10 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch):
     assert torch.isfinite(torch.tensor(results["val_loss"]))
     guard_state = next(v for k, v in state["callbacks"].items() if k.startswith("NonFiniteGuard"))
     assert guard_state == {"nonfinite_steps": 2}, "the count survives a resume"
+    adam_steps = {float(s["step"]) for s in state["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {4.0}, "6 steps, 2 skipped: AdamW's step count and moments untouched by them"
+    if optimizer == "fused":
+        assert RecordingFusedAdamW.flags == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
 
 
 def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypatch):

@@ -83,3 +83,29 @@ def test_wandb_offline_run_id_is_checkpointed_and_resumed(tmp_path):
     train.run(compose_cfg(tiny_overrides(resumed, corpus, **common) + [f"ckpt_path={first / 'run' / 'checkpoints' / 'last.ckpt'}"]))
     assert [p.name.endswith(run_id) for p in (resumed / "run" / "wandb").glob("offline-run-*")] == [True]
     assert load_checkpoint(resumed / "run" / "checkpoints" / "last.ckpt")["wandb_run_id"] == run_id
+
+
+def test_throughput_and_mfu_are_logged_per_log_window(tmp_path):
+    """tokens/s and MFU: one value per log write, over the batches since the last one (the clock,
+    a device sync on GPU, is read once per train.log_every batches), and a steady-state mean in
+    results.json."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 20, "train.val_every": 20, "train.log_every": 3, "train.peak_tflops": 1.0})))
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_s")]
+    # the window opens at the first batch end and closes at each log write (batches 3, 6, ... 18)
+    assert len(rows) == 6
+    from models.gpt import GPT
+    from models.lit import gpt_config_from_dict
+
+    model_hparams = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["hyper_parameters"]["model"]
+    flops_per_token = GPT(gpt_config_from_dict(model_hparams)).flops_per_token()
+    for r in rows:
+        tps = float(r["train/tokens_per_s"])
+        assert tps > 0
+        assert float(r["train/mfu"]) == pytest.approx(tps * flops_per_token / 1e12, rel=1e-5)
+    assert results["tokens_per_s"] > 0  # windows that started at step >= 5
+    assert results["mfu"] == pytest.approx(results["tokens_per_s"] * flops_per_token / 1e12, rel=1e-9)
