@@ -169,7 +169,9 @@ class MaxLogitMonitor(L.Callback):
         if not handles:
             return
         try:
-            with torch.no_grad():
+            # the precision plugin's context (autocast), as in the training step: under FSDP
+            # mixed precision the weights are bf16 and a plain fp32 forward would fail
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
                 model(batch[0])
         finally:
             for h in handles:

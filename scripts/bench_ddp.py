@@ -49,11 +49,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--out", default="docs/results/bench_ddp")
+    ap.add_argument("--runs-dir", default=None, help="keep both runs' directories here (default: a temp dir)")
     args, overrides = ap.parse_known_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.runs_dir:
+            tmp = args.runs_dir
         for gpus in (1, args.gpus):
             trainer = ["trainer=gpu"] if gpus == 1 else ["trainer=ddp", f"trainer.devices={gpus}"]
             r = train(trainer + overrides, Path(tmp) / f"gpus{gpus}", out.parent / f"{out.name}_gpus{gpus}.log")

@@ -16,6 +16,8 @@
 #   phase confirm : after the RoPE tables and the sync-free training loop: compiled 1 vs 2 GPU
 #                   scaling; then GPU0 bench_train's softmax-family cases, GPU1 the FSDP smoke run,
 #                   bench_train's threshold cases and memcheck of the last 3 softmax-family cases
+#   phase final   : compiled 1 vs 2 GPU scaling under Lightning's simple profiler (host time per
+#                   hook); then GPU1 the FSDP smoke run, GPU0 bench_train's diff_threshold case
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -152,6 +154,22 @@ phase_confirm() {
   pack confirm
 }
 
+phase_final() {
+  local z=$WORK/final
+  mkdir -p "$z"
+  on_gpu 0,1 240 "$z/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$z/bench_ddp_compiled" \
+    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=60 train.val_every=60 \
+    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false +trainer.profiler=simple
+  on_gpu 0 150 "$z/bench_train_diff.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
+    --variants diff_threshold --out "$z/bench_train_diff" &
+  on_gpu 1 70 "$z/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
+    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
+    "hydra.run.dir=$z/fsdp_run"
+  rm -rf "$z/fsdp_run/checkpoints"
+  wait
+  pack final
+}
+
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) commit: $ATTNLAB_COMMIT"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -164,7 +182,8 @@ case "${1:-}" in
   followup) phase_followup ;;
   profile) phase_profile ;;
   confirm) phase_confirm ;;
-  *) sed -n '2,24p' "$0"; exit 2 ;;
+  final) phase_final ;;
+  *) sed -n '2,26p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
