@@ -429,6 +429,20 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
         assert RecordingFusedAdamW.flags == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
 
 
+def test_guard_agrees_across_ranks_only_where_gradients_are_sharded():
+    """FSDP ranks each check their own gradient shard, so they must all-reduce the flag; DDP
+    gradients are identical after its all-reduce, so the guard adds no collective there."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from models.guards import _shards_gradients
+
+    assert not _shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
+
+
 def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypatch):
     """The control for the test above: it would fail if the guard did nothing."""
     import train
