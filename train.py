@@ -150,8 +150,8 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitG
     optim = {k: cfg.train[k] for k in ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2")}
     optim["max_steps"] = cfg.train.max_steps
     return LitGPT(
-        model=model, optim=optim, compile=cfg.train.compile, bytes_per_token=bytes_per_token,
-        peak_tflops=peak_tflops(cfg.train.peak_tflops),
+        model=model, optim=optim, compile=cfg.train.compile, compile_unit=cfg.train.compile_unit,
+        bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops),
     )
 
 

@@ -222,10 +222,24 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, segment_ids)
+        return self.output(x, targets)
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and tied head: logits, or with targets the summed cross-entropy."""
         logits = self.head(self.norm(x))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+
+    def compile_per_block(self, **compile_kwargs) -> None:
+        """Compile in place, one graph per transformer block plus one for the output (norm, head,
+        loss); the embedding stays eager. Each block's backward is then its own autograd node, so
+        DDP can all-reduce a block's gradient buckets while earlier blocks still run backward (a
+        whole-model graph hands every gradient over at once, at the end). Blocks share their
+        compiled code; state-dict keys do not change."""
+        for block in self.blocks:
+            block.compile(fullgraph=True, **compile_kwargs)
+        self.output = torch.compile(self.output, fullgraph=True, **compile_kwargs)  # shadows the method
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # the tied head is counted once

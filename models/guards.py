@@ -31,6 +31,7 @@ import torch
 
 import attn
 from eval.attention_stats import per_head_scores
+from models.lit import eager_mode
 
 POLICIES = ("skip", "stop", "off")
 
@@ -130,13 +131,13 @@ class NonFiniteGuard(L.Callback):
         parts.append("loss is finite" if self._loss_finite else "loss is not finite")
         if bad_param is not None:
             parts.append(f"first parameter with a non-finite gradient: {bad_param}")
-        module = self._first_nonfinite_module(pl_module)
+        module = self._first_nonfinite_module(trainer, pl_module)
         if module is not None:
             parts.append(f"first module with a non-finite forward output: {module}")
         return "; ".join(parts)
 
     @torch.no_grad()
-    def _first_nonfinite_module(self, pl_module) -> str | None:
+    def _first_nonfinite_module(self, trainer, pl_module) -> str | None:
         """Re-run the step's forward with hooks (only after a failure, so it costs nothing otherwise)."""
         if self._batch is None:
             return None
@@ -152,7 +153,10 @@ class NonFiniteGuard(L.Callback):
 
             handles.append(module.register_forward_hook(hook))
         try:
-            pl_module._loss(self._batch, eager=True)  # hooks do not fire inside a compiled graph
+            # eager: hooks do not fire inside a compiled graph; under the step's precision context
+            # (autocast), so the re-run sees the step's dtypes (and FSDP's bf16 weights work)
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
+                pl_module._loss(self._batch, eager=True)
         finally:
             for h in handles:
                 h.remove()
@@ -172,7 +176,7 @@ class MaxLogitMonitor(L.Callback):
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx != 0 or trainer.sanity_checking:
             return
-        model = pl_module.model  # the eager module (the compiled forward is not hooked)
+        model = pl_module.model  # run eagerly below: hooks do not fire inside compiled graphs
         handles = [
             block.attn.register_forward_pre_hook(self._hook(i))
             for i, block in enumerate(model.blocks) if block.attn.spec.family == "softmax"
@@ -182,7 +186,7 @@ class MaxLogitMonitor(L.Callback):
         try:
             # the precision plugin's context (autocast), as in the training step: under FSDP
             # mixed precision the weights are bf16 and a plain fp32 forward would fail
-            with torch.no_grad(), trainer.precision_plugin.forward_context():
+            with torch.no_grad(), trainer.precision_plugin.forward_context(), eager_mode():
                 model(batch[0])
         finally:
             for h in handles:

@@ -19,7 +19,8 @@
 #   phase final   : compiled 1 vs 2 GPU scaling under Lightning's simple profiler (host time per
 #                   hook); then GPU1 the FSDP smoke run, GPU0 bench_train's diff_threshold case
 #   phase ddp2    : compiled 1 vs 2 GPU scaling after the guard's all-reduce left DDP (see
-#                   docs/results/bench_ddp.md), then FSDP on both GPUs (smoke run)
+#                   docs/results/bench_ddp.md), whole-model vs per-block compile
+#                   (train.compile_unit), then FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -175,10 +176,14 @@ phase_final() {
 phase_ddp2() {
   local q=$WORK/ddp2
   mkdir -p "$q"
-  on_gpu 0,1 240 "$q/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$q/bench_ddp_compiled" \
-    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
-    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false
-  on_gpu 0,1 120 "$q/fsdp2_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=2 \
+  local common="experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=60 train.val_every=60 \
+    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false"
+  # shellcheck disable=SC2086
+  on_gpu 0,1 230 "$q/bench_ddp_model.log" python3 scripts/bench_ddp.py --gpus 2 --out "$q/bench_ddp_compiled_model" $common
+  # shellcheck disable=SC2086
+  on_gpu 0,1 230 "$q/bench_ddp_block.log" python3 scripts/bench_ddp.py --gpus 2 --out "$q/bench_ddp_compiled_block" \
+    $common train.compile_unit=block
+  on_gpu 0,1 100 "$q/fsdp2_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=2 \
     train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
     "hydra.run.dir=$q/fsdp2_run"
   rm -rf "$q/fsdp2_run/checkpoints"
@@ -199,7 +204,7 @@ case "${1:-}" in
   confirm) phase_confirm ;;
   final) phase_final ;;
   ddp2) phase_ddp2 ;;
-  *) sed -n '2,27p' "$0"; exit 2 ;;
+  *) sed -n '2,28p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
