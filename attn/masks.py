@@ -60,7 +60,7 @@ def segment_bounds(segment_ids: torch.Tensor) -> torch.Tensor:
     this runs on every kernel call and its host-side launch cost showed in small problems."""
     member = torch.stack([segment_ids == HISTORY, segment_ids == CANDIDATE], dim=1).to(torch.int32)  # (B, 2, N)
     count = member.sum(dim=-1)
-    start = member.argmax(dim=-1) * (count > 0)
+    start = member.argmax(dim=-1)  # the first maximum: 0 for a row without that kind, with count 0
     return torch.stack([start, start + count], dim=-1).reshape(-1, 4).to(torch.int32)
 
 

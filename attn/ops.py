@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from attn.kernels.env import PIN_ENV, interpreting
 from attn.masks import MaskSpec
 from attn.reference import reference_attention
 from attn.registry import family_kernel
@@ -23,9 +24,6 @@ log = logging.getLogger(__name__)
 # sdpa: torch's scaled_dot_product_attention, plain softmax only (the speed yardstick)
 BACKENDS = ("auto", "triton", "reference", "sdpa")
 _announced: set[tuple[str, str]] = set()
-
-
-PIN_ENV = "ATTNLAB_AUTOTUNE"
 
 
 def pin_kernel_configs(pinned: bool) -> None:
@@ -43,7 +41,7 @@ def pin_kernel_configs(pinned: bool) -> None:
 
 def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not interpreting():
         return False
     try:
         import triton  # noqa: F401

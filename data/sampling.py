@@ -96,10 +96,8 @@ def train_window_starts(
 ) -> np.ndarray:
     """Start offsets of `rank`'s `batch_size` windows at `position`: its contiguous share
     [rank * batch_size, (rank + 1) * batch_size) of the global batch of batch_size * world_size."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    starts = global_window_starts(seed, position, batch_size * world_size, seq_len, n_tokens)
-    return starts[rank * batch_size : (rank + 1) * batch_size]
+    lo, hi = rank_slice(batch_size * world_size, rank, world_size)  # exactly [rank * b, (rank + 1) * b)
+    return global_window_starts(seed, position, batch_size * world_size, seq_len, n_tokens)[lo:hi]
 
 
 def gather_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ def tensor_digest(obj) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous().reshape(-1)
             digest.update(f"T{t.dtype}{tuple(x.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().tobytes())
+            digest.update(t.view(torch.uint8).numpy())  # the buffer itself, no extra copy
         elif isinstance(x, dict):
             for key, value in x.items():
                 digest.update(f"K{key!r}".encode())

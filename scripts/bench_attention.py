@@ -365,7 +365,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/benchmarks/softmax_family")
     ap.add_argument("--only", default="all",
-                    choices=["all", "main", "masks", "shapes", "threshold", "threshold_main"])
+                    choices=["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main"])
     ap.add_argument("--merge", nargs="*", default=None, help="merge part JSON files into --out, run nothing")
     ap.add_argument("--names", default=None, help="comma list: run only the cases whose name contains one of these")
     args = ap.parse_args()

@@ -10,6 +10,7 @@ Extra arguments are Hydra overrides for both runs. Writes OUT.md / OUT.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,9 +55,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.runs_dir:
-            tmp = args.runs_dir
+    with contextlib.nullcontext(args.runs_dir) if args.runs_dir else tempfile.TemporaryDirectory() as tmp:
         for gpus in (1, args.gpus):
             trainer = ["trainer=gpu"] if gpus == 1 else ["trainer=ddp", f"trainer.devices={gpus}"]
             r = train(trainer + overrides, Path(tmp) / f"gpus{gpus}", out.parent / f"{out.name}_gpus{gpus}.log")

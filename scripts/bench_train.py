@@ -82,21 +82,31 @@ def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch:
     return model, step
 
 
-def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float,
-               loss_in_graph: bool = True):
-    model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph)
-    cfg = model.cfg
-    for _ in range(5):  # compile + autotune, never timed
+def warm_up(step, steps: int = 5) -> None:
+    """Untimed steps (compile, autotune), then the peak-memory counter is reset."""
+    for _ in range(steps):
         step()
     sync()
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def time_steps(step, steps: int) -> tuple[float, torch.Tensor]:
+    """(seconds per step, last loss) over `steps` steps."""
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
     sync()
-    dt = (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, loss
+
+
+def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float,
+               loss_in_graph: bool = True):
+    model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph)
+    cfg = model.cfg
+    warm_up(step)
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    dt, loss = time_steps(step, steps)
     recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
     tps = batch * cfg.context / dt
     return {

@@ -45,11 +45,30 @@ stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 on_gpu() {  # on_gpu GPU SECONDS LOG CMD...: one step, bounded, logged, never fatal
   local gpu=$1 secs=$2 log=$3
   shift 3
+  # never past the phase budget: a call cut at its 600 s limit would bring back no archive
+  local left=$(( T0 + ${PHASE_BUDGET_S:-560} - $(date +%s) ))
+  (( secs > left )) && secs=$(( left > 1 ? left : 1 ))
   stamp "GPU$gpu start: $*" | tee -a "$WORK/steps.log"
   CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM "$secs" "$@" >"$log" 2>&1
   local rc=$?
   stamp "GPU$gpu done (exit $rc): $*" | tee -a "$WORK/steps.log"
   tail -n 25 "$log"
+}
+
+fsdp_smoke() {  # fsdp_smoke GPUS SECONDS DIR: 20 FSDP steps of the small model on GPUS (1 or 0,1)
+  local gpus=$1 secs=$2 dir=$3 commas=${1//[^,]/}
+  on_gpu "$gpus" "$secs" "$dir/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp \
+    "trainer.devices=$(( ${#commas} + 1 ))" train.compile=false train.max_steps=20 train.val_every=10 logger=csv \
+    trainer.enable_progress_bar=false "hydra.run.dir=$dir/fsdp_run"
+  rm -rf "$dir/fsdp_run/checkpoints"  # results.json and the metrics are what come back
+}
+
+ddp_scaling() {  # ddp_scaling SECONDS OUT STEPS [OVERRIDES...]: bench_ddp.py, GPT-2 small, batch 16, 1 vs 2 GPUs
+  local secs=$1 out=$2 steps=$3
+  shift 3
+  on_gpu 0,1 "$secs" "$out.log" python3 scripts/bench_ddp.py --gpus 2 --out "$out" experiment=gpu_small \
+    model=gpt2_small train.batch_size=16 "train.max_steps=$steps" "train.val_every=$steps" \
+    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false "$@"
 }
 
 pack() {  # pack NAME: the phase's outputs as one archive in $OUT
@@ -63,6 +82,7 @@ phase_kernels() {
   (
     export CUDA_VISIBLE_DEVICES=1
     ABLATION_CACHE=$ROOT/.device_cache ABLATION_TRAIN_BUDGET_S=${ABLATION_TRAIN_BUDGET_S:-330} \
+      timeout -s TERM $(( T0 + ${PHASE_BUDGET_S:-560} - $(date +%s) )) \
       bash scripts/run_ablation.sh device >"$OUT/ablation.log" 2>&1
   ) &
   on_gpu 0 250 "$k/check_softmax_family.log" python3 scripts/check_softmax_family_gpu.py --json "$k/check_softmax_family.json"
@@ -92,9 +112,7 @@ phase_train() {
 phase_ddp() {
   local d=$WORK/ddp
   mkdir -p "$d"
-  on_gpu 0,1 290 "$d/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$d/bench_ddp" \
-    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=80 train.val_every=80 \
-    train.val_tokens=65536 train.warmup_steps=10
+  ddp_scaling 290 "$d/bench_ddp" 80 train.val_tokens=65536 train.log_max_logit=true
   # what the kernels phase of 2026-11-30 left unfinished (cut off by its time limits)
   on_gpu 1 150 "$d/bench_main_alsc.log" python3 scripts/bench_attention.py --only main --names tanh,alsc \
     --out "$d/bench_main_alsc" &
@@ -111,15 +129,10 @@ phase_followup() {  # what the 2026-11-30 rounds could not finish (see docs/resu
   mkdir -p "$f"
   on_gpu 0 200 "$f/sanitize_threshold.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     python3 scripts/sanitize_kernels.py --family threshold &
-  on_gpu 1 200 "$f/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
-    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
-    "hydra.run.dir=$f/fsdp_run"
+  fsdp_smoke 1 200 "$f"
   wait
   # compiled 1 vs 2 GPUs: the 2-GPU compile alone takes ~80 s, hence the longer limit
-  on_gpu 0,1 380 "$f/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$f/bench_ddp_compiled" \
-    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
-    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false
-  rm -rf "$f/fsdp_run/checkpoints"
+  ddp_scaling 380 "$f/bench_ddp_compiled" 100
   pack followup
 }
 
@@ -139,15 +152,10 @@ phase_profile() {
 phase_confirm() {
   local c=$WORK/confirm
   mkdir -p "$c"
-  on_gpu 0,1 260 "$c/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$c/bench_ddp_compiled" \
-    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=100 train.val_every=100 \
-    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false
+  ddp_scaling 260 "$c/bench_ddp_compiled" 100
   on_gpu 0 250 "$c/bench_train_a.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
     --variants softmax,softcap_tanh,softcap_softsign,alsc --out "$c/bench_train_a" &
-  on_gpu 1 60 "$c/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
-    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
-    "hydra.run.dir=$c/fsdp_run"
-  rm -rf "$c/fsdp_run/checkpoints"
+  fsdp_smoke 1 60 "$c"
   on_gpu 1 100 "$c/bench_train_b.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
     --variants threshold,diff_threshold --out "$c/bench_train_b"
   # the 3 softmax-family cases the train phase's memcheck did not reach (cut by its limit)
@@ -160,15 +168,10 @@ phase_confirm() {
 phase_final() {
   local z=$WORK/final
   mkdir -p "$z"
-  on_gpu 0,1 240 "$z/bench_ddp.log" python3 scripts/bench_ddp.py --gpus 2 --out "$z/bench_ddp_compiled" \
-    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=60 train.val_every=60 \
-    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false +trainer.profiler=simple
+  ddp_scaling 240 "$z/bench_ddp_compiled" 60 +trainer.profiler=simple
   on_gpu 0 150 "$z/bench_train_diff.log" python3 scripts/bench_train.py --model gpt2_small --batch 16 \
     --variants diff_threshold --out "$z/bench_train_diff" &
-  on_gpu 1 70 "$z/fsdp_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=1 \
-    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
-    "hydra.run.dir=$z/fsdp_run"
-  rm -rf "$z/fsdp_run/checkpoints"
+  fsdp_smoke 1 70 "$z"
   wait
   pack final
 }
@@ -176,17 +179,9 @@ phase_final() {
 phase_ddp2() {
   local q=$WORK/ddp2
   mkdir -p "$q"
-  local common="experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=60 train.val_every=60 \
-    train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false"
-  # shellcheck disable=SC2086
-  on_gpu 0,1 230 "$q/bench_ddp_model.log" python3 scripts/bench_ddp.py --gpus 2 --out "$q/bench_ddp_compiled_model" $common
-  # shellcheck disable=SC2086
-  on_gpu 0,1 230 "$q/bench_ddp_block.log" python3 scripts/bench_ddp.py --gpus 2 --out "$q/bench_ddp_compiled_block" \
-    $common train.compile_unit=block
-  on_gpu 0,1 100 "$q/fsdp2_smoke.log" python3 train.py experiment=gpu_small trainer=fsdp trainer.devices=2 \
-    train.compile=false train.max_steps=20 train.val_every=10 logger=csv trainer.enable_progress_bar=false \
-    "hydra.run.dir=$q/fsdp2_run"
-  rm -rf "$q/fsdp2_run/checkpoints"
+  ddp_scaling 230 "$q/bench_ddp_compiled_model" 60
+  ddp_scaling 230 "$q/bench_ddp_compiled_block" 60 train.compile_unit=block
+  fsdp_smoke 0,1 100 "$q"
   pack ddp2
 }
 

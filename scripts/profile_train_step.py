@@ -3,7 +3,8 @@
 Runs scripts/bench_train.py's step (bf16 autocast, torch.compile fullgraph, fused AdamW) under
 torch.profiler for a few steps per case, after a timed run of the same step. The categories
 answer "why is MFU what it is": matmuls, attention, the loss over the vocabulary, the
-optimizer, everything else (norms, RoPE, residual adds), and GPU idle time (host overhead).
+optimizer, everything else (norms, RoPE, residual adds), and the profiled steps' time outside
+kernels (host overhead, launch gaps).
 
     python scripts/profile_train_step.py --cases sdpa:16:eager,sdpa:16,triton:16,sdpa:32 --out prof
     (a case is BACKEND:BATCH[:eager]; eager = the loss outside the compiled graph)
@@ -44,19 +45,11 @@ def category(name: str) -> str:
 def profile_case(model_cfg: dict, backend: str, batch: int, loss_in_graph: bool, steps: int, peak: float):
     variant = "softmax"
     model, step = bench_train.build_step(model_cfg, variant, backend, {}, batch, loss_in_graph)
-    for _ in range(5):  # compile + autotune
-        step()
-    bench_train.sync()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        step()
-    bench_train.sync()
-    ms_per_step = (time.perf_counter() - t0) / 20 * 1e3
+    bench_train.warm_up(step)
+    seconds, _ = bench_train.time_steps(step, 20)
+    ms_per_step = seconds * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        bench_train.sync()
+        profiled_seconds, _ = bench_train.time_steps(step, steps)
     kernels = defaultdict(float)  # name -> total microseconds over the profiled steps
     for evt in prof.key_averages():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -71,7 +64,9 @@ def profile_case(model_cfg: dict, backend: str, batch: int, loss_in_graph: bool,
         "backend": backend, "batch": batch, "loss_in_graph": loss_in_graph, "ms_per_step": ms_per_step,
         "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * model.flops_per_token() / (peak * 1e12),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
-        "gpu_busy_ms": busy, "idle_ms": max(0.0, ms_per_step - busy),
+        # kernel time vs the profiled steps' own wall time (the profiler slows steps a little)
+        "gpu_busy_ms": busy, "profiled_ms_per_step": profiled_seconds * 1e3,
+        "not_in_kernels_ms": profiled_seconds * 1e3 - busy,
         "ms_per_category": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [(name[:120], category(name), us / steps / 1e3) for name, us in top],
     }
@@ -80,13 +75,13 @@ def profile_case(model_cfg: dict, backend: str, batch: int, loss_in_graph: bool,
 def report(rows, meta) -> str:
     lines = [f"# Training step profile: {meta['model']}, bf16, compiled", "",
              f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}", "",
-             "| backend | batch | loss | ms/step | tokens/s | MFU | peak mem GiB | GPU busy ms | idle ms |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| backend | batch | loss | ms/step | tokens/s | MFU | peak mem GiB | profiled ms/step | kernel ms/step | not in kernels ms |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(
             f"| {r['backend']} | {r['batch']} | {'in graph' if r['loss_in_graph'] else 'eager'} | {r['ms_per_step']:.2f} | "
-            f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['gpu_busy_ms']:.2f} | "
-            f"{r['idle_ms']:.2f} |")
+            f"{r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['profiled_ms_per_step']:.2f} | "
+            f"{r['gpu_busy_ms']:.2f} | {r['not_in_kernels_ms']:.2f} |")
     for r in rows:
         loss = "in graph" if r["loss_in_graph"] else "eager"
         lines += ["", f"## {r['backend']}, batch {r['batch']}, loss {loss}: ms per step by category", "",

@@ -280,7 +280,8 @@ def test_pinned_configs_skip_timing(monkeypatch):
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in
                [(128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4)]]
     args = {"HEAD_DIM": 64, "seq_len": 4096}
-    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "1")  # recorded, so restored even if an assert fails
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE")
     assert len(sf._prune_bwd(configs, args)) == 4 and len(sf._prune_fwd(configs, args)) == 4
     attn.pin_kernel_configs(True)
     assert sf._prune_bwd(configs, args) == configs[:1]

@@ -157,6 +157,17 @@ def test_other_tile_shapes(blocks, dkdv_form, monkeypatch, nan_poison):
         check_against_reference(spec, mask, s, tensors, dout, torch.float32)
 
 
+def test_unknown_dkdv_form_is_named(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_DIFF_DKDV", "Fused")
+    spec = ThresholdFamilySpec(beta=0.0, power=2.0, differential=True)
+    tensors, dout = make_inputs(1, 8, 2, 1, 16, torch.float32, True, 3)
+    x = _as(tensors, torch.float32)
+    out = tf.fused_attention(x["q"], x["k"], x["v"], spec, MaskSpec(causal=True), None,
+                             q2=x["q2"], k2=x["k2"], lam=x["lam"])
+    with pytest.raises(ValueError, match=r"ATTNLAB_DIFF_DKDV must be one of \('fused', 'split'\), got 'Fused'"):
+        out.backward(dout.float())
+
+
 def test_fully_masked_rows_are_zero_with_zero_gradient(nan_poison):
     """Padding queries (segment id 0) output exactly 0 and pass no gradient."""
     batch, n = 2, 23

@@ -36,16 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
+from attn.kernels.env import autotune_pinned, interpreting
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
 
 CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
 LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _interpreter_blocks(kind: str) -> tuple[int, int]:
@@ -207,24 +204,18 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
 
 
 def _fwd_configs():
-    if _interpreting():
+    if interpreting():
         bm, bn = _interpreter_blocks("fwd")
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    # the first config is the pinned one (see _autotune_pinned)
+    # the first config is the pinned one (see autotune_pinned)
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)]
     ]
 
 
-def _autotune_pinned() -> bool:
-    """ATTNLAB_AUTOTUNE=0 (set by `attn.pin_kernel_configs`, e.g. for deterministic=true): every
-    kernel runs its first config, so two processes sum in the same order (read at each tuning)."""
-    return os.environ.get("ATTNLAB_AUTOTUNE", "1") == "0"
-
-
 def _prune_fwd(configs, named_args, **kwargs):
-    if _autotune_pinned():
+    if autotune_pinned():
         return configs[:1]
     d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs.get("HEAD_DIM", 128)
     n = named_args["seq_len"]
@@ -387,7 +378,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
 
 
 def _bwd_configs(kind):
-    if _interpreting():
+    if interpreting():
         bm, bn = _interpreter_blocks(kind)
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
     if kind == "kv":  # the first config is the pinned one
@@ -398,7 +389,7 @@ def _bwd_configs(kind):
 
 
 def _prune_bwd(configs, named_args, **kwargs):
-    if _autotune_pinned() or named_args["seq_len"] <= 64:
+    if autotune_pinned() or named_args["seq_len"] <= 64:
         return configs[:1]
     return configs
 
@@ -607,7 +598,7 @@ def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
 
 
 def _flags(q: torch.Tensor):
-    fast = q.is_cuda and q.dtype != torch.float32 and not _interpreting()
+    fast = q.is_cuda and q.dtype != torch.float32 and not interpreting()
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     return fast, prec
 

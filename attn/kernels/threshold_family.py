@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn.kernels.env import autotune_pinned, interpreting
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -639,13 +640,8 @@ def _zero_count_kernel(
 # ----------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _autotune_enabled() -> bool:
-    """ATTNLAB_AUTOTUNE=0 pins the first config (quick correctness sweeps on a GPU)."""
-    return not _interpreting() and os.environ.get("ATTNLAB_AUTOTUNE", "1") != "0"
+    return not interpreting() and not autotune_pinned()
 
 
 def _cfg(block_m, block_n, warps, stages):
@@ -717,7 +713,7 @@ def _launch(kind: str, grid, args, meta: dict, n_bucket: int, dtype, views: int 
     kernel = _KERNELS[kind]
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
-    if _interpreting():
+    if interpreting():
         bm, bn = INTERPRETER_CONFIG[kind]
         fixed = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
         kernel[grid(fixed)](*args, **meta, **fixed)
@@ -824,8 +820,11 @@ def _dkdv_diff(dkdv, key) -> None:
         dkdv(2)
 
     forms = {"fused": fused, "split": split}
-    if _interpreting() or not _autotune_enabled():
-        forms[os.environ.get("ATTNLAB_DIFF_DKDV", "split")]()
+    pinned = os.environ.get("ATTNLAB_DIFF_DKDV")
+    if pinned is not None and pinned not in forms:
+        raise ValueError(f"ATTNLAB_DIFF_DKDV must be one of {tuple(forms)}, got {pinned!r}")
+    if pinned is not None or not _autotune_enabled():  # pinned by the user, or no timing: split
+        forms[pinned or "split"]()
         return
     form = _dkdv_diff_form.get(key)
     if form is None:
@@ -1021,7 +1020,7 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
     differential = q2 is not None
     if n == 0 or bsz == 0:
         return torch.zeros(heads, dtype=torch.float64, device=q.device)
-    if _interpreting():
+    if interpreting():
         block_m, block_n = INTERPRETER_CONFIG["zeros"]
         warps = 4
     else:
