@@ -50,34 +50,39 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--out", default="docs/results/bench_ddp")
+    ap.add_argument("--skip-single", action="store_true",
+                    help="only the N-GPU run (compare with a 1-GPU row from another invocation)")
+    ap.add_argument("--ddp-trainer", default="ddp", help="trainer config of the N-GPU run (e.g. ddp_bf16_grads)")
     ap.add_argument("--runs-dir", default=None, help="keep both runs' directories here (default: a temp dir)")
     args, overrides = ap.parse_known_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     with contextlib.nullcontext(args.runs_dir) if args.runs_dir else tempfile.TemporaryDirectory() as tmp:
-        for gpus in (1, args.gpus):
-            trainer = ["trainer=gpu"] if gpus == 1 else ["trainer=ddp", f"trainer.devices={gpus}"]
+        for gpus in (args.gpus,) if args.skip_single else (1, args.gpus):
+            trainer = ["trainer=gpu"] if gpus == 1 else [f"trainer={args.ddp_trainer}", f"trainer.devices={gpus}"]
             r = train(trainer + overrides, Path(tmp) / f"gpus{gpus}", out.parent / f"{out.name}_gpus{gpus}.log")
             rows.append({"gpus": gpus, **{k: r.get(k) for k in ("tokens_per_s", "mfu", "peak_memory_gb", "steps",
                                                                "tokens", "val_loss", "wall_s")}})
             print(rows[-1], flush=True)
     import torch
 
-    speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) == 2 else None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "overrides": overrides}
+            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "overrides": overrides,
+            "ddp_trainer": args.ddp_trainer}
     lines = [f"# Data-parallel scaling of train.py: 1 vs {args.gpus} GPUs, same per-GPU batch", "",
              f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}", "",
-             f"overrides: `{' '.join(overrides)}`", "",
+             f"overrides: `{' '.join(overrides)}`; N-GPU run: `trainer={args.ddp_trainer}`", "",
              "| GPUs | tokens/s (all GPUs) | MFU (per GPU) | peak mem GiB | steps | final val loss |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         lines.append(f"| {r['gpus']} | {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_memory_gb']:.1f} | {r['steps']} | "
                      f"{r['val_loss']:.4f} |")
-    lines += ["", f"speed-up {args.gpus} GPUs / 1 GPU: **{speedup:.2f}x** (target >= {0.9 * args.gpus:.1f}x)"]
+    if speedup:
+        lines += ["", f"speed-up {args.gpus} GPUs / 1 GPU: **{speedup:.2f}x** (target >= {0.9 * args.gpus:.1f}x)"]
     table = "\n".join(lines)
     print(table)
     out.with_suffix(".md").write_text(table + "\n")

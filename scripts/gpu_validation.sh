@@ -20,7 +20,8 @@
 #                   hook); then GPU1 the FSDP smoke run, GPU0 bench_train's diff_threshold case
 #   phase ddp2    : compiled 1 vs 2 GPU scaling after the guard's all-reduce left DDP (see
 #                   docs/results/bench_ddp.md), whole-model vs per-block compile
-#                   (train.compile_unit), then FSDP on both GPUs (smoke run)
+#                   (train.compile_unit), bf16 gradient all-reduce; NCCL all-reduce bandwidth and topology
+#   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
 #   run(kind="nvidia-h200-x2", carry=[".whl", ".device_cache"], timeout_s=600,
@@ -179,10 +180,23 @@ phase_final() {
 phase_ddp2() {
   local q=$WORK/ddp2
   mkdir -p "$q"
+  nvidia-smi topo -m >"$q/topology.txt" 2>&1
+  cat "$q/topology.txt"
+  on_gpu 0,1 90 "$q/bench_allreduce.log" env NCCL_DEBUG=INFO python3 scripts/bench_allreduce.py --gpus 2 \
+    --out "$q/bench_allreduce"
+  grep -E "NCCL version|via|Channel 00" "$q/bench_allreduce.log" | head -n 8
   ddp_scaling 230 "$q/bench_ddp_compiled_model" 60
-  ddp_scaling 230 "$q/bench_ddp_compiled_block" 60 train.compile_unit=block
-  fsdp_smoke 0,1 100 "$q"
+  ddp_scaling 130 "$q/bench_ddp_compiled_block" 60 --skip-single train.compile_unit=block
+  ddp_scaling 130 "$q/bench_ddp_compiled_block_bf16" 60 --skip-single --ddp-trainer ddp_bf16_grads \
+    train.compile_unit=block
   pack ddp2
+}
+
+phase_fsdp2() {
+  local q=$WORK/fsdp2
+  mkdir -p "$q"
+  fsdp_smoke 0,1 100 "$q"
+  pack fsdp2
 }
 
 {
@@ -199,7 +213,8 @@ case "${1:-}" in
   confirm) phase_confirm ;;
   final) phase_final ;;
   ddp2) phase_ddp2 ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  fsdp2) phase_fsdp2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
