@@ -21,6 +21,8 @@
 #   phase ddp2    : compiled 1 vs 2 GPU scaling after the guard's all-reduce left DDP (see
 #                   docs/results/bench_ddp.md), whole-model vs per-block compile
 #                   (train.compile_unit), bf16 gradient all-reduce; NCCL all-reduce bandwidth and topology
+#   phase ddp3    : the same scaling after train/loss left Lightning's sync_dist (a host-blocking
+#                   barrier every step), then FSDP on both GPUs
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -192,6 +194,15 @@ phase_ddp2() {
   pack ddp2
 }
 
+phase_ddp3() {
+  local q=$WORK/ddp3
+  mkdir -p "$q"
+  ddp_scaling 230 "$q/bench_ddp_compiled_model" 60
+  ddp_scaling 130 "$q/bench_ddp_compiled_block" 60 --skip-single train.compile_unit=block
+  fsdp_smoke 0,1 100 "$q"
+  pack ddp3
+}
+
 phase_fsdp2() {
   local q=$WORK/fsdp2
   mkdir -p "$q"
@@ -213,8 +224,9 @@ case "${1:-}" in
   confirm) phase_confirm ;;
   final) phase_final ;;
   ddp2) phase_ddp2 ;;
+  ddp3) phase_ddp3 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,29p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

@@ -110,3 +110,38 @@ def test_multirun_with_ddp_keeps_each_job_in_its_sweep_dir(tmp_path):
     assert all(r["steps"] == 2 for r in results)
     assert len(list(sweep.rglob("metrics.csv"))) == 2
     assert not (tmp_path / "cwd" / "outputs").exists(), "a rank ran outside the sweep"
+
+
+def _mean_over_ranks_worker(rank: int, port: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from models.lit import mean_over_ranks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        def no_barrier(*args, **kwargs):
+            raise AssertionError("mean_over_ranks must not wait on a barrier")
+
+        dist.barrier, real_barrier = no_barrier, dist.barrier
+        value = torch.tensor(float(rank + 1), requires_grad=True) * 2  # 2 on rank 0, 4 on rank 1
+        mean = mean_over_ranks(value)
+        results[rank] = (mean.item(), value.item(), mean.requires_grad)
+        dist.barrier = real_barrier
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mean_over_ranks_averages_without_a_barrier_and_leaves_the_input():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the two gloo ranks
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.get_context("spawn").Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_mean_over_ranks_worker, args=(port, results), nprocs=2, start_method="spawn")
+        assert dict(results) == {0: (3.0, 2.0, False), 1: (3.0, 4.0, False)}
