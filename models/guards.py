@@ -31,7 +31,6 @@ import torch
 
 import attn
 from eval.attention_stats import per_head_scores
-from models.lit import eager_mode
 
 POLICIES = ("skip", "stop", "off")
 
@@ -51,6 +50,17 @@ def _shards_gradients(trainer) -> bool:
     strategy = trainer.strategy
     replicated = isinstance(strategy, L.pytorch.strategies.DDPStrategy) and "DeepSpeed" not in type(strategy).__name__
     return not replicated
+
+
+def call_with_whole_params(trainer, pl_module, method: str, *args, **kwargs):
+    """pl_module.<method>(...) where every parameter is whole. Under a sharding strategy (FSDP)
+    the root's parameters are gathered only inside the wrapper's forward, so the call goes through
+    it, as Lightning runs its own steps; a collective, so every rank must make the same call.
+    Elsewhere a direct call (DDP's forward would add a buffer broadcast)."""
+    wrapper = trainer.strategy.model
+    if not _shards_gradients(trainer) or wrapper is None or wrapper is pl_module:
+        return getattr(pl_module, method)(*args, **kwargs)
+    return trainer.strategy._forward_redirection(wrapper, pl_module, method, *args, **kwargs)
 
 
 class NonFiniteGuard(L.Callback):
@@ -154,9 +164,10 @@ class NonFiniteGuard(L.Callback):
             handles.append(module.register_forward_hook(hook))
         try:
             # eager: hooks do not fire inside a compiled graph; under the step's precision context
-            # (autocast), so the re-run sees the step's dtypes (and FSDP's bf16 weights work)
+            # (autocast), so the re-run sees the step's dtypes (and FSDP's bf16 weights work).
+            # Every rank gets here under FSDP: the ranks agreed on the non-finite flag.
             with torch.no_grad(), trainer.precision_plugin.forward_context():
-                pl_module._loss(self._batch, eager=True)
+                call_with_whole_params(trainer, pl_module, "_loss", self._batch, eager=True)
         finally:
             for h in handles:
                 h.remove()
@@ -176,18 +187,18 @@ class MaxLogitMonitor(L.Callback):
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx != 0 or trainer.sanity_checking:
             return
-        model = pl_module.model  # run eagerly below: hooks do not fire inside compiled graphs
         handles = [
             block.attn.register_forward_pre_hook(self._hook(i))
-            for i, block in enumerate(model.blocks) if block.attn.spec.family == "softmax"
+            for i, block in enumerate(pl_module.model.blocks) if block.attn.spec.family == "softmax"
         ]
         if not handles:
             return
         try:
-            # the precision plugin's context (autocast), as in the training step: under FSDP
-            # mixed precision the weights are bf16 and a plain fp32 forward would fail
-            with torch.no_grad(), trainer.precision_plugin.forward_context(), eager_mode():
-                model(batch[0])
+            # eager: hooks do not fire inside compiled graphs. The precision plugin's context
+            # (autocast), as in the training step: under FSDP mixed precision the weights are bf16
+            # and a plain fp32 forward would fail. Every rank runs this (batch 0 of each).
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
+                call_with_whole_params(trainer, pl_module, "_loss", batch, eager=True)
         finally:
             for h in handles:
                 h.remove()

@@ -23,6 +23,9 @@
 #                   (train.compile_unit), bf16 gradient all-reduce; NCCL all-reduce bandwidth and topology
 #   phase ddp3    : the same scaling after train/loss left Lightning's sync_dist (a host-blocking
 #                   barrier every step), then FSDP on both GPUs
+#   phase ddp4    : ddp3 again (its 2-GPU run had timed out), per-window metrics kept; FSDP on both GPUs
+#                   after its callbacks' forwards went through the FSDP wrapper; scripts/bench_ddp_host.py
+#                   (DDP without Lightning: tokens/s and host ms per step, 1 and 2 GPUs)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -203,6 +206,19 @@ phase_ddp3() {
   pack ddp3
 }
 
+phase_ddp4() {
+  local q=$WORK/ddp4
+  mkdir -p "$q"
+  ddp_scaling 280 "$q/bench_ddp_compiled_model" 60 --runs-dir "$q/runs"
+  rm -rf "$q"/runs/*/checkpoints
+  fsdp_smoke 0,1 90 "$q"
+  on_gpu 0,1 130 "$q/bench_ddp_host_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    scripts/bench_ddp_host.py --out "$q/bench_ddp_host_2"
+  on_gpu 0 80 "$q/bench_ddp_host_1.log" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    scripts/bench_ddp_host.py --out "$q/bench_ddp_host_1"
+  pack ddp4
+}
+
 phase_fsdp2() {
   local q=$WORK/fsdp2
   mkdir -p "$q"
@@ -225,8 +241,9 @@ case "${1:-}" in
   final) phase_final ;;
   ddp2) phase_ddp2 ;;
   ddp3) phase_ddp3 ;;
+  ddp4) phase_ddp4 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,31p' "$0"; exit 2 ;;
+  *) sed -n '2,34p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

@@ -444,6 +444,42 @@ def test_strategies_that_shard_gradients_are_recognized():
     assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
 
 
+def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
+    """The guard's and the max-logit monitor's extra forwards: under FSDP on several GPUs the
+    root's parameters are gathered only inside the wrapper's forward (a direct call saw the
+    flat 1-D shards: "'weight' must be 2-D" on 2 H200s), so the call must pass through it;
+    under DDP it goes direct."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from models.guards import call_with_whole_params
+
+    class Lit(L.LightningModule):
+        def probe(self, x, scale=1):
+            return x * scale
+
+    class Wrapper(torch.nn.Module):  # stands in for FullyShardedDataParallel
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, *args, **kwargs):
+            self.calls += 1
+            return self.inner(*args, **kwargs)
+
+    for strategy, world_size, through_wrapper in ((L.pytorch.strategies.FSDPStrategy(), 2, 1),
+                                                  (L.pytorch.strategies.DDPStrategy(), 2, 0),
+                                                  (L.pytorch.strategies.FSDPStrategy(), 1, 0)):
+        lit = Lit()
+        wrapper = Wrapper(lit)
+        strategy.model = wrapper
+        trainer = SimpleNamespace(world_size=world_size, strategy=strategy)
+        assert call_with_whole_params(trainer, lit, "probe", 2, scale=3) == 6
+        assert wrapper.calls == through_wrapper, type(strategy).__name__
+        assert lit.forward.__func__ is L.LightningModule.forward  # restored after the redirection
+
+
 def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypatch):
     """The control for the test above: it would fail if the guard did nothing."""
     import train

@@ -1,0 +1,130 @@
+"""Data-parallel training step without Lightning: where does 2-GPU DDP lose time against one GPU?
+
+Start with torchrun (one process per GPU; world size 1 runs the model without DDP):
+
+    torchrun --nproc-per-node 2 scripts/bench_ddp_host.py --out docs/results/bench_ddp_host_2
+
+For each setting it reports, on rank 0:
+- tokens/s over all GPUs (steady state, the same step as bench_train: GPT-2 small shape, bf16
+  autocast, inner model compiled as train.py does, fused AdamW, random tokens);
+- host ms per step: the time the host needs to queue one step while the GPU is held busy by a
+  sleep kernel. If it approaches the step's GPU time the run is host-bound; if a step blocks
+  on the GPU (a host sync) the queueing stalls and this number jumps to the sleep's length.
+Settings: DDP built on the default stream, and on a side stream (as Lightning's DDPStrategy does,
+which makes autograd warn about AccumulateGrad stream mismatches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_train import git_commit, time_steps, warm_up  # noqa: E402
+from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
+
+
+class Inner(torch.nn.Module):
+    """The GPT behind a compiled forward, as LitGPT holds it (DDP wraps the outer module)."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+        self.forward_fn = torch.compile(model, fullgraph=True)
+
+    def forward(self, x, targets):
+        return self.forward_fn(x, targets=targets)
+
+
+def build(model_cfg: dict, batch: int, ddp_stream: str, device: torch.device):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = GPT(GPTConfig(**model_cfg, attn=AttnConfig(name="softmax", backend="triton"))).to(device)
+    module = Inner(model)
+    if dist.is_initialized():
+        stream = torch.cuda.Stream() if ddp_stream == "side" else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index],
+                                                               broadcast_buffers=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.context + 1), device=device)
+    inputs, targets = x[:, :-1], x[:, 1:]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = module(inputs, targets) / targets.numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step
+
+
+def host_ms_per_step(step, steps: int, gpu_ms: float) -> float:
+    """Queue `steps` steps behind a sleep kernel that outlasts them; the host's time per step."""
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    sleep_s = max(1.0, 3 * steps * gpu_ms / 1e3)
+    torch.cuda._sleep(int(sleep_s * 2e9))  # ~2 GHz SM clock: roughly sleep_s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize()
+    return host * 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt2_small")
+    ap.add_argument("--vocab", type=int, default=2048, help="2048: the model of bench_ddp (Shakespeare BPE)")
+    ap.add_argument("--batch", type=int, default=16, help="per GPU")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl", device_id=device)
+    model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    model_cfg["vocab_size"] = args.vocab
+    rows = []
+    for ddp_stream in ("default", "side") if world > 1 else ("none",):
+        model, step = build(model_cfg, args.batch, ddp_stream, device)
+        warm_up(step, steps=8)
+        dt, _ = time_steps(step, args.steps)
+        host = host_ms_per_step(step, 2, dt * 1e3)  # few steps: the launch queue must not fill
+        rows.append({"world": world, "ddp_stream": ddp_stream, "ms_per_step": dt * 1e3, "host_ms_per_step": host,
+                     "tokens_per_s": world * args.batch * model.cfg.context / dt})
+        if rank == 0:
+            print(rows[-1], flush=True)
+    if rank == 0 and args.out:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+                "model": args.model, "vocab": args.vocab, "batch_per_gpu": args.batch, "steps": args.steps,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
