@@ -135,6 +135,16 @@ class WandbRunIdInCheckpoint(L.Callback):
                 checkpoint["wandb_run_id"] = lg.experiment.id
 
 
+class ValidateAtLastStep(L.Callback):
+    """Validate inside fit after the last step, whatever val_every is: the run's final numbers
+    and checkpoint ranking include it, and no trainer.validate() follows fit (which fails under
+    multi-GPU FSDP: Lightning does not re-wrap the root, issue Lightning-AI/pytorch-lightning#19015)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True  # Lightning validates on a stop request
+
+
 def finish_wandb(loggers) -> None:
     """End this job's wandb run: the next job of an in-process multirun must start its own
     (Lightning's WandbLogger would otherwise reuse the active run)."""
@@ -203,7 +213,7 @@ def run(cfg: DictConfig) -> dict:
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
         save_top_k=1, save_last=True, auto_insert_metric_name=False,
     )
-    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite)]
+    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite), ValidateAtLastStep()]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=str(output_dir / "checkpoints"), monitor=None, save_top_k=0, save_last=True,
@@ -233,7 +243,9 @@ def run(cfg: DictConfig) -> dict:
     try:
         with run_dir_for_launched_ranks(output_dir):
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-            final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+            final = model.last_validation
+            if final.get("step") != trainer.global_step:  # fit had nothing left to do (a finished run resumed)
+                final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
     finally:
         finish_wandb(loggers)
 

@@ -95,6 +95,7 @@ class LitGPT(L.LightningModule):
         self._val_sums = None
         self._window = None  # the throughput window being timed (see on_train_batch_end)
         self.tokens_seen = 0
+        self.last_validation: dict = {}  # {"step", "val/loss"} of the latest validation (not sanity)
         self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
@@ -171,6 +172,8 @@ class LitGPT(L.LightningModule):
         if sums.ndim == 2:
             sums = sums.sum(0)
         nats = (sums[0] / sums[1].clamp_min(1)).item()
+        if not self.trainer.sanity_checking:
+            self.last_validation = {"step": self.global_step, "val/loss": nats}
         self.log("val/loss", nats, prog_bar=True, sync_dist=False)
         self.log("val/ppl", math.exp(min(nats, 50.0)))
         if "val" in self.bytes_per_token:

@@ -24,8 +24,10 @@
 #   phase ddp3    : the same scaling after train/loss left Lightning's sync_dist (a host-blocking
 #                   barrier every step), then FSDP on both GPUs
 #   phase ddp4    : ddp3 again (its 2-GPU run had timed out), per-window metrics kept; FSDP on both GPUs
-#                   after its callbacks' forwards went through the FSDP wrapper; scripts/bench_ddp_host.py
-#                   (DDP without Lightning: tokens/s and host ms per step, 1 and 2 GPUs)
+#                   after its callbacks' forwards went through the FSDP wrapper; scripts/bench_ddp_raw.py
+#                   (DDP without Lightning: tokens/s, 1 and 2 GPUs)
+#   phase ddp5    : FSDP on both GPUs after the final validation moved into fit; one GPU alone vs two
+#                   independent one-GPU runs at once (bench_ddp_raw.py)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -212,11 +214,24 @@ phase_ddp4() {
   ddp_scaling 280 "$q/bench_ddp_compiled_model" 60 --runs-dir "$q/runs"
   rm -rf "$q"/runs/*/checkpoints
   fsdp_smoke 0,1 90 "$q"
-  on_gpu 0,1 130 "$q/bench_ddp_host_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    scripts/bench_ddp_host.py --out "$q/bench_ddp_host_2"
-  on_gpu 0 80 "$q/bench_ddp_host_1.log" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    scripts/bench_ddp_host.py --out "$q/bench_ddp_host_1"
+  on_gpu 0,1 130 "$q/bench_ddp_raw_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_2"
+  on_gpu 0 80 "$q/bench_ddp_raw_1.log" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1"
   pack ddp4
+}
+
+phase_ddp5() {
+  local q=$WORK/ddp5
+  mkdir -p "$q"
+  fsdp_smoke 0,1 100 "$q"
+  # one GPU alone, then two independent one-GPU runs at once (no communication): do the GPUs
+  # slow each other down? 400 timed steps (~12 s), so the two timed windows overlap
+  on_gpu 0 90 "$q/raw_solo.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_solo"
+  on_gpu 0 90 "$q/raw_pair0.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_pair0" &
+  on_gpu 1 90 "$q/raw_pair1.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_pair1"
+  wait
+  pack ddp5
 }
 
 phase_fsdp2() {
@@ -242,8 +257,9 @@ case "${1:-}" in
   ddp2) phase_ddp2 ;;
   ddp3) phase_ddp3 ;;
   ddp4) phase_ddp4 ;;
+  ddp5) phase_ddp5 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,34p' "$0"; exit 2 ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"

@@ -1,17 +1,16 @@
-"""Data-parallel training step without Lightning: where does 2-GPU DDP lose time against one GPU?
+"""Data-parallel training step without Lightning: does 2-GPU DDP lose time against one GPU
+outside the trainer too?
 
 Start with torchrun (one process per GPU; world size 1 runs the model without DDP):
 
-    torchrun --nproc-per-node 2 scripts/bench_ddp_host.py --out docs/results/bench_ddp_host_2
+    torchrun --nproc-per-node 2 scripts/bench_ddp_raw.py --out docs/results/bench_ddp_raw_2
 
-For each setting it reports, on rank 0:
-- tokens/s over all GPUs (steady state, the same step as bench_train: GPT-2 small shape, bf16
-  autocast, inner model compiled as train.py does, fused AdamW, random tokens);
-- host ms per step: the time the host needs to queue one step while the GPU is held busy by a
-  sleep kernel. If it approaches the step's GPU time the run is host-bound; if a step blocks
-  on the GPU (a host sync) the queueing stalls and this number jumps to the sleep's length.
-Settings: DDP built on the default stream, and on a side stream (as Lightning's DDPStrategy does,
-which makes autograd warn about AccumulateGrad stream mismatches).
+Reports on rank 0 the steady-state ms per step and tokens/s over all GPUs, for the step of
+bench_train (GPT-2 small shape, bf16 autocast, the inner model compiled as train.py does, gradient
+clipping, fused AdamW, random tokens). DDP settings: built on the default stream, and on a side
+stream (as Lightning's DDPStrategy does; autograd then warns about AccumulateGrad stream
+mismatches). Two world-size-1 runs started at once on two GPUs show whether the GPUs slow each
+other down without any communication.
 """
 
 from __future__ import annotations
@@ -73,21 +72,6 @@ def build(model_cfg: dict, batch: int, ddp_stream: str, device: torch.device):
     return model, step
 
 
-def host_ms_per_step(step, steps: int, gpu_ms: float) -> float:
-    """Queue `steps` steps behind a sleep kernel that outlasts them; the host's time per step."""
-    torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
-    sleep_s = max(1.0, 3 * steps * gpu_ms / 1e3)
-    torch.cuda._sleep(int(sleep_s * 2e9))  # ~2 GHz SM clock: roughly sleep_s of GPU time
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host = (time.perf_counter() - t0) / steps
-    torch.cuda.synchronize()
-    return host * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt2_small")
@@ -109,8 +93,7 @@ def main() -> int:
         model, step = build(model_cfg, args.batch, ddp_stream, device)
         warm_up(step, steps=8)
         dt, _ = time_steps(step, args.steps)
-        host = host_ms_per_step(step, 2, dt * 1e3)  # few steps: the launch queue must not fill
-        rows.append({"world": world, "ddp_stream": ddp_stream, "ms_per_step": dt * 1e3, "host_ms_per_step": host,
+        rows.append({"world": world, "ddp_stream": ddp_stream, "ms_per_step": dt * 1e3,
                      "tokens_per_s": world * args.batch * model.cfg.context / dt})
         if rank == 0:
             print(rows[-1], flush=True)
