@@ -200,9 +200,10 @@ def run(cfg: DictConfig) -> dict:
     datamodule.setup("fit")
     bytes_per_token = {s: datamodule.bytes_per_token(s) for s in ("train", "val")}
     model = build_model(cfg, datamodule.vocab_size, bytes_per_token)
+    n_params = model.model.num_params()  # counted now: after fit, FSDP leaves each rank its shard only
     log.info(
         "model: %s, %.2fM parameters, %.3g training FLOPs/token",
-        cfg.attn.name, model.model.num_params() / 1e6, model.model.flops_per_token(),
+        cfg.attn.name, n_params / 1e6, model.model.flops_per_token(),
     )
 
     resume_run_id = None
@@ -257,7 +258,7 @@ def run(cfg: DictConfig) -> dict:
         "seed": cfg.seed,
         "steps": trainer.global_step,
         "tokens": model.tokens_seen,
-        "params": model.model.num_params(),
+        "params": n_params,
         "val_loss": nats,
         "val_ppl": math.exp(min(nats, 50.0)),
         "val_bpb": nats / math.log(2) / bytes_per_token["val"],

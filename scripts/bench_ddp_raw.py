@@ -7,15 +7,15 @@ Start with torchrun (one process per GPU; world size 1 runs the model without DD
 
 Reports on rank 0 the steady-state ms per step and tokens/s over all GPUs, for the step of
 bench_train (GPT-2 small shape, bf16 autocast, the inner model compiled as train.py does, gradient
-clipping, fused AdamW, random tokens). DDP settings: built on the default stream, and on a side
-stream (as Lightning's DDPStrategy does; autograd then warns about AccumulateGrad stream
-mismatches). Two world-size-1 runs started at once on two GPUs show whether the GPUs slow each
-other down without any communication.
+clipping, fused AdamW, random tokens), per setting (SETTINGS below: DDP on a side stream as
+Lightning builds it, no graph split, gradient bucket views, eager). Two world-size-1 runs started
+at once on two GPUs show whether the GPUs slow each other down without any communication.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,34 +34,48 @@ from bench_train import git_commit, time_steps, warm_up  # noqa: E402
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 
 
-class Inner(torch.nn.Module):
-    """The GPT behind a compiled forward, as LitGPT holds it (DDP wraps the outer module)."""
+# name: what differs from "default" (compiled inner model, DDP built on the current stream, dynamo's
+# DDPOptimizer splitting the graph at gradient-bucket boundaries, gradients copied into buckets)
+SETTINGS = {
+    "default": {},
+    "side_stream": {"side_stream": True},  # DDP built on a side stream, as Lightning does
+    "no_split": {"split": False},  # one graph: all gradients at the end of backward, no overlap
+    "bucket_view": {"bucket_view": True},  # gradients are views into DDP's buckets (no copy)
+    "eager": {"compile": False},
+}
 
-    def __init__(self, model: GPT):
+
+class Inner(torch.nn.Module):
+    """The GPT behind a (compiled) forward, as LitGPT holds it (DDP wraps the outer module)."""
+
+    def __init__(self, model: GPT, compile: bool):
         super().__init__()
         self.model = model
-        self.forward_fn = torch.compile(model, fullgraph=True)
+        self.forward_fn = torch.compile(model, fullgraph=True) if compile else model
 
     def forward(self, x, targets):
         return self.forward_fn(x, targets=targets)
 
 
-def build(model_cfg: dict, batch: int, ddp_stream: str, device: torch.device):
+def build(model_cfg: dict, batch: int, setting: dict, device: torch.device):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = GPT(GPTConfig(**model_cfg, attn=AttnConfig(name="softmax", backend="triton"))).to(device)
-    module = Inner(model)
+    torch._dynamo.config.optimize_ddp = setting.get("split", True)
+    model = GPT(GPTConfig(**model_cfg, attn=AttnConfig(name="softmax", backend="auto"))).to(device)  # triton on GPU
+    module = Inner(model, setting.get("compile", True))
     if dist.is_initialized():
-        stream = torch.cuda.Stream() if ddp_stream == "side" else torch.cuda.current_stream()
-        with torch.cuda.stream(stream):
-            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index],
-                                                               broadcast_buffers=False)
+        on_gpu = device.type == "cuda"
+        stream = torch.cuda.Stream() if on_gpu and setting.get("side_stream") else None
+        with torch.cuda.stream(stream) if on_gpu else contextlib.nullcontext():
+            module = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False,
+                gradient_as_bucket_view=setting.get("bucket_view", False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.context + 1), device=device)
     inputs, targets = x[:, :-1], x[:, 1:]
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = module(inputs, targets) / targets.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -78,27 +92,38 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048, help="2048: the model of bench_ddp (Shakespeare BPE)")
     ap.add_argument("--batch", type=int, default=16, help="per GPU")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--settings", default=None,
+                    help=f"comma list of {list(SETTINGS)}; default: all with DDP (default again last, for drift), "
+                         "default,eager on one GPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:  # a CPU dry run of the script (gloo), e.g. --model tiny --steps 2
+        device = torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
     model_cfg["vocab_size"] = args.vocab
+    names = args.settings.split(",") if args.settings else (
+        [*SETTINGS, "default"] if world > 1 else ["default", "eager"])
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {unknown}; allowed: {list(SETTINGS)}")
     rows = []
-    for ddp_stream in ("default", "side") if world > 1 else ("none",):
-        model, step = build(model_cfg, args.batch, ddp_stream, device)
+    for name in names:
+        model, step = build(model_cfg, args.batch, SETTINGS[name], device)
         warm_up(step, steps=8)
         dt, _ = time_steps(step, args.steps)
-        rows.append({"world": world, "ddp_stream": ddp_stream, "ms_per_step": dt * 1e3,
+        rows.append({"world": world, "setting": name, "ms_per_step": dt * 1e3,
                      "tokens_per_s": world * args.batch * model.cfg.context / dt})
         if rank == 0:
             print(rows[-1], flush=True)
     if rank == 0 and args.out:
-        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+        meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)", "torch": torch.__version__, "commit": git_commit(),
                 "model": args.model, "vocab": args.vocab, "batch_per_gpu": args.batch, "steps": args.steps,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         out = Path(args.out)

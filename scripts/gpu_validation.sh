@@ -28,6 +28,9 @@
 #                   (DDP without Lightning: tokens/s, 1 and 2 GPUs)
 #   phase ddp5    : FSDP on both GPUs after the final validation moved into fit; one GPU alone vs two
 #                   independent one-GPU runs at once (bench_ddp_raw.py)
+#   phase ddp6    : Lightning DDP scaling with DDP built on the current stream (CurrentStreamDDPStrategy);
+#                   bench_ddp_raw.py's settings (side stream, no graph split, bucket views, eager) on
+#                   2 GPUs and default/eager on 1
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -234,6 +237,17 @@ phase_ddp5() {
   pack ddp5
 }
 
+phase_ddp6() {
+  local q=$WORK/ddp6
+  mkdir -p "$q"
+  ddp_scaling 280 "$q/bench_ddp_compiled_model" 60 --runs-dir "$q/runs"
+  rm -rf "$q"/runs/*/checkpoints
+  on_gpu 0,1 170 "$q/bench_ddp_raw_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_2"
+  on_gpu 0 90 "$q/bench_ddp_raw_1.log" python3 scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1"
+  pack ddp6
+}
+
 phase_fsdp2() {
   local q=$WORK/fsdp2
   mkdir -p "$q"
@@ -258,8 +272,9 @@ case "${1:-}" in
   ddp3) phase_ddp3 ;;
   ddp4) phase_ddp4 ;;
   ddp5) phase_ddp5 ;;
+  ddp6) phase_ddp6 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  *) sed -n '2,39p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
