@@ -131,7 +131,7 @@ class NonFiniteGuard(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._batch = None
-        if self.policy != "off":
+        if self.policy != "off" and trainer._logger_connector.should_update_logs:  # only steps whose logs are written
             count = self._skipped.clone() if isinstance(self._skipped, torch.Tensor) else float(self._skipped)
             pl_module.log("train/nonfinite_steps", count)
 

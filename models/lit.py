@@ -122,8 +122,12 @@ class LitGPT(L.LightningModule):
         # the mean over ranks is the loss of the global batch (equal per-rank batches), the
         # number a one-device run would log
         self.log("train/loss", mean_over_ranks(loss), prog_bar=True)
-        self.log("train/tokens", float(self.tokens_seen))
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        if self.trainer._logger_connector.should_update_logs:
+            # self.log turns a Python number into a device tensor by a blocking copy, which waits
+            # for the queued forward: only on the steps whose logs are written (Lightning drops
+            # the values of the other steps anyway)
+            self.log("train/tokens", float(self.tokens_seen))
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):

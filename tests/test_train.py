@@ -129,3 +129,34 @@ def test_last_validation_runs_inside_fit_whatever_val_every(tmp_path, monkeypatc
         val = [(int(r["step"]) + 1, float(r["val/loss"])) for r in csv.DictReader(f) if r.get("val/loss")]
     assert [step for step, _ in val] == [3, 5]
     assert results["steps"] == 5 and results["val_loss"] == pytest.approx(val[-1][1], rel=1e-6)
+
+
+def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path, monkeypatch):
+    """self.log turns a Python number into a device tensor by a blocking copy (a host sync on GPU):
+    during training that may happen only on the steps whose logs Lightning writes."""
+    import numbers
+
+    import train
+    from models.lit import LitGPT
+
+    records = []
+    real_log = LitGPT.log
+
+    def recording_log(self, name, value, *args, **kwargs):
+        if self.trainer.training and not self.trainer.sanity_checking and not self.trainer.validating:
+            records.append((self.global_step, name, isinstance(value, numbers.Number),
+                            self.trainer._logger_connector.should_update_logs))
+        return real_log(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(LitGPT, "log", recording_log)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 8, "train.val_every": 4, "train.log_every": 3})))
+    numbers_logged = {(step, name) for step, name, is_number, written in records if is_number}
+    assert numbers_logged, "the test must see the number-valued metrics"
+    assert {name for _, name in numbers_logged} >= {"train/tokens", "train/lr", "train/nonfinite_steps"}
+    assert all(written for _, _, is_number, written in records if is_number), sorted(
+        (step, name) for step, name, is_number, written in records if is_number and not written)
+    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:  # written steps: 3, 6 and the last, 8
+        written_steps = sorted({int(r["step"]) + 1 for r in csv.DictReader(f) if r.get("train/tokens")})
+    assert written_steps == [3, 6, 8]
