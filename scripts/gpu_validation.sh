@@ -30,7 +30,7 @@
 #                   independent one-GPU runs at once (bench_ddp_raw.py)
 #   phase ddp6    : Lightning DDP scaling with DDP built on the current stream (CurrentStreamDDPStrategy);
 #                   bench_ddp_raw.py's settings (side stream, no graph split, bucket views, eager) on
-#                   2 GPUs and default/eager on 1
+#                   2 GPUs and default/eager on 1; scripts/check_host_syncs.py (host syncs inside train.py's steps)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -244,7 +244,11 @@ phase_ddp6() {
   rm -rf "$q"/runs/*/checkpoints
   on_gpu 0,1 170 "$q/bench_ddp_raw_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
     scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_2"
-  on_gpu 0 90 "$q/bench_ddp_raw_1.log" python3 scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1"
+  on_gpu 0 90 "$q/bench_ddp_raw_1.log" python3 scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1" &
+  on_gpu 1 100 "$q/check_host_syncs.log" python3 scripts/check_host_syncs.py --json "$q/host_syncs.json" \
+    experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=14 train.val_every=14 \
+    train.val_tokens=16384 train.log_max_logit=false
+  wait
   pack ddp6
 }
 
