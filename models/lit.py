@@ -44,8 +44,8 @@ class OptimConfig:
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The mean of a tensor over all ranks, stream-ordered: the host never waits for the GPU.
-    (Lightning's sync_dist puts a host-blocking barrier before its all-reduce; once per step
-    that starved the GPUs and held 2-GPU DDP to 1.3x, docs/results/bench_ddp.md.)"""
+    (Lightning's sync_dist runs a host-blocking barrier before its all-reduce, which for a
+    per-step metric means a host sync every step.)"""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return value
     total = value.detach().clone()
