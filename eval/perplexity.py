@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -35,7 +34,7 @@ import hydra
 import numpy as np
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from eval import common
 

@@ -11,7 +11,6 @@ difference. Extra arguments are Hydra overrides for both runs.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -20,11 +19,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+from eval.run_logs import train_losses  # noqa: E402
 
 
 def train_once(variant: str, overrides: list[str], run_dir: Path) -> tuple[dict[int, float], float]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
+from eval.run_logs import train_losses
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4

@@ -6,7 +6,6 @@ run and cache directories)."""
 from __future__ import annotations
 
 import ast
-import csv
 import json
 import logging
 import os
@@ -28,7 +27,8 @@ from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
 from models.checkpoint_io import atomic_torch_save, load_checkpoint
 from models.guards import NonFiniteError
-from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
+from eval.run_logs import metric_by_step, train_losses
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,9 +102,8 @@ def sigkill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-def metric_column(run_dir: Path, name: str) -> list[float]:
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return [float(r[name]) for r in csv.DictReader(f) if r.get(name)]
+def metric_values(run_dir: Path, name: str) -> list[float]:
+    return list(metric_by_step(run_dir, name).values())
 
 
 def train_args(overrides: list[str], run_dir: Path) -> list[str]:
@@ -414,7 +413,7 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
     poison_layer(monkeypatch, {2, 4}, "forward")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"})))
-    assert metric_column(tmp_path / "run", "train/nonfinite_steps")[-1] == 2.0
+    assert metric_values(tmp_path / "run", "train/nonfinite_steps")[-1] == 2.0
     losses = [v for _, v in sorted(train_losses(tmp_path / "run").items())]
     assert len(losses) == 6 and sum(not torch.isfinite(torch.tensor(v)) for v in losses) == 2
     assert torch.isfinite(torch.tensor(losses[-1]))
@@ -529,7 +528,7 @@ def test_max_logit_per_layer_is_logged_and_correct(trained):
     """val/max_logit/layer{i} equals the max scaled q.k over visible pairs of the first
     validation batch, recomputed here independently with the final weights."""
     tmp, _, last = trained
-    logged = [metric_column(tmp / "run", f"val/max_logit/layer{i}") for i in range(2)]
+    logged = [metric_values(tmp / "run", f"val/max_logit/layer{i}") for i in range(2)]
     assert all(len(v) >= 1 for v in logged)
     from models.lit import LitGPT
 

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from models.checkpoint_io import load_checkpoint
-from train_helpers import compose_cfg, tiny_overrides, train_losses, write_corpus
+from eval.run_logs import train_losses
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

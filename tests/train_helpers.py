@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import random
 from pathlib import Path
 
@@ -56,9 +55,3 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
 def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=overrides)
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    """step -> logged train loss, from the run's CSV log."""
-    with open(run_dir / "csv" / "metrics.csv") as f:
-        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
