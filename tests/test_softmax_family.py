@@ -264,9 +264,22 @@ def test_zero_and_negative_temperature(nan_poison, cap):
 @pytest.mark.parametrize("cap,mask,n", [("tanh", "causal", 17), ("alsc", "ranker+window", 127), ("soft_sign", "full", 1)])
 def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     """The opt-in fixed-shift forward (ATTNLAB_FIXED_SHIFT=1; capped, no temperature) meets the same rule."""
+    from attn.kernels import softmax_family as sf
+
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
+    launched, kernel = [], sf._fwd_kernel
+
+    class RecordingKernel:  # which forward form every launch asked for
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["FIXED_MAX"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(sf, "_fwd_kernel", RecordingKernel())
     spec, seg = MASKS[mask]
     run_case(cap, n, 2, spec, seg, False, torch.float32, batch=1, h_kv=1, pad_row=seg)
+    assert launched and all(launched), f"the fixed-shift path did not run: {launched}"
 
 
 def test_pinned_configs_skip_timing(monkeypatch):
