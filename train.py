@@ -244,9 +244,9 @@ def run(cfg: DictConfig) -> dict:
     try:
         with run_dir_for_launched_ranks(output_dir):
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-            final = model.last_validation
-            if final.get("step") != trainer.global_step:  # fit had nothing left to do (a finished run resumed)
-                final = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+            if model.last_validation.get("step") != trainer.global_step:  # fit had nothing left to do
+                trainer.validate(model, datamodule=datamodule, verbose=False)  # (a finished run resumed)
+            final = model.last_validation  # either way the same full-precision value
     finally:
         finish_wandb(loggers)
 

@@ -160,3 +160,17 @@ def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:  # written steps: 3, 6 and the last, 8
         written_steps = sorted({int(r["step"]) + 1 for r in csv.DictReader(f) if r.get("train/tokens")})
     assert written_steps == [3, 6, 8]
+
+
+def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path):
+    """Resuming from the last checkpoint of a finished run: fit has nothing to do, the final
+    validation runs on its own and must report exactly the numbers of the run itself."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    common = {"train.max_steps": 4, "train.val_every": 3}
+    first = train.run(compose_cfg(tiny_overrides(tmp_path / "first", corpus, **common)))
+    again = train.run(compose_cfg(tiny_overrides(tmp_path / "again", corpus, **common)
+                                  + [f"ckpt_path={first['last_checkpoint']}"]))
+    assert again["steps"] == first["steps"] == 4
+    assert again["val_loss"] == first["val_loss"] and again["val_bpb"] == first["val_bpb"]
