@@ -82,6 +82,19 @@ ddp_scaling() {  # ddp_scaling SECONDS OUT STEPS [OVERRIDES...]: bench_ddp.py, G
     train.val_tokens=16384 train.warmup_steps=10 train.log_max_logit=false "$@"
 }
 
+ddp_scaling_kept() {  # ddp_scaling_kept SECONDS OUT: ddp_scaling, 60 steps, with the runs' logs kept (no checkpoints)
+  local secs=$1 out=$2
+  ddp_scaling "$secs" "$out" 60 --runs-dir "$(dirname "$out")/runs"
+  rm -rf "$(dirname "$out")"/runs/*/checkpoints
+}
+
+raw_ddp() {  # raw_ddp GPUS SECONDS OUT [ARGS...]: scripts/bench_ddp_raw.py, one process per GPU of GPUS
+  local gpus=$1 secs=$2 out=$3 commas=${1//[^,]/}
+  shift 3
+  on_gpu "$gpus" "$secs" "$out.log" python3 -m torch.distributed.run --standalone \
+    --nproc-per-node $(( ${#commas} + 1 )) scripts/bench_ddp_raw.py --out "$out" "$@"
+}
+
 pack() {  # pack NAME: the phase's outputs as one archive in $OUT
   cp "$WORK/steps.log" "$OUT/$1_steps.log" 2>/dev/null
   tar czf "$OUT/$1.tar.gz" -C "$WORK" .
@@ -214,13 +227,10 @@ phase_ddp3() {
 phase_ddp4() {
   local q=$WORK/ddp4
   mkdir -p "$q"
-  ddp_scaling 280 "$q/bench_ddp_compiled_model" 60 --runs-dir "$q/runs"
-  rm -rf "$q"/runs/*/checkpoints
+  ddp_scaling_kept 280 "$q/bench_ddp_compiled_model"
   fsdp_smoke 0,1 90 "$q"
-  on_gpu 0,1 130 "$q/bench_ddp_raw_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_2"
-  on_gpu 0 80 "$q/bench_ddp_raw_1.log" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1"
+  raw_ddp 0,1 130 "$q/bench_ddp_raw_2" --settings default,side_stream  # (as run: the two settings it had)
+  raw_ddp 0 80 "$q/bench_ddp_raw_1" --settings default
   pack ddp4
 }
 
@@ -230,9 +240,9 @@ phase_ddp5() {
   fsdp_smoke 0,1 100 "$q"
   # one GPU alone, then two independent one-GPU runs at once (no communication): do the GPUs
   # slow each other down? 400 timed steps (~12 s), so the two timed windows overlap
-  on_gpu 0 90 "$q/raw_solo.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_solo"
-  on_gpu 0 90 "$q/raw_pair0.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_pair0" &
-  on_gpu 1 90 "$q/raw_pair1.log" python3 scripts/bench_ddp_raw.py --steps 400 --out "$q/raw_pair1"
+  raw_ddp 0 90 "$q/raw_solo" --steps 400 --settings default
+  raw_ddp 0 90 "$q/raw_pair0" --steps 400 --settings default &
+  raw_ddp 1 90 "$q/raw_pair1" --steps 400 --settings default
   wait
   pack ddp5
 }
@@ -240,11 +250,9 @@ phase_ddp5() {
 phase_ddp6() {
   local q=$WORK/ddp6
   mkdir -p "$q"
-  ddp_scaling 280 "$q/bench_ddp_compiled_model" 60 --runs-dir "$q/runs"
-  rm -rf "$q"/runs/*/checkpoints
-  on_gpu 0,1 170 "$q/bench_ddp_raw_2.log" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-    scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_2"
-  on_gpu 0 90 "$q/bench_ddp_raw_1.log" python3 scripts/bench_ddp_raw.py --out "$q/bench_ddp_raw_1" &
+  ddp_scaling_kept 280 "$q/bench_ddp_compiled_model"
+  raw_ddp 0,1 170 "$q/bench_ddp_raw_2"
+  raw_ddp 0 90 "$q/bench_ddp_raw_1" &
   on_gpu 1 100 "$q/check_host_syncs.log" python3 scripts/check_host_syncs.py --json "$q/host_syncs.json" \
     experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=14 train.val_every=14 \
     train.val_tokens=16384 train.log_max_logit=false
