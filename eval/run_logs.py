@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def metric_by_step(run_dir: Path, name: str) -> dict[int, float]:
-    """Global step -> value of one logged metric, for the rows that hold it (in file order)."""
+    """Global step -> value of one logged metric, for the rows that hold it (ascending steps; a
+    step logged twice keeps its last value)."""
     with open(Path(run_dir) / "csv" / "metrics.csv") as f:
         return {int(r["step"]): float(r[name]) for r in csv.DictReader(f) if r.get(name)}
 

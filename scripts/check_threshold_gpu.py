@@ -22,6 +22,7 @@ worker processes, which fill Triton's (and inductor's) on-disk caches in paralle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
@@ -124,14 +125,31 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     def fused(q, k, v, q2=None, k2=None, lam=None):
         return tf.fused_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
 
-    os.environ["ATTNLAB_THRESHOLD_CONFIG"] = str(config)
-    # both forms of the differential dk/dv kernel: split with config 0, fused with config 1
-    os.environ["ATTNLAB_DIFF_DKDV"] = "fused" if config == 1 else "split"
+    # config None: the autotuner's choices. Else tile config `config`, and both forms of the
+    # differential dk/dv kernel: split with config 0, fused with config 1
+    pins = {} if config is None else {"ATTNLAB_THRESHOLD_CONFIG": str(config),
+                                      "ATTNLAB_DIFF_DKDV": "fused" if config == 1 else "split"}
     ref64 = _outputs_and_grads(reference, leaves(torch.float64), dout)
     same = _outputs_and_grads(reference, leaves(torch.bfloat16), dout)
-    with nan_poisoned_empty():
+    with nan_poisoned_empty(), environment(pins):
         got = _outputs_and_grads(fused, leaves(torch.bfloat16), dout)
     return {key: error_ratio(got[key], same[key], want, FLOOR) for key, want in ref64.items()}
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Set environment variables for a block, then restore them (pins must not leak into the
+    autotuned checks and benchmarks that run later in the same process)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
@@ -139,8 +157,6 @@ def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
     kernels do not specialize on sizes, so the cache entry serves every size)."""
     import attn
 
-    os.environ["ATTNLAB_THRESHOLD_CONFIG"] = str(config)
-    os.environ["ATTNLAB_DIFF_DKDV"] = dkdv_form
     dev, dtype, b, n, h = DEVICE, torch.bfloat16, 2, 300, 4
     spec = attn.get_variant("diff_threshold" if differential else "threshold").make_spec()
     ids = None
@@ -158,8 +174,9 @@ def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
     extra = {}
     if differential:
         extra = {"q2": unit(h), "k2": unit(h), "lam": torch.full((h,), 0.5, device=dev, requires_grad=True)}
-    out = attn.attention(q, k, v, spec, causal=causal, window=window, segment_ids=ids, backend="triton", **extra)
-    out.backward(torch.randn_like(out))
+    with environment({"ATTNLAB_THRESHOLD_CONFIG": str(config), "ATTNLAB_DIFF_DKDV": dkdv_form}):
+        out = attn.attention(q, k, v, spec, causal=causal, window=window, segment_ids=ids, backend="triton", **extra)
+        out.backward(torch.randn_like(out))
     return "ok"
 
 
@@ -191,7 +208,7 @@ def tuned_check(log):
     for differential in (False, True):
         name = f"{'diff' if differential else 'thr'} p2 causal N=4096 (autotuned)"
         os.environ.pop("ATTNLAB_AUTOTUNE", None)
-        ratios[name] = check_case(name, 1, 4096, 4, 2, 128, 2.0, "sparse", "causal", differential, 0)
+        ratios[name] = check_case(name, 1, 4096, 4, 2, 128, 2.0, "sparse", "causal", differential, None)
         log(f"  {name}: " + " ".join(f"{k}={v:.3f}" for k, v in ratios[name].items()))
     return ratios
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from models.checkpoint_io import load_checkpoint
-from eval.run_logs import train_losses
+from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +27,7 @@ def test_training_checkpoints_and_reports(tmp_path):
     assert saved["val_loss"] == pytest.approx(results["val_loss"])
     # learned something: far below the uniform byte model (8 bits/byte) and improving
     assert saved["val_bpb"] < 6.0
-    with open(run / "csv" / "metrics.csv") as f:
-        val = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    val = list(metric_by_step(run, "val/loss").values())
     assert len(val) >= 2 and val[-1] < val[0]
     ckpt = load_checkpoint(run / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 30
@@ -125,10 +124,9 @@ def test_last_validation_runs_inside_fit_whatever_val_every(tmp_path, monkeypatc
     monkeypatch.setattr(L.Trainer, "validate", no_validate)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 5, "train.val_every": 3})))
-    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
-        val = [(int(r["step"]) + 1, float(r["val/loss"])) for r in csv.DictReader(f) if r.get("val/loss")]
-    assert [step for step, _ in val] == [3, 5]
-    assert results["steps"] == 5 and results["val_loss"] == pytest.approx(val[-1][1], rel=1e-6)
+    val = metric_by_step(tmp_path / "run", "val/loss")
+    assert [step + 1 for step in val] == [3, 5]
+    assert results["steps"] == 5 and results["val_loss"] == pytest.approx(val[4], rel=1e-6)
 
 
 def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path, monkeypatch):
@@ -157,9 +155,8 @@ def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path
     assert {name for _, name in numbers_logged} >= {"train/tokens", "train/lr", "train/nonfinite_steps"}
     assert all(written for _, _, is_number, written in records if is_number), sorted(
         (step, name) for step, name, is_number, written in records if is_number and not written)
-    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:  # written steps: 3, 6 and the last, 8
-        written_steps = sorted({int(r["step"]) + 1 for r in csv.DictReader(f) if r.get("train/tokens")})
-    assert written_steps == [3, 6, 8]
+    written_steps = [step + 1 for step in metric_by_step(tmp_path / "run", "train/tokens")]
+    assert written_steps == [3, 6, 8]  # the log writes: every 3 steps, and the last
 
 
 def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path):

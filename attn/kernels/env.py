@@ -1,10 +1,13 @@
-"""Launch settings both kernel families read from the environment (no Triton import here)."""
+"""Launch settings both kernel families share, read from the environment (no Triton import here).
+Family-specific ones stay in their modules (ATTNLAB_FIXED_SHIFT, ATTNLAB_THRESHOLD_CONFIG,
+ATTNLAB_DIFF_DKDV, ATTNLAB_INTERPRET_BLOCKS)."""
 
 from __future__ import annotations
 
 import os
 
-# "0": every kernel runs its first tile config (`attn.pin_kernel_configs`, deterministic=true)
+# "0": no timing; every kernel runs one fixed tile config, the first unless the family lets an
+# environment variable pick it (`attn.pin_kernel_configs`, deterministic=true)
 PIN_ENV = "ATTNLAB_AUTOTUNE"
 
 
@@ -14,5 +17,5 @@ def interpreting() -> bool:
 
 
 def autotune_pinned() -> bool:
-    """Pinned to the first config, so two processes sum in the same order (read at each tuning)."""
+    """Pinned to one config, so two processes sum in the same order (read at each tuning)."""
     return os.environ.get(PIN_ENV, "1") == "0"
