@@ -2,7 +2,7 @@
 how fast DDP can exchange gradients. Prints a table (algorithm bandwidth = bytes / time) and
 writes OUT.json; run NCCL_DEBUG=INFO to see which transport NCCL picked (P2P/NVLink, SHM, ...).
 
-    python scripts/bench_allreduce.py --gpus 2 --out docs/results/bench_allreduce
+    python scripts/bench_allreduce.py --gpus 2 --out gpu_out/bench_allreduce
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--port", type=int, default=29531)
-    ap.add_argument("--out", default="docs/results/bench_allreduce")
+    ap.add_argument("--out", default="gpu_out/bench_allreduce")
     args = ap.parse_args()
     if args.gpus < 2 or args.gpus > torch.cuda.device_count():
         raise SystemExit(f"--gpus must be between 2 and the {torch.cuda.device_count()} visible GPUs, got {args.gpus}")
@@ -61,8 +61,9 @@ def main() -> int:
     queue = ctx.Queue()
     procs = mp.start_processes(worker, args=(args.gpus, args.port, args.iters, queue), nprocs=args.gpus,
                                start_method="spawn", join=False)
-    rows = queue.get(timeout=300)
-    procs.join()
+    while not procs.join():  # returns once per exited process; raises with a worker's error
+        pass
+    rows = queue.get(timeout=10)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "gpus": args.gpus, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())), "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")}

@@ -7,8 +7,8 @@ score_mod / block mask, and (small shapes) the PyTorch reference under torch.com
 the warm-up, never inside a measured time. FLOPs are useful work: 4*B*H*D per visible
 (query, key) pair forward (so half of 4BHN^2D under a causal mask), backward 2.5x that.
 
-    python scripts/bench_attention.py --out docs/benchmarks/softmax_family  [--only main]
-    python scripts/bench_attention.py --only threshold --out docs/results/bench_threshold
+    python scripts/bench_attention.py --out gpu_out/softmax_family  [--only main]
+    python scripts/bench_attention.py --only threshold --out gpu_out/bench_threshold
 
 Writes OUT.json and OUT.md (date, GPU, torch/triton versions, commit).
 """
@@ -363,7 +363,7 @@ def threshold_targets(rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="docs/benchmarks/softmax_family")
+    ap.add_argument("--out", default="gpu_out/bench_attention", help="OUT.md / OUT.json (docs/ holds curated copies)")
     ap.add_argument("--only", default="all",
                     choices=["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main"])
     ap.add_argument("--merge", nargs="*", default=None, help="merge part JSON files into --out, run nothing")

@@ -1,9 +1,10 @@
 """Data-parallel scaling of train.py: the same config on 1 GPU (trainer=gpu) and on N GPUs
-(trainer=ddp), same per-GPU batch, steady-state tokens/s from each run's results.json.
+(trainer=ddp, or --ddp-trainer), same per-GPU batch, steady-state tokens/s from each run's
+results.json. --skip-single runs the N-GPU side only; --runs-dir keeps both runs' directories.
 
 Extra arguments are Hydra overrides for both runs. Writes OUT.md / OUT.json.
 
-    python scripts/bench_ddp.py --gpus 2 --out docs/results/bench_ddp experiment=gpu_small model=gpt2_small \
+    python scripts/bench_ddp.py --gpus 2 --out gpu_out/bench_ddp experiment=gpu_small model=gpt2_small \
         train.batch_size=16 train.max_steps=100 train.val_every=100 train.val_tokens=65536
 """
 
@@ -49,7 +50,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally above on `timeout`
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--out", default="docs/results/bench_ddp")
+    ap.add_argument("--out", default="gpu_out/bench_ddp", help="writes OUT.md, OUT.json (docs/results/ is curated by hand)")
     ap.add_argument("--skip-single", action="store_true",
                     help="only the N-GPU run (compare with a 1-GPU row from another invocation)")
     ap.add_argument("--ddp-trainer", default="ddp", help="trainer config of the N-GPU run (e.g. ddp_bf16_grads)")

@@ -3,7 +3,7 @@ outside the trainer too?
 
 Start with torchrun (one process per GPU; world size 1 runs the model without DDP):
 
-    torchrun --nproc-per-node 2 scripts/bench_ddp_raw.py --out docs/results/bench_ddp_raw_2
+    torchrun --nproc-per-node 2 scripts/bench_ddp_raw.py --out gpu_out/bench_ddp_raw_2
 
 Reports on rank 0 the steady-state ms per step and tokens/s over all GPUs, for the step of
 bench_train (GPT-2 small shape, bf16 autocast, the inner model compiled as train.py does, gradient

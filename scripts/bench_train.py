@@ -3,7 +3,7 @@
 The same model with torch SDPA (plain softmax) is the yardstick, in the same process.
 bf16 autocast, fused AdamW, torch.compile(fullgraph=True) end to end, random tokens.
 
-    python scripts/bench_train.py --model gpt2_small --batch 16 --out docs/results/bench_train
+    python scripts/bench_train.py --model gpt2_small --batch 16 --out gpu_out/bench_train
 """
 
 from __future__ import annotations

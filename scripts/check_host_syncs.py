@@ -2,9 +2,10 @@
 
 A sync makes the host wait for the GPU, so it can no longer queue the next kernels ahead of it;
 the steady-state step should have none. This runs train.py's own `run` in this process with
-PyTorch's CUDA sync debug mode ("warn") switched on from the start of a batch to its end (forward,
-backward, optimizer step), for every batch after `--after-step` whose logs Lightning does not
-write (log writes read values back on purpose). Each warning is reported with the innermost frame
+PyTorch's CUDA sync debug mode ("warn") switched on from LitGPT's on_train_batch_start to its
+on_train_batch_end: the forward, backward, optimizer step and the callbacks' batch-end hooks, not
+the batch's transfer to the GPU. It watches every batch after `--after-step` whose logs Lightning
+does not write (log writes read values back on purpose), except the last. Each warning is reported with the innermost frame
 of this repository or of Lightning that caused it. Exits 1 if any sync was found.
 
     python scripts/check_host_syncs.py experiment=gpu_small train.max_steps=12 train.compile=true

@@ -26,8 +26,9 @@ from eval.run_logs import train_losses  # noqa: E402
 
 def train_once(variant: str, overrides: list[str], run_dir: Path) -> tuple[dict[int, float], float]:
     env = {k: v for k, v in os.environ.items() if k != "ATTNLAB_AUTOTUNE" and not k.startswith("ATTNLAB_RUN")}
+    # log_every=1: every step's loss is logged, so every step is compared
     args = [sys.executable, str(ROOT / "train.py"), f"attn={variant}", "deterministic=true", "logger=csv",
-            "trainer.enable_progress_bar=false", *overrides, f"hydra.run.dir={run_dir}"]
+            "trainer.enable_progress_bar=false", "train.log_every=1", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{variant}: train.py failed:\n{proc.stderr[-3000:]}")
