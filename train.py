@@ -224,13 +224,14 @@ def run(cfg: DictConfig) -> dict:
         callbacks.append(MaxLogitMonitor())
     if cfg.trainer.get("enable_progress_bar", True):
         # each refresh reads the logged values (a device sync): once per log interval, not per step
-        callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every))
+        # (refresh_rate counts batches: micro-batches under gradient accumulation)
+        callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every * cfg.train.grad_accum))
     loggers = build_loggers(cfg, output_dir, resume_run_id)
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
         max_steps=cfg.train.stop_at_step or cfg.train.max_steps,
-        val_check_interval=cfg.train.val_every,
+        val_check_interval=cfg.train.val_every * cfg.train.grad_accum,  # Lightning counts batches here
         check_val_every_n_epoch=None,
         accumulate_grad_batches=cfg.train.grad_accum,
         gradient_clip_val=cfg.train.grad_clip,

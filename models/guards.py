@@ -31,6 +31,7 @@ import torch
 
 import attn
 from eval.attention_stats import per_head_scores
+from models.lit import writes_logs
 
 POLICIES = ("skip", "stop", "off")
 
@@ -48,7 +49,8 @@ def _shards_gradients(trainer) -> bool:
     if trainer.world_size <= 1:
         return False
     strategy = trainer.strategy
-    replicated = isinstance(strategy, L.pytorch.strategies.DDPStrategy) and "DeepSpeed" not in type(strategy).__name__
+    replicated = (isinstance(strategy, L.pytorch.strategies.DDPStrategy)
+                  and not isinstance(strategy, L.pytorch.strategies.DeepSpeedStrategy))
     return not replicated
 
 
@@ -56,7 +58,8 @@ def call_with_whole_params(trainer, pl_module, method: str, *args, **kwargs):
     """pl_module.<method>(...) where every parameter is whole. Under a sharding strategy (FSDP)
     the root's parameters are gathered only inside the wrapper's forward, so the call goes through
     it, as Lightning runs its own steps; a collective, so every rank must make the same call.
-    Elsewhere a direct call (DDP's forward would add a buffer broadcast)."""
+    Elsewhere a direct call: the parameters are whole, and the call stays off the wrapper's
+    forward bookkeeping (DDP's reducer; its buffer broadcast, where enabled)."""
     wrapper = trainer.strategy.model
     if not _shards_gradients(trainer) or wrapper is None or wrapper is pl_module:
         return getattr(pl_module, method)(*args, **kwargs)
@@ -103,8 +106,8 @@ class NonFiniteGuard(L.Callback):
                 found = torch.maximum(found, flag.to(found.device))
         if _shards_gradients(trainer) and torch.distributed.is_initialized():
             # each rank checked only its own gradient shard: agree before skipping. (DDP needs
-            # no collective: a non-finite value on one rank reaches every rank's all-reduced
-            # gradients; an extra all-reduce per step measurably hurt 2-GPU scaling.)
+            # none: a non-finite value on one rank reaches every rank's all-reduced gradients,
+            # and a non-finite loss gives non-finite gradients; it saves a collective per step.)
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
         if self.policy == "skip" and getattr(optimizer, "_step_supports_amp_scaling", False) and not scaler_handles_grads:
@@ -131,7 +134,7 @@ class NonFiniteGuard(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._batch = None
-        if self.policy != "off" and trainer._logger_connector.should_update_logs:  # only steps whose logs are written
+        if self.policy != "off" and writes_logs(trainer):  # only steps whose logs are written
             count = self._skipped.clone() if isinstance(self._skipped, torch.Tensor) else float(self._skipped)
             pl_module.log("train/nonfinite_steps", count)
 

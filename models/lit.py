@@ -53,6 +53,12 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total / torch.distributed.get_world_size()
 
 
+def writes_logs(trainer) -> bool:
+    """Whether Lightning writes logs after the current batch: a log step (its own condition), and
+    that step's last micro-batch under gradient accumulation."""
+    return trainer._logger_connector.should_update_logs and not trainer.fit_loop._should_accumulate()
+
+
 COMPILE_UNITS = ("model", "block")
 WARMUP_STEPS = 5  # throughput windows starting earlier hold compilation and autotuning; not in the mean
 
@@ -86,7 +92,7 @@ class LitGPT(L.LightningModule):
         forward_fn = self.model
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
             forward_fn = torch.compile(self.model, fullgraph=True)
-        elif compile:  # a graph per block: DDP overlaps gradient all-reduce with the backward
+        elif compile:  # a graph per block (measured on 2 H200s: no faster under DDP, bench_ddp.md)
             self.model.compile_per_block()
         # kept out of the module tree so the state dict holds each weight once
         self.__dict__["forward_fn"] = forward_fn
@@ -119,13 +125,13 @@ class LitGPT(L.LightningModule):
         loss = self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
-        # the mean over ranks is the loss of the global batch (equal per-rank batches), the
-        # number a one-device run would log
-        self.log("train/loss", mean_over_ranks(loss), prog_bar=True)
-        if self.trainer._logger_connector.should_update_logs:
-            # self.log turns a Python number into a device tensor by a blocking copy, which waits
-            # for the queued forward: only on the steps whose logs are written (Lightning drops
-            # the values of the other steps anyway)
+        if writes_logs(self.trainer):
+            # only on the steps whose logs are written (Lightning drops the values of the others):
+            # self.log turns a Python number into a device tensor by a blocking copy that waits
+            # for the queued forward, and the loss's mean over ranks is a collective.
+            # That mean is the loss of the global batch (equal per-rank batches), the number a
+            # one-device run would log.
+            self.log("train/loss", mean_over_ranks(loss), prog_bar=True)
             self.log("train/tokens", float(self.tokens_seen))
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
@@ -139,7 +145,7 @@ class LitGPT(L.LightningModule):
             self._window = {"start": self._clock(), "tokens": 0, "first_step": self.global_step}
             return
         self._window["tokens"] += batch[0].numel() * self.trainer.world_size
-        if not self.trainer._logger_connector.should_update_logs:  # Lightning's own write condition
+        if not writes_logs(self.trainer):
             return
         now = self._clock()
         seconds = now - self._window["start"]

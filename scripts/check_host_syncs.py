@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from models.lit import LitGPT  # noqa: E402
+from models.lit import LitGPT, writes_logs  # noqa: E402
 
 SYNC_WARNING = "synchronizing"  # PyTorch's text: "called a synchronizing CUDA operation"
 
@@ -62,7 +62,7 @@ def main() -> int:
     def on_train_batch_start(self, batch, batch_idx):
         real_start(self, batch, batch_idx)
         last = self.global_step + 1 >= self.trainer.max_steps  # its end writes logs and validates
-        if self.global_step >= args.after_step and not last and not self.trainer._logger_connector.should_update_logs:
+        if self.global_step >= args.after_step and not last and not writes_logs(self.trainer):
             watched.append(self.global_step)
             set_sync_debug(True)
 

@@ -84,20 +84,25 @@ def test_wandb_offline_run_id_is_checkpointed_and_resumed(tmp_path):
     assert load_checkpoint(resumed / "run" / "checkpoints" / "last.ckpt")["wandb_run_id"] == run_id
 
 
-def test_throughput_and_mfu_are_logged_per_log_window(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_throughput_and_mfu_are_logged_per_log_window(tmp_path, grad_accum):
     """tokens/s and MFU: one value per log write, over the batches since the last one (the clock,
-    a device sync on GPU, is read once per train.log_every batches), and a steady-state mean in
-    results.json."""
+    a device sync on GPU, is read once per log write, also under gradient accumulation), and in
+    results.json the steady-state mean of the windows that start after the warm-up."""
     import train
+    from models.lit import WARMUP_STEPS
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
-        "train.max_steps": 20, "train.val_every": 20, "train.log_every": 3, "train.peak_tflops": 2.0})))
+        "train.max_steps": 20, "train.val_every": 20, "train.log_every": 3, "train.peak_tflops": 2.0,
+        "train.grad_accum": grad_accum})))
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_s")]
     # the window opens at the first batch end and closes at each log write (batches 3, 6, ... 18,
     # and 20: Lightning also writes logs at the stop request that puts the last validation in fit)
     assert [int(r["step"]) + 1 for r in rows] == [3, 6, 9, 12, 15, 18, 20]
+    # val_every counts optimizer steps, also under accumulation (Lightning's interval counts batches)
+    assert [step + 1 for step in metric_by_step(tmp_path / "run", "val/loss")] == [20]
     from models.gpt import GPT
     from models.lit import gpt_config_from_dict
 
@@ -107,7 +112,14 @@ def test_throughput_and_mfu_are_logged_per_log_window(tmp_path):
         tps = float(r["train/tokens_per_s"])
         assert tps > 0
         assert float(r["train/mfu"]) == pytest.approx(tps * flops_per_token / 2e12, rel=1e-5)
-    assert results["tokens_per_s"] > 0  # windows that started at step >= 5
+    # each window holds every micro-batch since the previous write: seconds = tokens / tokens_per_s
+    ends = [int(r["step"]) + 1 for r in rows]
+    tokens_per_step = 4 * 32 * grad_accum  # tiny_overrides: batch 4, context 32
+    steady = [((end - start) * tokens_per_step, float(r["train/tokens_per_s"]))
+              for start, end, r in zip(ends, ends[1:], rows[1:]) if start >= WARMUP_STEPS]
+    assert len(steady) == 5
+    mean = sum(t for t, _ in steady) / sum(t / tps for t, tps in steady)
+    assert results["tokens_per_s"] == pytest.approx(mean, rel=1e-5)
     assert results["mfu"] == pytest.approx(results["tokens_per_s"] * flops_per_token / 2e12, rel=1e-9)
 
 
