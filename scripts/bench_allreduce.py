@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_train import git_commit  # the git commit, or ATTNLAB_COMMIT on a copy without .git
 
 # the sizes DDP sends: its default 25 MB bucket, and GPT-2 small's full fp32 / bf16 gradient
 SIZES_MB = (1, 25, 173, 346)
@@ -66,7 +67,7 @@ def main() -> int:
     rows = queue.get(timeout=10)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "gpus": args.gpus, "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")}
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "commit": git_commit()}
     print(f"{meta}\n| dtype | MB | ms | algbw GB/s |\n| --- | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['dtype']} | {r['mb']} | {r['ms']:.3f} | {r['algbw_gb_s']:.1f} |")

@@ -67,11 +67,12 @@ def main() -> int:
                                                                "tokens", "val_loss", "wall_s")}})
             print(rows[-1], flush=True)
     import torch
+    from bench_train import git_commit  # the git commit, or ATTNLAB_COMMIT on a copy without .git
 
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) == 2 else None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "overrides": overrides,
+            "commit": git_commit(), "overrides": overrides,
             "ddp_trainer": args.ddp_trainer}
     lines = [f"# Data-parallel scaling of train.py: 1 vs {args.gpus} GPUs, same per-GPU batch", "",
              f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}", "",
