@@ -10,6 +10,9 @@ bench_train (GPT-2 small shape, bf16 autocast, the inner model compiled as train
 clipping, fused AdamW, random tokens), per setting (SETTINGS below: DDP on a side stream as
 Lightning builds it, no graph split, gradient bucket views, eager). Two world-size-1 runs started
 at once on two GPUs show whether the GPUs slow each other down without any communication.
+`--profile-steps N` adds each setting's device time per step in NCCL and in all other kernels, and
+writes the profiler's kernel table per rank. Every row says whether the ranks' weights stayed equal
+(each rank trains on its own random tokens, so unreduced gradients would show).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_train import git_commit, time_steps, warm_up  # noqa: E402
+from bench_train import git_commit, sync, time_steps, warm_up  # noqa: E402
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 
 
@@ -42,6 +45,9 @@ SETTINGS = {
     "no_split": {"split": False},  # one graph: all gradients at the end of backward, no overlap
     "bucket_view": {"bucket_view": True},  # gradients are views into DDP's buckets (no copy)
     "eager": {"compile": False},
+    # DDP's all-reduces traced into the compiled backward (compiled autograd), bucketed by inductor:
+    # no graph split and no reducer hooks at run time
+    "python_reducer": {"ddp_mode": "python_reducer"},
 }
 
 
@@ -60,7 +66,8 @@ class Inner(torch.nn.Module):
 def build(model_cfg: dict, batch: int, setting: dict, device: torch.device):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    torch._dynamo.config.optimize_ddp = setting.get("split", True)
+    torch._dynamo.config.optimize_ddp = setting.get("ddp_mode", setting.get("split", True))
+    torch._inductor.config._fuse_ddp_communication = False  # DDP turns it on for python_reducer; settings stay apart
     model = GPT(GPTConfig(**model_cfg, attn=AttnConfig(name="softmax", backend="auto"))).to(device)  # triton on GPU
     module = Inner(model, setting.get("compile", True))
     if dist.is_initialized():
@@ -71,19 +78,60 @@ def build(model_cfg: dict, batch: int, setting: dict, device: torch.device):
                 module, device_ids=[device.index] if on_gpu else None, broadcast_buffers=False,
                 gradient_as_bucket_view=setting.get("bucket_view", False))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    x = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.context + 1), device=device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator(device).manual_seed(1 + rank)  # different data per rank: unreduced gradients would show
+    x = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.context + 1), device=device, generator=gen)
     inputs, targets = x[:, :-1], x[:, 1:]
 
+    def compiled_autograd():  # a fresh context per step (generator context managers are single-use)
+        if setting.get("ddp_mode") != "python_reducer":
+            return contextlib.nullcontext()
+        return torch._dynamo.compiled_autograd._enable(lambda gm: torch.compile(gm, fullgraph=True), dynamic=False)
+
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = module(inputs, targets) / targets.numel()
-        loss.backward()
+        with compiled_autograd():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = module(inputs, targets) / targets.numel()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
     return model, step
+
+
+def params_in_sync(model: torch.nn.Module) -> bool:
+    """Whether every rank holds the same weights after training on its own data (gradients were reduced)."""
+    sample = torch.cat([p.detach().flatten()[:256].float() for p in model.parameters()])
+    gathered = [torch.empty_like(sample) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sample)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def kernel_ms_per_step(step, steps: int, table_path: Path | None) -> dict:
+    """Device time per step spent in NCCL kernels and in all other kernels (torch.profiler): whether a
+    slower 2-GPU step runs longer kernels (contention, lost fusion) or leaves the GPU idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    nccl = other = 0.0
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            ms = evt.self_device_time_total / 1e3 / steps
+            if "nccl" in evt.key.lower():
+                nccl += ms
+            else:
+                other += ms
+    if table_path is not None:
+        table_path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+    return {"nccl_kernel_ms": nccl, "other_kernel_ms": other,
+            "kernels_launched_per_step": sum(e.count for e in prof.key_averages()
+                                             if e.device_type == torch.autograd.DeviceType.CUDA) / steps}
 
 
 def main() -> int:
@@ -96,6 +144,8 @@ def main() -> int:
                     help=f"comma list of {list(SETTINGS)}; default: all with DDP (default again last, for drift), "
                          "default,eager on one GPU")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many steps per setting: device ms in NCCL and other kernels")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -113,22 +163,28 @@ def main() -> int:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; allowed: {list(SETTINGS)}")
+    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+            "commit": git_commit(), "model": args.model, "vocab": args.vocab, "batch_per_gpu": args.batch,
+            "steps": args.steps, "nccl_max_nchannels": os.environ.get("NCCL_MAX_NCHANNELS"),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in names:
+    for i, name in enumerate(names):
         model, step = build(model_cfg, args.batch, SETTINGS[name], device)
         warm_up(step, steps=8)
         dt, _ = time_steps(step, args.steps)
         rows.append({"world": world, "setting": name, "ms_per_step": dt * 1e3,
                      "tokens_per_s": world * args.batch * model.cfg.context / dt})
+        if world > 1:
+            rows[-1]["params_in_sync"] = params_in_sync(model)
+        if args.profile_steps:
+            table = Path(f"{args.out}_{i}_{name}_rank{rank}_kernels.txt") if args.out else None
+            rows[-1].update(kernel_ms_per_step(step, args.profile_steps, table))
         if rank == 0:
             print(rows[-1], flush=True)
-    if rank == 0 and args.out:
-        meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)", "torch": torch.__version__, "commit": git_commit(),
-                "model": args.model, "vocab": args.vocab, "batch_per_gpu": args.batch, "steps": args.steps,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            if args.out:  # after every setting: a run cut by its time limit keeps what it measured
+                Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     if world > 1:
         dist.destroy_process_group()
     return 0

@@ -28,9 +28,9 @@
 #                   (DDP without Lightning: tokens/s, 1 and 2 GPUs)
 #   phase ddp5    : FSDP on both GPUs after the final validation moved into fit; one GPU alone vs two
 #                   independent one-GPU runs at once (bench_ddp_raw.py)
-#   phase ddp6    : Lightning DDP scaling with DDP built on the current stream (CurrentStreamDDPStrategy);
-#                   bench_ddp_raw.py's settings (side stream, no graph split, bucket views, eager) on
-#                   2 GPUs and default/eager on 1; scripts/check_host_syncs.py (host syncs inside train.py's steps)
+#   phase ddp6    : bench_ddp_raw.py's settings (side stream, no graph split, bucket views, eager, compiled
+#                   autograd's python reducer) on 2 GPUs, default/eager on 1, each with its kernel time per
+#                   step; NCCL on 4 channels; scripts/check_host_syncs.py (host syncs inside train.py's steps)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -250,13 +250,15 @@ phase_ddp5() {
 phase_ddp6() {
   local q=$WORK/ddp6
   mkdir -p "$q"
-  ddp_scaling_kept 280 "$q/bench_ddp_compiled_model"
-  raw_ddp 0,1 170 "$q/bench_ddp_raw_2"
-  raw_ddp 0 90 "$q/bench_ddp_raw_1" &
-  on_gpu 1 100 "$q/check_host_syncs.log" python3 scripts/check_host_syncs.py --json "$q/host_syncs.json" \
+  raw_ddp 0,1 300 "$q/bench_ddp_raw_2" --profile-steps 5 \
+    --settings default,no_split,python_reducer,side_stream,bucket_view,eager,default
+  raw_ddp 0 110 "$q/bench_ddp_raw_1" --profile-steps 5 &
+  on_gpu 1 110 "$q/check_host_syncs.log" python3 scripts/check_host_syncs.py --json "$q/host_syncs.json" \
     experiment=gpu_small model=gpt2_small train.batch_size=16 train.max_steps=14 train.val_every=14 \
     train.val_tokens=16384 train.log_max_logit=false
   wait
+  # fewer NCCL channels leave more SMs to the backward's kernels
+  NCCL_MAX_NCHANNELS=4 raw_ddp 0,1 90 "$q/bench_ddp_raw_2_nccl4ch" --settings default --profile-steps 5
   pack ddp6
 }
 
