@@ -1,18 +1,43 @@
-"""Lightning's DDP strategy with DistributedDataParallel built on the current CUDA stream."""
+"""Lightning's DDP strategy with DistributedDataParallel built on the current CUDA stream, and the
+compiled model kept as one graph."""
 
 from __future__ import annotations
 
 import lightning as L
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 
 class CurrentStreamDDPStrategy(L.pytorch.strategies.DDPStrategy):
-    """Lightning builds DDP inside a fresh side stream. DDP's constructor creates the parameters'
-    gradient-accumulation nodes there, so every backward then accumulates gradients on that stream
-    and synchronizes it with the backward's (autograd's "AccumulateGrad node's stream does not
-    match" warning). Measured without Lightning (scripts/bench_ddp_raw.py, GPT-2 small, compiled,
-    2x H200, one measurement): 47.7 ms per step with DDP built on a side stream, 43.7 ms on the
-    current stream."""
+    """Lightning's DDPStrategy with two changes, both measured without Lightning
+    (scripts/bench_ddp_raw.py, GPT-2 small, compiled, 2x H200; docs/results/bench_ddp.md):
+
+    - DDP is built on the current stream. Lightning builds it inside a fresh side stream; DDP's
+      constructor creates the parameters' gradient-accumulation nodes there, so every backward then
+      accumulates gradients on that stream and synchronizes it with the backward's. 47.7 ms per
+      step on a side stream, 43.7 ms on the current stream (one measurement).
+    - `split_compiled_graph=False` (the default) turns off dynamo's DDPOptimizer, which cuts the
+      compiled model into a graph per gradient bucket so that each bucket's all-reduce overlaps the
+      rest of the backward. On NVLinked H200s the overlap costs more than it hides: the NCCL kernels
+      hold SMs while they wait for the other rank, and the backward's matmuls slow down by a third.
+      48.4 ms per step split, 34.5 ms as one graph (1 GPU: 27.0 ms). The setting is dynamo's global
+      `optimize_ddp`, set while the strategy is set up and restored at teardown.
+    """
+
+    def __init__(self, *args, split_compiled_graph: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.split_compiled_graph = split_compiled_graph
+        self._optimize_ddp_before = None
 
     def _setup_model(self, model) -> DistributedDataParallel:
+        if self._optimize_ddp_before is None:
+            self._optimize_ddp_before = torch._dynamo.config.optimize_ddp
+        # read by dynamo when it compiles a frame inside DDP's forward: the first step, after this
+        torch._dynamo.config.optimize_ddp = self.split_compiled_graph
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+    def teardown(self) -> None:
+        if self._optimize_ddp_before is not None:
+            torch._dynamo.config.optimize_ddp = self._optimize_ddp_before
+            self._optimize_ddp_before = None
+        super().teardown()

@@ -31,6 +31,8 @@
 #   phase ddp6    : bench_ddp_raw.py's settings (side stream, no graph split, bucket views, eager, compiled
 #                   autograd's python reducer) on 2 GPUs, default/eager on 1, each with its kernel time per
 #                   step; NCCL on 4 channels; scripts/check_host_syncs.py (host syncs inside train.py's steps)
+#   phase ddp7    : Lightning DDP scaling with the compiled model kept one graph (trainer=ddp's
+#                   split_compiled_graph=false); bench_ddp_raw.py's one-graph variants (big buckets, static graph)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -262,6 +264,15 @@ phase_ddp6() {
   pack ddp6
 }
 
+phase_ddp7() {
+  local q=$WORK/ddp7
+  mkdir -p "$q"
+  ddp_scaling_kept 280 "$q/bench_ddp_compiled_model"
+  raw_ddp 0,1 220 "$q/bench_ddp_raw_2" --profile-steps 5 \
+    --settings no_split,no_split_big_buckets,no_split_static_graph,default
+  pack ddp7
+}
+
 phase_fsdp2() {
   local q=$WORK/fsdp2
   mkdir -p "$q"
@@ -287,6 +298,7 @@ case "${1:-}" in
   ddp4) phase_ddp4 ;;
   ddp5) phase_ddp5 ;;
   ddp6) phase_ddp6 ;;
+  ddp7) phase_ddp7 ;;
   fsdp2) phase_fsdp2 ;;
   *) sed -n '2,39p' "$0"; exit 2 ;;
 esac

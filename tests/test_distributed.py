@@ -146,3 +146,63 @@ def test_mean_over_ranks_averages_without_a_barrier_and_leaves_the_input():
         results = manager.dict()
         mp.start_processes(_mean_over_ranks_worker, args=(port, results), nprocs=2, start_method="spawn")
         assert dict(results) == {0: (3.0, 2.0, False), 1: (3.0, 4.0, False)}
+
+
+def _compiled_graphs_under_ddp_strategy(split_compiled_graph: bool) -> tuple[int, object]:
+    """Number of graphs dynamo hands its backend for a 3-layer model compiled inside the strategy's
+    DDP wrapper (1 MB buckets, 4 MB layers), and dynamo's optimize_ddp after teardown."""
+    import torch
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from models.ddp_strategy import CurrentStreamDDPStrategy
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Outer(torch.nn.Module):  # LitGPT's layout: DDP wraps a module that calls a compiled model
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
+            self.forward_fn = torch.compile(self.model, backend=counting_backend, fullgraph=True)
+
+        def forward(self, x):
+            return self.forward_fn(x)
+
+    torch._dynamo.reset()
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = CurrentStreamDDPStrategy(accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")],
+                                        cluster_environment=LightningEnvironment(),
+                                        split_compiled_graph=split_compiled_graph, bucket_cap_mb=1)
+    ddp = strategy._setup_model(Outer())
+    ddp(torch.randn(4, 1024)).sum().backward()
+    strategy.teardown()
+    return len(graphs), torch._dynamo.config.optimize_ddp
+
+
+def test_ddp_strategy_keeps_the_compiled_model_one_graph_unless_asked_to_split(monkeypatch):
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    before = torch._dynamo.config.optimize_ddp
+    try:
+        torch._dynamo.config.optimize_ddp = "sentinel-restored-at-teardown"  # any prior value comes back
+        one_graph, after = _compiled_graphs_under_ddp_strategy(split_compiled_graph=False)
+        assert (one_graph, after) == (1, "sentinel-restored-at-teardown")
+        split, _ = _compiled_graphs_under_ddp_strategy(split_compiled_graph=True)
+        assert split > 1, "DDPOptimizer did not split: the one-graph check above proves nothing"
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+        torch._dynamo.reset()
+        dist.destroy_process_group()
