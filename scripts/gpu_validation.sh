@@ -300,7 +300,7 @@ case "${1:-}" in
   ddp6) phase_ddp6 ;;
   ddp7) phase_ddp7 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,39p' "$0"; exit 2 ;;
+  *) sed -n '2,41p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
