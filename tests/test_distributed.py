@@ -44,18 +44,19 @@ def ddp_args(tmp_path: Path, corpus: Path, per_rank_batch: int, **extra) -> list
     return [o for o in overrides if not o.startswith("paths.output_dir=")]
 
 
-def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync micro-batches under its static graph
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path, grad_accum):
     import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     # one process, global batch 8 (also builds the shared token cache before the DDP run)
     single = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
         "train.batch_size": 8, "train.max_steps": STEPS, "train.val_every": STEPS,
-        "paths.output_dir": str(tmp_path / "single"),
+        "train.grad_accum": grad_accum, "paths.output_dir": str(tmp_path / "single"),
     })))
     # two processes, 4 each
     ddp_cwd = tmp_path / "ddp"
-    run_train_py(ddp_args(tmp_path, corpus, per_rank_batch=4), cwd=ddp_cwd)
+    run_train_py(ddp_args(tmp_path, corpus, per_rank_batch=4, **{"train.grad_accum": grad_accum}), cwd=ddp_cwd)
 
     run_dirs = [p for p in (ddp_cwd / "outputs").glob("*/*") if p.is_dir()]
     assert len(run_dirs) == 1, f"ranks scattered their outputs: {run_dirs}"
@@ -64,7 +65,7 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
     results = json.loads((run_dir / "results.json").read_text())
     assert Path(results["run_dir"]).resolve() == run_dir.resolve()
     assert results["steps"] == STEPS
-    assert results["tokens"] == single["tokens"] == STEPS * 8 * 32  # tokens of the global batches
+    assert results["tokens"] == single["tokens"] == STEPS * 8 * 32 * grad_accum  # tokens of the global batches
 
     want, got = train_losses(tmp_path / "single"), train_losses(run_dir)
     assert sorted(got) == sorted(want) and len(want) == STEPS
