@@ -33,7 +33,8 @@
 #                   step; NCCL on 4 channels; scripts/check_host_syncs.py (host syncs inside train.py's steps)
 #   phase ddp7    : Lightning DDP scaling with the compiled model kept one graph (trainer=ddp's
 #                   split_compiled_graph=false); bench_ddp_raw.py's one-graph variants (big buckets, static graph)
-#   phase ddp8    : ddp7 with trainer=ddp's 512 MB buckets; bench_ddp_raw.py one-graph on 2 GPUs against 1 GPU
+#   phase ddp8    : ddp7 with trainer=ddp's 512 MB buckets; bench_ddp_raw.py one-graph on 2 GPUs against 1 GPU;
+#                   train.py on 2 GPUs with the graph split back on
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -278,8 +279,10 @@ phase_ddp8() {
   local q=$WORK/ddp8
   mkdir -p "$q"
   ddp_scaling_kept 280 "$q/bench_ddp_compiled_model"
-  raw_ddp 0,1 130 "$q/bench_ddp_raw_2" --settings no_split_big_buckets,no_split
-  raw_ddp 0 70 "$q/bench_ddp_raw_1" --settings default
+  raw_ddp 0,1 80 "$q/bench_ddp_raw_2" --settings no_split_big_buckets
+  raw_ddp 0 60 "$q/bench_ddp_raw_1" --settings default
+  # the same 2-GPU train.py run with dynamo's graph split back on: the change measured inside train.py
+  ddp_scaling 120 "$q/bench_ddp_split_graph" 60 --skip-single trainer.strategy.split_compiled_graph=true
   pack ddp8
 }
 
@@ -311,7 +314,7 @@ case "${1:-}" in
   ddp7) phase_ddp7 ;;
   ddp8) phase_ddp8 ;;
   fsdp2) phase_fsdp2 ;;
-  *) sed -n '2,42p' "$0"; exit 2 ;;
+  *) sed -n '2,43p' "$0"; exit 2 ;;
 esac
 stamp "phase ${1} finished"
 ls -la "$OUT"
