@@ -35,7 +35,7 @@
 #                   split_compiled_graph=false); bench_ddp_raw.py's one-graph variants (big buckets, static graph)
 #   phase ddp8    : ddp7 with trainer=ddp's 512 MB buckets; bench_ddp_raw.py one-graph on 2 GPUs against 1 GPU;
 #                   train.py on 2 GPUs with the graph split back on
-#   phase ddp9    : train.py's DDP scaling over 300 steps, twice (1, 2, 1, 2 GPUs)
+#   phase ddp9    : train.py's DDP scaling over 200 steps, twice (1, 2, 1, 2 GPUs)
 #   phase fsdp2   : FSDP on both GPUs (smoke run)
 #
 # Call (from the repo root, on the device tool):
@@ -290,9 +290,9 @@ phase_ddp8() {
 phase_ddp9() {
   local q=$WORK/ddp9
   mkdir -p "$q"
-  # 300 steps (about 10 s of steady state per run, against 2 s at 60 steps), twice: 1, 2, 1, 2 GPUs
-  ddp_scaling 235 "$q/bench_ddp_300_steps_a" 300
-  ddp_scaling 235 "$q/bench_ddp_300_steps_b" 300
+  # 200 steps (about 6 s of steady state per run, against 2 s at 60 steps), twice: 1, 2, 1, 2 GPUs
+  ddp_scaling 245 "$q/bench_ddp_200_steps_a" 200
+  ddp_scaling 245 "$q/bench_ddp_200_steps_b" 200
   pack ddp9
 }
 
