@@ -77,3 +77,10 @@ def softmax_family_outputs_and_grads(fn, q, k, v, temperature, dout, spec, mask,
     out = fn(leaves[0], leaves[1], leaves[2], spec, mask, segment_ids, leaves[3])
     out.backward(dout.to(dtype))
     return [out] + [x.grad for x in leaves if x is not None]
+
+
+def outputs_and_grads(fn, tensors: dict, dout: torch.Tensor) -> dict:
+    """{"out": fn(**tensors), "d<name>": gradient of each leaf in `tensors`} for the cotangent `dout`."""
+    out = fn(**tensors)
+    grads = torch.autograd.grad(out, list(tensors.values()), dout.to(out.dtype))
+    return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}

@@ -80,23 +80,13 @@ BENCH_VARIANTS = [(d, m, diff) for diff in (False, True)
                   for d, m in ((128, "causal"), (64, "causal"), (128, "window1024"), (128, "ranker"))]
 
 
-
-
-
-
-def _outputs_and_grads(fn, tensors, dout):
-    out = fn(**tensors)
-    grads = torch.autograd.grad(out, list(tensors.values()), dout.to(out.dtype))
-    return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}
-
-
 def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, config, seed=0):
     """Max error ratios (<= 1 passes) of one case, kernel in bf16 vs float64 / bf16 references."""
     from attn.kernels import threshold_family as tf
     from attn.masks import MaskSpec
     from attn.reference import reference_attention
     from attn.specs import ThresholdFamilySpec
-    from attn.testing import error_ratio, nan_poisoned_empty, random_segment_ids
+    from attn.testing import error_ratio, nan_poisoned_empty, outputs_and_grads, random_segment_ids
 
     dev = DEVICE
     gen = torch.Generator().manual_seed(seed or sum(map(ord, name)))
@@ -129,10 +119,10 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     # differential dk/dv kernel: split with config 0, fused with config 1
     pins = {} if config is None else {"ATTNLAB_THRESHOLD_CONFIG": str(config),
                                       "ATTNLAB_DIFF_DKDV": "fused" if config == 1 else "split"}
-    ref64 = _outputs_and_grads(reference, leaves(torch.float64), dout)
-    same = _outputs_and_grads(reference, leaves(torch.bfloat16), dout)
+    ref64 = outputs_and_grads(reference, leaves(torch.float64), dout)
+    same = outputs_and_grads(reference, leaves(torch.bfloat16), dout)
     with nan_poisoned_empty(), environment(pins):
-        got = _outputs_and_grads(fused, leaves(torch.bfloat16), dout)
+        got = outputs_and_grads(fused, leaves(torch.bfloat16), dout)
     return {key: error_ratio(got[key], same[key], want, FLOOR) for key, want in ref64.items()}
 
 

@@ -404,10 +404,10 @@ class RecordingFusedAdamW(torch.optim.AdamW):
         return out
 
 
-@pytest.mark.parametrize("optimizer", ["foreach", "fused"])
+@pytest.mark.parametrize("optimizer", ["unfused", "fused"])
 def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, optimizer):
-    """foreach: the host-synced path (gradients dropped); fused: the skip stays on the device
-    (the optimizer's found_inf flag, no host sync)."""
+    """unfused (AdamW's CPU default): the host-synced path (gradients dropped); fused: the skip
+    stays on the device (the optimizer's found_inf flag, no host sync)."""
     import train
 
     if optimizer == "fused":

@@ -19,7 +19,7 @@ from tolerance import assert_within_reference_error  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import threshold_family as tf  # noqa: E402
-from attn.testing import random_segment_ids
+from attn.testing import outputs_and_grads, random_segment_ids
 from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
@@ -65,24 +65,18 @@ def _as(tensors, dtype):
     return out
 
 
-def _outputs_and_grads(fn, tensors, dout):
-    out = fn(**tensors)
-    grads = torch.autograd.grad(out, list(tensors.values()), dout.to(out.dtype))
-    return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}
-
-
 def check_against_reference(spec, mask, seg, tensors, dout, dtype):
     def reference(dt):
         def fn(q, k, v, q2=None, k2=None, lam=None):
             return reference_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
-        return _outputs_and_grads(fn, _as(tensors, dt), dout)
+        return outputs_and_grads(fn, _as(tensors, dt), dout)
 
     def fused(q, k, v, q2=None, k2=None, lam=None):
         return tf.fused_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
 
     ref64 = reference(torch.float64)
     same = reference(dtype)
-    got = _outputs_and_grads(fused, _as(tensors, dtype), dout)
+    got = outputs_and_grads(fused, _as(tensors, dtype), dout)
     ratios = {}
     for name in ref64:
         assert got[name].shape == ref64[name].shape, name
