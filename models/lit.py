@@ -217,6 +217,9 @@ class LitGPT(L.LightningModule):
     def on_save_checkpoint(self, checkpoint):
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["model_config"] = asdict(self.model_cfg)
+        # a finished run resumed reports it without validating again (train.py)
+        checkpoint["last_validation"] = dict(self.last_validation)
 
     def on_load_checkpoint(self, checkpoint):
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self.last_validation = dict(checkpoint.get("last_validation", {}))

@@ -171,14 +171,22 @@ def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path
     assert written_steps == [3, 6, 8]  # the log writes: every 3 steps, and the last
 
 
-def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path):
-    """Resuming from the last checkpoint of a finished run: fit has nothing to do, the final
-    validation runs on its own and must report exactly the numbers of the run itself."""
+def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkeypatch):
+    """Resuming from the last checkpoint of a finished run: fit has nothing to do, and the run
+    reports exactly its own final numbers, from the checkpoint, without a trainer.validate()
+    (which fails under multi-GPU FSDP)."""
+    import lightning as L
+
     import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     common = {"train.max_steps": 4, "train.val_every": 3}
     first = train.run(compose_cfg(tiny_overrides(tmp_path / "first", corpus, **common)))
+
+    def no_validate(*args, **kwargs):
+        raise AssertionError("the final validation is in the checkpoint; trainer.validate must not run")
+
+    monkeypatch.setattr(L.Trainer, "validate", no_validate)
     again = train.run(compose_cfg(tiny_overrides(tmp_path / "again", corpus, **common)
                                   + [f"ckpt_path={first['last_checkpoint']}"]))
     assert again["steps"] == first["steps"] == 4
