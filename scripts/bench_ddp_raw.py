@@ -46,7 +46,7 @@ SETTINGS = {
     "no_split": {"split": False},  # one graph: all gradients at the end of backward, no overlap
     "bucket_view": {"bucket_view": True},  # gradients are views into DDP's buckets (no copy)
     "eager": {"compile": False},
-    "no_split_big_buckets": {"split": False, "bucket_mb": 512},  # after the backward: 2 all-reduces, not 14
+    "no_split_big_buckets": {"split": False, "bucket_mb": 512},  # after the backward: 1 all-reduce, not 13
     "no_split_static_graph": {"split": False, "static_graph": True},  # DDP skips per-step graph bookkeeping
     # DDP's all-reduces traced into the compiled backward (compiled autograd), bucketed by inductor:
     # no graph split and no reducer hooks at run time. On torch 2.11 + H200 dynamo fails to trace the
