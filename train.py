@@ -246,8 +246,9 @@ def run(cfg: DictConfig) -> dict:
         with run_dir_for_launched_ranks(output_dir):
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
             # a finished run resumed: fit had nothing left to do and the checkpoint holds the last
-            # validation; only a checkpoint written before it was saved there needs a new one (which
-            # fails under multi-GPU FSDP, see ValidateAtLastStep)
+            # validation (as computed then, whatever the validation settings are now). A checkpoint
+            # without it (older, or a last.ckpt written before a final validation that crashed)
+            # validates again, which fails under multi-GPU FSDP (see ValidateAtLastStep)
             if model.last_validation.get("step") != trainer.global_step:
                 trainer.validate(model, datamodule=datamodule, verbose=False)
             final = model.last_validation  # either way the same full-precision value

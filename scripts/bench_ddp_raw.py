@@ -115,8 +115,9 @@ def params_in_sync(model: torch.nn.Module) -> bool:
 
 
 def kernel_ms_per_step(step, steps: int, table_path: Path | None) -> dict:
-    """Device time per step spent in NCCL kernels and in all other kernels (torch.profiler): whether a
-    slower 2-GPU step runs longer kernels (contention, lost fusion) or leaves the GPU idle."""
+    """Device time per step in NCCL kernels and in all other device events (kernels, copies, memsets;
+    torch.profiler): whether a slower 2-GPU step runs longer kernels (contention, lost fusion) or
+    leaves the GPU idle. An NCCL kernel's time includes its wait for the other rank."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()

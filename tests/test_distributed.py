@@ -44,7 +44,7 @@ def ddp_args(tmp_path: Path, corpus: Path, per_rank_batch: int, **extra) -> list
     return [o for o in overrides if not o.startswith("paths.output_dir=")]
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync micro-batches under its static graph
+@pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync micro-batches (gradient accumulation)
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path, grad_accum):
     import train
 

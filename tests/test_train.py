@@ -186,8 +186,20 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
     def no_validate(*args, **kwargs):
         raise AssertionError("the final validation is in the checkpoint; trainer.validate must not run")
 
-    monkeypatch.setattr(L.Trainer, "validate", no_validate)
-    again = train.run(compose_cfg(tiny_overrides(tmp_path / "again", corpus, **common)
-                                  + [f"ckpt_path={first['last_checkpoint']}"]))
+    with monkeypatch.context() as patched:
+        patched.setattr(L.Trainer, "validate", no_validate)
+        again = train.run(compose_cfg(tiny_overrides(tmp_path / "again", corpus, **common)
+                                      + [f"ckpt_path={first['last_checkpoint']}"]))
     assert again["steps"] == first["steps"] == 4
     assert again["val_loss"] == first["val_loss"] and again["val_bpb"] == first["val_bpb"]
+
+    # a checkpoint without the stored validation (older ones): validated again, the same numbers
+    from models.checkpoint_io import atomic_torch_save, load_checkpoint
+
+    older = load_checkpoint(first["last_checkpoint"])
+    del older["last_validation"]
+    atomic_torch_save(older, tmp_path / "older.ckpt")
+    revalidated = train.run(compose_cfg(tiny_overrides(tmp_path / "older", corpus, **common)
+                                        + [f"ckpt_path={tmp_path / 'older.ckpt'}"]))
+    assert revalidated["steps"] == 4
+    assert revalidated["val_loss"] == first["val_loss"] and revalidated["val_bpb"] == first["val_bpb"]
