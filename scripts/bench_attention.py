@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,9 +25,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
+
+from bench_train import git_commit  # noqa: E402
 
 import attn  # noqa: E402
 from attn.masks import MaskSpec, visible_key_counts  # noqa: E402
@@ -380,12 +381,7 @@ def main():
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
         out.with_suffix(".md").write_text(markdown(meta, rows, tgts))
         return
-    commit = os.environ.get("ATTNLAB_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
+    commit = git_commit()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": commit}

@@ -67,14 +67,15 @@ def main() -> int:
                                                                "tokens", "val_loss", "wall_s")}})
             print(rows[-1], flush=True)
     import torch
-    from bench_train import git_commit  # the git commit, or ATTNLAB_COMMIT on a copy without .git
+    from bench_train import git_commit  # ATTNLAB_COMMIT when set (a copy without .git), else git's
 
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) == 2 else None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": git_commit(), "overrides": overrides,
             "ddp_trainer": args.ddp_trainer}
-    lines = [f"# Data-parallel scaling of train.py: 1 vs {args.gpus} GPUs, same per-GPU batch", "",
+    title = f"{args.gpus} GPUs" if args.skip_single else f"1 vs {args.gpus} GPUs"
+    lines = [f"# Data-parallel scaling of train.py: {title}, same per-GPU batch", "",
              f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | commit {meta['commit']}", "",
              f"overrides: `{' '.join(overrides)}`; N-GPU run: `trainer={args.ddp_trainer}`", "",
              "| GPUs | tokens/s (all GPUs) | MFU (per GPU) | peak mem GiB | steps | final val loss |",

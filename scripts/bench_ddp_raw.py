@@ -5,9 +5,10 @@ Start with torchrun (one process per GPU; world size 1 runs the model without DD
 
     torchrun --nproc-per-node 2 scripts/bench_ddp_raw.py --out gpu_out/bench_ddp_raw_2
 
-Reports on rank 0 the steady-state ms per step and tokens/s over all GPUs, for the step of
-bench_train (GPT-2 small shape, bf16 autocast, the inner model compiled as train.py does, gradient
-clipping, fused AdamW, random tokens), per setting (SETTINGS below: DDP on a side stream as
+Reports on rank 0 the steady-state ms per step and tokens/s over all GPUs, for a training step
+like bench_train's plus train.py's gradient clipping (GPT-2 small shape with bench_ddp's vocab
+2048, bf16 autocast, the inner model compiled as train.py does, fused AdamW, random tokens), per
+setting (SETTINGS below: DDP on a side stream as
 Lightning builds it, no graph split with 25 or 512 MB buckets or a static graph, gradient bucket
 views, eager, compiled autograd's python reducer). Two world-size-1 runs started
 at once on two GPUs show whether the GPUs slow each other down without any communication.

@@ -47,9 +47,10 @@ def git_commit() -> str:
     if os.environ.get("ATTNLAB_COMMIT"):  # a copy of the tree without .git (GPU machine)
         return os.environ["ATTNLAB_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
         return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, loss_in_graph: bool = True):

@@ -4,9 +4,10 @@ A sync makes the host wait for the GPU, so it can no longer queue the next kerne
 the steady-state step should have none. This runs train.py's own `run` in this process with
 PyTorch's CUDA sync debug mode ("warn") switched on from LitGPT's on_train_batch_start to its
 on_train_batch_end: the forward, backward, optimizer step and the callbacks' batch-end hooks, not
-the batch's transfer to the GPU. It watches every batch after `--after-step` whose logs Lightning
-does not write (log writes read values back on purpose), except the last. Each warning is reported with the innermost frame
-of this repository or of Lightning that caused it. Exits 1 if any sync was found.
+the batch's transfer to the GPU. It watches every step from (0-based) step `--after-step` on whose
+logs Lightning does not write (log writes read values back on purpose), except the last. Each
+warning is reported with the innermost frame of this repository (outside installed packages) or of
+Lightning that caused it. Exits 1 if any sync was found, 2 if no step was watched.
 
     python scripts/check_host_syncs.py experiment=gpu_small train.max_steps=12 train.compile=true
 """
@@ -40,7 +41,7 @@ def culprit() -> str:
         path = frame.filename
         if path == __file__:
             continue
-        if path.startswith(str(ROOT)) or "/lightning/" in path:
+        if (path.startswith(str(ROOT)) and "site-packages" not in path) or "/lightning/" in path:
             return f"{Path(path).name}:{frame.lineno} {frame.line}"
     return "unknown"
 
@@ -73,11 +74,13 @@ def main() -> int:
     def record(message, category, filename, lineno, file=None, line=None):
         if SYNC_WARNING in str(message):
             found[culprit()] += 1
+        else:
+            show_other(message, category, filename, lineno, file, line)
 
     LitGPT.on_train_batch_start, LitGPT.on_train_batch_end = on_train_batch_start, on_train_batch_end
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = record
+        show_other, warnings.showwarning = warnings.showwarning, record
         if torch.cuda.is_available():  # the probe must see a known sync, or its silence means nothing
             set_sync_debug(True)
             torch.ones(1, device="cuda").item()
@@ -96,6 +99,9 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"overrides": overrides, "watched_steps": watched,
                                                "syncs": dict(found.most_common())}, indent=1))
+    if not watched:  # silence over no step is no evidence
+        print("no step was watched (too few steps, or every step writes logs): nothing was checked")
+        return 2
     return 1 if found else 0
 
 

@@ -43,6 +43,7 @@
 #       command="ATTNLAB_COMMIT=<sha> bash scripts/gpu_validation.sh kernels")
 # Everything lands in $OUT as a few files (the tool returns at most 8); unpack here with tar.
 set -uo pipefail
+T0=$(date +%s)  # the phase budget counts from here: the wheel install below is part of the call
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_out}
@@ -55,7 +56,6 @@ if ! python3 -c "import hydra" 2>/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-T0=$(date +%s)
 stamp() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 
 on_gpu() {  # on_gpu GPU SECONDS LOG CMD...: one step, bounded, logged, never fatal
@@ -64,7 +64,7 @@ on_gpu() {  # on_gpu GPU SECONDS LOG CMD...: one step, bounded, logged, never fa
   # never past the phase budget: a call cut at its 600 s limit would bring back no archive
   local left=$(( T0 + ${PHASE_BUDGET_S:-560} - $(date +%s) ))
   (( secs > left )) && secs=$(( left > 1 ? left : 1 ))
-  stamp "GPU$gpu start: $*" | tee -a "$WORK/steps.log"
+  stamp "GPU$gpu start (limit ${secs}s): $*" | tee -a "$WORK/steps.log"
   CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM "$secs" "$@" >"$log" 2>&1
   local rc=$?
   stamp "GPU$gpu done (exit $rc): $*" | tee -a "$WORK/steps.log"
@@ -132,8 +132,7 @@ phase_train() {
   on_gpu 0 220 "$t/sanitize.log" compute-sanitizer --tool memcheck --error-exitcode 3 \
     python3 scripts/sanitize_kernels.py &
   on_gpu 1 200 "$t/determinism.log" python3 scripts/check_train_determinism.py --json "$t/determinism.json" \
-    --variants softmax,threshold experiment=gpu_small train.max_steps=30 train.val_every=15 train.val_tokens=65536 train.compile=false \
-    train.log_every=1
+    --variants softmax,threshold experiment=gpu_small train.max_steps=30 train.val_every=15 train.val_tokens=65536 train.compile=false
   wait
   pack train
 }
