@@ -233,10 +233,11 @@ class GPT(nn.Module):
 
     def compile_per_block(self, **compile_kwargs) -> None:
         """Compile in place, one graph per transformer block plus one for the output (norm, head,
-        loss); the embedding stays eager. Each block's backward is its own autograd node. Built for
-        DDP overlap, but a whole-model graph compiled inside DDP's forward is already split at
-        gradient buckets by dynamo's DDPOptimizer: measured no faster on 2 H200s
-        (docs/results/bench_ddp.md). Blocks share their compiled code; state-dict keys do not change."""
+        loss); the embedding stays eager. Each block's backward is its own autograd node, so under
+        DDP each block's gradients are ready, and all-reduced, while earlier blocks run backward.
+        Measured no faster on 2 H200s than the whole-model graph split by dynamo's DDPOptimizer
+        (docs/results/bench_ddp.md, 5fa7ad2); not measured against trainer=ddp's one graph. Blocks
+        share their compiled code; state-dict keys do not change."""
         for block in self.blocks:
             block.compile(fullgraph=True, **compile_kwargs)
         self.output = torch.compile(self.output, fullgraph=True, **compile_kwargs)  # shadows the method

@@ -92,7 +92,7 @@ class LitGPT(L.LightningModule):
         forward_fn = self.model
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
             forward_fn = torch.compile(self.model, fullgraph=True)
-        elif compile:  # a graph per block (measured on 2 H200s: no faster under DDP, bench_ddp.md)
+        elif compile:  # a graph per block, shared by the blocks (see GPT.compile_per_block)
             self.model.compile_per_block()
         # kept out of the module tree so the state dict holds each weight once
         self.__dict__["forward_fn"] = forward_fn
