@@ -140,9 +140,13 @@ class ValidateAtLastStep(L.Callback):
     and checkpoint ranking include it, and no trainer.validate() follows fit (which fails under
     multi-GPU FSDP: Lightning does not re-wrap the root, issue Lightning-AI/pytorch-lightning#19015)."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
-            trainer.should_stop = True  # Lightning validates on a stop request
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # Lightning validates on a stop request, and writes logs on it. Requested at the start of
+        # the last step's last micro-batch, so that its training_step already sees a log step
+        # (models.lit.writes_logs) and the last log row holds the last step's values.
+        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
+        if last_step and not trainer.fit_loop._should_accumulate():
+            trainer.should_stop = True
 
 
 def finish_wandb(loggers) -> None:
@@ -223,8 +227,8 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.log_max_logit:
         callbacks.append(MaxLogitMonitor())
     if cfg.trainer.get("enable_progress_bar", True):
-        # each refresh reads the logged values (a device sync): once per log interval, not per step
-        # (refresh_rate counts batches: micro-batches under gradient accumulation)
+        # the values change once per log interval: refresh then (refresh_rate counts batches,
+        # micro-batches under gradient accumulation)
         callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every * cfg.train.grad_accum))
     loggers = build_loggers(cfg, output_dir, resume_run_id)
     trainer: L.Trainer = instantiate(

@@ -135,7 +135,9 @@ class NonFiniteGuard(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._batch = None
         if self.policy != "off" and writes_logs(trainer):  # only steps whose logs are written
-            count = self._skipped.clone() if isinstance(self._skipped, torch.Tensor) else float(self._skipped)
+            # a CPU value, as every training log (see LitGPT.on_train_batch_end); this step's logs
+            # are written, which reads the values anyway
+            count = self._skipped.float().cpu() if isinstance(self._skipped, torch.Tensor) else torch.tensor(float(self._skipped))
             pl_module.log("train/nonfinite_steps", count)
 
     def _describe(self, trainer, pl_module, bad_param: str | None) -> str:
@@ -169,7 +171,7 @@ class NonFiniteGuard(L.Callback):
             # eager: hooks do not fire inside a compiled graph; under the step's precision context
             # (autocast), so the re-run sees the step's dtypes (and FSDP's bf16 weights work).
             # Every rank gets here under FSDP: the ranks agreed on the non-finite flag.
-            with torch.no_grad(), trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context():
                 call_with_whole_params(trainer, pl_module, "_loss", self._batch, eager=True)
         finally:
             for h in handles:
@@ -200,7 +202,7 @@ class MaxLogitMonitor(L.Callback):
             # eager: hooks do not fire inside compiled graphs. The precision plugin's context
             # (autocast), as in the training step: under FSDP mixed precision the weights are bf16
             # and a plain fp32 forward would fail. Every rank runs this (batch 0 of each).
-            with torch.no_grad(), trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context():
                 call_with_whole_params(trainer, pl_module, "_loss", batch, eager=True)
         finally:
             for h in handles:

@@ -86,9 +86,9 @@ class LitGPT(L.LightningModule):
         self.model_cfg = gpt_config_from_dict(model)
         self.optim_cfg = OptimConfig(**optim)
         self.optim_cfg.check()
-        self.model = GPT(self.model_cfg)
         if compile_unit not in COMPILE_UNITS:
             raise ValueError(f"train.compile_unit must be one of {COMPILE_UNITS}, got {compile_unit!r}")
+        self.model = GPT(self.model_cfg)
         forward_fn = self.model
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
             forward_fn = torch.compile(self.model, fullgraph=True)
@@ -100,6 +100,7 @@ class LitGPT(L.LightningModule):
         self.bytes_per_token = bytes_per_token or {}
         self._val_sums = None
         self._window = None  # the throughput window being timed (see on_train_batch_end)
+        self._loss_to_log = None  # the loss of a step whose logs are written, logged at its batch end
         self.tokens_seen = 0
         self.last_validation: dict = {}  # {"step", "val/loss"} of the latest validation (not sanity)
         self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
@@ -125,37 +126,42 @@ class LitGPT(L.LightningModule):
         loss = self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
-        if writes_logs(self.trainer):
-            # only on the steps whose logs are written (Lightning drops the values of the others):
-            # self.log turns a Python number into a device tensor by a blocking copy that waits
-            # for the queued forward, and the loss's mean over ranks is a collective.
-            # That mean is the loss of the global batch (equal per-rank batches), the number a
-            # one-device run would log.
-            self.log("train/loss", mean_over_ranks(loss), prog_bar=True)
-            self.log("train/tokens", float(self.tokens_seen))
-            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        if writes_logs(self.trainer):  # logged at the batch end, after the clock's device sync
+            self._loss_to_log = loss.detach()
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # Throughput over the batches between two log writes, timed between batch ends (the
-        # optimizer step included). The clock needs a device sync, so it is read only when the
-        # loggers write (every log_every_n_steps): a per-step sync stops the host from queueing
-        # the next step's kernels ahead of the GPU.
-        if self._window is None:
+        # Only the steps whose logs are written log anything, after one device sync (the clock's),
+        # and always as CPU tensors: self.log puts a Python number on the device by a blocking
+        # copy, and Lightning reads every progress-bar value back (.item()) after every batch,
+        # a host sync per step if the value lives on the GPU. A per-step sync stops the host from
+        # queueing the next step's kernels ahead of the GPU.
+        # Throughput: over the batches between two log writes, timed between batch ends (the
+        # optimizer step included).
+        first_batch = self._window is None
+        if first_batch:
             self._window = {"start": self._clock(), "tokens": 0, "first_step": self.global_step}
-            return
-        self._window["tokens"] += batch[0].numel() * self.trainer.world_size
+        else:
+            self._window["tokens"] += batch[0].numel() * self.trainer.world_size
         if not writes_logs(self.trainer):
             return
+        # the mean over ranks (a collective, on every rank's same steps) is the global batch's
+        # loss for equal per-rank batches; under accumulation, of the step's last micro-batch
+        loss = mean_over_ranks(self._loss_to_log)
         now = self._clock()
+        self.log("train/loss", loss.cpu(), prog_bar=True)
+        self.log("train/tokens", torch.tensor(float(self.tokens_seen)))
+        self.log("train/lr", torch.tensor(float(self.optimizers().param_groups[0]["lr"])))
+        if self.device.type == "cuda":
+            self.log("train/peak_mem_gb", torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30))
+        if first_batch:  # no batch in the window yet
+            return
         seconds = now - self._window["start"]
         tps = self._window["tokens"] / seconds
-        self.log("train/tokens_per_s", tps, prog_bar=True)
+        self.log("train/tokens_per_s", torch.tensor(tps), prog_bar=True)
         if self.peak_tflops:
             mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
-            self.log("train/mfu", mfu, prog_bar=True)
-        if self.device.type == "cuda":
-            self.log("train/peak_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
+            self.log("train/mfu", torch.tensor(mfu), prog_bar=True)
         if self._window["first_step"] >= WARMUP_STEPS:  # steady state: compile and autotune are done
             self.throughput["tokens"] += self._window["tokens"]
             self.throughput["seconds"] += seconds

@@ -194,8 +194,8 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None]:
         if loss is None or per_step is None:
             continue
         step = int(r["step"])
-        # validation logged at step s follows s + 1 optimizer steps; the final validate after
-        # fit logs at step = max_steps, which is the same weights as the last in-fit check
+        # validation logged at step s follows s + 1 optimizer steps (capped at the run's steps:
+        # runs from before the last validation moved into fit logged a final one at max_steps)
         done = step + 1 if not steps else min(step + 1, steps)
         curve[done * per_step] = loss
     speeds = [_float(r.get("train/tokens_per_s")) for r in rows]

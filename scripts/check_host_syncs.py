@@ -2,9 +2,9 @@
 
 A sync makes the host wait for the GPU, so it can no longer queue the next kernels ahead of it;
 the steady-state step should have none. This runs train.py's own `run` in this process with
-PyTorch's CUDA sync debug mode ("warn") switched on from LitGPT's on_train_batch_start to its
-on_train_batch_end: the forward, backward, optimizer step and the callbacks' batch-end hooks, not
-the batch's transfer to the GPU. It watches every step from (0-based) step `--after-step` on whose
+PyTorch's CUDA sync debug mode ("warn") switched on from LitGPT's on_train_batch_start to the end
+of Lightning's own batch-end bookkeeping (which reads the progress-bar values back): the forward,
+backward, optimizer step and every batch-end hook, not the batch's transfer to the GPU. It watches every step from (0-based) step `--after-step` on whose
 logs Lightning does not write (log writes read values back on purpose), except the last. Each
 warning is reported with the innermost frame of this repository (outside installed packages) or of
 Lightning that caused it. Exits 1 if any sync was found, 2 if no step was watched.
@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector  # noqa: E402
+
 from models.lit import LitGPT, writes_logs  # noqa: E402
 
 SYNC_WARNING = "synchronizing"  # PyTorch's text: "called a synchronizing CUDA operation"
@@ -58,7 +60,7 @@ def main() -> int:
     args, overrides = ap.parse_known_args()
     found: collections.Counter[str] = collections.Counter()
     watched: list[int] = []
-    real_start, real_end = LitGPT.on_train_batch_start, LitGPT.on_train_batch_end
+    real_start, real_batch_end = LitGPT.on_train_batch_start, _LoggerConnector.on_batch_end
 
     def on_train_batch_start(self, batch, batch_idx):
         real_start(self, batch, batch_idx)
@@ -67,9 +69,9 @@ def main() -> int:
             watched.append(self.global_step)
             set_sync_debug(True)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):  # after the callbacks' batch-end hooks
+    def on_batch_end(self):  # Lightning's after the batch-end hooks: it reads the progress-bar values
+        real_batch_end(self)
         set_sync_debug(False)
-        real_end(self, outputs, batch, batch_idx)  # reads the clock (a sync) on log-write steps only
 
     def record(message, category, filename, lineno, file=None, line=None):
         if SYNC_WARNING in str(message):
@@ -77,7 +79,7 @@ def main() -> int:
         else:
             show_other(message, category, filename, lineno, file, line)
 
-    LitGPT.on_train_batch_start, LitGPT.on_train_batch_end = on_train_batch_start, on_train_batch_end
+    LitGPT.on_train_batch_start, _LoggerConnector.on_batch_end = on_train_batch_start, on_batch_end
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("always")
         show_other, warnings.showwarning = warnings.showwarning, record

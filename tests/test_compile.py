@@ -132,6 +132,8 @@ def test_eager_loss_runs_hooks_of_a_per_block_compiled_model():
     loss = lit._loss((x, x), eager=True)
     assert seen == [torch.Size([2, 16, 32])] and torch.isfinite(loss)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    lit._loss((x, x))  # control: the same model does run compiled blocks (the hook does not fire inside)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
 
 
 def test_unknown_compile_unit_is_named():

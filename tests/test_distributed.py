@@ -135,14 +135,19 @@ def _mean_over_ranks_worker(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_mean_over_ranks_averages_without_a_barrier_and_leaves_the_input():
+def free_port() -> int:
+    """A free local port for a gloo process group."""
     import socket
 
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mean_over_ranks_averages_without_a_barrier_and_leaves_the_input():
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:  # a free port for the two gloo ranks
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.get_context("spawn").Manager() as manager:
         results = manager.dict()
         mp.start_processes(_mean_over_ranks_worker, args=(port, results), nprocs=2, start_method="spawn")
@@ -185,16 +190,11 @@ def _compiled_graphs_under_ddp_strategy(split_compiled_graph: bool) -> tuple[int
 
 
 def test_ddp_strategy_keeps_the_compiled_model_one_graph_unless_asked_to_split(monkeypatch):
-    import socket
-
     import torch
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     before = torch._dynamo.config.optimize_ddp
     try:

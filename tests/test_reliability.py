@@ -444,6 +444,9 @@ def test_strategies_that_shard_gradients_are_recognized():
     assert not _shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
     assert _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
     assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
+    from models.ddp_strategy import CurrentStreamDDPStrategy  # trainer=ddp's
+
+    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=CurrentStreamDDPStrategy()))
 
 
 def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():

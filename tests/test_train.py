@@ -1,6 +1,5 @@
 """Training end to end on CPU: checkpoints, exact resume, results, multirun."""
 
-import csv
 import json
 import os
 import subprocess
@@ -8,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from models.checkpoint_io import load_checkpoint
 from eval.run_logs import metric_by_step, train_losses
@@ -96,11 +96,12 @@ def test_throughput_and_mfu_are_logged_per_log_window(tmp_path, grad_accum):
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
         "train.max_steps": 20, "train.val_every": 20, "train.log_every": 3, "train.peak_tflops": 2.0,
         "train.grad_accum": grad_accum})))
-    with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_s")]
+    rates = metric_by_step(tmp_path / "run", "train/tokens_per_s")
+    mfus = metric_by_step(tmp_path / "run", "train/mfu")
     # the window opens at the first batch end and closes at each log write (batches 3, 6, ... 18,
     # and 20: Lightning also writes logs at the stop request that puts the last validation in fit)
-    assert [int(r["step"]) + 1 for r in rows] == [3, 6, 9, 12, 15, 18, 20]
+    ends = [step + 1 for step in rates]
+    assert ends == [3, 6, 9, 12, 15, 18, 20] and sorted(mfus) == sorted(rates)
     # val_every counts optimizer steps, also under accumulation (Lightning's interval counts batches)
     assert [step + 1 for step in metric_by_step(tmp_path / "run", "val/loss")] == [20]
     from models.gpt import GPT
@@ -108,15 +109,13 @@ def test_throughput_and_mfu_are_logged_per_log_window(tmp_path, grad_accum):
 
     model_hparams = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["hyper_parameters"]["model"]
     flops_per_token = GPT(gpt_config_from_dict(model_hparams)).flops_per_token()
-    for r in rows:
-        tps = float(r["train/tokens_per_s"])
+    for step, tps in rates.items():
         assert tps > 0
-        assert float(r["train/mfu"]) == pytest.approx(tps * flops_per_token / 2e12, rel=1e-5)
+        assert mfus[step] == pytest.approx(tps * flops_per_token / 2e12, rel=1e-5)
     # each window holds every micro-batch since the previous write: seconds = tokens / tokens_per_s
-    ends = [int(r["step"]) + 1 for r in rows]
     tokens_per_step = 4 * 32 * grad_accum  # tiny_overrides: batch 4, context 32
-    steady = [((end - start) * tokens_per_step, float(r["train/tokens_per_s"]))
-              for start, end, r in zip(ends, ends[1:], rows[1:]) if start >= WARMUP_STEPS]
+    steady = [((end - start) * tokens_per_step, rates[end - 1])
+              for start, end in zip(ends, ends[1:]) if start >= WARMUP_STEPS]
     assert len(steady) == 5
     mean = sum(t for t, _ in steady) / sum(t / tps for t, tps in steady)
     assert results["tokens_per_s"] == pytest.approx(mean, rel=1e-5)
@@ -141,11 +140,11 @@ def test_last_validation_runs_inside_fit_whatever_val_every(tmp_path, monkeypatc
     assert results["steps"] == 5 and results["val_loss"] == pytest.approx(val[4], rel=1e-6)
 
 
-def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path, monkeypatch):
-    """self.log turns a Python number into a device tensor by a blocking copy (a host sync on GPU):
-    during training that may happen only on the steps whose logs Lightning writes."""
-    import numbers
-
+def test_training_logs_are_cpu_values_on_the_steps_whose_logs_are_written(tmp_path, monkeypatch):
+    """On a GPU, self.log of a Python number is a blocking copy to the device, and Lightning reads
+    every cached progress-bar value back (.item()) after every batch: a device-resident value is a
+    host sync per step. So training logs only on the steps whose logs Lightning writes, and only
+    CPU tensors; the last step's row holds that step's values (not the previous log step's)."""
     import train
     from models.lit import LitGPT
 
@@ -154,21 +153,25 @@ def test_no_python_number_is_logged_on_steps_whose_logs_are_not_written(tmp_path
 
     def recording_log(self, name, value, *args, **kwargs):
         if self.trainer.training and not self.trainer.sanity_checking and not self.trainer.validating:
-            records.append((self.global_step, name, isinstance(value, numbers.Number),
-                            self.trainer._logger_connector.should_update_logs))
+            on_cpu = isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            records.append((self.global_step, name, on_cpu, self.trainer._logger_connector.should_update_logs))
         return real_log(self, name, value, *args, **kwargs)
 
     monkeypatch.setattr(LitGPT, "log", recording_log)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
         "train.max_steps": 8, "train.val_every": 4, "train.log_every": 3})))
-    numbers_logged = {(step, name) for step, name, is_number, written in records if is_number}
-    assert numbers_logged, "the test must see the number-valued metrics"
-    assert {name for _, name in numbers_logged} >= {"train/tokens", "train/lr", "train/nonfinite_steps"}
-    assert all(written for _, _, is_number, written in records if is_number), sorted(
-        (step, name) for step, name, is_number, written in records if is_number and not written)
-    written_steps = [step + 1 for step in metric_by_step(tmp_path / "run", "train/tokens")]
-    assert written_steps == [3, 6, 8]  # the log writes: every 3 steps, and the last
+    names = {name for _, name, _, _ in records}
+    assert names >= {"train/loss", "train/tokens", "train/lr", "train/tokens_per_s", "train/nonfinite_steps"}, names
+    assert all(written for *_, written in records), sorted(
+        (step, name) for step, name, _, written in records if not written)
+    assert all(on_cpu for _, _, on_cpu, _ in records), sorted(
+        (step, name) for step, name, on_cpu, _ in records if not on_cpu)
+    tokens = metric_by_step(tmp_path / "run", "train/tokens")
+    assert [step + 1 for step in tokens] == [3, 6, 8]  # the log writes: every 3 steps, and the last
+    assert tokens[7] == 8 * 4 * 32  # the last step's own count (tiny_overrides: batch 4, context 32)
+    losses = train_losses(tmp_path / "run")
+    assert losses[7] != losses[5]
 
 
 def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkeypatch):
