@@ -165,6 +165,7 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitG
     optim["max_steps"] = cfg.train.max_steps
     return LitGPT(
         model=model, optim=optim, compile=cfg.train.compile, compile_unit=cfg.train.compile_unit,
+        cuda_graphs=cfg.train.get("cuda_graphs", False),
         bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops),
     )
 

@@ -17,7 +17,7 @@ from attn.kernels.env import PIN_ENV, interpreting
 from attn.masks import MaskSpec
 from attn.reference import reference_attention
 from attn.registry import family_kernel
-from attn.specs import SoftmaxFamilySpec
+from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 from attn.validation import check_attention_inputs, check_kernel_inputs
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def preload_kernel(spec, backend: str) -> None:
     """Import the fused kernel module that `backend` may dispatch `spec` to, now: torch.compile
-    cannot trace an import, so a model compiled before its first eager call would break its
-    graph there. Call at model construction (no-op where Triton cannot run)."""
+    cannot trace an import. This module already loads every family's kernels at import where
+    Triton can run (CUDA, or TRITON_INTERPRET=1); this covers a later switch to the interpreter."""
     if backend == "triton" or (backend == "auto" and torch.cuda.is_available()):
         if triton_usable(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+            family_kernel(spec)
+
+
+def _load_kernels_where_they_run() -> None:
+    """So that `torch.compile(fullgraph=True)` of a function calling `attention` works on its first
+    call: the kernel modules (and their custom ops) exist before any trace reaches them."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if triton_usable(device):
+        for spec in (SoftmaxFamilySpec(), ThresholdFamilySpec()):  # one per FAMILY_KERNELS entry
             family_kernel(spec)
 
 
@@ -83,7 +92,7 @@ def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature) -> t
         raise ValueError("backend='sdpa' supports causal or full masks only (no window, segment_ids, temperature)")
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask.is_causal,
-        scale=spec.scale(q.shape[-1]), enable_gqa=q.shape[2] != k.shape[2],
+        scale=spec.scale(q.shape[-1]), enable_gqa=bool(q.shape[2] != k.shape[2]),
     )
     return out.transpose(1, 2)
 
@@ -120,3 +129,36 @@ def attention(
         return sdpa_attention(q, k, v, spec, mask, segment_ids, temperature)
     check_kernel_inputs(q)
     return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)
+
+
+class AttentionCall:
+    """The attention of one module, resolved once: the model's fast path.
+
+    The spec, mask and backend are checked at construction; a call does no input validation (the
+    backend choice is a string comparison or two), and takes the batch's `bounds`
+    (`attn.segment_bounds(segment_ids)`, computed once per batch instead of once per layer). The
+    caller owns what the public `attention` checks per call: tensor shapes and dtypes (the model's
+    own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
+    since it syncs with the device)."""
+
+    def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
+        if not isinstance(spec, (SoftmaxFamilySpec, ThresholdFamilySpec)):
+            raise ValueError(f"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got {type(spec).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"attn.backend must be one of {BACKENDS}, got {backend!r}")
+        self.spec, self.backend = spec, backend
+        self.mask = MaskSpec(causal=causal, window=window)
+        preload_kernel(spec, backend)
+
+    def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None):
+        # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
+        backend = resolve_backend(self.backend, q.device)
+        if backend == "triton":
+            kernel = family_kernel(self.spec)
+            return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam, bounds=bounds)
+        if backend == "reference":
+            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam)
+        return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature)
+
+
+_load_kernels_where_they_run()

@@ -34,6 +34,12 @@ def check_config(cfg: DictConfig) -> None:
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
+    if t.get("cuda_graphs", False):
+        if not t.compile:
+            raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
+        if t.grad_accum != 1:
+            raise ValueError(f"train.cuda_graphs=true needs train.grad_accum=1 (a replay reuses the memory of the "
+                             f"previous micro-batch's gradients), got {t.grad_accum}")
     if t.grad_clip is not None and not t.grad_clip > 0:
         raise ValueError(f"train.grad_clip must be > 0 or null, got {t.grad_clip!r}")
     OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps).check()

@@ -93,7 +93,8 @@ class Attention(nn.Module):
         self.variant = attn.get_variant(acfg.name)
         self.spec = self.variant.make_spec(**acfg.params)
         self.backend, self.window = acfg.backend, acfg.window
-        attn.preload_kernel(self.spec, self.backend)
+        # spec, mask and backend checked once here; per call no validation (see attn.AttentionCall)
+        self.attend = attn.AttentionCall(self.spec, causal=True, window=self.window, backend=self.backend)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
         self.qk_norm = acfg.qk_norm or ("l2" if self.variant.qk_norm else "none")
@@ -136,16 +137,14 @@ class Attention(nn.Module):
         ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm)).to(v.dtype) for k in ks]
         return qs, ks, v
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                segment_bounds: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         qs, ks, v = self.split_heads(x)
         extra = {}
         if self.views == 2:
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
-        y = attn.attention(
-            qs[0], ks[0], v, self.spec, causal=True, window=self.window, segment_ids=segment_ids,
-            backend=self.backend, **extra,
-        )
+        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y)
         if self.views == 2 and self.lambda_mode == "reparam":
@@ -183,8 +182,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, segment_ids=None):
-        x = x + self.drop(self.attn(self.norm1(x), segment_ids))
+    def forward(self, x, segment_ids=None, segment_bounds=None):
+        x = x + self.drop(self.attn(self.norm1(x), segment_ids, segment_bounds))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -220,8 +219,13 @@ class GPT(nn.Module):
         loss and never stored (at vocab 50304 that copy is 3.3 GB per 16K tokens).
         """
         x = self.embed(idx)
+        bounds = None
+        if segment_ids is not None:  # checked and turned into kernel bounds once, not per layer
+            if not torch.compiler.is_compiling():  # the check syncs with the device
+                attn.masks.validate_segment_ids(segment_ids, *idx.shape)
+            bounds = attn.segment_bounds(segment_ids)
         for block in self.blocks:
-            x = block(x, segment_ids)
+            x = block(x, segment_ids, bounds)
         return self.output(x, targets)
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -79,7 +79,7 @@ class LitGPT(L.LightningModule):
 
     def __init__(
         self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None,
-        peak_tflops: float | None = None, compile_unit: str = "model",
+        peak_tflops: float | None = None, compile_unit: str = "model", cuda_graphs: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -90,10 +90,18 @@ class LitGPT(L.LightningModule):
             raise ValueError(f"train.compile_unit must be one of {COMPILE_UNITS}, got {compile_unit!r}")
         self.model = GPT(self.model_cfg)
         forward_fn = self.model
+        if cuda_graphs and not compile:
+            raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
+        # CUDA graphs: the compiled forward and backward are captured once (after warm-up runs, which
+        # tune and compile the kernels) and replayed, so a step costs a few launches of host work
+        # whatever the number of kernels; torch.compile copies each batch into the graph's static
+        # input buffers (one device copy)
+        self.cuda_graphs = cuda_graphs
+        mode = "reduce-overhead" if cuda_graphs else None
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
-            forward_fn = torch.compile(self.model, fullgraph=True)
+            forward_fn = torch.compile(self.model, fullgraph=True, mode=mode)
         elif compile:  # a graph per block, shared by the blocks (see GPT.compile_per_block)
-            self.model.compile_per_block()
+            self.model.compile_per_block(mode=mode)
         # kept out of the module tree so the state dict holds each weight once
         self.__dict__["forward_fn"] = forward_fn
         # UTF-8 bytes per token of each split, for bits per byte
@@ -123,6 +131,8 @@ class LitGPT(L.LightningModule):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
 
     def training_step(self, batch, batch_idx):
+        if self.cuda_graphs:  # a new step: the previous step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
@@ -180,6 +190,8 @@ class LitGPT(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss_sum = self._loss(batch, reduction="sum")
         self._val_sums += torch.stack([loss_sum.double(), torch.tensor(batch[1].numel(), device=self.device).double()])
 

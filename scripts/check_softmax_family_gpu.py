@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attn  # noqa: E402
+from attn.kernels import runtime  # noqa: E402
 from attn.kernels import softmax_family as sf  # noqa: E402
 from attn.masks import MaskSpec  # noqa: E402
 from attn.testing import (  # noqa: E402
@@ -44,16 +45,9 @@ MASKS = {
 
 
 
-
-
-
 def set_configs(i):
-    """Pin each kernel to the i-th config of its autotune list (single config: no benchmarking)."""
-    for kern in (sf._fwd_kernel, sf._dkdv_kernel, sf._dq_kernel):
-        if not hasattr(kern, "_all_configs"):
-            kern._all_configs = list(kern.configs)
-        kern.configs = [kern._all_configs[i % len(kern._all_configs)]]
-        kern.cache.clear()
+    """Pin every kernel to the i-th candidate of its config list (no timing; attn/kernels/runtime.py)."""
+    os.environ[runtime.CONFIG_ENV] = str(i)
 
 
 def run_case(cap, mask_name, n, group, temp, dtype, cfg, d=128, batch=3, h_kv=2, seed=0):

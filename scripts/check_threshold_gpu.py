@@ -117,7 +117,7 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
 
     # config None: the autotuner's choices. Else tile config `config`, and both forms of the
     # differential dk/dv kernel: split with config 0, fused with config 1
-    pins = {} if config is None else {"ATTNLAB_THRESHOLD_CONFIG": str(config),
+    pins = {} if config is None else {"ATTNLAB_KERNEL_CONFIG": str(config),
                                       "ATTNLAB_DIFF_DKDV": "fused" if config == 1 else "split"}
     ref64 = outputs_and_grads(reference, leaves(torch.float64), dout)
     same = outputs_and_grads(reference, leaves(torch.bfloat16), dout)
@@ -164,7 +164,7 @@ def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
     extra = {}
     if differential:
         extra = {"q2": unit(h), "k2": unit(h), "lam": torch.full((h,), 0.5, device=dev, requires_grad=True)}
-    with environment({"ATTNLAB_THRESHOLD_CONFIG": str(config), "ATTNLAB_DIFF_DKDV": dkdv_form}):
+    with environment({"ATTNLAB_KERNEL_CONFIG": str(config), "ATTNLAB_DIFF_DKDV": dkdv_form}):
         out = attn.attention(q, k, v, spec, causal=causal, window=window, segment_ids=ids, backend="triton", **extra)
         out.backward(torch.randn_like(out))
     return "ok"

@@ -175,13 +175,13 @@ def test_sdpa_backend_matches_reference_and_refuses_other_variants():
 def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
     """Norms run in fp32 under autocast; the kernels need q, k, v (and views) in one dtype."""
     seen = []
-    real = attn.attention
+    real = attn.AttentionCall.__call__
 
-    def spy(q, k, v, spec, **kw):
+    def spy(self, q, k, v, **kw):
         seen.append({t.dtype for t in (q, k, v, kw.get("q2"), kw.get("k2"), kw.get("lam")) if t is not None})
-        return real(q, k, v, spec, **kw)
+        return real(self, q, k, v, **kw)
 
-    monkeypatch.setattr(attn, "attention", spy)
+    monkeypatch.setattr(attn.AttentionCall, "__call__", spy)
     model = GPT(tiny(name))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 37, (2, 16)))

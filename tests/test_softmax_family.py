@@ -267,37 +267,42 @@ def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     from attn.kernels import softmax_family as sf
 
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
-    launched, kernel = [], sf._fwd_kernel
+    launched, run = [], sf._FWD.run
 
-    class RecordingKernel:  # which forward form every launch asked for
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["FIXED_MAX"])
-                return kernel[grid](*args, **kwargs)
-            return launch
+    def recording_run(cfg, grid, args, meta):  # which forward form every launch asked for
+        launched.append(meta["FIXED_MAX"])
+        return run(cfg, grid, args, meta)
 
-    monkeypatch.setattr(sf, "_fwd_kernel", RecordingKernel())
+    monkeypatch.setattr(sf._FWD, "run", recording_run)
     spec, seg = MASKS[mask]
     run_case(cap, n, 2, spec, seg, False, torch.float32, batch=1, h_kv=1, pad_row=seg)
     assert launched and all(launched), f"the fixed-shift path did not run: {launched}"
 
 
 def test_pinned_configs_skip_timing(monkeypatch):
-    """attn.pin_kernel_configs (deterministic=true) makes every autotuned kernel keep one config,
-    so no timing can choose a different tile (summation order) in another process."""
-    from attn.kernels import softmax_family as sf
+    """attn.pin_kernel_configs (deterministic=true) makes every tuned kernel keep one config, so no
+    timing can choose a different tile (summation order) in another process; ATTNLAB_KERNEL_CONFIG
+    picks another candidate; unpinned, a key is timed once and its choice remembered."""
+    from attn.kernels import runtime
 
-    import triton
-
-    # the GPU candidate lists (the interpreter's have one config, which could not tell)
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in
-               [(128, 64, 8), (128, 128, 8), (64, 64, 4), (128, 32, 4)]]
-    args = {"HEAD_DIM": 64, "seq_len": 4096}
+    configs = [runtime.TileConfig(128, 64, 8, 3), runtime.TileConfig(64, 64, 4, 3), runtime.TileConfig(128, 32, 4, 2)]
+    timed = []
+    kernel = runtime.Kernel(None, "probe")
+    monkeypatch.setattr(kernel, "_tune", lambda grid, args, meta, cfgs, key: timed.append(key) or cfgs[2])
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)  # the GPU's choice logic, here on the CPU
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "1")  # recorded, so restored even if an assert fails
     monkeypatch.delenv("ATTNLAB_AUTOTUNE")
-    assert len(sf._prune_bwd(configs, args)) == 4 and len(sf._prune_fwd(configs, args)) == 4
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    choose = lambda key: kernel.choose(None, (), {}, configs, key)  # noqa: E731
+    assert choose("a") == configs[2] and choose("a") == configs[2] and timed == ["a"]  # timed once per key
     attn.pin_kernel_configs(True)
-    assert sf._prune_bwd(configs, args) == configs[:1]
-    assert sf._prune_fwd(configs, args) == configs[:1]
+    assert choose("b") == configs[0] and timed == ["a"]
+    monkeypatch.setenv(runtime.CONFIG_ENV, "4")  # the i-th candidate, modulo the list's length
+    assert choose("b") == configs[1] and timed == ["a"]
+    monkeypatch.setenv(runtime.CONFIG_ENV, "x")
+    with pytest.raises(ValueError, match="ATTNLAB_KERNEL_CONFIG"):
+        choose("b")
+    monkeypatch.delenv(runtime.CONFIG_ENV)
     attn.pin_kernel_configs(False)
     assert "ATTNLAB_AUTOTUNE" not in os.environ
+    assert choose("c") == configs[2] and timed == ["a", "c"]

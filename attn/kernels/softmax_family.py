@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.kernels.env import autotune_pinned, interpreting
+from attn.kernels.env import interpreting
+from attn.kernels.runtime import Kernel, TileConfig, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
 
@@ -203,33 +204,26 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         return acc, l_i, m_new
 
 
-def _fwd_configs():
+# GPU candidates (the first is the pinned default); N <= 64 runs the small-tile one untimed
+FWD_CONFIGS = [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 128, 8, 3),
+               TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)]
+DKDV_CONFIGS = [TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3),
+                TileConfig(64, 128, 8, 3)]
+DQ_CONFIGS = [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3),
+              TileConfig(128, 64, 8, 3)]
+
+
+def _candidates(kind: str, n: int) -> list[TileConfig]:
+    """Tile configs a launch may use: the interpreter's one, or the GPU list (one for tiny N)."""
     if interpreting():
-        bm, bn = _interpreter_blocks("fwd")
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    # the first config is the pinned one (see autotune_pinned)
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)]
-    ]
+        bm, bn = _interpreter_blocks(kind)
+        return [TileConfig(bm, bn, 4, 1)]
+    if kind == "fwd":
+        return [FWD_CONFIGS[-1]] if n <= 64 else FWD_CONFIGS
+    configs = DKDV_CONFIGS if kind == "kv" else DQ_CONFIGS
+    return configs[:1] if n <= 64 else configs
 
 
-def _prune_fwd(configs, named_args, **kwargs):
-    if autotune_pinned():
-        return configs[:1]
-    d = named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs.get("HEAD_DIM", 128)
-    n = named_args["seq_len"]
-    keep = [c for c in configs if not (d >= 128 and c.kwargs["BLOCK_N"] == 128 and c.num_warps == 4)]
-    if n <= 64:  # tiny problems: small tiles, no benchmarking
-        keep = [c for c in keep if c.kwargs["BLOCK_M"] == 64][:1] or keep[:1]
-    return keep
-
-
-@triton.autotune(
-    configs=_fwd_configs(),
-    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "FIXED_MAX"],
-    prune_configs_by={"early_config_prune": _prune_fwd},
-)
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, TEMP, BOUNDS,
@@ -238,7 +232,7 @@ def _fwd_kernel(
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_tb, stride_tn,
-    H, GROUP, seq_len, window, N_BUCKET,
+    H, GROUP, seq_len, window,
     qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -321,8 +315,8 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
                     stride_dob, stride_don, stride_doh, stride_dod, H, seq_len,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    pid_m = tl.program_id(0)
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)  # BLOCK_N unused (the runtime passes both tile sizes)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -377,28 +371,6 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
     return dk, dv
 
 
-def _bwd_configs(kind):
-    if interpreting():
-        bm, bn = _interpreter_blocks(kind)
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    if kind == "kv":  # the first config is the pinned one
-        shapes = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)]
-    else:
-        shapes = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
-
-
-def _prune_bwd(configs, named_args, **kwargs):
-    if autotune_pinned() or named_args["seq_len"] <= 64:
-        return configs[:1]
-    return configs
-
-
-@triton.autotune(
-    configs=_bwd_configs("kv"),
-    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "GROUP"],
-    prune_configs_by={"early_config_prune": _prune_bwd},
-)
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, TEMP, BOUNDS,
@@ -409,7 +381,7 @@ def _dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_tb, stride_tn,
-    H, H_KV, GROUP, seq_len, window, N_BUCKET,
+    H, H_KV, GROUP, seq_len, window,
     qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -502,11 +474,6 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, off
     return dq, dt
 
 
-@triton.autotune(
-    configs=_bwd_configs("q"),
-    key=["HEAD_DIM", "N_BUCKET", "CAP", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "NEED_DT"],
-    prune_configs_by={"early_config_prune": _prune_bwd},
-)
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, TEMP, DT, BOUNDS,
@@ -516,7 +483,7 @@ def _dq_kernel(
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_tb, stride_tn,
-    H, GROUP, seq_len, window, N_BUCKET,
+    H, GROUP, seq_len, window,
     qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
@@ -579,10 +546,20 @@ def _dq_kernel(
 
 # ----------------------------------------------------------------------- launchers
 
+_FWD = Kernel(_fwd_kernel, "softmax_family_fwd")
+_DKDV = Kernel(_dkdv_kernel, "softmax_family_dkdv")
+_DQ = Kernel(_dq_kernel, "softmax_family_dq")
+_PREPROCESS = Kernel(_bwd_preprocess, "softmax_family_delta")
+_PREPROCESS_CONFIG = [TileConfig(64, 64, 4, 2)]  # BLOCK_M rows per program (BLOCK_N unused)
+
 
 def _n_bucket(n: int) -> int:
-    """Autotuning key for N: powers of two, capped (the best tiles stop changing past 8K)."""
-    return min(max(64, triton.next_power_of_2(n)), 16384)
+    """Tuning key for N: powers of two, capped (the best tiles stop changing past 8K)."""
+    return min(max(64, 1 << (max(n, 1) - 1).bit_length()), 16384)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
@@ -629,15 +606,14 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16
                  and 2.0 * float(cap_value) * LOG2E + math.log2(max(n, 2)) <= 108.0
                  and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    _fwd_kernel[grid](
-        q, k, v, out, lse, temp, bnd,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
-        h, h // h_kv, n, window, _n_bucket(n),
-        qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0,
-        HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
-        HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
-    )
+    meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
+                HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max)
+    args = (q, k, v, out, lse, temp, bnd,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
+            h, h // h_kv, n, window,
+            qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0)
+    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), args, meta, _candidates("fwd", n),
+                (q.dtype, _n_bucket(n), *meta.values()))
     return out, lse
 
 
@@ -648,8 +624,9 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     qk_scale, out_scale, grad_scale, f_scale, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
     fast, prec = _flags(q)
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    _bwd_preprocess[(triton.cdiv(n, 64), bsz * h)](
-        out, do, delta, *out.stride(), *do.stride(), h, n, HEAD_DIM=d, BLOCK_M=64)
+    _PREPROCESS.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
+                       (out, do, delta, *out.stride(), *do.stride(), h, n), {"HEAD_DIM": d},
+                       _PREPROCESS_CONFIG, ())
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -658,34 +635,37 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     temp = temperature if has_temp else lse
     st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
     bnd = bounds if bounds is not None else lse
-    is_causal = causal or window > 0
-    has_seg = bounds is not None
     nb = _n_bucket(n)
+    mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
+                     HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
-    grid_kv = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), bsz * h_kv)  # noqa: E731
-    _dkdv_kernel[grid_kv](
-        q, k, v, do, dk, dv, lse, delta, temp, bnd,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
-        h, h_kv, group, n, window, nb,
-        qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g,
-        HEAD_DIM=d, CAP=cap, CAUSAL=is_causal, HAS_WINDOW=window > 0, HAS_SEG=has_seg, HAS_TEMP=has_temp,
-        FAST=fast, DOT_PREC=prec,
-    )
+    kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec)
+    _DKDV.launch(
+        lambda cfg: (_cdiv(n, cfg.block_n), bsz * h_kv),
+        (q, k, v, do, dk, dv, lse, delta, temp, bnd,
+         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
+         h, h_kv, group, n, window,
+         qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g),
+        kv_meta, _candidates("kv", n), (q.dtype, nb, group, *kv_meta.values()))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
-    grid_q = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)  # noqa: E731
-    _dq_kernel[grid_q](
-        q, k, v, do, dq, lse, delta, temp, dt_rows, bnd,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
-        h, group, n, window, nb,
-        qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g,
-        HEAD_DIM=d, CAP=cap, CAUSAL=is_causal, HAS_WINDOW=window > 0, HAS_SEG=has_seg, HAS_TEMP=has_temp,
-        NEED_DT=need_dt, FAST=fast, DOT_PREC=prec,
-    )
+    q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec)
+    _DQ.launch(
+        lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
+        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd,
+         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
+         h, group, n, window,
+         qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g),
+        q_meta, _candidates("q", n), (q.dtype, nb, *q_meta.values()))
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
     else:
         dt = q.new_empty(0)
     return dq, dk, dv, dt
+
+
+def tuned_configs() -> dict[str, str]:
+    """The configs tuning chose so far, readable (for benchmark reports)."""
+    return {f"{kern.name} {key}": str(cfg) for kern in (_FWD, _DKDV, _DQ) for key, cfg in kern.tuned.items()}
 
 
 # --------------------------------------------------------------------- custom ops
@@ -734,33 +714,59 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (cap, cap_value, knee, sm_scale, causal, window)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _gradients(ctx, grad_out, backward):
+    """(dq, dk, dv, d-temperature or None) from the saved tensors, through `backward` (the op or its impl)."""
     q, k, v, out, lse, bounds, temperature = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     need_dt = temperature is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dt = softmax_family_bwd(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt,
-                                        *ctx.params)
-    return dq, dk, dv, None, (dt if need_dt else None), None, None, None, None, None, None
+    dq, dk, dv, dt = backward(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt, *ctx.params)
+    return dq, dk, dv, (dt if need_dt else None)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    dq, dk, dv, dt = _gradients(ctx, grad_out, softmax_family_bwd)
+    return dq, dk, dv, None, dt, None, None, None, None, None, None
 
 
 softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerSoftmaxFamily(torch.autograd.Function):
+    """The custom ops' forward / backward without the dispatcher's Python custom-op layer, for eager
+    calls (see runtime.traced); the same impls, so the same numbers."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
+        out, lse = _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window)
+        _setup_context(ctx, (q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window), (out, lse))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dq, dk, dv, dt = _gradients(ctx, grad_out, _bwd_impl)
+        return dq, dk, dv, None, dt, None, None, None, None, None, None
+
+
 # ------------------------------------------------------------------------- public
 
 
-def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None):
-    """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D)."""
+def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
+                    *, bounds=None):
+    """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+
+    `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller (a model
+    with many layers); computed here from segment_ids when not given."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
     _check(q, k, v)
-    bounds = segment_bounds(segment_ids) if segment_ids is not None else None
-    out, _ = softmax_family_fwd(
-        q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
-        float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0),
-    )
-    return out
+    if bounds is None and segment_ids is not None:
+        bounds = segment_bounds(segment_ids)
+    args = (q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
+            float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0))
+    if traced(q, k, v, temperature):
+        return softmax_family_fwd(*args)[0]
+    return _EagerSoftmaxFamily.apply(*args)
 
 
-__all__ = ["fused_attention", "softmax_family_fwd", "softmax_family_bwd", "CAP_IDS", "math"]
+__all__ = ["fused_attention", "softmax_family_fwd", "softmax_family_bwd", "CAP_IDS", "tuned_configs"]

@@ -34,7 +34,7 @@ The differential dk/dv runs fused (one launch, three accumulators) or split (dk 
 dk2 + d-lambda); the autotuner measures both per key (on an H200 at D = 128 the split form
 wins). Diagnostics: `zero_fraction` counts exact zeros of w per head in a kernel (no N x N
 tensor). Knobs for tests and GPU sweeps: ATTNLAB_AUTOTUNE=0 pins tile configs
-(ATTNLAB_THRESHOLD_CONFIG=i picks the i-th candidate), ATTNLAB_DIFF_DKDV=fused|split pins
+(ATTNLAB_KERNEL_CONFIG=i picks the i-th candidate), ATTNLAB_DIFF_DKDV=fused|split pins
 the dk/dv form. Measurements: docs/results/bench_threshold.md.
 """
 
@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.kernels.env import autotune_pinned, interpreting
+from attn.kernels.env import interpreting
+from attn.kernels.runtime import Kernel, TileConfig, pinned_index, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -640,12 +641,8 @@ def _zero_count_kernel(
 # ----------------------------------------------------------------------------------------
 
 
-def _autotune_enabled() -> bool:
-    return not interpreting() and not autotune_pinned()
-
-
 def _cfg(block_m, block_n, warps, stages):
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+    return TileConfig(block_m, block_n, warps, stages)
 
 
 # GPU candidates per (kernel, head dim, differential, views); the first is the pinned
@@ -672,18 +669,15 @@ GPU_CONFIGS = {
     ("dkdv", 64, True, 1): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
     ("dkdv", 64, True, 2): [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3)],
 }
+_DEFAULT_CONFIGS = [_cfg(64, 64, 4, 2)]  # head dims without a tuned table (16, 32)
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
 # unmasked split; tests may override this table
 INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros": (16, 16)}
 
-# Autotuning is keyed on head dim, bucketed N, mask kind and the variant (plus dtype); the
-# batch, head counts and exact N are not in the key. triton.autotune measures the
-# candidates at a key's first launch; later launches skip the autotuner's per-call work
-# and start the compiled kernel with the remembered config.
-_TUNE_KEY = ["HEAD_DIM", "N_BUCKET", "CAUSAL", "HAS_WINDOW", "HAS_SEG", "DIFF"]
-_KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
-_tuners: dict[tuple, object] = {}
-_best: dict[tuple, dict] = {}
+# Tuning is keyed on dtype, bucketed N and every constexpr (head dim, mask kind, variant, power
+# mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
+_KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
+            "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
@@ -697,50 +691,25 @@ def _n_bucket(n: int) -> int:
     return max(64, 1 << (n - 1).bit_length())
 
 
-def _gpu_configs(kind: str, head_dim: int, differential: bool, views: int = 0):
-    return GPU_CONFIGS.get((kind, head_dim, differential, views), [_cfg(64, 64, 4, 2)])
-
-
-def _fixed(cfg) -> dict:
-    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+def _candidates(kind: str, head_dim: int, differential: bool, views: int = 0) -> list[TileConfig]:
+    if interpreting():
+        bm, bn = INTERPRETER_CONFIG[kind]
+        return [TileConfig(bm, bn, 4, 1)]
+    return GPU_CONFIGS.get((kind, head_dim, differential, views), _DEFAULT_CONFIGS)
 
 
 def _launch(kind: str, grid, args, meta: dict, n_bucket: int, dtype, views: int = 0) -> None:
-    """Launch kernel `kind` with an interpreter / pinned / autotuned config.
-
-    ATTNLAB_AUTOTUNE=0 pins a config: the first, or ATTNLAB_THRESHOLD_CONFIG=i's.
-    """
-    kernel = _KERNELS[kind]
+    """Launch kernel `kind` with its interpreter / pinned / tuned config (attn/kernels/runtime.py);
+    grid maps a TileConfig to the launch grid."""
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
-    if interpreting():
-        bm, bn = INTERPRETER_CONFIG[kind]
-        fixed = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
-        kernel[grid(fixed)](*args, **meta, **fixed)
-        return
-    head_dim, differential = meta["HEAD_DIM"], meta["DIFF"]
-    configs = _gpu_configs(kind, head_dim, differential, views)
-    if not _autotune_enabled():
-        fixed = _fixed(configs[min(int(os.environ.get("ATTNLAB_THRESHOLD_CONFIG", "0")), len(configs) - 1)])
-        kernel[grid(fixed)](*args, **meta, **fixed)
-        return
-    key = (kind, head_dim, differential, views, dtype, n_bucket, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"])
-    fixed = _best.get(key)
-    if fixed is None:
-        tuner_key = (kind, head_dim, differential, views)
-        if tuner_key not in _tuners:
-            _tuners[tuner_key] = triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
-        tuner = _tuners[tuner_key]
-        tuner[grid](*args, **meta)  # measures the candidates (first time for this key), then runs
-        _best[key] = _fixed(tuner.best_config)
-        return
-    kernel[grid(fixed)](*args, **meta, **fixed)
+    configs = _candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
+    _KERNELS[kind].launch(grid, args, meta, configs, (dtype, n_bucket, *meta.values()))
 
 
 def tuned_configs() -> dict[str, str]:
-    """The configs the autotuner chose so far, readable (for benchmark reports)."""
-    names = ("kernel", "D", "diff", "views", "dtype", "N_bucket", "causal", "window", "seg")
-    out = {" ".join(f"{n}={v}" for n, v in zip(names, key)): str(cfg) for key, cfg in _best.items()}
+    """The configs tuning chose so far, readable (for benchmark reports)."""
+    out = {f"{kern.name} {key}": str(cfg) for kern in _KERNELS.values() for key, cfg in kern.tuned.items()}
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     return out
 
@@ -800,7 +769,7 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
             bounds if bounds is not None else q, out,
             *_common_args(q, k, v, q2, k2, lam), *out.stride(),
             n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
-    _launch("fwd", lambda meta: (_cdiv(n, meta["BLOCK_M"]), bsz * heads), args,
+    _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args,
             _meta(q, k, power, causal, window, bounds, differential), _n_bucket(n), q.dtype)
     return out
 
@@ -823,7 +792,7 @@ def _dkdv_diff(dkdv, key) -> None:
     pinned = os.environ.get("ATTNLAB_DIFF_DKDV")
     if pinned is not None and pinned not in forms:
         raise ValueError(f"ATTNLAB_DIFF_DKDV must be one of {tuple(forms)}, got {pinned!r}")
-    if pinned is not None or not _autotune_enabled():  # pinned by the user, or no timing: split
+    if pinned is not None or interpreting() or pinned_index() is not None:  # pinned, or no timing: split
         forms[pinned or "split"]()
         return
     form = _dkdv_diff_form.get(key)
@@ -856,7 +825,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
-        _launch("dq", lambda meta_: (_cdiv(n, meta_["BLOCK_M"]), bsz * heads),
+        _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
                 (*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars),
                 meta, _n_bucket(n), q.dtype)
         dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
@@ -864,7 +833,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
 
         def dkdv(views):
-            _launch("dkdv", lambda meta_: (_cdiv(n, meta_["BLOCK_N"]), bsz * kv_heads),
+            _launch("dkdv", lambda cfg: (_cdiv(n, cfg.block_n), bsz * kv_heads),
                     dkdv_args, dkdv_meta, _n_bucket(n), q.dtype, views)
 
         if differential:
@@ -975,11 +944,7 @@ class _EagerThresholdAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
-
-
-def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam):
+def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
     _check_kernel_operands(q)
@@ -987,21 +952,24 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
         raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
     if not spec.differential:
         q2 = k2 = lam = None
-    bounds = segment_bounds(segment_ids) if segment_ids is not None else None
+    if bounds is None and segment_ids is not None:
+        bounds = segment_bounds(segment_ids)
     return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
 
 
 def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
-                    q2=None, k2=None, lam=None) -> torch.Tensor:
+                    q2=None, k2=None, lam=None, *, bounds=None) -> torch.Tensor:
     """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
 
     Differentiable in q, k, v (and q2, k2, lam for spec.differential); traceable by
     torch.compile(fullgraph=True) through the `attnlab::threshold_attention` custom op.
+    `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller.
     """
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
-    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
-    if _traced(q):
+    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam,
+                                                                     bounds)
+    if traced(q, k, v, q2, k2, lam):
         return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
     return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
 

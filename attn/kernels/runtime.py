@@ -1,0 +1,171 @@
+"""The launch runtime both kernel families share: tile configs, tuning or pinning, direct launches.
+
+A family module holds its kernels' math and their candidate tile configs. `Kernel.launch` picks a
+config per tuning key and starts the compiled kernel with as little host work as possible, because
+at training shapes a call's host work can exceed its GPU time:
+
+* config: the interpreter's (CPU tests); a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate,
+  or `ATTNLAB_KERNEL_CONFIG=i`: the i-th); otherwise the fastest candidate, timed once per key at
+  its first launch and remembered (one dict lookup per launch after that).
+* launch: the compiled kernel of one specialization (Triton specializes on integer values, pointer
+  alignment and dtypes, so those form the key) is remembered after its first launch through
+  Triton's JIT; later launches call its launcher directly, skipping the JIT's argument binding and
+  cache-key work. `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the yardstick the
+  GPU check compares the direct path against). Tuning and first launches time and compile: they
+  belong in warm-up steps, never inside a CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from attn.kernels.env import autotune_pinned, interpreting
+
+CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
+DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One candidate launch config: tile sizes (the kernels' BLOCK_M / BLOCK_N) and Triton options."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+    def __str__(self) -> str:
+        return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+
+
+def pinned_index() -> int | None:
+    """The candidate every kernel runs without timing, or None (tune)."""
+    raw = os.environ.get(CONFIG_ENV)
+    if raw is not None:
+        if not raw.isdigit():
+            raise ValueError(f"{CONFIG_ENV} must be a non-negative integer (a candidate index), got {raw!r}")
+        return int(raw)
+    return 0 if autotune_pinned() else None
+
+
+def traced(*tensors) -> bool:
+    """Whether a call is being traced (torch.compile, export, fake or subclass tensors): traced calls
+    go through the families' custom ops (fake and autograd registered); eager calls through their
+    autograd Functions, which skip the dispatcher's Python custom-op layer (~0.1 ms per fwd+bwd)."""
+    return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+
+
+def _direct_launches() -> bool:
+    return os.environ.get(DIRECT_ENV, "1") != "0"
+
+
+class Kernel:
+    """A @triton.jit kernel whose positional arguments are the tensors and scalars and whose keyword
+    arguments (`meta`, then the config's BLOCK_M / BLOCK_N) are its constexprs, in signature order."""
+
+    def __init__(self, fn, name: str):
+        self.fn = fn
+        self.name = name
+        self.tuned: dict[tuple, TileConfig] = {}  # tuning key -> chosen config
+        self.timings: dict[tuple, dict[TileConfig, float]] = {}  # tuning key -> ms per candidate
+        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs)
+        self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
+
+    def launch(self, grid: Callable[[TileConfig], tuple], args: tuple, meta: dict,
+               configs: list[TileConfig], tune_key: tuple) -> TileConfig:
+        """Run the kernel with the config chosen for `tune_key` among `configs` (the first is the
+        pinned default); grid maps a config to the launch grid. Returns the config used."""
+        cfg = self.choose(grid, args, meta, configs, tune_key)
+        self.run(cfg, grid(cfg), args, meta)
+        return cfg
+
+    def choose(self, grid, args, meta, configs, tune_key) -> TileConfig:
+        if interpreting() or len(configs) == 1:
+            return configs[0]
+        pin = pinned_index()
+        if pin is not None:
+            return configs[pin % len(configs)]
+        cfg = self.tuned.get(tune_key)
+        if cfg is None:
+            cfg = self.tuned[tune_key] = self._tune(grid, args, meta, configs, tune_key)
+        return cfg
+
+    def _tune(self, grid, args, meta, configs, tune_key) -> TileConfig:
+        """Time every candidate on the call's own arguments (kernels that only write their outputs
+        may run any number of times); a candidate that does not fit the GPU is skipped."""
+        from triton.runtime.errors import OutOfResources
+        from triton.testing import do_bench
+
+        times = {}
+        for cfg in configs:
+            try:
+                self.run(cfg, grid(cfg), args, meta)  # compiles outside the timing
+            except OutOfResources:
+                continue
+            times[cfg] = do_bench(lambda: self.run(cfg, grid(cfg), args, meta), warmup=5, rep=25,
+                                  return_mode="median")
+        if not times:
+            raise RuntimeError(f"{self.name}: no tile config fits this GPU for {tune_key}: {[str(c) for c in configs]}")
+        self.timings[tune_key] = times
+        return min(times, key=times.get)
+
+    def run(self, cfg: TileConfig, grid: tuple, args: tuple, meta: dict) -> None:
+        options = {**meta, **cfg.meta(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        if interpreting() or self._no_direct or not _direct_launches():
+            self.fn[grid](*args, **options)
+            return
+        device = torch.cuda.current_device()
+        key = (cfg, device, *meta.values(),
+               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._first_launch(key, grid, args, options)
+            return
+        launcher, function, metadata, constexprs, hooks = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        full = (*args, *constexprs)
+        grid = (*grid, 1, 1)
+        launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(full, grid, stream),
+                 hooks.enter, hooks.exit, *full)
+
+    def _first_launch(self, key, grid, args, options) -> None:
+        """Launch through Triton's JIT (compiling if needed) and remember what a direct launch needs."""
+        compiled = self.fn.run(*args, grid=grid, warmup=False, **options)
+        try:
+            from triton import knobs
+
+            names = self.fn.arg_names[len(args):]
+            constexprs = tuple(options[name] for name in names)
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, _Hooks(compiled, knobs))
+        except (ImportError, AttributeError, KeyError):  # another Triton's internals: keep the JIT path
+            self._no_direct = True
+            return
+        if len(self._compiled) > 1024:  # shapes that keep changing (evaluation sweeps): start over
+            self._compiled.clear()
+        self._compiled[key] = entry
+
+
+class _Hooks:
+    """Triton's launch hooks and metadata (profilers such as proton read them), as its JIT passes them."""
+
+    def __init__(self, compiled, knobs):
+        self.compiled = compiled
+        self.knobs = knobs
+
+    @property
+    def enter(self):
+        return self.knobs.runtime.launch_enter_hook
+
+    @property
+    def exit(self):
+        return self.knobs.runtime.launch_exit_hook
+
+    def launch_metadata(self, full_args, grid, stream):
+        return self.compiled.launch_metadata(grid, stream, *full_args)
