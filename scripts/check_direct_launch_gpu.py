@@ -51,8 +51,8 @@ def make_inputs(variant, mask, gen, b=2, n=333, h=4, h_kv=2, d=64):
 
 def outputs_and_grads(spec, mask, x, ids, dtype, backend):
     opts = {k: v for k, v in MASKS[mask].items() if k != "ranker"}
-    q, k, v = (x[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
-    extra = {n: x[n].to(dtype).requires_grad_() for n in ("q2", "k2", "lam", "temperature") if n in x}
+    q, k, v = (x[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v"))
+    extra = {n: x[n].detach().to(dtype).requires_grad_() for n in ("q2", "k2", "lam", "temperature") if n in x}
     out = attn.attention(q, k, v, spec, segment_ids=ids, backend=backend, **opts, **extra)
     out.backward(x["do"].to(dtype))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,

@@ -269,9 +269,9 @@ def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
     launched, run = [], sf._FWD.run
 
-    def recording_run(cfg, grid, args, meta):  # which forward form every launch asked for
+    def recording_run(cfg, grid, tensors, scalars, meta):  # which forward form every launch asked for
         launched.append(meta["FIXED_MAX"])
-        return run(cfg, grid, args, meta)
+        return run(cfg, grid, tensors, scalars, meta)
 
     monkeypatch.setattr(sf._FWD, "run", recording_run)
     spec, seg = MASKS[mask]
@@ -288,12 +288,12 @@ def test_pinned_configs_skip_timing(monkeypatch):
     configs = [runtime.TileConfig(128, 64, 8, 3), runtime.TileConfig(64, 64, 4, 3), runtime.TileConfig(128, 32, 4, 2)]
     timed = []
     kernel = runtime.Kernel(None, "probe")
-    monkeypatch.setattr(kernel, "_tune", lambda grid, args, meta, cfgs, key: timed.append(key) or cfgs[2])
+    monkeypatch.setattr(kernel, "_tune", lambda grid, tensors, scalars, meta, cfgs, key: timed.append(key) or cfgs[2])
     monkeypatch.setattr(runtime, "interpreting", lambda: False)  # the GPU's choice logic, here on the CPU
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "1")  # recorded, so restored even if an assert fails
     monkeypatch.delenv("ATTNLAB_AUTOTUNE")
     monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
-    choose = lambda key: kernel.choose(None, (), {}, configs, key)  # noqa: E731
+    choose = lambda key: kernel.choose(None, (), (), {}, configs, key)  # noqa: E731
     assert choose("a") == configs[2] and choose("a") == configs[2] and timed == ["a"]  # timed once per key
     attn.pin_kernel_configs(True)
     assert choose("b") == configs[0] and timed == ["a"]

@@ -67,8 +67,8 @@ def _direct_launches() -> bool:
 
 
 class Kernel:
-    """A @triton.jit kernel whose positional arguments are the tensors and scalars and whose keyword
-    arguments (`meta`, then the config's BLOCK_M / BLOCK_N) are its constexprs, in signature order."""
+    """A @triton.jit kernel whose parameters are its tensors, then its scalars, then its constexprs
+    (`meta`, then the config's BLOCK_M / BLOCK_N): `launch(grid, tensors, scalars, meta, ...)`."""
 
     def __init__(self, fn, name: str):
         self.fn = fn
@@ -78,26 +78,26 @@ class Kernel:
         self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs)
         self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
 
-    def launch(self, grid: Callable[[TileConfig], tuple], args: tuple, meta: dict,
+    def launch(self, grid: Callable[[TileConfig], tuple], tensors: tuple, scalars: tuple, meta: dict,
                configs: list[TileConfig], tune_key: tuple) -> TileConfig:
         """Run the kernel with the config chosen for `tune_key` among `configs` (the first is the
         pinned default); grid maps a config to the launch grid. Returns the config used."""
-        cfg = self.choose(grid, args, meta, configs, tune_key)
-        self.run(cfg, grid(cfg), args, meta)
+        cfg = self.choose(grid, tensors, scalars, meta, configs, tune_key)
+        self.run(cfg, grid(cfg), tensors, scalars, meta)
         return cfg
 
-    def choose(self, grid, args, meta, configs, tune_key) -> TileConfig:
-        if interpreting() or len(configs) == 1:
+    def choose(self, grid, tensors, scalars, meta, configs, tune_key) -> TileConfig:
+        if len(configs) == 1 or interpreting():
             return configs[0]
         pin = pinned_index()
         if pin is not None:
             return configs[pin % len(configs)]
         cfg = self.tuned.get(tune_key)
         if cfg is None:
-            cfg = self.tuned[tune_key] = self._tune(grid, args, meta, configs, tune_key)
+            cfg = self.tuned[tune_key] = self._tune(grid, tensors, scalars, meta, configs, tune_key)
         return cfg
 
-    def _tune(self, grid, args, meta, configs, tune_key) -> TileConfig:
+    def _tune(self, grid, tensors, scalars, meta, configs, tune_key) -> TileConfig:
         """Time every candidate on the call's own arguments (kernels that only write their outputs
         may run any number of times); a candidate that does not fit the GPU is skipped."""
         from triton.runtime.errors import OutOfResources
@@ -106,44 +106,47 @@ class Kernel:
         times = {}
         for cfg in configs:
             try:
-                self.run(cfg, grid(cfg), args, meta)  # compiles outside the timing
+                self.run(cfg, grid(cfg), tensors, scalars, meta)  # compiles outside the timing
             except OutOfResources:
                 continue
-            times[cfg] = do_bench(lambda: self.run(cfg, grid(cfg), args, meta), warmup=5, rep=25,
+            times[cfg] = do_bench(lambda: self.run(cfg, grid(cfg), tensors, scalars, meta), warmup=5, rep=25,
                                   return_mode="median")
         if not times:
             raise RuntimeError(f"{self.name}: no tile config fits this GPU for {tune_key}: {[str(c) for c in configs]}")
         self.timings[tune_key] = times
         return min(times, key=times.get)
 
-    def run(self, cfg: TileConfig, grid: tuple, args: tuple, meta: dict) -> None:
-        options = {**meta, **cfg.meta(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        if interpreting() or self._no_direct or not _direct_launches():
-            self.fn[grid](*args, **options)
+    def run(self, cfg: TileConfig, grid: tuple, tensors: tuple, scalars: tuple, meta: dict) -> None:
+        if self._no_direct or interpreting() or not _direct_launches():
+            self.fn[grid](*tensors, *scalars, **meta, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
         device = torch.cuda.current_device()
-        key = (cfg, device, *meta.values(),
-               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+        # what Triton specializes on: dtypes and 16-byte alignment of pointers, integer values
+        key = (cfg, device, scalars, *meta.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
         entry = self._compiled.get(key)
         if entry is None:
-            self._first_launch(key, grid, args, options)
+            self._first_launch(key, cfg, grid, tensors, scalars, meta)
             return
         launcher, function, metadata, constexprs, hooks = entry
         stream = torch._C._cuda_getCurrentRawStream(device)
-        full = (*args, *constexprs)
+        args = (*tensors, *scalars, *constexprs)
         grid = (*grid, 1, 1)
-        launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(full, grid, stream),
-                 hooks.enter, hooks.exit, *full)
+        if hooks is None:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+        else:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(args, grid, stream),
+                     hooks.enter, hooks.exit, *args)
 
-    def _first_launch(self, key, grid, args, options) -> None:
+    def _first_launch(self, key, cfg, grid, tensors, scalars, meta) -> None:
         """Launch through Triton's JIT (compiling if needed) and remember what a direct launch needs."""
-        compiled = self.fn.run(*args, grid=grid, warmup=False, **options)
+        options = {**meta, **cfg.meta(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        compiled = self.fn.run(*tensors, *scalars, grid=grid, warmup=False, **options)
         try:
             from triton import knobs
 
-            names = self.fn.arg_names[len(args):]
+            names = self.fn.arg_names[len(tensors) + len(scalars):]
             constexprs = tuple(options[name] for name in names)
-            entry = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, _Hooks(compiled, knobs))
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, _hooks(compiled, knobs))
         except (ImportError, AttributeError, KeyError):  # another Triton's internals: keep the JIT path
             self._no_direct = True
             return
@@ -152,9 +155,16 @@ class Kernel:
         self._compiled[key] = entry
 
 
-class _Hooks:
-    """Triton's launch hooks and metadata (profilers such as proton read them), as its JIT passes them."""
+def _hooks(compiled, knobs):
+    """Triton's launch hooks as its JIT passes them (profilers such as proton read them), or None
+    while none is registered (read at a specialization's first launch)."""
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if all(h is None or getattr(h, "calls", None) == [] for h in (enter, exit_)):
+        return None
+    return _Hooks(compiled, knobs)
 
+
+class _Hooks:
     def __init__(self, compiled, knobs):
         self.compiled = compiled
         self.knobs = knobs
@@ -167,5 +177,5 @@ class _Hooks:
     def exit(self):
         return self.knobs.runtime.launch_exit_hook
 
-    def launch_metadata(self, full_args, grid, stream):
-        return self.compiled.launch_metadata(grid, stream, *full_args)
+    def launch_metadata(self, args, grid, stream):
+        return self.compiled.launch_metadata(grid, stream, *args)

@@ -608,12 +608,11 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
                  and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max)
-    args = (q, k, v, out, lse, temp, bnd,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
-            h, h // h_kv, n, window,
-            qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0)
-    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), args, meta, _candidates("fwd", n),
-                (q.dtype, _n_bucket(n), *meta.values()))
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
+               h, h // h_kv, n, window,
+               qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0)
+    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd), scalars, meta,
+                _candidates("fwd", n), (q.dtype, _n_bucket(n), *meta.values()))
     return out, lse
 
 
@@ -625,7 +624,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     fast, prec = _flags(q)
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     _PREPROCESS.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
-                       (out, do, delta, *out.stride(), *do.stride(), h, n), {"HEAD_DIM": d},
+                       (out, do, delta), (*out.stride(), *do.stride(), h, n), {"HEAD_DIM": d},
                        _PREPROCESS_CONFIG, ())
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -642,8 +641,8 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec)
     _DKDV.launch(
         lambda cfg: (_cdiv(n, cfg.block_n), bsz * h_kv),
-        (q, k, v, do, dk, dv, lse, delta, temp, bnd,
-         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
+        (q, k, v, do, dk, dv, lse, delta, temp, bnd),
+        (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
          h, h_kv, group, n, window,
          qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g),
         kv_meta, _candidates("kv", n), (q.dtype, nb, group, *kv_meta.values()))
@@ -651,8 +650,8 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec)
     _DQ.launch(
         lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
-        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd,
-         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
+        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd),
+        (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
          h, group, n, window,
          qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g),
         q_meta, _candidates("q", n), (q.dtype, nb, *q_meta.values()))

@@ -678,6 +678,7 @@ INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros"
 # mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
 _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
             "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
+_TENSOR_ARGS = {"fwd": 8, "dq": 10, "dkdv": 12}  # each kernel's leading pointer parameters
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
@@ -704,7 +705,8 @@ def _launch(kind: str, grid, args, meta: dict, n_bucket: int, dtype, views: int 
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
     configs = _candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
-    _KERNELS[kind].launch(grid, args, meta, configs, (dtype, n_bucket, *meta.values()))
+    split = _TENSOR_ARGS[kind]
+    _KERNELS[kind].launch(grid, args[:split], args[split:], meta, configs, (dtype, n_bucket, *meta.values()))
 
 
 def tuned_configs() -> dict[str, str]:
