@@ -62,6 +62,7 @@ def outputs_and_grads(spec, mask, x, ids, dtype, backend):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--masks", default=",".join(MASKS), help="comma list of mask kinds")
     args = ap.parse_args()
     os.environ["ATTNLAB_AUTOTUNE"] = "0"  # both paths on the same (first) tile configs
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,7 @@ def main():
     with nan_poisoned_empty():
         for variant, params in VARIANTS.items():
             spec = attn.get_variant(variant).make_spec(**params)
-            for mask in MASKS:
+            for mask in args.masks.split(","):
                 first, ids_first = make_inputs(variant, mask, gen)
                 outputs_and_grads(spec, mask, first, ids_first, bf16, "triton")  # first launches: the JIT
                 x, ids = make_inputs(variant, mask, gen)
