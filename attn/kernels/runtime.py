@@ -75,7 +75,7 @@ class Kernel:
         self.name = name
         self.tuned: dict[tuple, TileConfig] = {}  # tuning key -> chosen config
         self.timings: dict[tuple, dict[TileConfig, float]] = {}  # tuning key -> ms per candidate
-        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launch, its leading args, constexprs, hooks)
+        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs)
         self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
 
     def launch(self, grid: Callable[[TileConfig], tuple], tensors: tuple, scalars: tuple, meta: dict,
@@ -120,26 +120,22 @@ class Kernel:
         if self._no_direct or interpreting() or not _direct_launches():
             self.fn[grid](*tensors, *scalars, **meta, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
-        device = torch._C._cuda_getDevice()
+        device = torch.cuda.current_device()
         # what Triton specializes on: dtypes and 16-byte alignment of pointers, integer values
         key = (cfg, device, scalars, *meta.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
         entry = self._compiled.get(key)
         if entry is None:
             self._first_launch(key, cfg, grid, tensors, scalars, meta)
             return
-        launch, leading, constexprs, hooks = entry
+        launcher, function, metadata, constexprs, hooks = entry
         stream = torch._C._cuda_getCurrentRawStream(device)
         args = (*tensors, *scalars, *constexprs)
         grid = (*grid, 1, 1)
-        try:
-            if hooks is None:
-                launch(grid[0], grid[1], grid[2], stream, *leading, None, None, None, *args)
-            else:
-                launch(grid[0], grid[1], grid[2], stream, *leading, hooks.launch_metadata(args, grid, stream),
-                       hooks.enter, hooks.exit, *args)
-        except TypeError:  # a launcher of another signature (another Triton): the JIT from now on
-            self._no_direct = True
-            self.run(cfg, grid[:-2], tensors, scalars, meta)
+        if hooks is None:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+        else:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(args, grid, stream),
+                     hooks.enter, hooks.exit, *args)
 
     def _first_launch(self, key, cfg, grid, tensors, scalars, meta) -> None:
         """Launch through Triton's JIT (compiling if needed) and remember what a direct launch needs."""
@@ -150,26 +146,13 @@ class Kernel:
 
             names = self.fn.arg_names[len(tensors) + len(scalars):]
             constexprs = tuple(options[name] for name in names)
-            entry = (*_launch_call(compiled), constexprs, _hooks(compiled, knobs))
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, _hooks(compiled, knobs))
         except (ImportError, AttributeError, KeyError):  # another Triton's internals: keep the JIT path
             self._no_direct = True
             return
         if len(self._compiled) > 1024:  # shapes that keep changing (evaluation sweeps): start over
             self._compiled.clear()
         self._compiled[key] = entry
-
-
-def _launch_call(compiled) -> tuple:
-    """(launch, leading arguments after the grid and stream): the launcher's C entry point itself
-    when the kernel needs no scratch memory (what the launcher's Python wrapper would pass), else
-    the wrapper."""
-    launcher = compiled.run
-    raw = getattr(launcher, "launch", None)
-    if raw is not None and not getattr(launcher, "global_scratch_size", 1) and not getattr(
-            launcher, "profile_scratch_size", 1):
-        return raw, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                     compiled.packed_metadata)
-    return launcher, (compiled.function, compiled.packed_metadata)
 
 
 def _hooks(compiled, knobs):
