@@ -142,7 +142,7 @@ def measure(variant, params, backend, shape, tiny, profile: bool):
         call(compiled)
         row["compiled_first_call"] = "ok"
     except Exception as e:  # noqa: BLE001 - reported, the other columns still run
-        row["compiled_first_call"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["compiled_first_call"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     call()
     row["eager_ms"] = do_bench_ms(call)
     row["public_ms"] = do_bench_ms(lambda: call(attention_fn(spec, backend, public=True)))
@@ -174,7 +174,8 @@ def markdown(meta, rows) -> str:
         rel = f"{r['eager_ms'] / sdpa['eager_ms']:.2f}x" if sdpa else "-"
         cms = f"{r['compiled_ms']:.3f}" if "compiled_ms" in r else "-"
         chu = f"{r['compiled_host_us']:.0f}" if "compiled_host_us" in r else "-"
-        lines.append(f"| {r['variant']} | {r['backend']} | {r['eager_ms']:.3f} | {rel} | {r['public_ms']:.3f} | {cms} | "
+        pub = f"{r['public_ms']:.3f}" if "public_ms" in r else "-"
+        lines.append(f"| {r['variant']} | {r['backend']} | {r['eager_ms']:.3f} | {rel} | {pub} | {cms} | "
                      f"{r['kernel_ms']:.3f} | "
                      f"{r['host_us']:.0f} | {chu} | {r['compiled_first_call']} |")
     return "\n".join(lines) + "\n"
