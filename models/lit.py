@@ -208,10 +208,18 @@ class LitGPT(L.LightningModule):
             self.log("val/bpb", nats / math.log(2) / self.bytes_per_token["val"], prog_bar=True)
         self._window = None  # validation time is not training throughput
 
-    def configure_optimizers(self):
+    def weight_decay_groups(self) -> tuple[list, list]:
+        """(decayed, not decayed) parameters: weight decay on the weights of linear layers and the
+        embedding (tied to the head, so listed once) only; norms' gains and the differential
+        lambda parameters are not decayed (DESIGN.md §4: lambda parameters get no weight decay)."""
+        decayed = {id(m.weight) for m in self.model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
         decay, no_decay = [], []
-        for p in self.model.parameters():
-            (decay if p.ndim >= 2 else no_decay).append(p)
+        for p in self.model.parameters():  # each parameter once (the tied head is the embedding)
+            (decay if id(p) in decayed else no_decay).append(p)
+        return decay, no_decay
+
+    def configure_optimizers(self):
+        decay, no_decay = self.weight_decay_groups()
         o = self.optim_cfg
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

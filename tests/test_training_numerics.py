@@ -1,0 +1,137 @@
+"""What the training loop feeds the optimizer and reports: the learning rate of every step, the
+weight-decay groups, gradient clipping's effect, and the logged bits per byte. Each test pins
+exact values, so an off-by-one warmup, a stretched cosine, decay on norms or lambdas, a missing
+clip or a wrong bpb constant fails."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eval.run_logs import metric_by_step
+from models.lit import LitGPT, OptimConfig
+from train_helpers import compose_cfg, tiny_overrides, write_corpus
+
+TINY = {"vocab_size": 32, "context": 8, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 16}
+
+
+def test_lr_schedule_values_at_chosen_steps():
+    """Linear warmup over warmup_steps (step 0 already at 1/warmup), cosine from 1 to min_lr_ratio
+    over the remaining steps, then the floor."""
+    o = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
+    expected = {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 35: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 60: 0.55,
+                85: 0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)), 109: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.99)),
+                110: 0.1, 500: 0.1}
+    for step, want in expected.items():
+        assert o.lr_factor(step) == pytest.approx(want, abs=1e-12), step
+    assert OptimConfig(warmup_steps=0, max_steps=10, min_lr_ratio=0.0).lr_factor(0) == pytest.approx(1.0)
+    assert OptimConfig(warmup_steps=0, max_steps=10, min_lr_ratio=0.0).lr_factor(5) == pytest.approx(0.5)
+
+
+def _record_optimizer_steps(monkeypatch):
+    """Wrap the optimizer train.py builds: every step records its learning rates and the global
+    gradient norm the step sees (after clipping)."""
+    seen = []
+    real = LitGPT.configure_optimizers
+
+    def recording(self):
+        out = real(self)
+        opt = out["optimizer"]
+        step = opt.step
+
+        def recorded_step(*args, closure=None, **kwargs):
+            # Lightning passes its closure (forward, backward, then hooks and clipping) to the step
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+            seen.append({"lr": [g["lr"] for g in opt.param_groups], "grad_norm": norm})
+            step(*args, **kwargs)
+            return loss
+
+        opt.step = recorded_step
+        return out
+
+    monkeypatch.setattr(LitGPT, "configure_optimizers", recording)
+    return seen
+
+
+def test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient(tmp_path, monkeypatch):
+    import train
+
+    seen = _record_optimizer_steps(monkeypatch)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    lr, clip = 2e-3, 1e-3  # a clip far below the raw gradient norm: every step is clipped
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 9, "train.val_every": 9, "train.warmup_steps": 3, "train.lr": lr,
+        "train.min_lr_ratio": 0.2, "train.grad_clip": clip})))
+    schedule = OptimConfig(lr=lr, min_lr_ratio=0.2, warmup_steps=3, max_steps=9)
+    assert len(seen) == 9
+    for step, record in enumerate(seen):
+        assert record["lr"] == pytest.approx([lr * schedule.lr_factor(step)] * 2, rel=1e-12), step
+        assert record["grad_norm"] == pytest.approx(clip, rel=1e-4), step
+
+
+def test_without_clipping_the_optimizer_sees_the_raw_gradient(tmp_path, monkeypatch):
+    """The other side of the clipping test: with train.grad_clip=null the norms are the raw ones,
+    far above the 1e-3 the clipped run sees (so that test's equality is the clip's doing)."""
+    import train
+
+    seen = _record_optimizer_steps(monkeypatch)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 3, "train.val_every": 3, "train.grad_clip": "null"})))
+    assert len(seen) == 3 and all(r["grad_norm"] > 0.05 for r in seen), seen
+
+
+@pytest.mark.parametrize("variant,lambda_mode", [("softmax", "reparam"), ("diff_threshold", "reparam"),
+                                                 ("diff_threshold", "clamp")])
+def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
+    """Decayed: every linear weight and the (tied) embedding, once. Not decayed: every norm gain and
+    the differential lambda parameters. Nothing else, nothing twice."""
+    lit = LitGPT(model={**TINY, "attn": {"name": variant, "backend": "reference", "lambda_mode": lambda_mode}},
+                 optim={"weight_decay": 0.1})
+    names = {id(p): n for n, p in lit.model.named_parameters()}
+    decay, no_decay = lit.weight_decay_groups()
+    decayed = sorted(names[id(p)] for p in decay)
+    kept = sorted(names[id(p)] for p in no_decay)
+    want_decayed = ["embed.weight"] + [f"blocks.{i}.{m}.weight" for i in range(2)
+                                       for m in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")]
+    assert decayed == sorted(want_decayed)
+    lambdas = {"reparam": "attn.lambda_vectors", "clamp": "attn.lambda_raw"}[lambda_mode]
+    want_kept = ["norm.weight"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("norm1.weight", "norm2.weight")]
+    if variant == "diff_threshold":  # per-head output norm and lambda
+        want_kept += [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.head_norm.weight", lambdas)]
+    assert kept == sorted(want_kept)
+    assert len(decay) + len(no_decay) == len(list(lit.model.parameters()))
+
+
+def test_logged_bits_per_byte_are_the_validation_nats_over_ln2_and_bytes_per_token(tmp_path):
+    """A character tokenizer on text with multi-byte characters: bytes per token is not 1, so the
+    conversion must use the split's own byte count. Every logged val/bpb and the final
+    results.json agree with val/loss / ln 2 / (UTF-8 bytes / tokens of the validation split)."""
+    import train
+    from hydra.utils import instantiate
+
+    corpus = tmp_path / "corpus.txt"
+    text = write_corpus(tmp_path / "plain.txt", lines=800).read_text()
+    corpus.write_text(text.replace("a", "ä").replace("o", "ø"))
+    overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 6, "train.val_every": 3,
+                                                     "data.tokenizer.kind": "char"})
+    cfg = compose_cfg(overrides)
+    results = train.run(cfg)
+    dm = instantiate(cfg.data)
+    dm.prepare_data()
+    dm.setup("fit")
+    stats = dm.split_stats("val")
+    bytes_per_token = stats["bytes"] / stats["tokens"]
+    assert 1.05 < bytes_per_token < 2.0  # the multi-byte characters count
+    loss, bpb = (metric_by_step(tmp_path / "run", name) for name in ("val/loss", "val/bpb"))
+    assert loss.keys() == bpb.keys() and len(loss) == 2
+    for step in loss:
+        assert bpb[step] == pytest.approx(loss[step] / math.log(2) / bytes_per_token, rel=1e-6), step
+    assert results["val_bpb"] == pytest.approx(results["val_loss"] / math.log(2) / bytes_per_token, rel=1e-9)
