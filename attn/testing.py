@@ -63,8 +63,11 @@ def error_ratio(fused: torch.Tensor, torch_same_dtype: torch.Tensor, ref64: torc
                 factor: float = 2.0) -> float:
     """DESIGN.md §6: err(fused) / (factor x err(PyTorch in the same dtype) + floor), errors vs
     float64; <= 1 passes. inf when `fused` holds a non-finite value (an unwritten NaN-poisoned
-    element, say)."""
+    element, say), and when the yardsticks do: a non-finite reference error would make any error
+    pass."""
     if not torch.isfinite(fused).all():
+        return float("inf")
+    if not (torch.isfinite(torch_same_dtype).all() and torch.isfinite(ref64).all()):
         return float("inf")
     return max_error(fused, ref64) / (factor * max_error(torch_same_dtype, ref64) + floor)
 

@@ -5,12 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from attn.testing import nan_poisoned_empty
-
-# Without a GPU the Triton kernels run in the interpreter. Set before any test module imports
-# triton: a jit function created without it cannot run on CPU, whichever module made it first.
+# Without a GPU the Triton kernels run in the interpreter. Set before anything imports attn (which
+# loads the kernels where Triton can run) or triton: a jit function created without it cannot run
+# on CPU, whichever module made it first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attn.testing import nan_poisoned_empty  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tolerance.py and friends
 

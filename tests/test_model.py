@@ -5,6 +5,7 @@ import torch
 
 import attn
 from models.gpt import GPT, AttnConfig, GPTConfig
+from models.lit import gpt_config_from_dict
 
 VARIANT_PARAMS = {
     "softmax": {},
@@ -186,3 +187,41 @@ def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 37, (2, 16)))
     assert seen and all(s == {torch.bfloat16} for s in seen), seen
+
+
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("name", attn.variant_names())
+def test_the_gpt_on_the_fused_kernels_matches_the_gpt_on_the_reference(name, segments):
+    """The whole model, not only the kernel: the same weights on backend triton (the interpreter
+    here) and on the reference, fp32 against the float64 reference model by the DESIGN.md rule
+    (error <= 2x the fp32 reference model's + floor), for the logits, the loss and every
+    parameter's gradient. With segment ids the model checks them once and hands the kernels
+    their bounds."""
+    from attn.testing import error_ratio, random_segment_ids
+
+    cfg = {"vocab_size": 40, "context": 24, "n_layer": 2, "n_head": 2, "n_kv_head": 1, "d_model": 32,
+           "attn": {"name": name, "params": {"cap": 5.0} if name in ("softcap_tanh", "softcap_softsign", "alsc") else {},
+                    "window": 9 if name == "alsc" else None}}
+    torch.manual_seed(0)
+    models = {}
+    for key, backend, dtype in (("ref64", "reference", torch.float64), ("ref32", "reference", torch.float32),
+                                ("triton", "triton", torch.float32)):
+        torch.manual_seed(0)
+        m = GPT(gpt_config_from_dict({**cfg, "attn": {**cfg["attn"], "backend": backend}})).to(dtype)
+        models[key] = m
+    state = models["ref64"].state_dict()
+    for m in models.values():
+        m.load_state_dict({k: v.to(next(m.parameters()).dtype) for k, v in state.items()})
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 40, (3, 24), generator=gen)
+    ids = random_segment_ids(3, 24, gen, min_history=6, max_history=12) if segments else None
+    results = {}
+    for key, m in models.items():
+        logits = m(idx, segment_ids=ids)
+        loss = m(idx, segment_ids=ids, targets=idx.roll(-1, dims=1))
+        loss.backward()
+        results[key] = [logits.detach(), loss.detach().reshape(1)] + [p.grad for p in m.parameters()]
+    ratios = [error_ratio(t, r32, r64.double(), floor=1e-6 * max(1.0, r64.abs().max().item()))
+              for t, r32, r64 in zip(results["triton"], results["ref32"], results["ref64"])]
+    assert torch.isfinite(results["triton"][0]).all()
+    assert max(ratios) <= 1.0, ratios

@@ -11,13 +11,9 @@ import os
 PIN_ENV = "ATTNLAB_AUTOTUNE"
 
 
-# read once: Triton reads it when the kernels are decorated (at import), so it cannot change later
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def interpreting() -> bool:
     """Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests): one config, no timing."""
-    return _INTERPRETING
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def autotune_pinned() -> bool:
