@@ -1,5 +1,6 @@
 """Every config file composes; every experiment trains a few steps; config errors name the field."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,41 @@ def test_slurm_launcher_preset_composes():
     assert "submitit" in cfg.hydra.launcher._target_
 
 
+# sizes an experiment test may shrink; everything else is the experiment's own
+SHRUNK = {"model.n_layer": 1, "model.d_model": 32, "model.n_head": 2, "model.n_kv_head": 2, "model.context": 32,
+          "train.batch_size": 2, "train.max_steps": 2, "train.val_every": 2, "train.val_tokens": 256}
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
-def test_every_experiment_trains_a_few_steps(experiment, tmp_path):
+def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, monkeypatch):
+    """Each experiment trains two steps with its own optimizer, compile, precision, logger and
+    model settings; only sizes shrink, the corpus is a local one (no download) and a GPU trainer
+    runs on the CPU here."""
+    import torch
+
     import train
 
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(k) or real_compile(*a, **k))
+    own = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
-    overrides = [f"experiment={experiment}"] + tiny_overrides(
-        tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2}
-    )
-    results = train.run(compose_cfg(overrides))
-    assert results["steps"] == 2 and results["val_loss"] > 0
+    overrides = [f"experiment={experiment}", "data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte",
+                 "~data.tokenizer.vocab_size", f"paths.cache_dir={tmp_path / 'cache'}",
+                 f"paths.output_dir={tmp_path / 'run'}", "trainer.enable_progress_bar=false",
+                 *[f"{k}={v}" for k, v in SHRUNK.items()]]
+    cfg = compose_cfg(overrides)
+    if cfg.trainer.accelerator == "gpu":
+        cfg.trainer.accelerator = "cpu"
+    for key, value in own.get("train", {}).items():  # the experiment's own settings survive
+        if f"train.{key}" not in SHRUNK:
+            assert cfg.train[key] == value, key
+    gpu_trainer = cfg.trainer.accelerator == "cpu" and "gpu" in str(own.get("defaults", ""))
+    results = train.run(cfg)
+    assert results["steps"] == 2 and math.isfinite(results["val_loss"]) and results["val_loss"] > 0
+    assert bool(compiled) == bool(cfg.train.compile), compiled
+    if gpu_trainer:
+        assert cfg.trainer.precision == "bf16-mixed"
 
 
 @pytest.mark.parametrize("override,match", [
@@ -80,3 +106,112 @@ def test_missing_local_data_file_is_named(tmp_path):
     cfg = compose_cfg(tiny_overrides(tmp_path, missing))
     with pytest.raises((ValueError, FileNotFoundError), match="nope.txt"):
         train.run(cfg)
+
+
+def _targets(node, path=""):
+    """(path, node) of every config node that names a `_target_`, outermost first."""
+    from omegaconf import DictConfig, ListConfig
+
+    found = []
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            found.append((path, node))
+        for key in node:
+            found += _targets(node[key], f"{path}.{key}" if path else str(key))
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            found += _targets(item, f"{path}[{i}]")
+    return found
+
+
+def _check_arguments(cls, node, path):
+    """The class imports and takes every argument the config gives it (nested targets built)."""
+    import inspect
+
+    from hydra.utils import instantiate
+
+    kwargs = {k: instantiate(v) if OmegaConf.is_config(v) else v for k, v in node.items() if not str(k).startswith("_")}
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise AssertionError(f"{path}: {node._target_} does not take {sorted(kwargs)}: {e}") from None
+    return kwargs
+
+
+@pytest.mark.parametrize("option", options("trainer"))
+def test_every_trainer_config_builds(option, tmp_path):
+    """Every `_target_` of a trainer config is built: strategies (with their DDP arguments checked
+    against DistributedDataParallel), wrap policies, hooks; the Trainer itself where this machine
+    can run it (CPU and auto), its arguments checked against its signature elsewhere (GPU)."""
+    import lightning as L
+    from hydra.utils import get_class, instantiate
+    from torch.nn.parallel import DistributedDataParallel
+
+    cfg = compose_cfg([f"trainer={option}", f"paths.output_dir={tmp_path}"])
+    nodes = _targets(cfg.trainer)
+    assert nodes and nodes[0][0] == "" and get_class(cfg.trainer._target_) is L.Trainer
+    strategy = cfg.trainer.get("strategy")
+    if OmegaConf.is_config(strategy):
+        built = instantiate(strategy)
+        ddp_kwargs = getattr(built, "_ddp_kwargs", None)
+        if ddp_kwargs is not None:
+            import inspect
+            inspect.signature(DistributedDataParallel).bind_partial(module=None, **ddp_kwargs)
+            assert ddp_kwargs.get("bucket_cap_mb") == strategy.get("bucket_cap_mb")
+        if strategy.get("ddp_comm_hook") is not None:
+            assert callable(built._ddp_comm_hook)
+    kwargs = _check_arguments(L.Trainer, cfg.trainer, "trainer")
+    if cfg.trainer.accelerator in ("cpu", "auto"):
+        trainer = instantiate(cfg.trainer, default_root_dir=str(tmp_path), logger=False,
+                              precision=cfg.trainer.precision or "32-true")
+        assert isinstance(trainer, L.Trainer)
+        if option == "ddp_cpu":
+            assert trainer.num_devices == 2 and type(trainer.strategy).__name__ == "CurrentStreamDDPStrategy"
+    else:
+        assert kwargs["accelerator"] == "gpu"
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_every_data_config_builds_its_datamodule(option, tmp_path):
+    """The datamodule of every data config is constructed (its argument checks run); nothing is
+    downloaded or read until prepare_data."""
+    from hydra.utils import instantiate
+
+    from data.datamodule import TokenDataModule
+
+    overrides = [f"data={option}", f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    if option in LOCAL_DATA_FIELDS:  # the local-file configs check that their files exist
+        source = tmp_path / f"x.{option.replace('text', 'txt')}"
+        if option == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": ["one line", "another"]}), source)
+        else:
+            source.write_text('{"text": "one line"}\n' if option == "jsonl" else "one line\n")
+        overrides.append(f"{LOCAL_DATA_FIELDS[option]}={source}")
+    cfg = compose_cfg(overrides)
+    dm = instantiate(cfg.data)
+    assert isinstance(dm, TokenDataModule)
+    assert dm.seq_len == cfg.model.context and dm.batch_size == cfg.train.batch_size
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.bin"))
+
+
+def test_the_slurm_launcher_takes_its_preset_arguments():
+    import inspect
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import get_class
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "paths.output_dir=/tmp/x"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    cls = get_class(launcher._target_)
+    kwargs = {k: v for k, v in OmegaConf.to_container(launcher, resolve=False).items() if not k.startswith("_")}
+    # submitit's launcher takes its parameters as **params and checks them against its dataclass
+    params = inspect.signature(cls).parameters
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+
+    fields = set(SlurmQueueConf.__dataclass_fields__)
+    assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
