@@ -26,17 +26,19 @@ VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softc
 FLOORS = {torch.float32: 1e-5, torch.float16: 1e-4}
 
 
-def make_spec(cap, cap_value=2.0, knee=0.5):
+def make_spec(cap, cap_value=2.0, knee=0.5, sm_scale=None):
     params = {} if cap == "none" else {"cap": cap_value}
     if cap == "alsc":
         params["knee"] = knee
+    if sm_scale is not None:
+        params["sm_scale"] = sm_scale
     return attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
 
 
 
 
 def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, cap_value=2.0, knee=0.5,
-             seed=0, pad_row=False, scale=2.0):
+             seed=0, pad_row=False, scale=2.0, sm_scale=None):
     gen = torch.Generator().manual_seed(seed)
     h = h_kv * group
     q = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64) * scale
@@ -45,7 +47,7 @@ def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, ca
     do = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64)
     t = (torch.rand(batch, n, generator=gen, dtype=torch.float64) * 1.5 + 0.25) if temp else None
     ids = random_segment_ids(batch, n, gen, padding_row=pad_row) if seg else None
-    spec = make_spec(cap, cap_value, knee)
+    spec = make_spec(cap, cap_value, knee, sm_scale)
 
     ref, same, fused = (softmax_family_outputs_and_grads(fn, q, k, v, t, do, spec, mask, ids, dt)
                         for fn, dt in ((reference_attention, torch.float64), (reference_attention, dtype),
@@ -90,6 +92,32 @@ def test_matrix_fp32(nan_poison, cap, mask, n, group, temp):
 @pytest.mark.parametrize("cap", list(CAP_IDS))
 def test_fp16(nan_poison, cap):
     run_case(cap, 67, 2, MaskSpec(causal=True), False, True, torch.float16, seed=5)
+
+
+# combinations the matrix leaves out: fp16 with every mask kind and GQA 1 / 4, head dims 32, 64 and
+# 128 beyond ALSC, a window of one key, a custom sm_scale reaching the kernels
+GAPS = [  # (cap, mask, n, group, temp, dtype, d, sm_scale)
+    ("tanh", "window", 45, 1, True, torch.float16, 16, None),
+    ("none", "ranker", 40, 4, False, torch.float16, 16, None),
+    ("soft_sign", "full", 33, 4, True, torch.float16, 16, None),
+    ("alsc", "ranker+causal", 29, 1, False, torch.float16, 32, None),
+    ("none", "causal", 37, 2, True, torch.float32, 32, 0.3),
+    ("tanh", "window", 40, 1, False, torch.float32, 64, None),
+    ("soft_sign", "causal", 24, 2, True, torch.float32, 128, 0.05),
+    ("alsc", "window1", 19, 2, True, torch.float32, 16, None),
+    ("none", "window1", 21, 1, False, torch.float16, 16, None),
+]
+MASKS_WITH_WINDOW1 = {**MASKS, "window1": (MaskSpec(causal=True, window=1), False)}
+
+
+@pytest.mark.parametrize("cap,mask,n,group,temp,dtype,d,sm_scale", GAPS,
+                         ids=[f"{c}-{m}-N{n}-G{g}-{str(dt)[6:]}-D{d}" + (f"-s{s}" if s else "")
+                              for c, m, n, g, _, dt, d, s in GAPS])
+def test_matrix_gaps(nan_poison, cap, mask, n, group, temp, dtype, d, sm_scale):
+    spec, seg = MASKS_WITH_WINDOW1[mask]
+    batch, h_kv = (1, 1) if d >= 64 else (2, 2)
+    run_case(cap, n, group, spec, seg, temp, dtype, batch=batch, h_kv=h_kv, d=d, sm_scale=sm_scale,
+             scale=1.0 if d >= 64 else 2.0, seed=n + d)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -143,13 +171,18 @@ def test_temperature_without_grad_and_strided_inputs(nan_poison):
     v = base[:, :, 2, 1:3]
     assert not k.is_contiguous() and not q.is_contiguous()
     t = torch.rand(2, 45, generator=gen) + 0.5
-    q.requires_grad_()
+    for x in (q, k, v):
+        x.requires_grad_()
     spec, mask = make_spec("soft_sign"), MaskSpec(causal=True, window=10)
     out = fused_attention(q, k, v, spec, mask, None, t)
-    ref = reference_attention(q.double(), k.double(), v.double(), spec, mask, None, t.double())
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, spec, mask, None, t.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
-    out.sum().backward()
-    assert torch.isfinite(q.grad).all()
+    dout = torch.randn(out.shape, generator=gen)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for x, r in zip((q, k, v), leaves):  # every gradient, through the strided layouts
+        torch.testing.assert_close(x.grad.double(), r.grad, atol=5e-5, rtol=1e-4)
 
 
 def test_errors_name_the_argument():
@@ -256,9 +289,10 @@ def test_zero_and_negative_temperature(nan_poison, cap):
     out = fused_attention(ins[0], ins[1], ins[2], spec, mask, None, ins[3])
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
     out.sum().backward()
-    tr = t.clone().requires_grad_()
-    reference_attention(q, k, v, spec, mask, None, tr).sum().backward()
-    torch.testing.assert_close(ins[3].grad.double(), tr.grad, atol=5e-5, rtol=1e-4)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, t)]
+    reference_attention(*leaves[:3], spec, mask, None, leaves[3]).sum().backward()
+    for got, want in zip(ins, leaves):  # dq, dk, dv and d-temperature
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cap,mask,n", [("tanh", "causal", 17), ("alsc", "ranker+window", 127), ("soft_sign", "full", 1)])

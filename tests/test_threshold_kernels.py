@@ -110,6 +110,14 @@ CASES = [
     (50, 4, 1, 32, 1.5, "sparse", "none", True, torch.float32, True, True),
     (50, 2, 2, 16, 3.0, "dense", "causal", True, torch.float16, True, False),
     (64, 2, 1, 16, 2.0, "dense", "window", False, torch.float16, True, False),
+    # combinations the rows above leave out: differential with a full mask and with p < 1,
+    # all-empty rows under segment ids (both forms), head dims 32 (fp16) and 128
+    (37, 2, 2, 16, 2.0, "dense", "none", False, torch.float32, True, False),
+    (29, 2, 1, 16, 0.5, "sparse", "causal", False, torch.float32, True, False),
+    (33, 2, 1, 16, 2.0, "zero", "none", True, torch.float32, False, False),
+    (30, 2, 2, 16, 1.0, "zero", "window", True, torch.float32, True, False),
+    (26, 2, 1, 32, 2.0, "sparse", "causal", True, torch.float16, False, False),
+    (19, 2, 1, 128, 2.0, "sparse", "causal", False, torch.float32, False, False),
 ]
 MASKS = {"none": MaskSpec(causal=False), "causal": MaskSpec(causal=True), "window": MaskSpec(causal=True, window=9)}
 
@@ -260,15 +268,22 @@ def test_zero_fraction_matches_reference(differential, mask_name, with_seg, nan_
     assert ((got > 0.05) & (got < 1)).all()  # a sparse regime, not a degenerate one
 
 
-def test_lambda_gradient_is_deterministic(nan_poison):
-    spec = ThresholdFamilySpec(beta=0.0, power=2.0, differential=True)
-    tensors, dout = make_inputs(2, 40, 4, 2, 16, torch.float32, True, 4)
-    grads = []
-    for _ in range(2):
-        x = _as(tensors, torch.float32)
-        out = tf.fused_attention(x["q"], x["k"], x["v"], spec, MaskSpec(True), None, None, x["q2"], x["k2"], x["lam"])
-        grads.append(torch.autograd.grad(out, x["lam"], dout.float())[0])
-    assert torch.equal(grads[0], grads[1])
+DIFFERENTIAL_CASES = [c for c in CASES if c[9]]
+
+
+@pytest.mark.parametrize("case", DIFFERENTIAL_CASES[::2], ids=[_case_id(c) for c in DIFFERENTIAL_CASES[::2]])
+def test_fused_differential_dkdv_form_matches_the_reference(case, monkeypatch, nan_poison):
+    """The one-launch differential dk/dv (three accumulators) on the same cases as the split form."""
+    monkeypatch.setenv("ATTNLAB_DIFF_DKDV", "fused")
+    test_matches_float64_reference(case, None)
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_window_of_one_key_sees_only_itself(differential, nan_poison):
+    """window=1: every query sees its own key only (n_i = 1, tau_i = 0)."""
+    spec = ThresholdFamilySpec(beta=1.0, power=2.0, differential=differential)
+    tensors, dout = make_inputs(2, 23, 2, 1, 16, torch.float32, differential, 9)
+    check_against_reference(spec, MaskSpec(causal=True, window=1), None, tensors, dout, torch.float32)
 
 
 def test_rejects_unsupported_inputs():
