@@ -116,7 +116,8 @@ def attention(
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
-    second view `q2`, `k2` and per-head `lam` (H,).
+    second view `q2`, `k2` and per-head `lam` (H,). Every argument is validated on every call
+    (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
     """
     check_attention_inputs(
         q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam

@@ -633,6 +633,10 @@ def test_valid_inputs_pass_on_both_backends(monkeypatch):
 
 
 def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
+    """Two deterministic=true runs through the fused kernels (the interpreter here) give the same
+    losses bit for bit, with the kernel configs pinned (what keeps a GPU from choosing tiles by
+    timing: test_softmax_family.py::test_pinned_configs_skip_timing; on the GPU itself
+    scripts/check_train_determinism.py)."""
     import train
 
     # deterministic=true pins the kernel configs through ATTNLAB_AUTOTUNE: set it here first so
@@ -645,7 +649,7 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
     runs = []
     for name in ("a", "b"):
         overrides = tiny_overrides(tmp_path / name, corpus, **{"deterministic": True, "train.max_steps": 5,
-                                                                 "train.val_every": 5,
+                                                                 "train.val_every": 5, "attn.backend": "triton",
                                                                  "paths.cache_dir": str(tmp_path / "cache")})
         results = train.run(compose_cfg(overrides))
         runs.append((train_losses(tmp_path / name / "run"), results["val_loss"]))
