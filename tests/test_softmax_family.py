@@ -23,7 +23,9 @@ from attn.reference import reference_attention
 from tolerance import assert_within_reference_error
 
 VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
-FLOORS = {torch.float32: 1e-5, torch.float16: 1e-4}
+# absolute error allowances (times max(1, |reference|)): fp32's is the noise of the kernels' blockwise
+# sums, a few times PyTorch's pairwise ones; at 1e-5 it hid errors 25-100x the rule's, so it is tight
+FLOORS = {torch.float32: 3e-6, torch.float16: 1e-4}
 
 
 def make_spec(cap, cap_value=2.0, knee=0.5, sm_scale=None):
@@ -38,7 +40,7 @@ def make_spec(cap, cap_value=2.0, knee=0.5, sm_scale=None):
 
 
 def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, cap_value=2.0, knee=0.5,
-             seed=0, pad_row=False, scale=2.0, sm_scale=None):
+             seed=0, pad_row=False, scale=2.0, sm_scale=None, floor=None):
     gen = torch.Generator().manual_seed(seed)
     h = h_kv * group
     q = torch.randn(batch, n, h, d, generator=gen, dtype=torch.float64) * scale
@@ -56,8 +58,8 @@ def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, ca
     for name, f, s, r in zip(("out", "dq", "dk", "dv", "dtemp"), fused, same, ref):
         assert f.dtype == dtype and f.shape == r.shape, name
         # the floor scales with the gradient's size: fp32 summation-order noise does too
-        floor = FLOORS[dtype] * max(1.0, r.abs().max().item())
-        ratios[name] = assert_within_reference_error(name, f, s, r, floor=floor)
+        allowance = (floor or FLOORS[dtype]) * max(1.0, r.abs().max().item())
+        ratios[name] = assert_within_reference_error(name, f, s, r, floor=allowance)
     return fused, ids, ratios
 
 
@@ -104,6 +106,8 @@ GAPS = [  # (cap, mask, n, group, temp, dtype, d, sm_scale)
     ("none", "causal", 37, 2, True, torch.float32, 32, 0.3),
     ("tanh", "window", 40, 1, False, torch.float32, 64, None),
     ("soft_sign", "causal", 24, 2, True, torch.float32, 128, 0.05),
+    # a single visible key: d-temperature is exactly 0 (p = 1, dp - delta = 0), which PyTorch gets
+    # exactly and the online softmax to its p = exp2(z - lse) rounding times |dp| |F| (about 5e-6)
     ("alsc", "window1", 19, 2, True, torch.float32, 16, None),
     ("none", "window1", 21, 1, False, torch.float16, 16, None),
 ]
@@ -116,8 +120,9 @@ MASKS_WITH_WINDOW1 = {**MASKS, "window1": (MaskSpec(causal=True, window=1), Fals
 def test_matrix_gaps(nan_poison, cap, mask, n, group, temp, dtype, d, sm_scale):
     spec, seg = MASKS_WITH_WINDOW1[mask]
     batch, h_kv = (1, 1) if d >= 64 else (2, 2)
+    exact_zero = mask == "window1" and temp and dtype == torch.float32
     run_case(cap, n, group, spec, seg, temp, dtype, batch=batch, h_kv=h_kv, d=d, sm_scale=sm_scale,
-             scale=1.0 if d >= 64 else 2.0, seed=n + d)
+             scale=1.0 if d >= 64 else 2.0, seed=n + d, floor=1e-5 if exact_zero else None)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -24,7 +24,8 @@ from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
 
-FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3}
+# absolute error allowances; fp32's is tight enough that the rule, not the floor, decides
+FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
 # beta regimes for q, k on the unit sphere: tau < 0 keeps (almost) every visible weight,
 # 0.5 keeps a few per row, 6 makes tau_i > 1 >= q.k for every row with n_i > 1 (all-zero rows)
 BETA = {"dense": -1.0, "sparse": 0.5, "zero": 6.0}
