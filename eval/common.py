@@ -270,11 +270,37 @@ def data_config_for(run: LoadedRun, cfg: DictConfig) -> DictConfig:
     return full.data
 
 
-def build_datamodule(data_cfg: DictConfig):
-    """Instantiate, prepare (builds or verifies the token cache) and set up the data module."""
-    from hydra.utils import instantiate
+# the data modules an evaluation may build from a run's config (read as data, never as code)
+DATAMODULES = {"data.datamodule.TokenDataModule"}
+_HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 
-    datamodule = instantiate(data_cfg)
+
+def _refuse_code(node, where: str) -> None:
+    """A run directory may come from someone else: no `_target_` (or other instantiation key)
+    below the data module's own, since building it would run whatever it names."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _HYDRA_KEYS:
+                raise ValueError(f"{where}.{key}: the data config may not name code to run ({value!r}); "
+                                 "evaluation builds only the data module, from plain values")
+            _refuse_code(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _refuse_code(value, f"{where}[{i}]")
+
+
+def build_datamodule(data_cfg: DictConfig):
+    """Construct (from an allow-list, with plain values only), prepare (builds or verifies the
+    token cache) and set up the data module."""
+    from data.datamodule import TokenDataModule
+
+    values = OmegaConf.to_container(data_cfg, resolve=True)
+    target = values.pop("_target_", None)
+    if target not in DATAMODULES:
+        raise ValueError(f"data._target_ must be one of {sorted(DATAMODULES)} (evaluation runs no other code "
+                         f"named in a run's config), got {target!r}")
+    _refuse_code(values, "data")
+    datamodule = TokenDataModule(**values)
     datamodule.prepare_data()
     datamodule.setup("test")
     return datamodule

@@ -510,3 +510,29 @@ def test_wandb_group_follows_train_py(tmp_path):
     (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
     run.results = {}
     assert common.wandb_group(run) == "ablation"
+
+
+@pytest.mark.parametrize("payload", ["target", "nested", "other_datamodule"])
+def test_evaluation_never_runs_code_named_in_a_run_config(trained_run, tmp_path, payload):
+    """A shared run directory's .hydra/config.yaml is data: a `_target_` anywhere in its data config
+    (here one that would truncate a file) is refused with the key named, and nothing runs."""
+    import shutil
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    config = OmegaConf.load(run / ".hydra" / "config.yaml")
+    opener = {"_target_": "builtins.open", "file": str(victim), "mode": "w"}
+    if payload == "target":
+        config.data.source = opener
+    elif payload == "nested":
+        config.data.tokenizer.extra = [opener]
+    else:
+        config.data._target_ = "builtins.open"
+    OmegaConf.save(config, run / ".hydra" / "config.yaml")
+    with pytest.raises(ValueError, match=r"data\.(source\._target_|tokenizer\.extra\[0\]\._target_|_target_ must be one of)"):
+        # the copied checkpoint itself (the run directory's results.json names the original's)
+        perplexity.run_perplexity(eval_cfg("perplexity", run / "checkpoints" / "best.ckpt", "split=val",
+                                           "max_tokens=100", "contexts=[8]"))
+    assert victim.read_text() == "keep me"
