@@ -22,6 +22,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import attn
@@ -149,6 +150,25 @@ class ValidateAtLastStep(L.Callback):
             trainer.should_stop = True
 
 
+# exit status of a run stopped by SIGTERM after its checkpoint (128 + SIGTERM, as a shell reports it)
+PREEMPTED_EXIT_CODE = 143
+
+
+class CheckpointOnSigterm(L.Callback):
+    """SIGTERM (SLURM preemption, scancel, a container stop): Lightning finishes the current training
+    step and stops; this writes `path` (checkpoints/last.ckpt) at that step boundary, so
+    `ckpt_path=<it>` resumes from there, and train.py exits with status 143."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.saved_step: int | None = None
+
+    def on_exception(self, trainer, pl_module, exception):
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(str(self.path))
+            self.saved_step = trainer.global_step
+
+
 def finish_wandb(loggers) -> None:
     """End this job's wandb run: the next job of an in-process multirun must start its own
     (Lightning's WandbLogger would otherwise reuse the active run)."""
@@ -219,7 +239,9 @@ def run(cfg: DictConfig) -> dict:
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
         save_top_k=1, save_last=True, auto_insert_metric_name=False,
     )
-    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite), ValidateAtLastStep()]
+    on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
+    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite), ValidateAtLastStep(),
+                 on_sigterm]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=str(output_dir / "checkpoints"), monitor=None, save_top_k=0, save_last=True,
@@ -257,6 +279,10 @@ def run(cfg: DictConfig) -> dict:
             if model.last_validation.get("step") != trainer.global_step:
                 trainer.validate(model, datamodule=datamodule, verbose=False)
             final = model.last_validation  # either way the same full-precision value
+    except SIGTERMException:
+        log.warning("SIGTERM: stopped after step %s, checkpoint %s; resume with ckpt_path=%s (exit status %d)",
+                    on_sigterm.saved_step, on_sigterm.path, on_sigterm.path, PREEMPTED_EXIT_CODE)
+        raise SystemExit(PREEMPTED_EXIT_CODE) from None
     finally:
         finish_wandb(loggers)
 

@@ -166,6 +166,40 @@ def test_sigkill_during_checkpoint_write_and_at_random_moments_then_exact_resume
         assert steps and [resumed[s] for s in steps] == [straight[s] for s in steps], f"resumed from step {resumed_step}"
 
 
+def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exactly(tmp_path):
+    """SIGTERM (SLURM preemption): the run stops at the end of the step it is in, writes
+    checkpoints/last.ckpt there (newer than the last validation's), exits with status 143 (not 0),
+    writes no results.json, and resuming from that checkpoint reaches the uninterrupted run's
+    losses bitwise."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
+    common = {"train.max_steps": 12, "train.val_every": 6, "paths.cache_dir": str(tmp_path / "cache")}
+    reference = train.run(compose_cfg(tiny_overrides(tmp_path / "straight", corpus, **common)))
+    straight = train_losses(tmp_path / "straight" / "run")
+
+    run_dir = tmp_path / "stopped" / "run"
+    overrides = tiny_overrides(tmp_path / "stopped", corpus, **common)
+    marker = tmp_path / "ckpt_fsyncs.txt"
+    proc = start_instrumented(train_args(overrides, run_dir), marker, ".last.ckpt.", tmp_path, step_sleep=0.4)
+    wait_for_lines(marker, 1, proc)  # the step-6 validation wrote last.ckpt; training goes on
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    log = proc.log_path.read_text()
+    assert proc.returncode == 143, log[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    step = load_checkpoint(last)["global_step"]
+    assert 6 < step < 12, step  # written at the signal, after the validation's checkpoint
+    assert f"SIGTERM: stopped after step {step}" in log
+    assert not (run_dir / "results.json").exists()
+
+    final = train.run(compose_cfg(tiny_overrides(tmp_path / "resumed", corpus, **common) + [f"ckpt_path={last}"]))
+    assert final["val_loss"] == reference["val_loss"] and final["steps"] == 12
+    resumed = train_losses(tmp_path / "resumed" / "run")
+    later = sorted(s for s in resumed if s >= step)
+    assert later and [resumed[s] for s in later] == [straight[s] for s in later]
+
+
 CACHE_BUILD = r"""
 import sys
 from data.datamodule import TokenDataModule
