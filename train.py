@@ -150,6 +150,26 @@ class ValidateAtLastStep(L.Callback):
             trainer.should_stop = True
 
 
+class LastCheckpointEveryNSteps(L.Callback):
+    """Refreshes `path` (checkpoints/last.ckpt, which the validation's ModelCheckpoint also writes)
+    every `every` optimizer steps, except at validation steps: there the validation's own write
+    follows, and a write before it would make a kill during that validation lose it on resume.
+    One last.ckpt, always the newest (two ModelCheckpoints saving "last" made one last-v1.ckpt)."""
+
+    def __init__(self, path: Path, every: int, val_every: int):
+        self.path, self.every, self.val_every = path, every, val_every
+        self._saved_step = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step  # optimizer steps: micro-batches of one step see the same value
+        if step % self.every or step % self.val_every == 0 or step == self._saved_step:
+            return
+        if step == trainer.max_steps:  # the last step validates (ValidateAtLastStep), which writes it
+            return
+        trainer.save_checkpoint(str(self.path))
+        self._saved_step = step
+
+
 # exit status of a run stopped by SIGTERM after its checkpoint (128 + SIGTERM, as a shell reports it)
 PREEMPTED_EXIT_CODE = 143
 
@@ -238,15 +258,15 @@ def run(cfg: DictConfig) -> dict:
     checkpointing = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
         save_top_k=1, save_last=True, auto_insert_metric_name=False,
+        # last.ckpt is also written by LastCheckpointEveryNSteps: overwrite it, never last-v1.ckpt
+        enable_version_counter=False,
     )
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
     callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite), ValidateAtLastStep(),
                  on_sigterm]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
-            dirpath=str(output_dir / "checkpoints"), monitor=None, save_top_k=0, save_last=True,
-            every_n_train_steps=cfg.train.ckpt_every_steps,
-        ))
+        callbacks.append(LastCheckpointEveryNSteps(output_dir / "checkpoints" / "last.ckpt", cfg.train.ckpt_every_steps,
+                                                   cfg.train.val_every))
     if cfg.train.log_max_logit:
         callbacks.append(MaxLogitMonitor())
     if cfg.trainer.get("enable_progress_bar", True):

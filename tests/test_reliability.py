@@ -166,6 +166,32 @@ def test_sigkill_during_checkpoint_write_and_at_random_moments_then_exact_resume
         assert steps and [resumed[s] for s in steps] == [straight[s] for s in steps], f"resumed from step {resumed_step}"
 
 
+def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
+    """train.ckpt_every_steps and the validations write the same checkpoints/last.ckpt (no
+    last-v1.ckpt), each write newer than the one before, and no every-N write precedes a
+    validation at the same step (a kill during that validation would lose it on resume)."""
+    import train
+    from models.checkpoint_io import AtomicCheckpointIO
+
+    writes = []
+    real_save = AtomicCheckpointIO.save_checkpoint
+
+    def recording_save(self, checkpoint, path, storage_options=None):
+        writes.append((Path(path).name, checkpoint["global_step"]))
+        return real_save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", recording_save)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 8, "train.val_every": 3, "train.ckpt_every_steps": 2})))
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert names == ["best.ckpt", "last.ckpt"], names
+    last = [step for name, step in writes if name == "last.ckpt"]
+    # every-N at 2, 4, 8 is the last step's validation; validations at 3, 6, 8; 6 is not written twice
+    assert last == [2, 3, 4, 6, 8], writes
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 8
+
+
 def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exactly(tmp_path):
     """SIGTERM (SLURM preemption): the run stops at the end of the step it is in, writes
     checkpoints/last.ckpt there (newer than the last validation's), exits with status 143 (not 0),
