@@ -262,8 +262,8 @@ def run(cfg: DictConfig) -> dict:
         enable_version_counter=False,
     )
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
-    callbacks = [checkpointing, WandbRunIdInCheckpoint(), NonFiniteGuard(cfg.train.nonfinite), ValidateAtLastStep(),
-                 on_sigterm]
+    guard = NonFiniteGuard(cfg.train.nonfinite)
+    callbacks = [checkpointing, WandbRunIdInCheckpoint(), guard, ValidateAtLastStep(), on_sigterm]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
         callbacks.append(LastCheckpointEveryNSteps(output_dir / "checkpoints" / "last.ckpt", cfg.train.ckpt_every_steps,
                                                    cfg.train.val_every))
@@ -323,9 +323,13 @@ def run(cfg: DictConfig) -> dict:
         "mfu": (model.mean_tokens_per_s() or 0) * model.flops_per_token / (model.peak_tflops * 1e12 * trainer.world_size)
         if model.peak_tflops else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "nonfinite_steps": guard.nonfinite_steps,  # steps skipped for a non-finite loss or gradient
         "best_checkpoint": checkpointing.best_model_path,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }
+    if results["nonfinite_steps"]:
+        log.warning("%d of %d steps were skipped for a non-finite loss or gradient (train.nonfinite=%s): their "
+                    "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)
     if trainer.is_global_zero:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))
         print(

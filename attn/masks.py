@@ -66,12 +66,15 @@ def segment_bounds(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) -> None:
     """Shape, values and contiguity checks. Syncs with the device: call in eager mode only."""
+    if not isinstance(segment_ids, torch.Tensor):
+        raise ValueError(f"segment_ids must be a (B, N) integer tensor, got {type(segment_ids).__name__}")
     if segment_ids.shape != (batch, seq_len):
         raise ValueError(
             f"segment_ids must have shape (B, N) = ({batch}, {seq_len}), got {tuple(segment_ids.shape)}"
         )
-    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool:
-        raise ValueError(f"segment_ids must be an integer tensor, got dtype {segment_ids.dtype}")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool or not segment_ids.dtype.is_signed:
+        # unsigned ids cannot hold -1 (candidate): uint8's 255 would compare equal to it
+        raise ValueError(f"segment_ids must be a signed integer tensor (values 1, -1, 0), got dtype {segment_ids.dtype}")
     bad = ~((segment_ids == HISTORY) | (segment_ids == CANDIDATE) | (segment_ids == PADDING))
     if bool(bad.any()):
         raise ValueError("segment_ids values must be in {1 (history), -1 (candidate), 0 (padding)}")

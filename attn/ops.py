@@ -119,6 +119,8 @@ def attention(
     second view `q2`, `k2` and per-head `lam` (H,). Every argument is validated on every call
     (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
     """
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     check_attention_inputs(
         q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam
     )
@@ -147,6 +149,8 @@ class AttentionCall:
             raise ValueError(f"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got {type(spec).__name__}")
         if backend not in BACKENDS:
             raise ValueError(f"attn.backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
         self.spec, self.backend = spec, backend
         self.mask = MaskSpec(causal=causal, window=window)
         preload_kernel(spec, backend)

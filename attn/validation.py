@@ -28,6 +28,8 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q.dtype must be one of {FLOAT_DTYPES}, got {q.dtype}")
     b, n, h, d = q.shape
+    if n < 1 or d < 1 or h < 1 or b < 1:
+        raise ValueError(f"q must have B, N, H, D >= 1 (at least one query of a head dim >= 1), got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 4, q.dtype, q.device)
     if k.shape != v.shape:

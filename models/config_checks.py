@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
@@ -9,6 +11,13 @@ from models.lit import OptimConfig, gpt_config_from_dict
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "lambda_mode", "window"}
 LOGGER_KINDS = ("wandb", "csv", "none")
+# the train.* keys there are: those of configs/train.yaml (a `+train.foo=1` typo must not pass silently)
+TRAIN_KEYS = tuple(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "train.yaml").train.keys())
+NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -25,7 +34,19 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"bad model/attn config fields: {e}") from e
     check_model_config(gpt)
 
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+        raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     t = cfg.train
+    unknown = sorted(set(t) - set(TRAIN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown train fields {unknown}; allowed: {sorted(TRAIN_KEYS)}")
+    for name in NUMBER_FIELDS:
+        if not _is_number(t[name]):
+            raise ValueError(f"train.{name} must be a number, got {t[name]!r}")
+    if t.grad_clip is not None and not _is_number(t.grad_clip):
+        raise ValueError(f"train.grad_clip must be a number > 0 or null, got {t.grad_clip!r}")
+    if not isinstance(t.warmup_steps, int) or isinstance(t.warmup_steps, bool):
+        raise ValueError(f"train.warmup_steps must be an int >= 0, got {t.warmup_steps!r}")
     for name in ("max_steps", "batch_size", "grad_accum", "val_every", "val_tokens", "log_every"):
         if not isinstance(t[name], int) or t[name] < 1:
             raise ValueError(f"train.{name} must be a positive int, got {t[name]!r}")

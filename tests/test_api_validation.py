@@ -387,3 +387,27 @@ def test_mask_spec_kinds():
     assert MaskSpec(causal=False).kind == "full" and not MaskSpec(causal=False).is_causal
     assert MaskSpec().kind == "causal" and MaskSpec().is_causal
     assert MaskSpec(causal=False, window=3).kind == "window" and MaskSpec(causal=False, window=3).is_causal
+
+
+def test_the_small_input_holes_are_named_errors():
+    """Empty shapes, segment ids that are not a signed integer tensor, and a causal flag that is
+    not a bool each give one ValueError naming the argument (they crashed or ran silently)."""
+    spec = get_variant("softmax").make_spec()
+    q, k, v = inputs(torch.float64)
+    empty = q[:, :0]
+    with pytest.raises(ValueError, match=r"q must have B, N, H, D >= 1"):
+        attn.attention(empty, k[:, :0], v[:, :0], spec, backend="reference")
+    with pytest.raises(ValueError, match=r"q must have B, N, H, D >= 1"):
+        attn.attention(q[..., :0], k[..., :0], v[..., :0], spec, backend="reference")
+    b, n = q.shape[:2]
+    with pytest.raises(ValueError, match=r"segment_ids must be a \(B, N\) integer tensor, got list"):
+        attn.attention(q, k, v, spec, causal=False, segment_ids=[[1] * n] * b, backend="reference")
+    unsigned = torch.ones(b, n, dtype=torch.uint8)
+    unsigned[:, -1] = 255
+    with pytest.raises(ValueError, match=r"segment_ids must be a signed integer tensor"):
+        attn.attention(q, k, v, spec, causal=False, segment_ids=unsigned, backend="reference")
+    for bad in (None, 1, "yes"):
+        with pytest.raises(ValueError, match=r"causal must be True or False"):
+            attn.attention(q, k, v, spec, causal=bad, backend="reference")
+        with pytest.raises(ValueError, match=r"causal must be True or False"):
+            attn.AttentionCall(spec, causal=bad)

@@ -88,6 +88,11 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("train.max_steps=0", "train.max_steps"),
     ("train.lr=-1", "train.lr"),
     ("logger.kind=tensorboard", "logger.kind"),
+    ("train.lr=abc", "train.lr must be a number"),
+    ("train.beta2=x", "train.beta2 must be a number"),
+    ("seed=abc", "seed must be an int"),
+    ("+train.foo=1", r"unknown train fields \['foo'\]"),
+    ("train.warmup_steps=1.5", "train.warmup_steps must be an int"),
 ])
 def test_config_errors_are_caught_before_training(override, match, tmp_path):
     import train

@@ -483,6 +483,8 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values()), "no inf/NaN reached the weights"
     assert torch.isfinite(torch.tensor(results["val_loss"]))
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["nonfinite_steps"] == saved["nonfinite_steps"] == 2  # the run reports what it skipped
     guard_state = next(v for k, v in state["callbacks"].items() if k.startswith("NonFiniteGuard"))
     assert guard_state == {"nonfinite_steps": 2}, "the count survives a resume"
     adam_steps = {float(s["step"]) for s in state["optimizer_states"][0]["state"].values()}
