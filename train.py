@@ -111,8 +111,67 @@ def _group(cfg: DictConfig) -> str:
     return cfg.group
 
 
+class ResumedCSVLogger(L.pytorch.loggers.CSVLogger):
+    """Lightning's CSV logger, except that it keeps the rows of a metrics.csv already in its folder
+    (a run resumed in its own directory; Lightning deletes that file) and appends after them. Steps
+    between the checkpoint and the interruption appear twice; the later rows are the resumed run's."""
+
+    @property
+    @L.pytorch.loggers.logger.rank_zero_experiment
+    def experiment(self):
+        if self._experiment is None:
+            path = Path(self.log_dir) / "metrics.csv"
+            kept = path.read_text() if path.is_file() else None
+            writer = super().experiment  # deletes the file
+            if kept:
+                path.write_text(kept)
+                header = kept.splitlines()[0].split(",")
+                writer.metrics_keys = sorted(header)  # as Lightning writes it: appended rows line up
+        return self._experiment
+
+
+class RunDirectoryLock:
+    """An exclusive lock on <run dir>/.run.lock for the run's lifetime: a second live run given the
+    same directory stops at once, naming the holder, instead of mixing checkpoints and logs (or
+    crashing mid-run). Released by the OS when the holding process ends, however it ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".run.lock"
+        self._handle = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # non-POSIX: no lock
+            return self
+        self._handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._handle.seek(0)
+            holder = self._handle.read().strip() or "unknown"
+            self._handle.close()
+            raise ValueError(f"run directory {self.path.parent} is in use by another live run (pid {holder}); "
+                             "give this run another hydra.run.dir, or wait for that one to end") from None
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(str(os.getpid()))
+        self._handle.flush()
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.close()  # closing releases the lock
+
+
+def is_global_rank_zero() -> bool:
+    """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
 def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None):
-    loggers = [L.pytorch.loggers.CSVLogger(save_dir=str(output_dir), name="", version="csv")]
+    csv_logger = ResumedCSVLogger if cfg.ckpt_path else L.pytorch.loggers.CSVLogger
+    loggers = [csv_logger(save_dir=str(output_dir), name="", version="csv")]
     if cfg.logger.kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
@@ -228,6 +287,12 @@ def run(cfg: DictConfig) -> dict:
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    # ranks other than 0 write into rank 0's directory by design; rank 0 holds it against other runs
+    with RunDirectoryLock(output_dir) if is_global_rank_zero() else contextlib.nullcontext():
+        return _run(cfg, output_dir)
+
+
+def _run(cfg: DictConfig, output_dir: Path) -> dict:
     # every file this run writes goes under one of these two (plus Hydra's files in the run dir)
     log.info("run dir: %s", output_dir.resolve())
     log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())

@@ -220,3 +220,19 @@ def test_the_slurm_launcher_takes_its_preset_arguments():
 
     fields = set(SlurmQueueConf.__dataclass_fields__)
     assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_directories(monkeypatch):
+    """The run and sweep directory names carry microseconds (seconds alone let two runs of one
+    variant and seed started together share a directory)."""
+    from hydra import compose, initialize_config_dir
+
+    monkeypatch.delenv("ATTNLAB_RUN_DIR", raising=False)
+    dirs = []
+    for _ in range(2):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=["paths.output_dir=/tmp/x"], return_hydra_config=True)
+        dirs.append((cfg.hydra.run.dir, cfg.hydra.sweep.dir))
+    (run_a, sweep_a), (run_b, sweep_b) = dirs
+    assert run_a != run_b and sweep_a != sweep_b, dirs
+    assert run_a.endswith("_softmax_s0") and run_a[:-len("_softmax_s0")][-7] == "-"  # ..._HH-MM-SS-ffffff

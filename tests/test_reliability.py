@@ -192,6 +192,44 @@ def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 8
 
 
+def test_a_run_directory_held_by_a_live_run_is_refused_and_freed_when_it_ends(tmp_path):
+    """Two runs given one hydra.run.dir: the second stops at once naming the holder's pid (it used to
+    crash mid-run after mixing files); once the holder is gone, however it ended, the directory is free."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    run_dir = tmp_path / "shared" / "run"
+    overrides = tiny_overrides(tmp_path / "shared", corpus, **{"train.max_steps": 40, "train.val_every": 20})
+    marker = tmp_path / "fsyncs.txt"
+    holder = start_instrumented(train_args(overrides, run_dir), marker, "no-such-file", tmp_path, step_sleep=0.5)
+    deadline = time.monotonic() + 120
+    while not (run_dir / ".run.lock").is_file() or not (run_dir / ".run.lock").read_text().strip():
+        assert holder.poll() is None and time.monotonic() < deadline, holder.log_path.read_text()[-3000:]
+        time.sleep(0.05)
+    with pytest.raises(ValueError, match=rf"run directory {re.escape(str(run_dir))} is in use by another live run "
+                                         rf"\(pid {holder.pid}\)"):
+        train.run(compose_cfg(overrides))
+    sigkill(holder)
+    results = train.run(compose_cfg(tiny_overrides(tmp_path / "shared", corpus, **{"train.max_steps": 2,
+                                                                                  "train.val_every": 2})))
+    assert results["steps"] == 2
+
+
+def test_resuming_in_the_same_directory_keeps_the_earlier_metric_rows(tmp_path):
+    """Lightning's CSV logger deletes an existing metrics.csv; a run resumed in its own directory
+    keeps the rows it logged before and appends the resumed ones."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    common = {"train.max_steps": 8, "train.val_every": 4}
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common, **{"train.stop_at_step": 4})))
+    assert sorted(train_losses(tmp_path / "run")) == [0, 1, 2, 3]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common) + [f"ckpt_path={last}"]))
+    assert sorted(train_losses(tmp_path / "run")) == list(range(8))
+    assert sorted(metric_by_step(tmp_path / "run", "val/loss")) == [3, 7]
+
+
 def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exactly(tmp_path):
     """SIGTERM (SLURM preemption): the run stops at the end of the step it is in, writes
     checkpoints/last.ckpt there (newer than the last validation's), exits with status 143 (not 0),
