@@ -349,10 +349,31 @@ def _load_pretrained(cfg: dict) -> Tokenizer:
     return TiktokenTokenizer(encoding)
 
 
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _write_trained(path: Path, tokenizer: Tokenizer) -> None:
+    """The tokenizer file and, beside it, the sha256 of its bytes (checked at every load)."""
+    text = tokenizer.to_json()
+    atomic_write_text(path, text)
+    atomic_write_text(_digest_path(path), _sha256_text(text) + "\n")
+
+
 def _read_trained(kind: str, path: Path) -> Tokenizer | None:
-    """Load a cached trained tokenizer; None (with a warning) if the file is unusable."""
+    """Load a cached trained tokenizer; None (with a warning) if the file is unusable or is not the
+    file training wrote (an edit that keeps valid JSON would change tokenization silently, and the
+    token cache, keyed by the tokenizer's hash, would fill with new entries)."""
     try:
         text = path.read_text(encoding="utf-8")
+        digest = _digest_path(path)
+        want = digest.read_text().strip() if digest.is_file() else None
+        if want is None:  # written before digests were kept: trusted once, checked from now on
+            atomic_write_text(digest, _sha256_text(text) + "\n")
+        elif _sha256_text(text) != want:
+            logger.warning("tokenizer cache %s is not the file training wrote (its sha256 differs from %s); "
+                           "retraining", path, digest)
+            return None
         if kind == "char":
             return CharTokenizer.from_json(text)
         from tokenizers import Tokenizer as RustTokenizer
@@ -390,8 +411,7 @@ def build_tokenizer(
         logger.info("training %s tokenizer on the train split of %s -> %s", kind, source.slug(), path)
         if kind == "char":
             tokenizer: Tokenizer = CharTokenizer.fit(_train_texts(source, None))
-            atomic_write_text(path, tokenizer.to_json())
         else:
             tokenizer = train_bpe(_train_texts(source, cfg["max_train_bytes"]), cfg["vocab_size"], cfg["min_frequency"])
-            atomic_write_text(path, tokenizer.to_json())
+        _write_trained(path, tokenizer)
     return tokenizer

