@@ -44,12 +44,15 @@ def softmax_family_weights(
 
 
 def _rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
+    """relu(x)^p; a NaN score stays NaN (as relu's does), so non-finite inputs reach the output."""
     positive = x > 0
     # where() on the base keeps the gradient finite at 0 for p < 1
     base = torch.where(positive, x, torch.ones_like(x))
     if power == 1.0:
-        return torch.where(positive, x, torch.zeros_like(x))
-    return torch.where(positive, base**power, torch.zeros_like(x))
+        w = torch.where(positive, x, torch.zeros_like(x))
+    else:
+        w = torch.where(positive, base**power, torch.zeros_like(x))
+    return torch.where(torch.isnan(x), x, w)
 
 
 def threshold_family_weights(

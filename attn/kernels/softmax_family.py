@@ -297,7 +297,7 @@ def _fwd_kernel(
                                       cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                       HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP)
 
-    seen = l_i > 0
+    seen = l_i != 0.0  # rows that saw nothing have l = 0 exactly; NaN (a NaN score) propagates, as in the reference
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
         seen = seen & (((offs_m >= hs) & (offs_m < he)) | ((offs_m >= cs) & (offs_m < ce)))
     l_safe = tl.where(seen, l_i, 1.0)

@@ -78,7 +78,7 @@ def _rectified_power(x, power, POWER_MODE: tl.constexpr):
         w = r * r
     else:
         w = tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
-    return w
+    return tl.where(x != x, x, w)  # a NaN score stays NaN (max(NaN, 0) would hide it), as in the reference
 
 
 @triton.jit
@@ -96,7 +96,8 @@ def _rectified_power_and_grad(x, power, POWER_MODE: tl.constexpr):
         pm1 = tl.where(positive, tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
         w = pm1 * r
         g = power * pm1
-    return w, g
+    nan = x != x  # NaN scores propagate (see _rectified_power)
+    return tl.where(nan, x, w), tl.where(nan, x, g)
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def _rectified_power_grad(x, power, POWER_MODE: tl.constexpr):
         g = tl.where(
             positive, power * tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0
         )
-    return g
+    return tl.where(x != x, x, g)  # NaN scores propagate (see _rectified_power)
 
 
 @triton.jit
