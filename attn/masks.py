@@ -74,7 +74,7 @@ def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) ->
         )
     if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool or not segment_ids.dtype.is_signed:
         # unsigned ids cannot hold -1 (candidate): uint8's 255 would compare equal to it
-        raise ValueError(f"segment_ids must be a signed integer tensor (values 1, -1, 0), got dtype {segment_ids.dtype}")
+        raise ValueError(f"segment_ids must be an integer tensor, signed (values 1, -1, 0), got dtype {segment_ids.dtype}")
     bad = ~((segment_ids == HISTORY) | (segment_ids == CANDIDATE) | (segment_ids == PADDING))
     if bool(bad.any()):
         raise ValueError("segment_ids values must be in {1 (history), -1 (candidate), 0 (padding)}")

@@ -404,7 +404,7 @@ def test_the_small_input_holes_are_named_errors():
         attn.attention(q, k, v, spec, causal=False, segment_ids=[[1] * n] * b, backend="reference")
     unsigned = torch.ones(b, n, dtype=torch.uint8)
     unsigned[:, -1] = 255
-    with pytest.raises(ValueError, match=r"segment_ids must be a signed integer tensor"):
+    with pytest.raises(ValueError, match=r"segment_ids must be an integer tensor, signed"):
         attn.attention(q, k, v, spec, causal=False, segment_ids=unsigned, backend="reference")
     for bad in (None, 1, "yes"):
         with pytest.raises(ValueError, match=r"causal must be True or False"):
