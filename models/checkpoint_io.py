@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -58,6 +60,14 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        Path(tmp).unlink(missing_ok=True)
+        # torch.save reports a full disk as "[enforce fail at inline_container.cc] ... file write failed"
+        free = shutil.disk_usage(path.parent).free
+        if getattr(error, "errno", None) == errno.ENOSPC or free < 64 * 2**20:
+            raise OSError(errno.ENOSPC, f"no space left on the device writing checkpoint {path} "
+                          f"({free / 2**20:.0f} MiB free there; the previous {path.name} is intact): {error}") from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

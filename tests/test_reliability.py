@@ -264,6 +264,34 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exa
     assert later and [resumed[s] for s in later] == [straight[s] for s in later]
 
 
+def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch):
+    """torch.save reports a full disk as "[enforce fail at inline_container.cc] ... file write failed":
+    the error says "no space left", names the file, and the previous checkpoint and the directory
+    are left as they were. Another write error with space to spare passes through unchanged."""
+    from collections import namedtuple
+
+    import models.checkpoint_io as checkpoint_io
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file data/0: "
+                           "file write failed")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 4096))
+    with pytest.raises(OSError, match=rf"no space left on the device writing checkpoint {re.escape(str(path))}"):
+        atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**12, 10**9, 10**11))
+    with pytest.raises(RuntimeError, match="inline_container"):
+        atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+
+
 CACHE_BUILD = r"""
 import sys
 from data.datamodule import TokenDataModule
