@@ -75,7 +75,7 @@ class Kernel:
         self.name = name
         self.tuned: dict[tuple, TileConfig] = {}  # tuning key -> chosen config
         self.timings: dict[tuple, dict[TileConfig, float]] = {}  # tuning key -> ms per candidate
-        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs)
+        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs, hooks)
         self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
 
     def launch(self, grid: Callable[[TileConfig], tuple], tensors: tuple, scalars: tuple, meta: dict,

@@ -1,0 +1,109 @@
+"""What a training run writes and holds besides the model: its directory (a lock against a second
+live run), one last.ckpt that is always the newest, a checkpoint at SIGTERM, and a CSV log that a
+resume in the same directory extends instead of replacing (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+
+class ResumedCSVLogger(L.pytorch.loggers.CSVLogger):
+    """Lightning's CSV logger, except that it keeps the rows of a metrics.csv already in its folder
+    (a run resumed in its own directory; Lightning deletes that file) and appends after them. Steps
+    between the checkpoint and the interruption appear twice; the later rows are the resumed run's."""
+
+    @property
+    @L.pytorch.loggers.logger.rank_zero_experiment
+    def experiment(self):
+        if self._experiment is None:
+            path = Path(self.log_dir) / "metrics.csv"
+            kept = path.read_text() if path.is_file() else None
+            writer = super().experiment  # deletes the file
+            if kept:
+                path.write_text(kept)
+                header = next(csv.reader([kept.splitlines()[0]]))
+                writer.metrics_keys = sorted(header)  # as Lightning writes it: appended rows line up
+        return self._experiment
+
+
+class RunDirectoryLock:
+    """An exclusive lock on <run dir>/.run.lock for the run's lifetime: a second live run given the
+    same directory stops at once, naming the holder, instead of mixing checkpoints and logs (or
+    crashing mid-run). Released by the OS when the holding process ends, however it ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".run.lock"
+        self._handle = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # non-POSIX: no lock
+            return self
+        self._handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._handle.seek(0)
+            holder = self._handle.read().strip() or "unknown"
+            self._handle.close()
+            raise ValueError(f"run directory {self.path.parent} is in use by another live run (pid {holder}); "
+                             "give this run another hydra.run.dir, or wait for that one to end") from None
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(str(os.getpid()))
+        self._handle.flush()
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.close()  # closing releases the lock
+
+
+def is_global_rank_zero() -> bool:
+    """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+class LastCheckpointEveryNSteps(L.Callback):
+    """Refreshes `path` (checkpoints/last.ckpt, which the validation's ModelCheckpoint also writes)
+    every `every` optimizer steps, except at validation steps: there the validation's own write
+    follows, and a write before it would make a kill during that validation lose it on resume.
+    One last.ckpt, always the newest (two ModelCheckpoints saving "last" made one last-v1.ckpt)."""
+
+    def __init__(self, path: Path, every: int, val_every: int):
+        self.path, self.every, self.val_every = path, every, val_every
+        self._saved_step = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step  # optimizer steps: micro-batches of one step see the same value
+        if step % self.every or step % self.val_every == 0 or step == self._saved_step:
+            return
+        if step == trainer.max_steps:  # the last step validates (ValidateAtLastStep), which writes it
+            return
+        trainer.save_checkpoint(str(self.path))
+        self._saved_step = step
+
+
+# exit status of a run stopped by SIGTERM after its checkpoint (128 + SIGTERM, as a shell reports it)
+PREEMPTED_EXIT_CODE = 143
+
+
+class CheckpointOnSigterm(L.Callback):
+    """SIGTERM (SLURM preemption, scancel, a container stop): Lightning finishes the current training
+    step and stops; this writes `path` (checkpoints/last.ckpt) at that step boundary, so
+    `ckpt_path=<it>` resumes from there, and train.py exits with status 143."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.saved_step: int | None = None
+
+    def on_exception(self, trainer, pl_module, exception):
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(str(self.path))
+            self.saved_step = trainer.global_step
