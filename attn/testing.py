@@ -87,3 +87,42 @@ def outputs_and_grads(fn, tensors: dict, dout: torch.Tensor) -> dict:
     out = fn(**tensors)
     grads = torch.autograd.grad(out, list(tensors.values()), dout.to(out.dtype))
     return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}
+
+
+def nonfinite_cases(name: str, device: torch.device, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """(label, tensors) with one non-finite input each, for variant `name`: a NaN query row, a NaN key
+    and, for the softmax family, a NaN and an infinite temperature of one row (tests and GPU checks)."""
+    gen = torch.Generator().manual_seed(5)
+    b, n, h, d = 1, 21, 2, 16
+
+    def unit(*shape):
+        return torch.nn.functional.normalize(torch.randn(*shape, generator=gen), dim=-1)
+
+    base = {"q": unit(b, n, h, d), "k": unit(b, n, 1, d), "v": torch.randn(b, n, 1, d, generator=gen)}
+    if name == "diff_threshold":
+        base.update(q2=unit(b, n, h, d), k2=unit(b, n, 1, d), lam=torch.full((h,), 0.3))
+    cases = []
+    q = base["q"].clone()
+    q[0, 7, 1] = float("nan")
+    cases.append(("nan query row", {**base, "q": q}))
+    k = base["k"].clone()
+    k[0, 11, 0, 3] = float("nan")
+    cases.append(("nan key", {**base, "k": k}))
+    if name in ("softmax", "softcap_tanh", "softcap_softsign", "alsc"):
+        for value in (float("nan"), float("inf")):
+            temperature = torch.ones(b, n)
+            temperature[0, 9] = value
+            cases.append((f"{value} temperature", {**base, "temperature": temperature}))
+    return [(label, {key: t.to(device=device, dtype=dtype if key != "lam" else torch.float32)
+                     for key, t in tensors.items()}) for label, tensors in cases]
+
+
+def nonfinite_pattern(spec, tensors: dict, backend: str) -> tuple[torch.Tensor, bool]:
+    """(where the causal attention output is NaN, whether every gradient is finite) on `backend`."""
+    import attn
+
+    leaves = {key: value.clone().requires_grad_() for key, value in tensors.items()}
+    rest = {key: value for key, value in leaves.items() if key not in ("q", "k", "v")}
+    out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True, backend=backend, **rest)
+    out.backward(torch.ones_like(out))
+    return torch.isnan(out.detach()).cpu(), all(bool(torch.isfinite(x.grad).all()) for x in leaves.values())

@@ -900,50 +900,17 @@ def test_paths_are_reported_and_nothing_is_written_outside_run_and_cache(tmp_pat
 # ======================================================================== 7. non-finite inputs in the kernels
 
 
-def _nan_cases(name):
-    """(label, q, k, v, extra) with one non-finite input each: a NaN query row, a NaN key, and for the
-    softmax family a NaN and an infinite temperature of one row."""
-    gen = torch.Generator().manual_seed(5)
-    b, n, h, d = 1, 21, 2, 16
-
-    def t(*shape):
-        return torch.nn.functional.normalize(torch.randn(*shape, generator=gen), dim=-1)
-
-    base = {"q": t(b, n, h, d), "k": t(b, n, 1, d), "v": torch.randn(b, n, 1, d, generator=gen)}
-    if name == "diff_threshold":
-        base.update(q2=t(b, n, h, d), k2=t(b, n, 1, d), lam=torch.full((h,), 0.3))
-    cases = []
-    q = base["q"].clone()
-    q[0, 7, 1] = float("nan")
-    cases.append(("nan query row", {**base, "q": q}))
-    k = base["k"].clone()
-    k[0, 11, 0, 3] = float("nan")
-    cases.append(("nan key", {**base, "k": k}))
-    if name in ("softmax", "softcap_tanh", "alsc"):
-        for value in (float("nan"), float("inf")):
-            temperature = torch.ones(b, n)
-            temperature[0, 9] = value
-            cases.append((f"{value} temperature", {**base, "temperature": temperature}))
-    return cases
-
-
-@pytest.mark.parametrize("name", ["softmax", "softcap_tanh", "alsc", "threshold", "diff_threshold"])
+@pytest.mark.parametrize("name", attn.variant_names())
 def test_nonfinite_inputs_propagate_in_the_kernels_as_in_the_reference(name, monkeypatch):
     """A NaN query row, a NaN key or a non-finite temperature gives NaN exactly where the reference
     gives NaN (the kernels turned them into zeros: the non-finite guard never saw them), and
-    non-finite gradients whenever the reference's are."""
+    non-finite gradients whenever the reference's are. (scripts/check_nonfinite_gpu.py: the same on a GPU.)"""
+    from attn.testing import nonfinite_cases, nonfinite_pattern
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = attn.get_variant(name).make_spec()
-    for label, tensors in _nan_cases(name):
-        results = {}
-        for backend in ("reference", "triton"):
-            leaves = {key: value.clone().requires_grad_() for key, value in tensors.items()}
-            rest = {key: value for key, value in leaves.items() if key not in ("q", "k", "v")}
-            out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True, backend=backend, **rest)
-            out.backward(torch.ones_like(out))
-            grads_finite = all(torch.isfinite(x.grad).all() for x in leaves.values())
-            results[backend] = (torch.isnan(out.detach()), grads_finite)
-        (ref_nan, ref_finite), (ker_nan, ker_finite) = results["reference"], results["triton"]
+    for label, tensors in nonfinite_cases(name, torch.device("cpu"), torch.float32):
+        (ref_nan, ref_finite), (ker_nan, ker_finite) = (nonfinite_pattern(spec, tensors, b) for b in ("reference", "triton"))
         assert ref_nan.any(), label  # the case does poison something
         assert torch.equal(ker_nan, ref_nan), f"{name}, {label}: NaN at {ker_nan.nonzero().tolist()} vs {ref_nan.nonzero().tolist()}"
         assert ker_finite == ref_finite, f"{name}, {label}: gradients finite {ker_finite}, reference {ref_finite}"
