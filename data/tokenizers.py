@@ -368,7 +368,7 @@ def _read_trained(kind: str, path: Path) -> Tokenizer | None:
         text = path.read_text(encoding="utf-8")
         digest = _digest_path(path)
         want = digest.read_text().strip() if digest.is_file() else None
-        if want is None:  # written before digests were kept: trusted once, checked from now on
+        if want is None:  # no digest beside it (an older cache): trusted once, checked from now on
             atomic_write_text(digest, _sha256_text(text) + "\n")
         elif _sha256_text(text) != want:
             logger.warning("tokenizer cache %s is not the file training wrote (its sha256 differs from %s); "

@@ -74,7 +74,7 @@ class LastCheckpointEveryNSteps(L.Callback):
     """Refreshes `path` (checkpoints/last.ckpt, which the validation's ModelCheckpoint also writes)
     every `every` optimizer steps, except at validation steps: there the validation's own write
     follows, and a write before it would make a kill during that validation lose it on resume.
-    One last.ckpt, always the newest (two ModelCheckpoints saving "last" made one last-v1.ckpt)."""
+    One last.ckpt, always the newest (two ModelCheckpoints saving "last" would make one last-v1.ckpt)."""
 
     def __init__(self, path: Path, every: int, val_every: int):
         self.path, self.every, self.val_every = path, every, val_every

@@ -7,25 +7,19 @@ compiled kernel's launcher directly (the attn runtime's path). Prints one line p
 
     python scripts/bench_launch_overhead.py
 """
-import time
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_attention_call import host_us  # noqa: E402
+
 dev = "cuda"
 x = torch.randn(4, 64, device=dev)
-
-
-def host_us(fn, iters=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def impl(a: torch.Tensor, b: torch.Tensor | None, s: float, flag: bool, w: int) -> torch.Tensor:
@@ -101,7 +95,7 @@ class Fn(torch.autograd.Function):
 xg = torch.randn(4, 64, device=dev, requires_grad=True)
 g = torch.ones_like(xg)
 rows = {}
-rows["empty_like"] = host_us(lambda: torch.empty_like(x))
+rows["empty_like"] = host_us(lambda: torch.empty_like(x), iters=2000)
 rows["current raw stream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(0))
 rows["direct python impl"] = host_us(lambda: impl(x, None, 1.0, True, 3))
 rows["custom_op no grad"] = host_us(lambda: co(x, None, 1.0, True, 3))
