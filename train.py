@@ -115,8 +115,8 @@ def _group(cfg: DictConfig) -> str:
     return cfg.group
 
 
-def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None):
-    csv_logger = ResumedCSVLogger if cfg.ckpt_path else L.pytorch.loggers.CSVLogger
+def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, resuming: bool):
+    csv_logger = ResumedCSVLogger if resuming else L.pytorch.loggers.CSVLogger
     loggers = [csv_logger(save_dir=str(output_dir), name="", version="csv")]
     if cfg.logger.kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
@@ -161,6 +161,20 @@ def finish_wandb(loggers) -> None:
     for lg in loggers:
         if lg.__class__.__name__ == "WandbLogger" and lg._experiment is not None:
             lg.experiment.finish()
+
+
+def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
+    """The checkpoint to resume from: `ckpt_path` itself, or with `ckpt_path=auto` the run
+    directory's own checkpoints/last.ckpt when there is one (a fresh start when not): the same
+    command restarts a preempted run where it stopped (SLURM --requeue, with a fixed hydra.run.dir)."""
+    if ckpt_path != "auto":
+        return ckpt_path
+    last = output_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        log.info("ckpt_path=auto: resuming from %s", last)
+        return str(last)
+    log.info("ckpt_path=auto: no %s yet, starting fresh", last)
+    return None
 
 
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
@@ -223,9 +237,10 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         cfg.attn.name, n_params / 1e6, model.model.flops_per_token(),
     )
 
+    ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
     resume_run_id = None
-    if cfg.ckpt_path:
-        resume_run_id = load_checkpoint(cfg.ckpt_path).get("wandb_run_id")
+    if ckpt_path:
+        resume_run_id = load_checkpoint(ckpt_path).get("wandb_run_id")
     precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
     checkpointing = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
@@ -245,7 +260,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)
         callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every * cfg.train.grad_accum))
-    loggers = build_loggers(cfg, output_dir, resume_run_id)
+    loggers = build_loggers(cfg, output_dir, resume_run_id, resuming=ckpt_path is not None)
     trainer: L.Trainer = instantiate(
         cfg.trainer,
         precision=precision,
@@ -263,7 +278,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     )
     try:
         with run_dir_for_launched_ranks(output_dir):
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
             # a finished run resumed: fit had nothing left to do and the checkpoint holds the last
             # validation (as computed then, whatever the validation settings are now). A checkpoint
             # without it (older, or a last.ckpt written before a final validation that crashed)

@@ -217,15 +217,16 @@ def test_a_run_directory_held_by_a_live_run_is_refused_and_freed_when_it_ends(tm
 
 def test_resuming_in_the_same_directory_keeps_the_earlier_metric_rows(tmp_path):
     """Lightning's CSV logger deletes an existing metrics.csv; a run resumed in its own directory
-    keeps the rows it logged before and appends the resumed ones."""
+    keeps the rows it logged before and appends the resumed ones. ckpt_path=auto: the same command
+    starts fresh in an empty directory and resumes from the directory's own last.ckpt once there is one
+    (what a requeued SLURM job runs)."""
     import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
-    common = {"train.max_steps": 8, "train.val_every": 4}
-    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common, **{"train.stop_at_step": 4})))
-    assert sorted(train_losses(tmp_path / "run")) == [0, 1, 2, 3]
-    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common) + [f"ckpt_path={last}"]))
+    common = {"train.max_steps": 8, "train.val_every": 4, "ckpt_path": "auto"}
+    first = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common, **{"train.stop_at_step": 4})))
+    assert first["steps"] == 4 and sorted(train_losses(tmp_path / "run")) == [0, 1, 2, 3]
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **common)))
     assert sorted(train_losses(tmp_path / "run")) == list(range(8))
     assert sorted(metric_by_step(tmp_path / "run", "val/loss")) == [3, 7]
 
