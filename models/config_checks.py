@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -11,9 +12,13 @@ from models.lit import OptimConfig, gpt_config_from_dict
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "lambda_mode", "window"}
 LOGGER_KINDS = ("wandb", "csv", "none")
-# the train.* keys there are: those of configs/train.yaml (a `+train.foo=1` typo must not pass silently)
-TRAIN_KEYS = tuple(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "train.yaml").train.keys())
 NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
+
+
+@functools.cache
+def train_keys() -> tuple[str, ...]:
+    """The train.* keys there are: those of configs/train.yaml (a `+train.foo=1` typo must not pass silently)."""
+    return tuple(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "train.yaml").train.keys())
 
 
 def _is_number(value) -> bool:
@@ -37,9 +42,9 @@ def check_config(cfg: DictConfig) -> None:
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     t = cfg.train
-    unknown = sorted(set(t) - set(TRAIN_KEYS))
+    unknown = sorted(set(t) - set(train_keys()))
     if unknown:
-        raise ValueError(f"unknown train fields {unknown}; allowed: {sorted(TRAIN_KEYS)}")
+        raise ValueError(f"unknown train fields {unknown}; allowed: {sorted(train_keys())}")
     for name in NUMBER_FIELDS:
         if not _is_number(t[name]):
             raise ValueError(f"train.{name} must be a number, got {t[name]!r}")

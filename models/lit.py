@@ -93,9 +93,8 @@ class LitGPT(L.LightningModule):
         if cuda_graphs and not compile:
             raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
         # CUDA graphs: the compiled forward and backward are captured once (after warm-up runs, which
-        # tune and compile the kernels) and replayed, so a step costs a few launches of host work
-        # whatever the number of kernels; torch.compile copies each batch into the graph's static
-        # input buffers (one device copy)
+        # tune and compile the kernels) and replayed: one launch per graph instead of one per kernel;
+        # torch.compile copies each batch into the graph's static input buffers (one device copy)
         self.cuda_graphs = cuda_graphs
         mode = "reduce-overhead" if cuda_graphs else None
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
