@@ -13,6 +13,7 @@ yardstick, in the same process. bf16 autocast, torch.compile(fullgraph=True) end
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import json
 import os
@@ -150,6 +151,11 @@ def train_py_case(args, model_cfg: dict, variant: str, backend: str, params: dic
         row["error"] = f"exit {proc.returncode}: {proc.stderr[-300:]}"
         return row
     res = json.loads(results.read_text())
+    metrics = run_dir / "csv" / "metrics.csv"
+    if metrics.exists():  # every logged window's tokens/s: a slow window (a recompile, a stall) shows here
+        with metrics.open() as f:
+            row["window_tokens_per_s"] = [round(float(r["train/tokens_per_s"])) for r in csv.DictReader(f)
+                                          if r.get("train/tokens_per_s")]
     row.update(tokens_per_s=res["tokens_per_s"], mfu=res["mfu"] or 0.0, peak_mem_gb=res["peak_memory_gb"] or 0.0,
                params_m=res["params"] / 1e6, ms_per_step=args.batch * model_cfg["context"] / res["tokens_per_s"] * 1e3,
                loss=res["val_loss"], new_graphs_while_timed="-")
@@ -203,6 +209,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt2_small", help="a configs/model/*.yaml preset")
     ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--context", type=int, default=None, help="the model's context (default: the preset's)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=989.4, help="bf16 dense peak (H100/H200: 989.4)")
@@ -218,6 +225,8 @@ def main():
     args = ap.parse_args()
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
     model_cfg["vocab_size"] = args.vocab
+    if args.context:
+        model_cfg["context"] = args.context
     wanted = set(args.variants.split(",")) if args.variants else None
     rows = []
     modes = ([] if args.no_default else [False]) + ([True] if args.cuda_graphs else [])

@@ -19,7 +19,7 @@ if ! python3 -c "import hydra" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD:/tmp/site
 st() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
-timeout 60 python3 scripts/check_nonfinite_gpu.py > $OUT/nonfinite_check.log 2>&1; st nonfinite
+ATTNLAB_AUTOTUNE=0 timeout 120 python3 scripts/check_nonfinite_gpu.py > $OUT/nonfinite_check.log 2>&1; st nonfinite
 timeout 70 python3 scripts/check_direct_launch_gpu.py --masks causal,ranker --json $OUT/direct_launch.json > $OUT/direct_launch.log 2>&1; st direct
 timeout 150 python3 scripts/check_train_determinism.py --variants softmax --b-overrides train.cuda_graphs=true --rtol 0.01 --json $OUT/cuda_graphs_check.json experiment=gpu_small train.max_steps=100 train.val_every=100 train.compile=true train.log_max_logit=false > $OUT/cuda_graphs_check.log 2>&1; st graphs
 timeout 200 python3 scripts/bench_train.py --model small --vocab 2048 --batch 32 --steps 30 --variants softmax --train-py --train-py-steps 80 --out $OUT/bench_train_small_trainpy > $OUT/bench_train_small_trainpy.log 2>&1; st train

@@ -1,0 +1,98 @@
+"""Where train.py's per-step host time goes: Lightning's SimpleProfiler (host time per hook and
+loop action) and every host-device synchronization of the steady state, with the code that made it.
+
+    python scripts/profile_train_loop.py [--out DIR] [train.py overrides ...]
+
+A sync stops the host from queueing the next kernels while the GPU runs, so a step then costs host
+time plus GPU time instead of the larger of the two. Syncs are found with
+torch.cuda.set_sync_debug_mode("warn") (each blocking op warns, with the stack that made it),
+counted per call site. Compilation and autotuning sync too; they show up with small counts, while
+a per-step sync shows up about once per training step. CUDA only for the sync census; the hook
+timings work on any device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import runpy
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from lightning.pytorch.profilers import SimpleProfiler
+
+ROOT = Path(__file__).resolve().parents[1]
+SYNC_WARNING = "synchronizing"
+
+
+def call_site(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frames outside torch's own modules: where our code or Lightning asked for the sync."""
+    frames = [f for f in stack if "site-packages/torch/" not in f.filename and "warnings.py" not in f.filename]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+
+
+def steady_state_table(durations: dict[str, list[float]], skip: int) -> str:
+    """Median and 90th percentile host time per action after its first `skip` calls, largest total first."""
+    rows = []
+    for action, times in durations.items():
+        steady = sorted(times[skip:])
+        if steady:
+            rows.append((sum(steady), action, len(steady), steady[len(steady) // 2], steady[int(0.9 * (len(steady) - 1))]))
+    lines = [f"\n# host time per action, steady state (first {skip} calls left out)\n",
+             "| action | calls | median ms | p90 ms | total s |", "| --- | ---: | ---: | ---: | ---: |"]
+    for total, action, n, median, p90 in sorted(rows, reverse=True)[:30]:
+        lines.append(f"| {action[:90]} | {n} | {1e3 * median:.3f} | {1e3 * p90:.3f} | {total:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip", type=int, default=10, help="calls of each action left out (compilation, autotuning)")
+    ap.add_argument("--out", default=None, help="folder for the profiler's report (default: the run dir)")
+    args, overrides = ap.parse_known_args()
+    syncs: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING in str(message):
+            syncs[call_site(traceback.extract_stack()[:-1])] += 1
+        else:
+            sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn")
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+    profilers = []
+    original_init = SimpleProfiler.__init__
+
+    def keep(self, *a, **k):  # the Trainer builds the profiler; keep it to read its raw durations
+        original_init(self, *a, **k)
+        profilers.append(self)
+
+    SimpleProfiler.__init__ = keep
+    profiler = ["+trainer.profiler._target_=lightning.pytorch.profilers.SimpleProfiler",
+                "+trainer.profiler.filename=profile_simple", "+trainer.profiler.extended=false"]
+    if args.out:
+        profiler.append(f"+trainer.profiler.dirpath={args.out}")
+    sys.argv = [str(ROOT / "train.py"), *overrides, *profiler]
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        for p in profilers:
+            print(steady_state_table(p.recorded_durations, args.skip))
+        print(f"\n# host-device syncs by call site ({sum(syncs.values())} in all)\n")
+        print("| count | call site (innermost first) |\n| ---: | --- |")
+        for site, n in syncs.most_common(40):
+            print(f"| {n} | {site} |")
+
+
+if __name__ == "__main__":
+    main()
