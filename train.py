@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import attn
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
-from models.config_checks import check_config
+from models.config_checks import check_config, cuda_graphs_enabled
 from models.guards import MaxLogitMonitor, NonFiniteGuard
 from models.run_files import (
     PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, ResumedCSVLogger, RunDirectoryLock,
@@ -177,7 +177,22 @@ def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
     return None
 
 
+def devices_per_run(trainer_cfg) -> int:
+    """How many devices the trainer config asks for in all (devices x num_nodes; -1 / "auto": every GPU here)."""
+    devices = trainer_cfg.get("devices", "auto")
+    if isinstance(devices, str) and devices != "auto":
+        devices = [d for d in devices.split(",") if d.strip()]
+    if not isinstance(devices, int) and not isinstance(devices, str):
+        devices = len(devices)
+    if devices in (-1, "auto"):
+        devices = max(torch.cuda.device_count(), 1)
+    return int(devices) * int(trainer_cfg.get("num_nodes", 1))
+
+
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
+    cuda = torch.cuda.is_available() and cfg.trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda")
+    cuda_graphs, why = cuda_graphs_enabled(cfg.train, devices_per_run(cfg.trainer), cuda)
+    log.info("CUDA graphs %s: %s", "on" if cuda_graphs else "off", why)
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["vocab_size"] = vocab_size
     model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
@@ -185,7 +200,7 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitG
     optim["max_steps"] = cfg.train.max_steps
     return LitGPT(
         model=model, optim=optim, compile=cfg.train.compile, compile_unit=cfg.train.compile_unit,
-        cuda_graphs=cfg.train.get("cuda_graphs", False),
+        cuda_graphs=cuda_graphs,
         bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops),
     )
 

@@ -25,6 +25,25 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+CUDA_GRAPHS_CHOICES = (True, False, "auto")
+
+
+def cuda_graphs_enabled(train_cfg, n_devices: int, cuda: bool) -> tuple[bool, str]:
+    """(on, why) for train.cuda_graphs: true and false as given; auto turns them on where they
+    are known to hold (bitwise-equal losses, about 2x the steps per second at model `small` on an
+    H200): a compiled model on one CUDA device, without gradient accumulation."""
+    graphs = train_cfg.get("cuda_graphs", "auto")
+    if graphs != "auto":
+        return bool(graphs), f"train.cuda_graphs={str(graphs).lower()}"
+    reasons = [why for bad, why in ((not train_cfg.compile, "train.compile=false"),
+                                    (not cuda, "no CUDA device"),
+                                    (n_devices != 1, f"{n_devices} devices"),
+                                    (train_cfg.grad_accum != 1, f"train.grad_accum={train_cfg.grad_accum}")) if bad]
+    if reasons:
+        return False, "train.cuda_graphs=auto: off (" + ", ".join(reasons) + ")"
+    return True, "train.cuda_graphs=auto: on (compiled, one CUDA device, no gradient accumulation)"
+
+
 def check_config(cfg: DictConfig) -> None:
     attn_cfg = OmegaConf.to_container(cfg.attn, resolve=True)
     unknown = sorted(set(attn_cfg) - ATTN_KEYS)
@@ -60,7 +79,10 @@ def check_config(cfg: DictConfig) -> None:
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
-    if t.get("cuda_graphs", False):
+    graphs = t.get("cuda_graphs", "auto")
+    if graphs not in CUDA_GRAPHS_CHOICES:
+        raise ValueError(f"train.cuda_graphs must be one of true, false, auto; got {graphs!r}")
+    if graphs is True:
         if not t.compile:
             raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
         if t.grad_accum != 1:

@@ -2,7 +2,8 @@
 
 NonFiniteGuard (train.nonfinite: skip | stop | off)
     After backward and before gradient clipping and the optimizer step (Lightning's
-    on_before_optimizer_step), the loss of the step and every gradient are checked.
+    on_before_optimizer_step), the loss of the step and every gradient are checked, the gradients
+    through their norm (LitGPT.grad_norm, computed once per step and reused by clipping).
     - skip: AdamW leaves every parameter, its moments and its step count untouched; the step
       is counted in `train/nonfinite_steps` (saved in checkpoints). The LR schedule still
       advances: the step index stays the data position. With a fused optimizer (AdamW on
@@ -94,16 +95,11 @@ class NonFiniteGuard(L.Callback):
         if self.policy == "off":
             return
         scaler_handles_grads = str(trainer.precision) == "16-mixed"
-        found = torch.logical_not(torch.as_tensor(self._loss_finite, device=pl_module.device)).float().reshape(())
-        if not scaler_handles_grads:
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for g in grads:
-                by_device.setdefault(g.device, []).append(g)
-            for device, group in by_device.items():  # GradScaler's multi-tensor check, scale 1
-                flag = torch.zeros((), device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones((), device=device))
-                found = torch.maximum(found, flag.to(found.device))
+        loss_bad = torch.logical_not(torch.as_tensor(self._loss_finite, device=pl_module.device))
+        if scaler_handles_grads:
+            found = loss_bad.float().reshape(())
+        else:  # a non-finite gradient makes the step's gradient norm non-finite (LitGPT.grad_norm)
+            found = (loss_bad | torch.logical_not(torch.isfinite(pl_module.grad_norm()))).float().reshape(())
         if _shards_gradients(trainer) and torch.distributed.is_initialized():
             # each rank checked only its own gradient shard: agree before skipping. (DDP needs
             # none: a non-finite value on one rank reaches every rank's all-reduced gradients,

@@ -113,6 +113,7 @@ class LitGPT(L.LightningModule):
         self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
+        self._grad_norm: tuple[int, torch.Tensor] | None = None  # (global step, norm) of the step's gradients
 
     def forward(self, idx):
         return self.forward_fn(idx)
@@ -161,6 +162,9 @@ class LitGPT(L.LightningModule):
         self.log("train/loss", loss.cpu(), prog_bar=True)
         self.log("train/tokens", torch.tensor(float(self.tokens_seen)))
         self.log("train/lr", torch.tensor(float(self.optimizers().param_groups[0]["lr"])))
+        if self._grad_norm is not None and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
+            # the latest step's gradient norm before clipping (under FSDP only this rank's shard's: not logged)
+            self.log("train/grad_norm", self._grad_norm[1].float().cpu())
         if self.device.type == "cuda":
             self.log("train/peak_mem_gb", torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30))
         if first_batch:  # no batch in the window yet
@@ -228,6 +232,20 @@ class LitGPT(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of all of this rank's gradients at the current optimizer step, before
+        clipping: a device tensor, computed once per step (one multi-tensor kernel) and shared by
+        the non-finite guard, clipping and the train/grad_norm log. Non-finite when any gradient
+        is, or when the sum of squares overflows fp32 (a gradient of 1e19: clipping by it would
+        zero the update, so such a step counts as non-finite too)."""
+        step = self.global_step
+        if self._grad_norm is None or self._grad_norm[0] != step:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) if grads
+                    else torch.zeros((), device=self.device))
+            self._grad_norm = (step, norm)
+        return self._grad_norm[1]
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's AMP plugin refuses to clip for fused AdamW (built for fp16 loss scaling);
         # under bf16 / fp32 there is no scaler, so the gradients are the true ones: clip here.
@@ -236,8 +254,11 @@ class LitGPT(L.LightningModule):
         wrapped = self.trainer.strategy.model
         if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm over every rank's shard
             wrapped.clip_grad_norm_(gradient_clip_val)
-        else:
-            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:  # torch.nn.utils.clip_grad_norm_'s rule, on the step's shared norm; no host sync
+            scale = torch.clamp(gradient_clip_val / (self.grad_norm() + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, scale)
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["tokens_seen"] = self.tokens_seen

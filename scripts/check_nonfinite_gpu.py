@@ -4,11 +4,15 @@ Per variant (bf16 and fp32): a NaN query row, a NaN key and a NaN / infinite tem
 kernel output must be NaN exactly where the reference's is, and its gradients non-finite when the
 reference's are (tests/test_reliability.py runs the same cases under the interpreter).
 
-    python scripts/check_nonfinite_gpu.py
+    python scripts/check_nonfinite_gpu.py [--variants threshold,diff_threshold]
+
+Each case compiles its kernels on first use (about 4 s); ATTNLAB_AUTOTUNE=0 skips the timing of
+tile candidates, which a correctness check does not need.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,8 +25,11 @@ from attn.testing import nonfinite_cases, nonfinite_pattern  # noqa: E402
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=",".join(attn.variant_names()), help="comma list (default: every variant)")
+    names = ap.parse_args().variants.split(",")
     failed = 0
-    for name in attn.variant_names():
+    for name in names:
         spec = attn.get_variant(name).make_spec()
         for dtype in (torch.bfloat16, torch.float32):
             for label, tensors in nonfinite_cases(name, torch.device("cuda"), dtype):

@@ -219,6 +219,32 @@ def test_cuda_graphs_need_compile_and_no_gradient_accumulation():
         check_config(cfg("train.cuda_graphs=true"))
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs train.grad_accum=1"):
         check_config(cfg("train.compile=true", "train.cuda_graphs=true", "train.grad_accum=2"))
+    with pytest.raises(ValueError, match="train.cuda_graphs must be one of true, false, auto; got 'always'"):
+        check_config(cfg("train.cuda_graphs=always"))
     model = {"vocab_size": 16, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 16}
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs train.compile=true"):
         LitGPT(model=model, optim={}, compile=False, cuda_graphs=True)
+
+
+def test_cuda_graphs_auto_turns_on_only_where_they_hold():
+    """auto: on for a compiled model on one CUDA device without accumulation; off, naming why, otherwise;
+    true and false are taken as given (true's own requirements are check_config's)."""
+    from omegaconf import OmegaConf
+
+    from models.config_checks import cuda_graphs_enabled
+    from train import devices_per_run
+
+    def train(**kw):
+        return OmegaConf.create({"cuda_graphs": "auto", "compile": True, "grad_accum": 1, **kw})
+
+    assert cuda_graphs_enabled(train(), 1, cuda=True)[0]
+    for cfg, devices, cuda, why in ((train(compile=False), 1, True, "train.compile=false"), (train(), 1, False, "no CUDA"),
+                                    (train(), 2, True, "2 devices"), (train(grad_accum=4), 1, True, "grad_accum=4")):
+        on, reason = cuda_graphs_enabled(cfg, devices, cuda)
+        assert not on and why in reason, reason
+    assert cuda_graphs_enabled(train(cuda_graphs=False), 1, True)[0] is False
+    assert cuda_graphs_enabled(train(cuda_graphs=True, compile=False), 4, False)[0] is True
+    assert devices_per_run(OmegaConf.create({"devices": 2, "num_nodes": 3})) == 6
+    assert devices_per_run(OmegaConf.create({"devices": [0, 1]})) == 2
+    assert devices_per_run(OmegaConf.create({"devices": "0,1,2"})) == 3
+    assert devices_per_run(OmegaConf.create({"devices": -1})) == max(torch.cuda.device_count(), 1)

@@ -88,6 +88,27 @@ def test_without_clipping_the_optimizer_sees_the_raw_gradient(tmp_path, monkeypa
     assert len(seen) == 3 and all(r["grad_norm"] > 0.05 for r in seen), seen
 
 
+def test_logged_grad_norm_is_the_pre_clip_norm_of_each_step(tmp_path, monkeypatch):
+    """train/grad_norm is the norm of the step's gradients before clipping: without a clip, what
+    the optimizer sees; with a clip far below it, still the raw norm (the optimizer sees the clip)."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    for clip in ("null", 1e-3):
+        seen = _record_optimizer_steps(monkeypatch)
+        run = tmp_path / f"clip{clip}"
+        train.run(compose_cfg(tiny_overrides(run, corpus, **{
+            "train.max_steps": 4, "train.val_every": 4, "train.grad_clip": clip})))
+        logged = metric_by_step(run / "run", "train/grad_norm")
+        assert sorted(logged) == [0, 1, 2, 3], logged  # one value per step (log_every 1)
+        if clip == "null":
+            raw = [r["grad_norm"] for r in seen]
+            assert [logged[s] for s in range(4)] == pytest.approx(raw, rel=1e-5)
+        else:
+            assert all(r["grad_norm"] == pytest.approx(1e-3, rel=1e-4) for r in seen)
+            assert all(v > 0.05 for v in logged.values()), logged
+
+
 @pytest.mark.parametrize("variant,lambda_mode", [("softmax", "reparam"), ("diff_threshold", "reparam"),
                                                  ("diff_threshold", "clamp")])
 def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
