@@ -192,7 +192,7 @@ def devices_per_run(trainer_cfg) -> int:
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
     cuda = torch.cuda.is_available() and cfg.trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda")
     cuda_graphs, why = cuda_graphs_enabled(cfg.train, devices_per_run(cfg.trainer), cuda)
-    log.info("CUDA graphs %s: %s", "on" if cuda_graphs else "off", why)
+    log.info("CUDA graphs: %s", why)
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["vocab_size"] = vocab_size
     model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)

@@ -34,7 +34,7 @@ def cuda_graphs_enabled(train_cfg, n_devices: int, cuda: bool) -> tuple[bool, st
     H200): a compiled model on one CUDA device, without gradient accumulation."""
     graphs = train_cfg.get("cuda_graphs", "auto")
     if graphs != "auto":
-        return bool(graphs), f"train.cuda_graphs={str(graphs).lower()}"
+        return bool(graphs), f"train.cuda_graphs={str(graphs).lower()}: {'on' if graphs else 'off'}"
     reasons = [why for bad, why in ((not train_cfg.compile, "train.compile=false"),
                                     (not cuda, "no CUDA device"),
                                     (n_devices != 1, f"{n_devices} devices"),
