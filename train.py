@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import attn
+from models.attention_monitor import AttentionRowMonitor
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from models.config_checks import check_config, cuda_graphs_enabled
 from models.guards import MaxLogitMonitor, NonFiniteGuard
@@ -271,6 +272,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
                                                    cfg.train.val_every))
     if cfg.train.log_max_logit:
         callbacks.append(MaxLogitMonitor())
+    if cfg.train.attention_stats_sequences:
+        callbacks.append(AttentionRowMonitor(cfg.train.attention_stats_sequences))
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from models.gpt import check_model_config
 from models.lit import OptimConfig, gpt_config_from_dict
 
-ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "lambda_mode", "window"}
+ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "out_norm_eps", "lambda_mode", "window"}
 LOGGER_KINDS = ("wandb", "csv", "none")
 NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
 
@@ -79,6 +79,9 @@ def check_config(cfg: DictConfig) -> None:
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
+    sequences = t.get("attention_stats_sequences", 0)
+    if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 0:
+        raise ValueError(f"train.attention_stats_sequences must be an int >= 0, got {sequences!r}")
     graphs = t.get("cuda_graphs", "auto")
     if graphs not in CUDA_GRAPHS_CHOICES:
         raise ValueError(f"train.cuda_graphs must be one of true, false, auto; got {graphs!r}")

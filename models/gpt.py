@@ -18,7 +18,7 @@ import attn
 
 QK_NORMS = ("none", "l2", "rms")
 MLP_KINDS = ("gelu", "swiglu")
-LAMBDA_MODES = ("reparam", "clamp")
+LAMBDA_MODES = ("reparam", "clamp", "scalar_clamp")
 
 
 @dataclass
@@ -28,7 +28,10 @@ class AttnConfig:
     params: dict = field(default_factory=dict)  # the variant's spec parameters (cap, knee, beta, ...)
     qk_norm: str | None = None  # None: the variant's default (l2 for threshold variants)
     out_norm: bool | None = None  # None: the variant's default (on for threshold variants)
-    lambda_mode: str = "reparam"  # differential lambda: Diff-Transformer reparameterization or clamp
+    out_norm_eps: float = 1e-5  # the per-head output RMSNorm's eps (the norm runs in fp32)
+    # differential lambda: reparam (Differential Transformer, per head), clamp (per head, in [0, 1]),
+    # scalar_clamp (the official TDA code: one scalar per layer in [0, 1], init 0.5)
+    lambda_mode: str = "reparam"
     window: int | None = None
 
 
@@ -107,21 +110,27 @@ class Attention(nn.Module):
         self.rope = RoPE(cfg.head_dim, cfg.rope_base, cfg.context)
         self.q_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
         self.k_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
-        self.head_norm = nn.RMSNorm(cfg.head_dim) if self.out_norm else None
+        # eps fixed, not the input dtype's machine epsilon: with eps ~1e-7 one tiny surviving weight
+        # in an otherwise empty row is scaled up to a full-size output
+        self.head_norm = nn.RMSNorm(cfg.head_dim, eps=acfg.out_norm_eps) if self.out_norm else None
         if self.views == 2:
             self.lambda_mode = acfg.lambda_mode
             self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
             if self.lambda_mode == "reparam":
                 # lambda_h = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init (Differential Transformer), per head
                 self.lambda_vectors = nn.Parameter(torch.zeros(4, cfg.n_head, cfg.head_dim).normal_(0, 0.1))
-            else:
+            elif self.lambda_mode == "clamp":
                 self.lambda_raw = nn.Parameter(torch.full((cfg.n_head,), self.lambda_init))
+            else:  # scalar_clamp: every head of the layer shares one lambda
+                self.lambda_scalar = nn.Parameter(torch.tensor(0.5))
 
     def differential_lambda(self) -> torch.Tensor:
         if self.lambda_mode == "reparam":
             lq1, lk1, lq2, lk2 = self.lambda_vectors.float()
             return torch.exp((lq1 * lk1).sum(-1)) - torch.exp((lq2 * lk2).sum(-1)) + self.lambda_init
-        return self.lambda_raw.float().clamp(0.0, 1.0)
+        if self.lambda_mode == "clamp":
+            return self.lambda_raw.float().clamp(0.0, 1.0)
+        return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
 
     def split_heads(self, x: torch.Tensor):
         """(B, N, C) -> list of q/k views and v, each (B, N, heads, D), with RoPE and QK-norm."""
@@ -146,7 +155,7 @@ class Attention(nn.Module):
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
         y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, **extra)
         if self.head_norm is not None:
-            y = self.head_norm(y)
+            y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":
             y = y * (1.0 - self.lambda_init)
         return self.proj(y.reshape(b, n, -1))
@@ -308,5 +317,7 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"attn.qk_norm must be one of {QK_NORMS} or null, got {a.qk_norm!r}")
     if a.lambda_mode not in LAMBDA_MODES:
         raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {a.lambda_mode!r}")
+    if not (isinstance(a.out_norm_eps, (int, float)) and not isinstance(a.out_norm_eps, bool) and a.out_norm_eps > 0):
+        raise ValueError(f"attn.out_norm_eps must be a number > 0, got {a.out_norm_eps!r}")
     if a.window is not None and (not isinstance(a.window, int) or a.window < 1):
         raise ValueError(f"attn.window must be a positive int or null, got {a.window!r}")

@@ -31,7 +31,7 @@ import lightning as L
 import torch
 
 import attn
-from eval.attention_stats import per_head_scores
+from models.attention_diagnostics import per_head_scores
 from models.lit import writes_logs
 
 POLICIES = ("skip", "stop", "off")

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 import attn
 from eval import attention_stats, common, generate, perplexity
+from models import attention_diagnostics
 from eval.perplexity import Window, bits_per_byte, score_tokens, scoring_windows
 from models.gpt import GPT, AttnConfig, GPTConfig
 from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
@@ -210,7 +211,7 @@ def test_head_stats_on_constructed_weights():
     # one head, 3 queries: row 0 sees key 0; row 1 has a negative weight (differential); row 2 is empty
     w = torch.tensor([[[[0.5, 0, 0], [-1.0, 3.0, 0], [0, 0, 0]]]])
     visible = attn.dense_mask(attn.MaskSpec(causal=True), 3)
-    stats = attention_stats.HeadStats(1)
+    stats = attention_diagnostics.HeadStats(1)
     stats.add(w, visible, torch.zeros_like(w), torch.zeros_like(w))
     r = stats.result()
     assert r["zero_fraction"] == [pytest.approx(3 / 6)]

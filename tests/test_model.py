@@ -73,17 +73,44 @@ def test_rope_tables_match_the_rotation_within_and_beyond_the_context():
 
 def test_differential_lambda_is_learned():
     torch.manual_seed(0)
-    for mode in ("reparam", "clamp"):
+    for mode in ("reparam", "clamp", "scalar_clamp"):
         model = GPT(tiny("diff_threshold", lambda_mode=mode))
         x = torch.randint(0, 37, (2, 16))
         model(x).sum().backward()
         layer = model.blocks[1].attn
-        grad = layer.lambda_vectors.grad if mode == "reparam" else layer.lambda_raw.grad
+        param = {"reparam": "lambda_vectors", "clamp": "lambda_raw", "scalar_clamp": "lambda_scalar"}[mode]
+        grad = getattr(layer, param).grad
         assert grad is not None and grad.abs().sum() > 0
         lam = layer.differential_lambda()
         assert lam.shape == (4,)
         if mode == "reparam":  # lambda_init = 0.8 - 0.6 exp(-0.3 * layer)
             assert abs(layer.lambda_init - (0.8 - 0.6 * torch.exp(torch.tensor(-0.3)).item())) < 1e-6
+        if mode == "scalar_clamp":  # the official TDA parametrization: one scalar per layer, init 0.5, in [0, 1]
+            assert layer.lambda_scalar.shape == () and torch.equal(lam.detach(), torch.full((4,), 0.5))
+            with torch.no_grad():
+                layer.lambda_scalar.fill_(1.7)
+            assert torch.equal(layer.differential_lambda(), torch.ones(4))
+            with torch.no_grad():
+                layer.lambda_scalar.fill_(-0.2)
+            assert torch.equal(layer.differential_lambda(), torch.zeros(4))
+
+
+def test_head_norm_eps_is_configurable_and_runs_in_fp32():
+    """out_norm_eps sets the per-head RMSNorm's eps (default 1e-5, not the dtype's machine
+    epsilon); the norm runs in fp32 whatever the attention output's dtype."""
+    from models.gpt import Attention, GPTConfig, AttnConfig
+
+    cfg = GPTConfig(vocab_size=37, context=16, n_layer=1, n_head=2, n_kv_head=2, d_model=16,
+                    attn=AttnConfig(name="threshold", backend="reference"))
+    assert Attention(cfg, 0).head_norm.eps == 1e-5
+    cfg.attn.out_norm_eps = 1e-3
+    layer = Attention(cfg, 0)
+    assert layer.head_norm.eps == 1e-3
+    tiny_row = torch.full((1, 1, 1, 8), 1e-4)  # an RMS of 1e-4: eps 1e-3 keeps it small, eps 1e-7 would not
+    assert layer.head_norm(tiny_row).abs().max() < 0.01
+    with pytest.raises(ValueError, match=r"attn.out_norm_eps must be a number > 0, got 0"):
+        GPT(GPTConfig(vocab_size=37, context=16, n_layer=1, n_head=2, n_kv_head=2, d_model=16,
+                      attn=AttnConfig(name="threshold", out_norm_eps=0)))
 
 
 def test_threshold_variants_default_to_l2_qk_norm_and_head_norm():

@@ -110,7 +110,7 @@ def test_logged_grad_norm_is_the_pre_clip_norm_of_each_step(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("variant,lambda_mode", [("softmax", "reparam"), ("diff_threshold", "reparam"),
-                                                 ("diff_threshold", "clamp")])
+                                                 ("diff_threshold", "clamp"), ("diff_threshold", "scalar_clamp")])
 def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
     """Decayed: every linear weight and the (tied) embedding, once. Not decayed: every norm gain and
     the differential lambda parameters. Nothing else, nothing twice."""
@@ -123,7 +123,7 @@ def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
     want_decayed = ["embed.weight"] + [f"blocks.{i}.{m}.weight" for i in range(2)
                                        for m in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")]
     assert decayed == sorted(want_decayed)
-    lambdas = {"reparam": "attn.lambda_vectors", "clamp": "attn.lambda_raw"}[lambda_mode]
+    lambdas = {"reparam": "attn.lambda_vectors", "clamp": "attn.lambda_raw", "scalar_clamp": "attn.lambda_scalar"}[lambda_mode]
     want_kept = ["norm.weight"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("norm1.weight", "norm2.weight")]
     if variant == "diff_threshold":  # per-head output norm and lambda
         want_kept += [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.head_norm.weight", lambdas)]
