@@ -35,6 +35,7 @@ from models.run_files import (
     is_global_rank_zero,
 )
 from models.lit import LitGPT
+from models.run_label import run_label
 
 log = logging.getLogger("attnlab.train")
 
@@ -105,6 +106,15 @@ def launched_rank_argv(argv: list[str]) -> list[str]:
     return [argv[0], *kept, *json.loads(overrides), f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
 
+def _label(cfg: DictConfig) -> str:
+    """The run's label (models/run_label.py) from the job's command-line overrides."""
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # composed outside @hydra.main (tests): no command line
+        overrides = []
+    return run_label(cfg.attn.name, overrides)
+
+
 def _group(cfg: DictConfig) -> str:
     """wandb group: the experiment/group name; in a multirun, one group per sweep."""
     try:
@@ -125,8 +135,8 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
         loggers.append(
             WandbLogger(
                 project=cfg.logger.project, entity=cfg.logger.entity, offline=cfg.logger.offline,
-                save_dir=str(output_dir), group=_group(cfg), tags=[cfg.attn.name, f"seed{cfg.seed}"],
-                name=f"{cfg.attn.name}-s{cfg.seed}", id=resume_run_id, resume="allow" if resume_run_id else None,
+                save_dir=str(output_dir), group=_group(cfg),
+                tags=sorted({cfg.attn.name, _label(cfg), f"seed{cfg.seed}"}), name=f"{_label(cfg)}-s{cfg.seed}", id=resume_run_id, resume="allow" if resume_run_id else None,
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
         )
@@ -314,6 +324,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     nats = final["val/loss"]
     results = {
         "variant": cfg.attn.name,
+        "label": _label(cfg),  # the variant and its own overridden settings
         "run_dir": str(output_dir),
         "wandb_group": _group(cfg),
         "seed": cfg.seed,

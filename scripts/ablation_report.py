@@ -253,7 +253,10 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     if results.get("tokens_per_s") is not None:  # measured by train.py itself, when it records it
         tokens_per_s = float(results["tokens_per_s"])
     return Run(
-        path=run_dir, variant=results["variant"], seed=results.get("seed"), results=results, curve=curve,
+        # the label (variant and its own overridden settings, models/run_label.py) when recorded:
+        # a sweep over a variant's parameter gives one row per setting
+        path=run_dir, variant=results.get("label") or results["variant"], seed=results.get("seed"), results=results,
+        curve=curve,
         tokens_per_s=tokens_per_s, peak_memory_gb=_peak_memory_gb(results),
         perplexity=_eval_json(run_dir, "perplexity", split, results),
         attention=_eval_json(run_dir, "attention", stats_split, results),
@@ -261,8 +264,13 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
 
 
 def variant_order(variants) -> list[str]:
-    known = [v for v in VARIANT_ORDER if v in variants]
-    return known + sorted(set(variants) - set(known))
+    """The registry's order of the variants a label starts with (`softcap_tanh[cap=2]`), then
+    labels of unknown variants alphabetically; labels of one variant alphabetically."""
+    def key(label: str):
+        base = label.split("[", 1)[0]
+        return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, label != base, label)
+
+    return sorted(set(variants), key=key)
 
 
 # ---------------------------------------------------------------------------- analysis
@@ -276,7 +284,8 @@ def analyze(runs: list[Run]) -> dict:
         seeds = [r.seed for r in by_variant[variant]]
         duplicates = sorted({s for s in seeds if seeds.count(s) > 1 and s is not None})
         if duplicates:
-            raise ValueError(f"variant {variant} has several runs with seed(s) {duplicates}: pass one sweep at a time")
+            raise ValueError(f"variant {variant} has several runs with seed(s) {duplicates} and the same settings: "
+                             "pass one sweep at a time")
         by_variant[variant].sort(key=lambda r: (r.seed is None, r.seed))
     variants = variant_order(by_variant)
     out: dict = {"variants": variants, "per_variant": {}, "paired_vs_softmax": {}, "extrapolation": {}, "attention": {}}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The attention ablation end to end: train six variants x seeds (configs/experiment/ablation.yaml),
+# The attention ablation end to end: train variants x seeds (configs/experiment/ablation.yaml, or the
+# experiment ABLATION_EXPERIMENT names, e.g. tda_parity),
 # evaluate each run (perplexity at 1x/2x/4x context on the test split, attention statistics on
 # validation tokens), write the report.
 #
@@ -10,13 +11,15 @@
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
 #   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
 # Extra Hydra overrides go after `device`, e.g. `train.max_steps=300`. Environment knobs:
-#   ABLATION_VARIANTS  comma list (default: all six)      ABLATION_SEEDS  comma list (default 0,1,2)
+#   ABLATION_EXPERIMENT  the experiment config (default ablation; its ablation.variants / seeds are the defaults)
+#   ABLATION_VARIANTS  comma list (default: the experiment's)   ABLATION_SEEDS  comma list (default: the experiment's)
 #   ABLATION_PARALLEL  variant chains at once on the GPU (default 6; 1 gives clean throughput numbers)
 #   ABLATION_TRAIN_BUDGET_S  wall seconds after which unfinished training is stopped (default 420),
 #                      so the evals, the report and the packing still fit in one 600 s call
 #   ABLATION_SWEEP     sweep folder (default multirun/ablation/device: a second call on the same warm
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
-#   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10")
+#   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10";
+#                      a swept one, "attn.lambda_mode=scalar_clamp,reparam", gives one report row per setting)
 #   ABLATION_PPL_ARGS, ABLATION_STATS_ARGS  extra overrides of eval.perplexity / eval.attention_stats
 #   ABLATION_COMMIT    the commit to record (else ATTNLAB_COMMIT; the device's copy of .git can be stale)
 #   PYTHON             interpreter (default python3)
@@ -28,8 +31,10 @@ PYTHON=${PYTHON:-python3}
 WHEELS=${ABLATION_WHEELS:-.whl}
 CACHE=${ABLATION_CACHE:-$ROOT/.device_cache/attnlab}
 # the sweep's defaults, read from the experiment config (one source of truth)
-ALL_VARIANTS=$(awk '$1 == "variants:" {print $2; exit}' configs/experiment/ablation.yaml)
-ALL_SEEDS=$(awk '$1 == "seeds:" {print $2; exit}' configs/experiment/ablation.yaml)
+EXPERIMENT=${ABLATION_EXPERIMENT:-ablation}
+[ -f "configs/experiment/$EXPERIMENT.yaml" ] || { echo "ABLATION_EXPERIMENT: no configs/experiment/$EXPERIMENT.yaml"; exit 2; }
+ALL_VARIANTS=$(awk '$1 == "variants:" {print $2; exit}' "configs/experiment/$EXPERIMENT.yaml")
+ALL_SEEDS=$(awk '$1 == "seeds:" {print $2; exit}' "configs/experiment/$EXPERIMENT.yaml")
 
 prepare() {
   # 1) wheels the GPU image lacks (hydra and its two dependencies), the versions this venv uses
@@ -43,13 +48,13 @@ prepare() {
     $PYTHON -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$pkg==$version"
   done
   # 2) the ablation corpus tokenized once (tokenizer + token shards; the device cannot download it)
-  ATTNLAB_CACHE_DIR=$CACHE $PYTHON - <<'EOF'
+  EXPERIMENT=$EXPERIMENT ATTNLAB_CACHE_DIR=$CACHE $PYTHON - <<'EOF'
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 import os
 
 with initialize_config_dir(config_dir=os.path.abspath("configs"), version_base="1.3"):
-    cfg = compose("train", overrides=["experiment=ablation", "paths.output_dir=/tmp/unused"])
+    cfg = compose("train", overrides=[f"experiment={os.environ['EXPERIMENT']}", "paths.output_dir=/tmp/unused"])
 dm = instantiate(cfg.data)
 dm.prepare_data()
 dm.setup("fit")
@@ -88,7 +93,7 @@ EOF
 device() {
   local out=${OUT:-$ROOT/ablation_out}
   mkdir -p "$out"
-  local sweep=${ABLATION_SWEEP:-$ROOT/multirun/ablation/device}
+  local sweep=${ABLATION_SWEEP:-$ROOT/multirun/$EXPERIMENT/device}
   mkdir -p "$sweep/logs"
   local log=$sweep/logs
   export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ATTNLAB_CACHE_DIR=$CACHE WANDB_MODE=offline
@@ -101,7 +106,7 @@ device() {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
     echo "commit: ${ABLATION_COMMIT:-${ATTNLAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}"
-    echo "command: scripts/run_ablation.sh device $*"
+    echo "command: ABLATION_EXPERIMENT=$EXPERIMENT scripts/run_ablation.sh device $*"
     echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-6}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
@@ -116,7 +121,7 @@ device() {
       # SIGTERM makes Lightning stop with an error: a cut-off run writes no results.json
       # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
       local own="ABLATION_OVERRIDES_$v"
-      timeout -s TERM "$left" $PYTHON train.py experiment=ablation "attn=$v" "seed=$seeds" logger=csv \
+      timeout -s TERM "$left" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seeds" logger=csv \
         "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false "${extra[@]}" ${!own:-} >"$log/train_$v.log" 2>&1 \
         || echo "[$v] training ended early (exit $?), see logs/train_$v.log"
     fi

@@ -161,3 +161,26 @@ def test_ablation_sweeps_six_variants_times_three_seeds():
     assert sorted(params["attn"].split(",")) == sorted(attn.variant_names())
     assert params["seed"].split(",") == ["0", "1", "2"]
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and cfg.logger.kind == "wandb"
+
+
+def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
+    """Runs recorded with labels (train.py's results.json "label") of one variant and seed are
+    separate rows, ordered by the registry's variant order; without labels they would collide."""
+    runs = []
+    for label, loss in (("softcap_tanh[cap=50]", 2.1), ("softcap_tanh[cap=2]", 2.4), ("softmax", 2.0)):
+        run = make_run(tmp_path / "runs" / label.replace("[", "_").replace("]", ""), label.split("[")[0], 0, loss)
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "label": label}))
+        runs.append(str(run))
+    out = tmp_path / "report"
+    assert report.main([*runs, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["variants"] == ["softmax", "softcap_tanh[cap=2]", "softcap_tanh[cap=50]"]
+    assert summary["per_variant"]["softcap_tanh[cap=2]"]["val_loss"]["mean"] == pytest.approx(2.4)
+    assert "softcap_tanh[cap=50]" in (out / "report.md").read_text()
+    for run in runs:  # the same runs without labels: one variant with seed 0 twice
+        results = json.loads((Path(run) / "results.json").read_text())
+        results.pop("label")
+        (Path(run) / "results.json").write_text(json.dumps(results))
+    with pytest.raises(ValueError, match=r"variant softcap_tanh has several runs with seed\(s\) \[0\] and the same settings"):
+        report.build_report(runs, tmp_path / "report2", "t", "test", "val")

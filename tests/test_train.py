@@ -206,3 +206,36 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
                                         + [f"ckpt_path={tmp_path / 'older.ckpt'}"]))
     assert revalidated["steps"] == 4
     assert revalidated["val_loss"] == first["val_loss"] and revalidated["val_bpb"] == first["val_bpb"]
+
+
+def test_run_labels_name_a_variants_own_settings():
+    from models.run_label import run_label
+
+    assert run_label("softmax", []) == "softmax"
+    assert run_label("softcap_tanh", ["attn=softcap_tanh", "attn.params.cap=2", "seed=1", "train.lr=1e-3"]) \
+        == "softcap_tanh[cap=2]"
+    assert run_label("diff_threshold", ["attn.lambda_mode=scalar_clamp", "attn.backend=triton", "+attn.params.beta=0.5"]) \
+        == "diff_threshold[beta=0.5,lambda_mode=scalar_clamp]"
+
+
+def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_names(tmp_path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
+    overrides = [o for o in tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})
+                 if not o.startswith("paths.output_dir")]
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "attn=softcap_tanh", "attn.params.cap=2,50", "seed=0",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/results.json"))
+    assert jobs == ["0_softcap_tanh[cap=2]_s0", "1_softcap_tanh[cap=50]_s0"], jobs
+    labels = [json.loads((tmp_path / "sweep" / j / "results.json").read_text())["label"] for j in jobs]
+    assert labels == ["softcap_tanh[cap=2]", "softcap_tanh[cap=50]"]
+
+    import train
+
+    monkeypatch.setattr(train, "_label", lambda cfg: "softcap_tanh[cap=2]")
+    cfg = compose_cfg(tiny_overrides(tmp_path, corpus, **{"logger": "wandb", "attn": "softcap_tanh"}))
+    wandb_logger = next(lg for lg in train.build_loggers(cfg, tmp_path / "w", None, resuming=False)
+                        if lg.__class__.__name__ == "WandbLogger")
+    assert wandb_logger._wandb_init["name"] == "softcap_tanh[cap=2]-s0"
+    assert set(wandb_logger._wandb_init["tags"]) == {"softcap_tanh", "softcap_tanh[cap=2]", "seed0"}
