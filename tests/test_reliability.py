@@ -826,6 +826,20 @@ def test_torch_load_only_with_weights_only_true():
     assert not offenders, offenders
 
 
+# resolvers that only format strings (each tested below on hostile input)
+STRING_ONLY_RESOLVERS = {"models/run_label.py"}
+
+
+def test_the_run_label_resolver_only_formats_strings():
+    from omegaconf import OmegaConf
+
+    import models.run_label  # noqa: F401  (registers attnlab_label)
+
+    cfg = OmegaConf.create({"d": "attn.params.cap=__import__('os').system('x'),seed=1",
+                            "label": "${attnlab_label:softcap_tanh,${d}}"})
+    assert cfg.label == "softcap_tanh[cap=__import__('os').system('x')]"
+
+
 def test_no_code_evaluation_of_configs_or_files():
     """No eval/exec/compile of strings, no pickle/marshal/yaml.load (unsafe) and no
     OmegaConf resolver that evaluates, anywhere in the project's code outside tests/."""
@@ -839,7 +853,8 @@ def test_no_code_evaluation_of_configs_or_files():
             bad = (owner is None and name in {"eval", "exec", "compile", "__import__"} and not literal_import) \
                 or (owner in {"pickle", "marshal", "dill", "cloudpickle"} and name in {"load", "loads"}) \
                 or (owner == "yaml" and name in {"load", "unsafe_load", "full_load"}) \
-                or (owner == "OmegaConf" and name == "register_new_resolver")
+                or (owner == "OmegaConf" and name == "register_new_resolver"
+                    and str(path.relative_to(ROOT)) not in STRING_ONLY_RESOLVERS)
             if bad:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {owner or ''}.{name}")
     assert not offenders, offenders
