@@ -13,6 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from attn.dropout import check_dropout_p, draw_seed, seed_tensor
 from attn.kernels.env import PIN_ENV, interpreting
 from attn.masks import MaskSpec
 from attn.reference import reference_attention
@@ -84,15 +85,16 @@ def _load_kernels_where_they_run() -> None:
             family_kernel(spec)
 
 
-def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature) -> torch.Tensor:
-    """Plain softmax through torch SDPA (flash / cuDNN kernels): causal only, no caps."""
+def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature, dropout_p: float = 0.0) -> torch.Tensor:
+    """Plain softmax through torch SDPA (flash / cuDNN kernels): causal only, no caps; its dropout
+    draws from torch's generator."""
     if not (isinstance(spec, SoftmaxFamilySpec) and spec.cap == "none"):
         raise ValueError("backend='sdpa' serves only attn=softmax (no cap); use 'triton' or 'reference'")
     if temperature is not None or segment_ids is not None or mask.window is not None:
         raise ValueError("backend='sdpa' supports causal or full masks only (no window, segment_ids, temperature)")
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask.is_causal,
-        scale=spec.scale(q.shape[-1]), enable_gqa=bool(q.shape[2] != k.shape[2]),
+        scale=spec.scale(q.shape[-1]), enable_gqa=bool(q.shape[2] != k.shape[2]), dropout_p=dropout_p,
     )
     return out.transpose(1, 2)
 
@@ -111,6 +113,8 @@ def attention(
     k2: torch.Tensor | None = None,
     lam: torch.Tensor | None = None,
     backend: str = "auto",
+    dropout_p: float = 0.0,
+    dropout_seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of any registered variant: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
 
@@ -118,20 +122,33 @@ def attention(
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
     second view `q2`, `k2` and per-head `lam` (H,). Every argument is validated on every call
     (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
+
+    `dropout_p` in [0, 1) drops attention weights (attn/dropout.py), whatever the module's mode:
+    pass 0 at evaluation. `dropout_seed` (int or one-element integer tensor) fixes the mask: the
+    kernels' mask is a function of it (`attn.kernels.dropout.keep_mask`), the reference's is drawn
+    from a torch generator seeded with it; None draws from torch's generator.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     check_attention_inputs(
         q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam
     )
+    dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
-        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)
+        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
+                                   dropout_p=dropout_p, dropout_seed=dropout_seed)
     if backend == "sdpa":
-        return sdpa_attention(q, k, v, spec, mask, segment_ids, temperature)
+        if dropout_seed is not None:
+            raise ValueError("backend='sdpa' draws its dropout mask from torch's generator; dropout_seed must be None")
+        return sdpa_attention(q, k, v, spec, mask, segment_ids, temperature, dropout_p)
     check_kernel_inputs(q)
-    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam)
+    seed = None
+    if dropout_p > 0.0:
+        seed = draw_seed(q.device) if dropout_seed is None else seed_tensor(dropout_seed, q.device)
+    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
+                               dropout_p=dropout_p, dropout_seed=seed)
 
 
 class AttentionCall:
@@ -142,7 +159,9 @@ class AttentionCall:
     (`attn.segment_bounds(segment_ids)`, computed once per batch instead of once per layer). The
     caller owns what the public `attention` checks per call: tensor shapes and dtypes (the model's
     own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
-    since it syncs with the device)."""
+    since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
+    check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
+    """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
         if not isinstance(spec, (SoftmaxFamilySpec, ThresholdFamilySpec)):
@@ -155,15 +174,19 @@ class AttentionCall:
         self.mask = MaskSpec(causal=causal, window=window)
         preload_kernel(spec, backend)
 
-    def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None):
+    def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None,
+                 dropout_p: float = 0.0):
         # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
         backend = resolve_backend(self.backend, q.device)
         if backend == "triton":
             kernel = family_kernel(self.spec)
-            return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam, bounds=bounds)
+            seed = draw_seed(q.device) if dropout_p > 0.0 else None
+            return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam, bounds=bounds,
+                          dropout_p=dropout_p, dropout_seed=seed)
         if backend == "reference":
-            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam)
-        return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature)
+            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam,
+                                       dropout_p=dropout_p)
+        return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, dropout_p)
 
 
 _load_kernels_where_they_run()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from attn.caps import apply_cap
+from attn.dropout import apply_dropout, reference_keep_mask
 from attn.masks import MaskSpec, dense_mask, visible_key_counts
 from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
@@ -82,10 +83,19 @@ def attention_weights(q, k, spec, mask: MaskSpec, segment_ids=None, temperature=
 
 
 def reference_attention(
-    q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None
+    q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
+    *, dropout_p: float = 0.0, dropout_mask=None, dropout_seed=None,
 ) -> torch.Tensor:
-    """out (B, N, H, D) = weights @ v, GQA by repeating kv heads."""
+    """out (B, N, H, D) = weights @ v, GQA by repeating kv heads.
+
+    dropout_p > 0 drops the weights (attn/dropout.py): with the keep mask `dropout_mask` (bool,
+    broadcastable to (B, H, N, N); tests pass the kernels' own), else one drawn with torch (from
+    `dropout_seed` when given, else torch's generator)."""
     w = attention_weights(q, k, spec, mask, segment_ids, temperature, q2, k2, lam)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            dropout_mask = reference_keep_mask(w.shape, dropout_p, w.device, dropout_seed)
+        w = apply_dropout(w, dropout_p, dropout_mask)
     group = q.shape[2] // v.shape[2]
     return torch.einsum("bhij,bjhd->bihd", w, v.repeat_interleave(group, dim=2))
 

@@ -46,7 +46,9 @@ class GPTConfig:
     mlp: str = "swiglu"
     mlp_ratio: float = 4.0
     rope_base: float = 10000.0
-    dropout: float = 0.0
+    dropout: float = 0.0  # residual dropout (attention and MLP outputs)
+    attn_dropout: float = 0.0  # attention-weight dropout inside the attention op, training mode only
+    embed_dropout: float = 0.0  # dropout after the token embedding
     attn: AttnConfig = field(default_factory=AttnConfig)
 
     @property
@@ -100,6 +102,7 @@ class Attention(nn.Module):
         self.attend = attn.AttentionCall(self.spec, causal=True, window=self.window, backend=self.backend)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
+        self.attn_dropout = cfg.attn_dropout
         self.qk_norm = acfg.qk_norm or ("l2" if self.variant.qk_norm else "none")
         self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
@@ -153,7 +156,9 @@ class Attention(nn.Module):
         extra = {}
         if self.views == 2:
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
-        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, **extra)
+        # the kernels draw a fresh dropout seed per call from torch's generator of the device
+        dropout_p = self.attn_dropout if self.training else 0.0
+        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":
@@ -202,6 +207,7 @@ class GPT(nn.Module):
         check_model_config(cfg)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_drop = nn.Dropout(cfg.embed_dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -227,7 +233,7 @@ class GPT(nn.Module):
         instead. Inside a compiled graph the fp32 upcast of the logits is then fused into the
         loss and never stored (at vocab 50304 that copy is 3.3 GB per 16K tokens).
         """
-        x = self.embed(idx)
+        x = self.embed_drop(self.embed(idx))
         bounds = None
         if segment_ids is not None:  # checked and turned into kernel bounds once, not per layer
             if not torch.compiler.is_compiling():  # the check syncs with the device
@@ -306,8 +312,10 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"model.n_head ({cfg.n_head}) must be divisible by model.n_kv_head ({cfg.n_kv_head})")
     if cfg.mlp not in MLP_KINDS:
         raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {cfg.mlp!r}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ValueError(f"model.dropout must be in [0, 1), got {cfg.dropout!r}")
+    for name in ("dropout", "attn_dropout", "embed_dropout"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"model.{name} must be a float in [0, 1), got {value!r}")
     a = cfg.attn
     variant = attn.get_variant(a.name)
     variant.make_spec(**a.params)  # spec-level checks (cap > 0, kappa in [0, 1), p > 0, ...)

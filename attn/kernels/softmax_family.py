@@ -20,6 +20,12 @@ and saves lse2 = m + log2(l) per row (+inf for a row that sees nothing, so every
 recomputed probability of such a row is exactly 0). The backward is exact:
 dz = p (dp - delta), delta_i = dO_i . O_i; dx = s t_i F'(y) dz; dt_i = sum_j dz_ij F_ij.
 
+Dropout (attn/dropout.py; the constexpr DROPOUT, compiled out at p = 0): with m the keep mask
+(attn/kernels/dropout.py, regenerated tile by tile in the backward) and r = 1/(1-p), l sums every
+p (normalized before dropout) and out = r sum_j m_ij p_ij v_j / l. Backward: dv = (r m p)^T dO,
+dp = r m (dO v^T), dz = p (dp - delta); delta_i = sum_j p_ij dp_ij = dO_i . O_i still, because
+O holds the dropped weights.
+
 Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch
 custom ops with fake implementations (`attnlab::softmax_family_fwd/_bwd`) -> autograd
 via `torch.library.register_autograd` -> `fused_attention`, the public function the
@@ -36,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn.kernels.dropout import dropout_keep, load_seed
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import Kernel, TileConfig, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
@@ -158,14 +165,18 @@ def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexp
 # ------------------------------------------------------------------------ forward
 
 
+
+
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len, window,
               hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
               CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr,
-              HAS_TEMP: tl.constexpr):
+              HAS_TEMP: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
     """One key tile of the online softmax. Without a temperature `row_scale` is a positive
-    scalar, so max(g) * scale is the row max and g * scale - m is one FMA per score."""
+    scalar, so max(g) * scale is the row max and g * scale - m is one FMA per score.
+    DROPOUT: the normalizer l sums every p, the accumulator only the kept ones (the 1/(1-p)
+    rescale is applied once to the output)."""
     offs_n = start + offs_n0
     if MASKED:
         in_n = offs_n < seq_len
@@ -185,6 +196,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         # accumulator; softmax is shift-invariant, so the math is the same
         p = tl.exp2(g * row_scale - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_i
     else:
@@ -200,6 +213,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_new
 
@@ -226,17 +241,17 @@ def _candidates(kind: str, n: int) -> list[TileConfig]:
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TEMP, BOUNDS,
+    Q, K, V, O, LSE, TEMP, BOUNDS, SEED,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_on, stride_oh, stride_od,
     stride_tb, stride_tn,
     H, GROUP, seq_len, window,
-    qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max,
+    qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    FIXED_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # heaviest (causal: last) query blocks first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -250,6 +265,7 @@ def _fwd_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     in_m = offs_m < seq_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=in_m[:, None], other=0.0)
@@ -279,29 +295,31 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     for start in range(a, bnd, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     for start in range(bnd, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     if HAS_SEG:  # candidates' own diagonal
         for start in range(lo2, hi2, BLOCK_N):
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo2, hi2,
                                       seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
                                       cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP)
+                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
 
     seen = l_i != 0.0  # rows that saw nothing have l = 0 exactly; NaN (a NaN score) propagates, as in the reference
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
         seen = seen & (((offs_m >= hs) & (offs_m < he)) | ((offs_m >= cs) & (offs_m < ce)))
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
     out = tl.where(seen[:, None], out, 0.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("inf"))
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
@@ -335,7 +353,9 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
                seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, out_scale, cap_value,
                alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
+    """DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
+    dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped)."""
     offs_m = start + offs_m0
     in_m = offs_m < seq_len
     if MASKED:
@@ -359,8 +379,13 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
         vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         vis = vis & (offs_m[:, None] >= lo) & (offs_m[:, None] < hi)
         pT = tl.where(tl.trans(vis), pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, BM)
+    if DROPOUT:
+        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        dv = tl.dot(tl.where(keepT, pT, 0.0).to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dsT = pT * (dpT - delta[None, :])
     # dx = s * t * F' * dz; the constant s (and c for tanh/soft_sign) is applied once at the end
     if HAS_TEMP:
@@ -373,7 +398,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, TEMP, BOUNDS,
+    Q, K, V, DO, DK, DV, LSE, DELTA, TEMP, BOUNDS, SEED,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -382,10 +407,10 @@ def _dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_tb, stride_tn,
     H, H_KV, GROUP, seq_len, window,
-    qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g,
+    qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -397,6 +422,7 @@ def _dkdv_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     in_n = offs_n < seq_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=in_n[:, None], other=0.0)
@@ -410,6 +436,7 @@ def _dkdv_kernel(
     a, bnd = _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
+        bh = b * H + h
         q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd
         do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
         lse_ptr = LSE + (b * H + h) * seq_len
@@ -418,24 +445,26 @@ def _dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
                                 lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for start in range(a, bnd, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
                                 lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for start in range(bnd, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
                                 lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         if HAS_SEG:
             for start in range(lo2, hi2, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0,
                                     offs_n, lo2, hi2, seq_len, window, hs, he, cs, ce, stride_qn, stride_don,
                                     stride_tn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True,
-                                    CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC)
+                                    CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     dk = dk * grad_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=in_n[:, None])
     tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
@@ -447,7 +476,7 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, off
              seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g, qk_scale,
              CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr,
-             DOT_PREC: tl.constexpr):
+             DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
     offs_n = start + offs_n0
     if MASKED:
         in_n = offs_n < seq_len
@@ -463,6 +492,9 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, off
         vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, vT, input_precision=DOT_PREC)
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     if NEED_DT:
         dt += tl.sum(ds * g, 1)  # F = g times a constant, applied at the end
@@ -476,7 +508,7 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, off
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, TEMP, DT, BOUNDS,
+    Q, K, V, DO, DQ, LSE, DELTA, TEMP, DT, BOUNDS, SEED,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -484,10 +516,10 @@ def _dq_kernel(
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_tb, stride_tn,
     H, GROUP, seq_len, window,
-    qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g,
+    qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -500,6 +532,7 @@ def _dq_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     in_m = offs_m < seq_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
                 mask=in_m[:, None], other=0.0)
@@ -522,21 +555,21 @@ def _dq_kernel(
     for start in range(lo, a, BLOCK_N):
         dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
                           seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for start in range(a, bnd, BLOCK_N):
         dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
                           seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+                          qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for start in range(bnd, hi, BLOCK_N):
         dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
                           seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC)
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     if HAS_SEG:
         for start in range(lo2, hi2, BLOCK_N):
             dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0,
                               lo2, hi2, seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
                               alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
-                              DOT_PREC)
+                              DOT_PREC, seed, bh, dropout_p, DROPOUT)
     dq = dq * grad_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
@@ -588,7 +621,7 @@ def _check(q, k, v):
         raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
 
 
-def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
+def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None):
     _check(q, k, v)
     bsz, n, h, d = q.shape
     h_kv = k.shape[2]
@@ -607,16 +640,28 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
                  and 2.0 * float(cap_value) * LOG2E + math.log2(max(n, 2)) <= 108.0
                  and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
-                HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max)
+                HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
+                DROPOUT=dropout_p > 0.0)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
                h, h // h_kv, n, window,
-               qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0)
-    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd), scalars, meta,
+               qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
+    seed_arg = _seed_operand(dropout_p, seed, lse)
+    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg), scalars, meta,
                 _candidates("fwd", n), (q.dtype, _n_bucket(n), *meta.values()))
     return out, lse
 
 
-def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window):
+def _seed_operand(dropout_p, seed, dummy):
+    """The seed tensor the kernels load with dropout on; any tensor (never read) without."""
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout seed tensor (attn.dropout.draw_seed)")
+        return seed
+    return dummy
+
+
+def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
+              dropout_p=0.0, seed=None):
     bsz, n, h, d = q.shape
     h_kv = k.shape[2]
     group = h // h_kv
@@ -638,22 +683,23 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
-    kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec)
+    kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
+    seed_arg = _seed_operand(dropout_p, seed, lse)
     _DKDV.launch(
         lambda cfg: (_cdiv(n, cfg.block_n), bsz * h_kv),
-        (q, k, v, do, dk, dv, lse, delta, temp, bnd),
+        (q, k, v, do, dk, dv, lse, delta, temp, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
          h, h_kv, group, n, window,
-         qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g),
+         qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
         kv_meta, _candidates("kv", n), (q.dtype, nb, group, *kv_meta.values()))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
-    q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec)
+    q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     _DQ.launch(
         lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
-        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd),
+        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
          h, group, n, window,
-         qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g),
+         qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
         q_meta, _candidates("q", n), (q.dtype, nb, *q_meta.values()))
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
@@ -674,14 +720,15 @@ def tuned_configs() -> dict[str, str]:
 def softmax_family_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
     temperature: Optional[torch.Tensor], cap: int, cap_value: float, knee: float, sm_scale: float,
-    causal: bool, window: int,
+    causal: bool, window: int, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B,N,H,D) and lse2 (B,H,N) fp32 (base-2 logsumexp of z log2 e; +inf for empty rows)."""
-    return _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window)
+    """out (B,N,H,D) and lse2 (B,H,N) fp32 (base-2 logsumexp of z log2 e before dropout; +inf for
+    empty rows). dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,))."""
+    return _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed)
 
 
 @softmax_family_fwd.register_fake
-def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
+def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None):
     bsz, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((bsz, h, n), dtype=torch.float32)
 
@@ -690,15 +737,17 @@ def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, wind
 def softmax_family_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     bounds: Optional[torch.Tensor], temperature: Optional[torch.Tensor], need_dt: bool, cap: int,
-    cap_value: float, knee: float, sm_scale: float, causal: bool, window: int,
+    cap_value: float, knee: float, sm_scale: float, causal: bool, window: int, dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and d-temperature ((B, N), or an empty tensor when not asked for)."""
     return _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale,
-                     causal, window)
+                     causal, window, dropout_p, seed)
 
 
 @softmax_family_bwd.register_fake
-def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window):
+def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
+      dropout_p=0.0, seed=None):
     if need_dt and temperature is not None:
         dt = torch.empty_like(temperature)
     else:
@@ -707,25 +756,27 @@ def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window = inputs
+    q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, *dropout = inputs
+    dropout_p, seed = tuple(dropout) + (0.0, None)[len(dropout):]  # the op's defaults when left out
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, bounds, temperature)
-    ctx.params = (cap, cap_value, knee, sm_scale, causal, window)
+    ctx.save_for_backward(q, k, v, out, lse, bounds, temperature, seed)
+    ctx.params = (cap, cap_value, knee, sm_scale, causal, window, dropout_p)
 
 
 def _gradients(ctx, grad_out, backward):
     """(dq, dk, dv, d-temperature or None) from the saved tensors, through `backward` (the op or its impl)."""
-    q, k, v, out, lse, bounds, temperature = ctx.saved_tensors
+    q, k, v, out, lse, bounds, temperature, seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     need_dt = temperature is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, dt = backward(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt, *ctx.params)
+    dq, dk, dv, dt = backward(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt, *ctx.params,
+                              seed)
     return dq, dk, dv, (dt if need_dt else None)
 
 
 def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv, dt = _gradients(ctx, grad_out, softmax_family_bwd)
-    return dq, dk, dv, None, dt, None, None, None, None, None, None
+    return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None
 
 
 softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -736,33 +787,39 @@ class _EagerSoftmaxFamily(torch.autograd.Function):
     calls (see runtime.traced); the same impls, so the same numbers."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window):
-        out, lse = _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window)
-        _setup_context(ctx, (q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window), (out, lse))
+    def forward(ctx, q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0,
+                seed=None):
+        args = (q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed)
+        out, lse = _fwd_impl(*args)
+        _setup_context(ctx, args, (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         dq, dk, dv, dt = _gradients(ctx, grad_out, _bwd_impl)
-        return dq, dk, dv, None, dt, None, None, None, None, None, None
+        return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------- public
 
 
 def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
-                    *, bounds=None):
+                    *, bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
     """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
 
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller (a model
-    with many layers); computed here from segment_ids when not given."""
+    with many layers); computed here from segment_ids when not given. `dropout_p` > 0 drops the
+    probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py)."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
     _check(q, k, v)
     if bounds is None and segment_ids is not None:
         bounds = segment_bounds(segment_ids)
     args = (q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
-            float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0))
+            float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0), float(dropout_p),
+            dropout_seed if dropout_p > 0.0 else None)
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     if traced(q, k, v, temperature):
         return softmax_family_fwd(*args)[0]
     return _EagerSoftmaxFamily.apply(*args)

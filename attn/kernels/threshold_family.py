@@ -16,8 +16,13 @@ row statistics and the backward needs no preprocessing pass:
     dlambda_h = -sum_ij dp_ij relu(x2_ij - tau_i)^p
 
 with g = d relu(x - tau)^p / dx = p relu(x - tau)^(p-1) (0 where x <= tau, also for p < 1,
-as the reference's where() gives). d-lambda is reduced without atomics: every key-block
-program writes its own partial sum, and torch sums the partials in a fixed order.
+as the reference's where() gives). Dropout (attn/dropout.py; the constexpr DROPOUT,
+compiled out at p = 0): the combined weight w becomes m w / (1 - p) with m the keep mask
+(attn/kernels/dropout.py, regenerated in the backward); dv uses that weight, and dp_ij becomes
+m_ij dp_ij / (1 - p) in every other gradient above (both views, d-lambda).
+
+d-lambda is reduced without atomics: every key-block program writes its own partial sum, and
+torch sums the partials in a fixed order.
 
 Masks come from the shared `attn/kernels/tiles.py` (key_ranges / query_ranges skip the
 tiles a mask empties; tile_visible masks inside a tile; visible_counts gives n_i). Each
@@ -48,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn.kernels.dropout import dropout_keep, load_seed
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import Kernel, TileConfig, pinned_index, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
@@ -233,8 +239,10 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
               offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi)."""
+              HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+              seed, bh, dropout_p, DROPOUT: tl.constexpr):
+    """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi).
+    DROPOUT: w (both views combined) -> m w / (1 - p), m the call's keep mask."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -257,6 +265,9 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
         vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         w = tl.where(vis, w, 0.0)
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        w = tl.where(keep, w * (1.0 / (1.0 - dropout_p)), 0.0)
     # the one w.V product per tile (both views already combined in w)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
@@ -269,14 +280,14 @@ _RUNTIME_SCALARS = ["seq_len", "num_heads", "group", "window", "N_BUCKET"]
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _fwd_kernel(
-    Q, K, V, Q2, K2, LAM, BOUNDS, OUT,
+    Q, K, V, Q2, K2, LAM, BOUNDS, OUT, SEED,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sob, son, soh, sod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     # heaviest query blocks (most visible keys under causal masks) start first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -286,6 +297,7 @@ def _fwd_kernel(
     hk = h // group
     b64 = b.to(tl.int64)
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -311,12 +323,12 @@ def _fwd_kernel(
     for n0 in range(a, z, BLOCK_N):
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                         offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
-                        HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+                        HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                         offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
-                        HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+                        HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     tl.store(OUT + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
              acc.to(OUT.dtype.element_ty), mask=row_ok)
 
@@ -332,7 +344,8 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
              offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
              POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr):
+             HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+             seed, bh, dropout_p, DROPOUT: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -348,6 +361,9 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
         vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         dp = tl.where(vis, dp, 0.0)  # masks both views' ds
+    if DROPOUT:  # d(m w / (1 - p)) / dw
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = dp * _rectified_power_grad(x, power, POWER_MODE)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     if DIFF:
@@ -363,14 +379,14 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS)
 def _dq_kernel(
-    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DQ, DQ2,
+    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DQ, DQ2, SEED,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sdob, sdon, sdoh, sdod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -379,6 +395,7 @@ def _dq_kernel(
     hk = h // group
     b64 = b.to(tl.int64)
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -407,12 +424,12 @@ def _dq_kernel(
     for n0 in range(a, z, BLOCK_N):
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                            offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
-                           HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+                           HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                            offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
-                           HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC)
+                           HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     # dq / dq2 are contiguous (B, N, H, D) allocations of the launcher
     out_offs = b64 * seq_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + out_offs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok)
@@ -431,7 +448,8 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr,
+               seed, bh, dropout_p, DROPOUT: tl.constexpr):
     """One query tile [m0, m0 + BLOCK_M) against this program's keys; MASKED tiles keep
     queries in [q_lo, q_hi). Tiles are held transposed, (keys, queries), so dv and dk
     accumulate without transposing the accumulators.
@@ -456,6 +474,9 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
         vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
         visT = tl.trans(vis)
         dpT = tl.where(visT, dpT, 0.0)  # masks every ds term and d-lambda
+    if DROPOUT:  # one keep mask m for the combined weight: dv += (m w / (1 - p))^T do, dp -> m dp / (1 - p)
+        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     if FIRST:
         if MASKED:
             q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
@@ -478,6 +499,8 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
     if FIRST:
         if MASKED:
             wT = tl.where(visT, wT, 0.0)
+        if DROPOUT:
+            wT = tl.where(keepT, wT * (1.0 / (1.0 - dropout_p)), 0.0)
         dv = tl.dot(wT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dk = tl.dot((dpT * gT).to(q.dtype), q, dk, input_precision=DOT_PREC)
     return dk, dv, dk2, dlam
@@ -485,15 +508,15 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS + ["dlam_slots"])
 def _dkdv_kernel(
-    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DK, DV, DK2, DLAM_PART,
+    Q, K, V, Q2, K2, LAM, BOUNDS, DO, DK, DV, DK2, DLAM_PART, SEED,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sdob, sdon, sdoh, sdod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots,
+    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr,
-    DLAM_SLOT: tl.constexpr,
+    DLAM_SLOT: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     FIRST: tl.constexpr = (not DIFF) or VIEWS != 2
     SECOND: tl.constexpr = DIFF and VIEWS != 1
@@ -504,6 +527,7 @@ def _dkdv_kernel(
     hk = bhk % num_kv_heads
     b64 = b.to(tl.int64)
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -525,6 +549,7 @@ def _dkdv_kernel(
     dk2 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     # GQA: this kv head's query heads, one after another (no repeated K/V, no atomics)
     for h in range(hk * group, hk * group + group):
+        bh = b * num_heads + h
         q_base = Q + b64 * sqb + h * sqh
         do_base = DO + b64 * sdob + h * sdoh
         if DIFF:
@@ -539,14 +564,14 @@ def _dkdv_kernel(
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
                                            offs_n, m0, lo, hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
-                                           VIEWS, DOT_PREC)
+                                           VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
             m0, q_lo, q_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
             dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
                                            offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
-                                           VIEWS, DOT_PREC)
+                                           VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         if SECOND:
             # this program owns slots [n0, n0 + BLOCK_N) / DLAM_SLOT of head h: the partial
             # goes to the first, zeros to the rest, so the buffer is fully written whatever
@@ -679,7 +704,7 @@ INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros"
 # mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
 _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
             "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
-_TENSOR_ARGS = {"fwd": 8, "dq": 10, "dkdv": 12}  # each kernel's leading pointer parameters
+_TENSOR_ARGS = {"fwd": 9, "dq": 11, "dkdv": 13}  # each kernel's leading pointer parameters
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
@@ -761,7 +786,16 @@ def _check_kernel_operands(q: torch.Tensor) -> None:
         raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
 
 
-def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+def _seed_operand(dropout_p, seed, dummy):
+    """The seed tensor the kernels load with dropout on; any tensor (never read) without."""
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout seed tensor (attn.dropout.draw_seed)")
+        return seed
+    return dummy
+
+
+def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     bsz, n, heads, d = q.shape
     group = heads // k.shape[2]
     out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
@@ -769,11 +803,12 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
         return out
     differential = q2 is not None
     args = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-            bounds if bounds is not None else q, out,
+            bounds if bounds is not None else q, out, _seed_operand(dropout_p, seed, q),
             *_common_args(q, k, v, q2, k2, lam), *out.stride(),
-            n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
+            n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n), float(dropout_p))
     _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args,
-            _meta(q, k, power, causal, window, bounds, differential), _n_bucket(n), q.dtype)
+            {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0},
+            _n_bucket(n), q.dtype)
     return out
 
 
@@ -810,7 +845,7 @@ def _dkdv_diff(dkdv, key) -> None:
     forms[form]()
 
 
-def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     bsz, n, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -824,15 +859,17 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
     dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
     if n > 0 and bsz > 0:
         common = _common_args(q, k, v, q2, k2, lam)
-        meta = _meta(q, k, power, causal, window, bounds, differential)
+        meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0}
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
+        seed_arg = _seed_operand(dropout_p, seed, q)
         scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
         _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
-                (*ops, dout, dq, dq2 if differential else dq, *common, *dout.stride(), *scalars),
+                (*ops, dout, dq, dq2 if differential else dq, seed_arg, *common, *dout.stride(), *scalars,
+                 float(dropout_p)),
                 meta, _n_bucket(n), q.dtype)
-        dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
-                     *common, *dout.stride(), *scalars, dlam_slots)
+        dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg,
+                     *common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
         dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
 
         def dkdv(views):
@@ -840,7 +877,8 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
                     dkdv_args, dkdv_meta, _n_bucket(n), q.dtype, views)
 
         if differential:
-            _dkdv_diff(dkdv, (d, q.dtype, _n_bucket(n), meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"]))
+            _dkdv_diff(dkdv, (d, q.dtype, _n_bucket(n), meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
+                                     meta["DROPOUT"]))
         else:
             dkdv(0)
     if not differential:
@@ -862,13 +900,15 @@ def threshold_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2: Optional[torch.Tensor], k2: Optional[torch.Tensor], lam: Optional[torch.Tensor],
     bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Fused threshold(-differential) attention forward; q2/k2/lam None -> plain threshold."""
-    return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+    """Fused threshold(-differential) attention forward; q2/k2/lam None -> plain threshold.
+    dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,))."""
+    return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
 
 
 @threshold_attention_op.register_fake
-def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     return q.new_empty(q.shape)
 
 
@@ -876,13 +916,14 @@ def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
 def threshold_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of plain threshold attention."""
-    return _backward_impl(dout, q, k, v, None, None, None, bounds, beta, power, causal, window)
+    return _backward_impl(dout, q, k, v, None, None, None, bounds, beta, power, causal, window, dropout_p, seed)
 
 
 @threshold_attention_backward_op.register_fake
-def _(dout, q, k, v, bounds, beta, power, causal, window):
+def _(dout, q, k, v, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -891,32 +932,37 @@ def diff_threshold_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,
     bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention."""
-    return _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+    return _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
 
 
 @diff_threshold_attention_backward_op.register_fake
-def _(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
+def _(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q2.new_empty(q2.shape), k2.new_empty(k2.shape), lam.new_empty(lam.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q2, k2, lam, bounds, beta, power, causal, window = inputs
-    ctx.save_for_backward(q, k, v, q2, k2, lam, bounds)
-    ctx.scalars = (beta, power, causal, window)
+    q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *dropout = inputs
+    dropout_p, seed = tuple(dropout) + (0.0, None)[len(dropout):]  # the op's defaults when left out
+    ctx.save_for_backward(q, k, v, q2, k2, lam, bounds, seed)
+    ctx.scalars = (beta, power, causal, window, dropout_p)
     ctx.differential = q2 is not None
 
 
+_NO_GRADS = (None,) * 7  # bounds, beta, power, causal, window, dropout_p, seed
+
+
 def _backward(ctx, dout):
-    q, k, v, q2, k2, lam, bounds = ctx.saved_tensors
+    q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
     if ctx.differential:
         dq, dk, dv, dq2, dk2, dlam = diff_threshold_attention_backward_op(dout, q, k, v, q2, k2, lam, bounds,
-                                                                          *ctx.scalars)
-        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None
-    dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                                          *ctx.scalars, seed)
+        return dq, dk, dv, dq2, dk2, dlam, *_NO_GRADS
+    dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
+    return dq, dk, dv, None, None, None, *_NO_GRADS
 
 
 threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -932,19 +978,18 @@ class _EagerThresholdAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, bounds, beta, power, causal, window):
-        ctx.save_for_backward(q, k, v, q2, k2, lam, bounds)
-        ctx.scalars = (beta, power, causal, window)
-        ctx.differential = q2 is not None
-        return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+    def forward(ctx, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
+        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
+        _setup_context(ctx, args, None)
+        return _forward_impl(*args)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, q2, k2, lam, bounds = ctx.saved_tensors
-        grads = _backward_impl(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars)
+        q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
+        grads = _backward_impl(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars, seed)
         if not ctx.differential:
             grads = (*grads, None, None, None)
-        return (*grads, None, None, None, None, None)
+        return (*grads, *_NO_GRADS)
 
 
 def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
@@ -961,20 +1006,26 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
 
 
 def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
-                    q2=None, k2=None, lam=None, *, bounds=None) -> torch.Tensor:
+                    q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
+                    dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
 
     Differentiable in q, k, v (and q2, k2, lam for spec.differential); traceable by
     torch.compile(fullgraph=True) through the `attnlab::threshold_attention` custom op.
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller.
+    `dropout_p` > 0 drops the (combined) weights with the mask of `dropout_seed` (int64 tensor (1,),
+    attn/dropout.py).
     """
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
     q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam,
                                                                      bounds)
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
+    drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
     if traced(q, k, v, q2, k2, lam):
-        return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
-    return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window)
+        return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
+    return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
 
 
 def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
