@@ -124,8 +124,8 @@ def test_report_refuses_folders_without_runs(tmp_path):
     assert report.main([str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
 
 
-def ablation_model(variant: str, vocab_size: int, **overrides) -> GPT:
-    cfg = compose_cfg(["experiment=ablation", f"attn={variant}", "paths.output_dir=/tmp/unused"]
+def ablation_model(variant: str, vocab_size: int, experiment: str = "ablation", **overrides) -> GPT:
+    cfg = compose_cfg([f"experiment={experiment}", f"attn={variant}", "paths.output_dir=/tmp/unused"]
                       + [f"{k}={v}" for k, v in overrides.items()])
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["vocab_size"] = vocab_size
@@ -184,3 +184,20 @@ def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
         (Path(run) / "results.json").write_text(json.dumps(results))
     with pytest.raises(ValueError, match=r"variant softcap_tanh has several runs with seed\(s\) \[0\] and the same settings"):
         report.build_report(runs, tmp_path / "report2", "t", "test", "val")
+
+
+def test_tda_parity_models_match_in_size_and_meet_the_issues_scale():
+    """The parity experiment: >= 20M parameters at context >= 512, every arm within 2% of softmax
+    (both lambda modes), at most two passes over the training tokens."""
+    cfg = compose_cfg(["experiment=tda_parity", "paths.output_dir=/tmp/unused"])
+    vocab = cfg.data.tokenizer.vocab_size
+    base = ablation_model("softmax", vocab, "tda_parity")
+    assert base.num_params() >= 20e6 and base.cfg.context >= 512
+    for variant, overrides in (("threshold", {}), ("diff_threshold", {"attn.lambda_mode": "scalar_clamp"}),
+                               ("diff_threshold", {"attn.lambda_mode": "reparam"})):
+        model = ablation_model(variant, vocab, "tda_parity", **overrides)
+        rel = abs(model.num_params(True) - base.num_params(True)) / base.num_params(True)
+        assert rel < 0.02, (variant, overrides, rel)
+    tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.model.context
+    train_tokens = 16_123_355  # the bibles train split under its BPE 8192 (configs/data/bibles.yaml)
+    assert 1.5 < tokens / train_tokens <= 2.0
