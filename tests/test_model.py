@@ -1,5 +1,7 @@
 """The GPT: every variant trains on CPU, parameter/FLOP accounting, generation, config errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -69,6 +71,25 @@ def test_rope_tables_match_the_rotation_within_and_beyond_the_context():
     torch.testing.assert_close(rope(x), expected)  # 6 > max_len: computed on the fly
     torch.testing.assert_close(rope(x[:, :4]), expected[:, :4])  # from the tables
     assert "cos_table" not in rope.state_dict(), "tables are derived, not checkpointed"
+
+
+def test_rope_base_sets_the_rotation_frequencies():
+    """inv_freq_i = base^(-2i / D), from the base RoPE is given and from model.rope_base in the GPT;
+    at position p the pair (x_i, x_{i + D/2}) turns by the angle p * inv_freq_i."""
+    from models.gpt import RoPE
+
+    rope = RoPE(head_dim=8, base=100.0, max_len=4)
+    frequencies = [1.0, 100.0 ** -0.25, 0.1, 100.0 ** -0.75]
+    torch.testing.assert_close(rope.inv_freq, torch.tensor(frequencies))
+    x = torch.zeros(1, 4, 1, 8)
+    x[..., :4] = 1.0  # each pair starts at (1, 0)
+    angles = [3 * f for f in frequencies]
+    want = torch.tensor([math.cos(a) for a in angles] + [math.sin(a) for a in angles])
+    torch.testing.assert_close(rope(x)[0, 3, 0], want)
+    model = GPT(GPTConfig(vocab_size=16, context=8, n_layer=2, n_head=2, n_kv_head=2, d_model=16, rope_base=500.0,
+                          attn=AttnConfig(backend="reference")))
+    for block in model.blocks:
+        torch.testing.assert_close(block.attn.rope.inv_freq, torch.tensor([500.0 ** (-i / 8) for i in (0, 2, 4, 6)]))
 
 
 def test_differential_lambda_is_learned():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -496,7 +497,8 @@ def test_split_empty_after_filtering_is_a_clear_error(tmp_path):
 
 def poison_layer(monkeypatch, bad_steps: set[int], kind: str):
     """Make the built model produce inf: 'forward' makes block 1's MLP output inf at the
-    given steps; 'grad' makes only the gradient of block 0's MLP down-projection inf."""
+    given steps; 'grad' makes only the gradient of block 0's MLP down-projection inf; 'loss'
+    adds inf to the model's loss, a constant that leaves every gradient finite."""
     import train
 
     real_build = train.build_model
@@ -509,6 +511,8 @@ def poison_layer(monkeypatch, bad_steps: set[int], kind: str):
 
         if kind == "forward":
             lit.model.blocks[1].mlp.register_forward_hook(lambda m, a, out: out * float("inf") if active() else out)
+        elif kind == "loss":
+            lit.model.register_forward_hook(lambda m, a, out: out + float("inf") if active() else out)
         else:
             weight = lit.model.blocks[0].mlp.down.weight
             weight.register_hook(lambda g: torch.full_like(g, float("inf")) if active() else g)
@@ -558,6 +562,30 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
     assert adam_steps == {4.0}, "6 steps, 2 skipped: AdamW's step count and moments untouched by them"
     if optimizer == "fused":
         assert RecordingFusedAdamW.flags == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("optimizer", ["unfused", "fused"])
+def test_a_nonfinite_loss_with_finite_gradients_is_skipped(tmp_path, monkeypatch, optimizer):
+    """The loss flag on its own: an inf loss whose gradients all stay finite (the logged gradient
+    norms show it) is skipped as well, on both paths, though the gradient check sees nothing."""
+    import train
+
+    if optimizer == "fused":
+        RecordingFusedAdamW.flags = []
+        monkeypatch.setattr(torch.optim, "AdamW", RecordingFusedAdamW)
+    poison_layer(monkeypatch, {1, 3}, "loss")
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"})))
+    losses = train_losses(tmp_path / "run")
+    assert sorted(s for s, v in losses.items() if not math.isfinite(v)) == [1, 3], losses
+    grad_norms = metric_by_step(tmp_path / "run", "train/grad_norm")
+    assert len(grad_norms) == 6 and all(math.isfinite(v) for v in grad_norms.values()), grad_norms
+    assert results["nonfinite_steps"] == 2
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    adam_steps = {float(s["step"]) for s in state["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {4.0}, "6 steps, 2 skipped on their loss"
+    if optimizer == "fused":
+        assert RecordingFusedAdamW.flags == [0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_strategies_that_shard_gradients_are_recognized():

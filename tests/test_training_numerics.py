@@ -1,7 +1,8 @@
 """What the training loop feeds the optimizer and reports: the learning rate of every step, the
-weight-decay groups, gradient clipping's effect, and the logged bits per byte. Each test pins
-exact values, so an off-by-one warmup, a stretched cosine, decay on norms or lambdas, a missing
-clip or a wrong bpb constant fails."""
+weight-decay groups and the decay the optimizer applies to each, gradient clipping's effect, and
+the logged bits per byte. Each test pins exact values, so an off-by-one warmup, a stretched cosine,
+decay on norms or lambdas, a missing clip, a clip that scales gradients up or a wrong bpb constant
+fails."""
 
 from __future__ import annotations
 
@@ -107,6 +108,48 @@ def test_logged_grad_norm_is_the_pre_clip_norm_of_each_step(tmp_path, monkeypatc
         else:
             assert all(r["grad_norm"] == pytest.approx(1e-3, rel=1e-4) for r in seen)
             assert all(v > 0.05 for v in logged.values()), logged
+
+
+def test_a_clip_above_the_gradient_norm_leaves_the_gradient_untouched(tmp_path, monkeypatch):
+    """Clipping scales by min(1, clip / norm) (torch.nn.utils.clip_grad_norm_'s rule): with a clip far
+    above every step's norm the optimizer sees exactly the logged pre-clip norm, never a larger one."""
+    import train
+
+    seen = _record_optimizer_steps(monkeypatch)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    clip = 1e3
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 4, "train.val_every": 4, "train.grad_clip": clip})))
+    logged = metric_by_step(tmp_path / "run", "train/grad_norm")
+    assert sorted(logged) == [0, 1, 2, 3], logged
+    assert all(0 < v < clip / 10 for v in logged.values()), logged  # the clip never binds
+    assert [r["grad_norm"] for r in seen] == pytest.approx([logged[s] for s in range(4)], rel=1e-5)
+
+
+def test_the_optimizer_decays_the_matrices_and_nothing_else(tmp_path, monkeypatch):
+    """The AdamW train.py builds: train.weight_decay on exactly the decayed group of
+    weight_decay_groups (pinned by the next test), 0 on the rest (norm gains), each parameter in
+    one group."""
+    import train
+
+    built = []
+    real = LitGPT.configure_optimizers
+
+    def recording(self):
+        out = real(self)
+        built.append((self, out["optimizer"]))
+        return out
+
+    monkeypatch.setattr(LitGPT, "configure_optimizers", recording)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 2, "train.val_every": 2, "train.weight_decay": 0.3})))
+    (lit, optimizer), = built
+    decay, no_decay = lit.weight_decay_groups()
+    assert decay and no_decay
+    groups = [({id(p) for p in g["params"]}, g["weight_decay"]) for g in optimizer.param_groups]
+    assert groups == [({id(p) for p in decay}, 0.3), ({id(p) for p in no_decay}, 0.0)]
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(lit.model.parameters()))
 
 
 @pytest.mark.parametrize("variant,lambda_mode", [("softmax", "reparam"), ("diff_threshold", "reparam"),
