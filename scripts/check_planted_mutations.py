@@ -241,6 +241,27 @@ MUTATIONS = [
         "the model ignores model.rope_base",
         (f"{MODEL}::test_rope_base_sets_the_rotation_frequencies",),
     ),
+    Mutation(
+        "scalar-lambda-not-clamped", "models/gpt.py",
+        "return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()",
+        "return self.lambda_scalar.float().expand(self.n_head).contiguous()",
+        "the official TDA lambda (scalar_clamp) is not clamped to [0, 1]",
+        (f"{MODEL}::test_differential_lambda_is_learned",),
+    ),
+    Mutation(
+        "monitor-max-over-heads", "models/attention_monitor.py",
+        "layer_means.append(sum(values) / len(values))",
+        "layer_means.append(max(values))",
+        "the validation-time attention statistics take the largest head instead of the mean",
+        ("tests/test_attention_monitor.py::test_logged_row_statistics_match_the_checkpoints_statistics",),
+    ),
+    Mutation(
+        "run-label-keeps-backend", "models/run_label.py",
+        'NOT_A_SETTING = ("attn.backend",)',
+        "NOT_A_SETTING = ()",
+        "the run label counts the backend as a variant setting",
+        ("tests/test_train.py::test_run_labels_name_a_variants_own_settings",),
+    ),
 ]
 
 
