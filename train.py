@@ -135,8 +135,9 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
         loggers.append(
             WandbLogger(
                 project=cfg.logger.project, entity=cfg.logger.entity, offline=cfg.logger.offline,
-                save_dir=str(output_dir), group=_group(cfg),
-                tags=sorted({cfg.attn.name, _label(cfg), f"seed{cfg.seed}"}), name=f"{_label(cfg)}-s{cfg.seed}", id=resume_run_id, resume="allow" if resume_run_id else None,
+                save_dir=str(output_dir), group=_group(cfg), name=f"{_label(cfg)}-s{cfg.seed}",
+                tags=sorted({cfg.attn.name, _label(cfg), f"seed{cfg.seed}"}),
+                id=resume_run_id, resume="allow" if resume_run_id else None,
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
         )
