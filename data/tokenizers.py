@@ -287,8 +287,11 @@ def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
     allowed = TOKENIZER_OPTIONS[kind]
     unknown = sorted(set(cfg) - {"kind", *allowed})
     if unknown:
+        removals = " ".join(f"~data.tokenizer.{key}" for key in unknown)
         raise ValueError(
-            f"data.tokenizer.{unknown[0]}: unknown option for tokenizer kind {kind!r}; allowed: {['kind', *allowed]}"
+            f"data.tokenizer.{unknown[0]}: unknown option for tokenizer kind {kind!r}; allowed: {['kind', *allowed]}. "
+            f"Switching the kind on the command line, drop the data config's other options too: "
+            f"data.tokenizer.kind={kind} {removals}"
         )
     parsed: dict[str, Any] = {"kind": kind}
     if kind == "bpe":
