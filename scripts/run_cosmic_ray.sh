@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# A cosmic-ray mutation run (a well-kept mutation tool) over one module, in a throwaway copy of
+# the repository, with the targeted tests of scripts/cosmic_ray/<name>.toml:
+#
+#   pip install cosmic-ray==8.7.0            # once; not a CI dependency (a run takes ~30 min per module)
+#   scripts/run_cosmic_ray.sh sampling       # data/sampling.py: about 320 mutants, ~6 s each on 2 cores
+#
+# Prints cosmic-ray's report (every surviving mutant with its diff) and the score; the session
+# database stays in the copy, whose path is printed. Survivors worth a test are listed in
+# docs/results/mutation_check.md; scripts/check_planted_mutations.py is the fast, curated check.
+set -euo pipefail
+name=${1:?usage: scripts/run_cosmic_ray.sh NAME (a scripts/cosmic_ray/NAME.toml)}
+root=$(cd "$(dirname "$0")/.." && pwd)
+config=$root/scripts/cosmic_ray/$name.toml
+[ -f "$config" ] || { echo "no $config"; exit 2; }
+work=$(mktemp -d /tmp/cosmic_ray_"$name".XXXXXX)
+git -C "$root" ls-files --cached --others --exclude-standard -z | (cd "$root" && xargs -0 cp --parents -t "$work")
+cd "$work"
+# the copy's modules first: cosmic-ray mutates them in place, and attnlab may be installed from elsewhere
+export PYTHONPATH=$work ATTNLAB_CACHE_DIR=${ATTNLAB_CACHE_DIR:-$work/.cache}
+cosmic-ray init "$config" session.sqlite
+cosmic-ray baseline "$config"   # the unmutated code must pass the selection
+cosmic-ray exec "$config" session.sqlite
+cr-report session.sqlite --show-pending
+echo "session: $work/session.sqlite"
