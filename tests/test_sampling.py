@@ -46,3 +46,19 @@ def test_eval_batches_cover_each_window_once_and_len_is_their_number(tmp_path, n
         assert all(0 < len(x) <= batch_size for x, _ in batches)
         seen += [int(row[0]) // seq_len for x, _ in batches for row in x]
     assert sorted(seen) == list(range(n_windows))
+
+
+def test_rank_slice_bounds_and_refusals():
+    from data.sampling import rank_slice
+
+    assert [rank_slice(10, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    for rank, world_size in ((-1, 2), (2, 2), (0, 0)):
+        with pytest.raises(ValueError, match="need 0 <= rank < world_size"):
+            rank_slice(10, rank, world_size)
+
+
+def test_a_split_of_exactly_one_window_gives_that_window_and_an_empty_file_no_tokens(tmp_path):
+    from data.sampling import global_window_starts
+
+    assert global_window_starts(seed=0, position=3, global_batch=1, seq_len=8, n_tokens=9).tolist() == [0]
+    assert len(TokenFile(tmp_path / "absent.bin", np.uint16, 0).array()) == 0
