@@ -10,15 +10,7 @@
 #   run(command="ATTNLAB_COMMIT=<sha> bash scripts/gpu_host_overhead.sh", carry=[".whl", ".device_cache"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-export ATTNLAB_COMMIT=${ATTNLAB_COMMIT:-unknown} PYTHONUNBUFFERED=1 WANDB_MODE=offline ATTNLAB_CACHE_DIR=$PWD/.device_cache/attnlab
-T0=$(date +%s)
-mkdir -p "$OUT"
-if ! python3 -c "import hydra" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/site
-st() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+. scripts/device_env.sh
 ATTNLAB_AUTOTUNE=0 timeout 120 python3 scripts/check_nonfinite_gpu.py > $OUT/nonfinite_check.log 2>&1; st nonfinite
 timeout 70 python3 scripts/check_direct_launch_gpu.py --masks causal,ranker --json $OUT/direct_launch.json > $OUT/direct_launch.log 2>&1; st direct
 timeout 150 python3 scripts/check_train_determinism.py --variants softmax --b-overrides train.cuda_graphs=true --rtol 0.01 --json $OUT/cuda_graphs_check.json experiment=gpu_small train.max_steps=100 train.val_every=100 train.compile=true train.log_max_logit=false > $OUT/cuda_graphs_check.log 2>&1; st graphs

@@ -11,15 +11,8 @@
 #   run(command="ATTNLAB_COMMIT=<sha> bash scripts/gpu_train_loop.sh", carry=[".whl", ".device_cache"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-export ATTNLAB_COMMIT=${ATTNLAB_COMMIT:-unknown} PYTHONUNBUFFERED=1 WANDB_MODE=offline ATTNLAB_CACHE_DIR=$PWD/.device_cache/attnlab
-T0=$(date +%s)
+. scripts/device_env.sh
 mkdir -p "$OUT/logs"
-if ! python3 -c "import hydra" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=$PWD:/tmp/site
-st() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 # a correctness check: the first tile config of each kernel (no timing of candidates)
 ATTNLAB_AUTOTUNE=0 timeout 120 python3 scripts/check_nonfinite_gpu.py > $OUT/logs/nonfinite_check.log 2>&1; st nonfinite
 timeout 90 python3 scripts/profile_train_loop.py experiment=gpu_small attn=softcap_tanh train.max_steps=100 train.val_every=100 \

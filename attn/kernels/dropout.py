@@ -44,6 +44,15 @@ def _keep_mask_kernel(SEED, OUT, seq_len, dropout_p, BLOCK_M: tl.constexpr, BLOC
     tl.store(OUT + offs, keep.to(tl.int8), mask=inside)
 
 
+def seed_operand(dropout_p, seed, dummy):
+    """The seed tensor the kernels load with dropout on; any tensor (never read) without."""
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout seed tensor (attn.dropout.draw_seed)")
+        return seed
+    return dummy
+
+
 def keep_mask(seed, batch: int, heads: int, seq_len: int, dropout_p: float, device=None) -> torch.Tensor:
     """The kernels' keep mask for `seed` (int or one-element tensor): bool (B, H, N, N), [b, h, i, j]
     True where the weight of query i on key j (query head h) is kept."""

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.kernels.dropout import dropout_keep, load_seed
+from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import Kernel, TileConfig, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
@@ -645,19 +645,10 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
                h, h // h_kv, n, window,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
-    seed_arg = _seed_operand(dropout_p, seed, lse)
+    seed_arg = seed_operand(dropout_p, seed, lse)
     _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg), scalars, meta,
                 _candidates("fwd", n), (q.dtype, _n_bucket(n), *meta.values()))
     return out, lse
-
-
-def _seed_operand(dropout_p, seed, dummy):
-    """The seed tensor the kernels load with dropout on; any tensor (never read) without."""
-    if dropout_p > 0.0:
-        if seed is None:
-            raise ValueError("dropout_p > 0 needs a dropout seed tensor (attn.dropout.draw_seed)")
-        return seed
-    return dummy
 
 
 def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
@@ -684,7 +675,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
-    seed_arg = _seed_operand(dropout_p, seed, lse)
+    seed_arg = seed_operand(dropout_p, seed, lse)
     _DKDV.launch(
         lambda cfg: (_cdiv(n, cfg.block_n), bsz * h_kv),
         (q, k, v, do, dk, dv, lse, delta, temp, bnd, seed_arg),

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn.kernels.dropout import dropout_keep, load_seed
+from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import Kernel, TileConfig, pinned_index, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
@@ -786,15 +786,6 @@ def _check_kernel_operands(q: torch.Tensor) -> None:
         raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
 
 
-def _seed_operand(dropout_p, seed, dummy):
-    """The seed tensor the kernels load with dropout on; any tensor (never read) without."""
-    if dropout_p > 0.0:
-        if seed is None:
-            raise ValueError("dropout_p > 0 needs a dropout seed tensor (attn.dropout.draw_seed)")
-        return seed
-    return dummy
-
-
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     bsz, n, heads, d = q.shape
     group = heads // k.shape[2]
@@ -803,7 +794,7 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
         return out
     differential = q2 is not None
     args = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-            bounds if bounds is not None else q, out, _seed_operand(dropout_p, seed, q),
+            bounds if bounds is not None else q, out, seed_operand(dropout_p, seed, q),
             *_common_args(q, k, v, q2, k2, lam), *out.stride(),
             n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n), float(dropout_p))
     _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args,
@@ -862,7 +853,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0}
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
-        seed_arg = _seed_operand(dropout_p, seed, q)
+        seed_arg = seed_operand(dropout_p, seed, q)
         scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
         _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
                 (*ops, dout, dq, dq2 if differential else dq, seed_arg, *common, *dout.stride(), *scalars,
