@@ -85,7 +85,7 @@ def softmax_family_outputs_and_grads(fn, q, k, v, temperature, dout, spec, mask,
 def outputs_and_grads(fn, tensors: dict, dout: torch.Tensor) -> dict:
     """{"out": fn(**tensors), "d<name>": gradient of each leaf in `tensors`} for the cotangent `dout`."""
     out = fn(**tensors)
-    grads = torch.autograd.grad(out, list(tensors.values()), dout.to(out.dtype))
+    grads = torch.autograd.grad(out, list(tensors.values()), dout.to(device=out.device, dtype=out.dtype))
     return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}
 
 

@@ -13,9 +13,10 @@
 # Extra Hydra overrides go after `device`, e.g. `train.max_steps=300`. Environment knobs:
 #   ABLATION_EXPERIMENT  the experiment config (default ablation; its ablation.variants / seeds are the defaults)
 #   ABLATION_VARIANTS  comma list (default: the experiment's)   ABLATION_SEEDS  comma list (default: the experiment's)
-#   ABLATION_PARALLEL  variant chains at once on the GPU (default 6; 1 gives clean throughput numbers)
-#   ABLATION_TRAIN_BUDGET_S  wall seconds after which unfinished training is stopped (default 420),
-#                      so the evals, the report and the packing still fit in one 600 s call
+#   ABLATION_PARALLEL  runs at once on the GPU, one per variant and seed (default 9; 1 gives clean throughput numbers)
+#   ABLATION_TRAIN_BUDGET_S  wall seconds of training (default 420), so the evals, the report and the
+#                      packing still fit in one 600 s call: a run still going then stops through
+#                      Lightning's max_time (it reports, with the tokens it reached), killed 60 s later
 #   ABLATION_SWEEP     sweep folder (default multirun/ablation/device: a second call on the same warm
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
 #   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10";
@@ -79,13 +80,14 @@ pack() {
   ) 9>"$out/.pack.lock"
 }
 
-runs_of_variant() {
-  # run directories of one variant (by results.json, not by folder name: threshold vs diff_threshold)
-  $PYTHON - "$1" "$2" <<'EOF'
+runs_of() {
+  # run directories of one variant and seed (by results.json, not by folder name: threshold vs diff_threshold)
+  $PYTHON - "$1" "$2" "$3" <<'EOF'
 import json, sys
 from pathlib import Path
-sweep, variant = Path(sys.argv[1]), sys.argv[2]
-runs = [p.parent for p in sorted(sweep.glob("*/results.json")) if json.loads(p.read_text())["variant"] == variant]
+sweep, variant, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+runs = [p.parent for p in sorted(sweep.glob("*/results.json"))
+        if (r := json.loads(p.read_text()))["variant"] == variant and r.get("seed") == seed]
 print(",".join(f'"{r}"' for r in runs))
 EOF
 }
@@ -107,7 +109,7 @@ device() {
     # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
     echo "commit: ${ABLATION_COMMIT:-${ATTNLAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}"
     echo "command: ABLATION_EXPERIMENT=$EXPERIMENT scripts/run_ablation.sh device $*"
-    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-6}"
+    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-9}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
   } | tee "$sweep/environment.txt"
@@ -116,31 +118,37 @@ device() {
   local seeds=${ABLATION_SEEDS:-$ALL_SEEDS}
   local deadline=$(( $(date +%s) + budget ))
   chain() {
-    local v=$1 left=$(( deadline - $(date +%s) ))
+    local v=$1 seed=$2 left=$(( deadline - $(date +%s) ))
+    local tag=${v}_s$seed
     if [ "$left" -gt 10 ]; then
-      # SIGTERM makes Lightning stop with an error: a cut-off run writes no results.json
+      # Lightning's max_time ends a run still going at the deadline like a finished one (results.json
+      # with the tokens it reached); SIGTERM 60 s later stops one stuck (it writes no results.json)
       # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
       local own="ABLATION_OVERRIDES_$v"
-      timeout -s TERM "$left" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seeds" logger=csv \
-        "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false "${extra[@]}" ${!own:-} >"$log/train_$v.log" 2>&1 \
-        || echo "[$v] training ended early (exit $?), see logs/train_$v.log"
+      timeout -s TERM "$(( left + 60 ))" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seed" logger=csv \
+        "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false "+trainer.max_time=$(printf '00:%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))" \
+        "${extra[@]}" ${!own:-} >"$log/train_$tag.log" 2>&1 \
+        || echo "[$tag] training ended early (exit $?), see logs/train_$tag.log"
     fi
     local runs
-    runs=$(runs_of_variant "$sweep" "$v")
-    if [ -z "$runs" ]; then echo "[$v] no finished run"; return; fi
-    $PYTHON -m eval.perplexity "ckpt=[$runs]" split=test ${ABLATION_PPL_ARGS:-} >"$log/perplexity_$v.log" 2>&1 \
-      || echo "[$v] perplexity failed, see logs/perplexity_$v.log"
-    $PYTHON -m eval.attention_stats "ckpt=[$runs]" split=val ${ABLATION_STATS_ARGS:-} >"$log/attention_$v.log" 2>&1 \
-      || echo "[$v] attention stats failed, see logs/attention_$v.log"
+    runs=$(runs_of "$sweep" "$v" "$seed")
+    if [ -z "$runs" ]; then echo "[$tag] no finished run"; return; fi
+    $PYTHON -m eval.perplexity "ckpt=[$runs]" split=test ${ABLATION_PPL_ARGS:-} >"$log/perplexity_$tag.log" 2>&1 \
+      || echo "[$tag] perplexity failed, see logs/perplexity_$tag.log"
+    $PYTHON -m eval.attention_stats "ckpt=[$runs]" split=val ${ABLATION_STATS_ARGS:-} >"$log/attention_$tag.log" 2>&1 \
+      || echo "[$tag] attention stats failed, see logs/attention_$tag.log"
     pack "$out" "$sweep"
-    echo "[$v] done at +$(( $(date +%s) - deadline + budget ))s"
+    echo "[$tag] done at +$(( $(date +%s) - deadline + budget ))s"
   }
   local extra=("$@")
-  local parallel=${ABLATION_PARALLEL:-6}
+  local parallel=${ABLATION_PARALLEL:-9}
   IFS=, read -r -a variants <<<"${ABLATION_VARIANTS:-$ALL_VARIANTS}"
-  for v in "${variants[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
-    chain "$v" &
+  IFS=, read -r -a seed_list <<<"$seeds"
+  for s in "${seed_list[@]}"; do
+    for v in "${variants[@]}"; do
+      while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
+      chain "$v" "$s" &
+    done
   done
   wait || true
   $PYTHON scripts/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \

@@ -1,28 +1,29 @@
 """Attention-weight dropout (attn/dropout.py): the reference's statistics, and the fused kernels of
-both families under TRITON_INTERPRET=1 against the float64 reference fed the kernels' own mask
-(`attn.kernels.dropout.keep_mask`), by the DESIGN.md §6 rule, for out and every gradient."""
+both families against the float64 reference fed the kernels' own mask
+(`attn.kernels.dropout.keep_mask`), by the DESIGN.md §6 rule, for out and every gradient.
 
-import os
+The kernel tests (`-k kernel`) run on the GPU where there is one (natively, bf16 cases added) and
+under TRITON_INTERPRET=1 (tests/conftest.py) elsewhere."""
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import math
 
-import math  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerance import assert_within_reference_error
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tolerance import assert_within_reference_error  # noqa: E402
+import attn
+from attn.dropout import draw_seed
+from attn.kernels import softmax_family as sf
+from attn.kernels import threshold_family as tf
+from attn.kernels.dropout import keep_mask
+from attn.masks import MaskSpec, dense_mask
+from attn.reference import attention_weights, reference_attention
+from attn.testing import outputs_and_grads, random_segment_ids
 
-import attn  # noqa: E402
-from attn.dropout import draw_seed  # noqa: E402
-from attn.kernels import softmax_family as sf  # noqa: E402
-from attn.kernels import threshold_family as tf  # noqa: E402
-from attn.kernels.dropout import keep_mask  # noqa: E402
-from attn.masks import MaskSpec, dense_mask  # noqa: E402
-from attn.reference import attention_weights, reference_attention  # noqa: E402
-from attn.testing import outputs_and_grads, random_segment_ids  # noqa: E402
-
-FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
+FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# where the fused kernels run: natively on a GPU, in the Triton interpreter on CPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 MASKS = {
     "full": MaskSpec(causal=False),
     "causal": MaskSpec(causal=True),
@@ -57,7 +58,7 @@ def leaves(tensors, dtype):
     out = {}
     for key, t in tensors.items():
         target = torch.float32 if key in ("lam", "temperature") and dtype != torch.float64 else dtype
-        out[key] = t.detach().to(target).requires_grad_()
+        out[key] = t.detach().to(device=DEVICE, dtype=target).requires_grad_()
     return out
 
 
@@ -210,6 +211,7 @@ def call(fn, spec, mask, seg, **kw):
 
 def check_kernel_against_reference(name, spec, mask, seg, tensors, dout, dtype, p, seed):
     b, n, h = tensors["q"].shape[:3]
+    seed, seg = seed.to(DEVICE), None if seg is None else seg.to(DEVICE)
     keep = keep_mask(seed, b, h, n, p)
     reference = call(reference_attention, spec, mask, seg, dropout_p=p, dropout_mask=keep)
     ref64 = outputs_and_grads(reference, leaves(tensors, torch.float64), dout)
@@ -241,6 +243,8 @@ KERNEL_CASES = [
     ("diff_threshold", {"beta": -1.0, "power": 1.0}, "causal", True, 1, 2, 2, 16, False, torch.float32, 0.3),
     ("diff_threshold", {"beta": -1.0, "power": 2.0}, "full", False, 23, 2, 1, 16, False, torch.float16, 0.2),
 ]
+if DEVICE.type == "cuda":  # the interpreter mishandles bf16: checked on the GPU only
+    KERNEL_CASES += [case[:9] + (torch.bfloat16,) + case[10:] for case in KERNEL_CASES if case[9] == torch.float32]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[
@@ -268,7 +272,7 @@ def test_kernel_p0_is_bitwise_the_kernel_without_dropout(name):
     spec = spec_of(name, **({"cap": 2.0} if name == "softcap_tanh" else {"beta": 0.5}))
     plain = fused_outputs(name, spec, MASKS["causal"], tensors, dout, torch.float32)
     zero = fused_outputs(name, spec, MASKS["causal"], tensors, dout, torch.float32, dropout_p=0.0,
-                         dropout_seed=torch.tensor([3]))
+                         dropout_seed=torch.tensor([3], device=DEVICE))
     assert all(torch.equal(plain[key], zero[key]) for key in plain)
 
 
@@ -277,7 +281,7 @@ def test_kernel_same_seed_same_result_other_seed_other_result(name):
     tensors, dout = make_tensors(name, 1, 33, 2, 2, 16, seed=6)
     spec = spec_of(name, **({"beta": -1.0} if name == "threshold" else {}))
     run = lambda seed: fused_outputs(name, spec, MASKS["causal"], tensors, dout, torch.float32,  # noqa: E731
-                                     dropout_p=0.3, dropout_seed=torch.tensor([seed]))
+                                     dropout_p=0.3, dropout_seed=torch.tensor([seed], device=DEVICE))
     a, b, c = run(11), run(11), run(12)
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert all(not torch.equal(a[key], c[key]) for key in a)
@@ -291,10 +295,10 @@ def test_kernel_dropout_statistics(name):
     tensors, _ = make_tensors(name, b, n, h, h_kv, n, seed=9)  # D = N for the one-hot values
     spec = spec_of(name, **({"beta": -1.0} if "threshold" in name else {}))
     mask = MaskSpec(causal=True)
-    extra = {key: tensors[key].float() for key in ("q2", "k2", "lam") if key in tensors}
-    v = one_hot_values(b, n, h_kv).float()
-    out = attn.attention(tensors["q"].float(), tensors["k"].float(), v, spec, causal=True, backend="triton",
-                         dropout_p=p, dropout_seed=123, **extra)
+    extra = {key: tensors[key].to(DEVICE, torch.float32) for key in ("q2", "k2", "lam") if key in tensors}
+    v = one_hot_values(b, n, h_kv).to(DEVICE, torch.float32)
+    out = attn.attention(tensors["q"].to(DEVICE, torch.float32), tensors["k"].to(DEVICE, torch.float32), v, spec,
+                         causal=True, backend="triton", dropout_p=p, dropout_seed=123, **extra).cpu()
     w = attention_weights(tensors["q"], tensors["k"], spec, mask, **{key: tensors[key] for key in extra})
     assert_dropout_statistics(w, dropped_weights(out), dense_mask(mask, n, None)[:, None], p)
 
