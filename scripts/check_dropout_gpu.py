@@ -44,13 +44,17 @@ def check(name: str, mode: str) -> tuple[bool, str]:
     spec = attn.get_variant(name).make_spec(**({"beta": -1.0} if "threshold" in name else {}))
     x = inputs(name)
 
-    def step(**tensors):
-        out = attn.attention(spec=spec, causal=True, dropout_p=P, **tensors)
+    def forward(**tensors):
+        return attn.attention(spec=spec, causal=True, dropout_p=P, **tensors)
+
+    forward = {"eager": forward, "compile": torch.compile(forward, fullgraph=True),
+               "cuda_graphs": torch.compile(forward, fullgraph=True, mode="reduce-overhead")}[mode]
+
+    def fn(**tensors):  # the compiled forward and its compiled backward (torch.compile's AOT autograd)
+        out = forward(**tensors)
         grad_q, = torch.autograd.grad(out.float().square().sum(), [tensors["q"]])
         return out.detach().float(), grad_q.float()
 
-    fn = {"eager": step, "compile": torch.compile(step, fullgraph=True),
-          "cuda_graphs": torch.compile(step, fullgraph=True, mode="reduce-overhead")}[mode]
     calls = []
     for _ in range(3):
         out, grad = fn(**x)

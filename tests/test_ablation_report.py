@@ -188,7 +188,7 @@ def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
 
 def test_tda_parity_models_match_in_size_and_meet_the_issues_scale():
     """The parity experiment: >= 20M parameters at context >= 512, every arm within 2% of softmax
-    (both lambda modes), at most two passes over the training tokens."""
+    (both lambda modes), one pass over the training tokens."""
     cfg = compose_cfg(["experiment=tda_parity", "paths.output_dir=/tmp/unused"])
     vocab = cfg.data.tokenizer.vocab_size
     base = ablation_model("softmax", vocab, "tda_parity")
@@ -200,4 +200,4 @@ def test_tda_parity_models_match_in_size_and_meet_the_issues_scale():
         assert rel < 0.02, (variant, overrides, rel)
     tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.model.context
     train_tokens = 16_123_355  # the bibles train split under its BPE 8192 (configs/data/bibles.yaml)
-    assert 1.5 < tokens / train_tokens <= 2.0
+    assert 0.95 < tokens / train_tokens <= 1.0  # one pass: past it this corpus overfits

@@ -184,7 +184,7 @@ def test_bad_dropout_seed_is_named(seed):
 
 def test_kernel_keep_mask_statistics_and_independence():
     b, h, n, p = 2, 3, 70, 0.25
-    keep = keep_mask(torch.tensor([99]), b, h, n, p)
+    keep = keep_mask(torch.tensor([99], device=DEVICE), b, h, n, p)
     assert keep.shape == (b, h, n, n) and keep.dtype == torch.bool
     count = keep.numel()
     assert abs((~keep).sum().item() - p * count) <= 4 * math.sqrt(count * p * (1 - p))
@@ -192,8 +192,8 @@ def test_kernel_keep_mask_statistics_and_independence():
     # masks of different (batch, head) pairs and of transposed (i, j) are not copies of each other
     assert all(not torch.equal(flat[0], flat[i]) for i in range(1, b * h))
     assert not torch.equal(keep[0, 0], keep[0, 0].T)
-    assert torch.equal(keep, keep_mask(99, b, h, n, p))
-    assert not torch.equal(keep, keep_mask(100, b, h, n, p))
+    assert torch.equal(keep, keep_mask(99, b, h, n, p, device=DEVICE))
+    assert not torch.equal(keep, keep_mask(100, b, h, n, p, device=DEVICE))
 
 
 FUSED = {"softmax": sf.fused_attention, "threshold": tf.fused_attention}
