@@ -7,20 +7,28 @@
 Reads, per run directory (as train.py and the eval commands write them):
   results.json                               variant, seed, tokens, params, final val loss/ppl/bpb
                                              (and peak_memory_bytes / wandb_group when recorded)
-  csv/metrics.csv                            val/loss over training, train/tokens_per_s
+  csv/metrics.csv                            val/loss over training, train/tokens_per_s, and at each
+                                             validation the row diagnostics val/attn/* and val/lambda/*
+                                             (models/attention_monitor.py) when logged
   checkpoints/<ckpt>.perplexity-<split>.json eval.perplexity at each context length
   checkpoints/<ckpt>.attention-<split>.json  eval.attention_stats summary
 
 Writes to --out: report.md, summary.json (every number in the report) and the plots
 val_loss_vs_tokens.png (mean over seeds, band = min..max over seeds), extrapolation.png
-(perplexity against context length), throughput.png (tokens/s).
+(perplexity against context length), throughput.png (tokens/s), and where the runs logged them
+row_opening.png (exact-zero fraction, empty rows, surviving keys, sink mass over training) and
+lambda.png (the differential lambda over training).
 
 Statistics: per variant the mean, sample standard deviation and a 95% confidence interval
 mean +- t(0.975, n-1) s / sqrt(n) (Student t; the quantile is computed here, no scipy). The
 paired difference to softmax uses seeds present for both variants: d_s = x_variant(s) -
 x_softmax(s); since seed s of every variant sees the same batches and the same data order,
 pairing removes the shared seed-to-seed variation. A CI that contains 0 means the variants
-are not distinguishable at this number of seeds.
+are not distinguishable at this number of seeds. `--margin M` (nats) also reads each paired CI
+against +-M: inside it the variant is within M of softmax, above M it is worse by more than M.
+The best validation loss (lowest over the run's validations) is paired too: where a run overfits,
+the final and the best weights answer different questions. `--preface FILE` puts a hand-written
+reading of the numbers under the title.
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ class Run:
     seed: int | None
     results: dict
     curve: list  # [(tokens, val_loss)] over training
+    trajectories: dict  # {"empty_rows": [(tokens, value)], ...}: ROW_METRICS and "lambda" over training
     tokens_per_s: float | None  # median of the logged training throughput (first log left out)
     peak_memory_gb: float | None
     perplexity: dict | None  # eval.perplexity JSON
@@ -174,10 +183,17 @@ def _float(value: str | None) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None]:
-    """Validation curve [(tokens, val loss)] and median tokens/s from a Lightning CSVLogger file."""
+# row diagnostics logged at each validation (models/attention_monitor.py): mean over layers
+ROW_METRICS = (("zero_fraction", "exact-zero fraction of visible weights"), ("empty_rows", "empty-row fraction"),
+               ("surviving_keys", "surviving keys per row"), ("sink_mass", "sink mass (first token)"))
+
+
+def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None, dict]:
+    """Validation curve [(tokens, val loss)], median tokens/s and the row-diagnostic trajectories
+    {metric: [(tokens, value)]} (ROW_METRICS, and "lambda": the mean of every logged lambda) from a
+    Lightning CSVLogger file."""
     if not path.is_file():
-        return [], None
+        return [], None, {}
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     steps = results.get("steps")
@@ -189,6 +205,7 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None]:
             step, tokens = pairs[-1]
             per_step = tokens / (step + 1)
     curve = {}
+    trajectories: dict[str, dict] = defaultdict(dict)
     for r in rows:
         loss = _float(r.get("val/loss"))
         if loss is None or per_step is None:
@@ -198,12 +215,19 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None]:
         # runs from before the last validation moved into fit logged a final one at max_steps)
         done = step + 1 if not steps else min(step + 1, steps)
         curve[done * per_step] = loss
+        for metric, _ in ROW_METRICS:
+            value = _float(r.get(f"val/attn/{metric}"))
+            if value is not None:
+                trajectories[metric][done * per_step] = value
+        lambdas = [x for key, text in r.items() if key.startswith("val/lambda/") and (x := _float(text)) is not None]
+        if lambdas:
+            trajectories["lambda"][done * per_step] = sum(lambdas) / len(lambdas)
     speeds = [_float(r.get("train/tokens_per_s")) for r in rows]
     speeds = [s for s in speeds if s is not None]
     if len(speeds) > 1:
         speeds = speeds[1:]  # the first interval includes start-up (kernel compilation, caches)
     tokens_per_s = statistics.median(speeds) if speeds else None
-    return sorted(curve.items()), tokens_per_s
+    return sorted(curve.items()), tokens_per_s, {k: sorted(v.items()) for k, v in trajectories.items()}
 
 
 def _eval_json(run_dir: Path, kind: str, split: str, results: dict) -> dict | None:
@@ -249,14 +273,14 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     for key in ("variant", "val_loss"):
         if key not in results:
             raise ValueError(f"{run_dir / 'results.json'} has no {key!r}: not a train.py results file")
-    curve, tokens_per_s = read_metrics_csv(run_dir / "csv" / "metrics.csv", results)
+    curve, tokens_per_s, trajectories = read_metrics_csv(run_dir / "csv" / "metrics.csv", results)
     if results.get("tokens_per_s") is not None:  # measured by train.py itself, when it records it
         tokens_per_s = float(results["tokens_per_s"])
     return Run(
         # the label (variant and its own overridden settings, models/run_label.py) when recorded:
         # a sweep over a variant's parameter gives one row per setting
         path=run_dir, variant=results.get("label") or results["variant"], seed=results.get("seed"), results=results,
-        curve=curve,
+        curve=curve, trajectories=trajectories,
         tokens_per_s=tokens_per_s, peak_memory_gb=_peak_memory_gb(results),
         perplexity=_eval_json(run_dir, "perplexity", split, results),
         attention=_eval_json(run_dir, "attention", stats_split, results),
@@ -276,6 +300,23 @@ def variant_order(variants) -> list[str]:
 # ---------------------------------------------------------------------------- analysis
 
 
+def best_val(run: Run) -> tuple[float | None, float | None]:
+    """(lowest validation loss over training, the training tokens where it was reached)."""
+    if not run.curve:
+        return None, None
+    tokens, loss = min(run.curve, key=lambda point: point[1])
+    return loss, tokens
+
+
+def mean_trajectory(runs: list[Run], metric: str) -> list:
+    """[(tokens, mean over runs)] at the validations every run of the list logged `metric` at."""
+    series = [dict(r.trajectories[metric]) for r in runs if r.trajectories.get(metric)]
+    if not series:
+        return []
+    shared = sorted(set.intersection(*(set(x) for x in series)))
+    return [(t, sum(x[t] for x in series) / len(series)) for t in shared]
+
+
 def analyze(runs: list[Run]) -> dict:
     by_variant: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
@@ -288,7 +329,8 @@ def analyze(runs: list[Run]) -> dict:
                              "pass one sweep at a time")
         by_variant[variant].sort(key=lambda r: (r.seed is None, r.seed))
     variants = variant_order(by_variant)
-    out: dict = {"variants": variants, "per_variant": {}, "paired_vs_softmax": {}, "extrapolation": {}, "attention": {}}
+    out: dict = {"variants": variants, "per_variant": {}, "paired_vs_softmax": {}, "extrapolation": {}, "attention": {},
+                 "trajectories": {}}
     for v in variants:
         rs = by_variant[v]
         entry = {
@@ -302,7 +344,11 @@ def analyze(runs: list[Run]) -> dict:
         }
         for key, _ in METRICS:
             entry[key] = summarize([r.results.get(key) for r in rs]).as_dict()
+        entry["best_val_loss"] = summarize([best_val(r)[0] for r in rs]).as_dict()
+        entry["best_val_tokens"] = summarize([best_val(r)[1] for r in rs]).as_dict()
         out["per_variant"][v] = entry
+        trajectories = {m: mean_trajectory(rs, m) for m, _ in ROW_METRICS + (("lambda", ""),)}
+        out["trajectories"][v] = {m: points for m, points in trajectories.items() if points}
         # perplexity at each evaluated context length
         by_context: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for r in rs:
@@ -331,6 +377,8 @@ def analyze(runs: list[Run]) -> dict:
                 **{key: summarize([r.results.get(key) - b.results.get(key) for r, b in pairs
                                    if r.results.get(key) is not None and b.results.get(key) is not None]).as_dict()
                    for key in ("val_loss", "val_bpb")},
+                "best_val_loss": summarize([best_val(r)[0] - best_val(b)[0] for r, b in pairs
+                                            if best_val(r)[0] is not None and best_val(b)[0] is not None]).as_dict(),
             }
     return out
 
@@ -369,6 +417,32 @@ def plot_curves(runs: list[Run], variants: list[str], path: Path) -> Path:
     ax.set_title("validation loss; band: min..max over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_trajectories(analysis: dict, metrics, path: Path, title: str) -> Path | None:
+    """One panel per metric: its mean over seeds against training tokens, one line per variant."""
+    metrics = [(m, label) for m, label in metrics
+               if any(m in analysis["trajectories"].get(v, {}) for v in analysis["variants"])]
+    if not metrics:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), dpi=110, squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics):
+        for v in analysis["variants"]:
+            points = analysis["trajectories"].get(v, {}).get(metric)
+            if points:
+                ax.plot([t / 1e6 for t, _ in points], [x for _, x in points], marker=".", lw=1.3, label=v)
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_title(label, fontsize=9)
+        if metric == "surviving_keys":  # softmax keeps every visible key, threshold rows a few
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -493,20 +567,34 @@ def fmt_summary(s: dict, digits=4, ci=True) -> str:
     return text
 
 
-def verdict(d: dict) -> str:
+def verdict(d: dict, margin: float | None = None) -> str:
     if d["n"] < 2:
         return "too few paired seeds for a CI"
     if d["ci95_low"] > 0:
-        return "worse than softmax (CI above 0)"
-    if d["ci95_high"] < 0:
-        return "better than softmax (CI below 0)"
-    return "not distinguishable from softmax (CI contains 0)"
+        text = "worse than softmax (CI above 0)"
+    elif d["ci95_high"] < 0:
+        text = "better than softmax (CI below 0)"
+    else:
+        text = "not distinguishable from softmax (CI contains 0)"
+    if margin is not None:
+        if d["ci95_low"] > margin:
+            text += f"; worse by more than {margin:g} nats (CI above +{margin:g})"
+        elif d["ci95_high"] < -margin:
+            text += f"; better by more than {margin:g} nats (CI below -{margin:g})"
+        elif -margin <= d["ci95_low"] and d["ci95_high"] <= margin:
+            text += f"; within {margin:g} nats (CI inside ±{margin:g})"
+        else:
+            text += f"; not decided at ±{margin:g} nats (CI crosses ±{margin:g})"
+    return text
 
 
-def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots: dict, split: str) -> Path:
+def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots: dict, split: str,
+                   margin: float | None = None, preface: str | None = None) -> Path:
     pv = analysis["per_variant"]
     variants = analysis["variants"]
     lines = [f"# {title}", ""]
+    if preface:
+        lines += [preface.strip(), "", "---", ""]
     base_params = (pv.get(BASELINE) or {}).get("params") or [None]
     tokens = sorted({t for v in variants for t in pv[v]["tokens"]})
     seeds = sorted({s for v in variants for s in pv[v]["seeds"] if s is not None})
@@ -542,8 +630,25 @@ def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots
             per_seed = ", ".join(f"s{s}: {x:+.4f}" for s, x in zip(d["seeds"], d["val_loss"]["values"]))
             lines.append(
                 f"| {v} | {len(d['seeds'])} | {fmt_summary(d['val_loss'])} | {per_seed or 'n/a'} | "
-                f"{fmt_summary(d['val_bpb'])} | {verdict(d['val_loss'])} |"
+                f"{fmt_summary(d['val_bpb'])} | {verdict(d['val_loss'], margin)} |"
             )
+    if any(pv[v]["best_val_loss"]["n"] for v in variants):
+        lines += [
+            "", "## Best validation loss over training", "",
+            "The lowest validation loss of each run over its validations, and the training tokens where it was "
+            "reached (a best earlier than the end means the run overfit or diverged after it); the paired Δ uses "
+            "the same seeds as above.", "",
+            "| variant | best val loss | at tokens (millions) | final − best | paired Δ best to softmax | reading |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for v in variants:
+            best, final = pv[v]["best_val_loss"], pv[v]["val_loss"]
+            at = pv[v]["best_val_tokens"]
+            gap = final["mean"] - best["mean"] if final["mean"] is not None and best["mean"] is not None else None
+            d = analysis["paired_vs_softmax"].get(v, {}).get("best_val_loss")
+            at_text = ", ".join(f"{t / 1e6:.1f}" for t in at["values"]) or "n/a"
+            lines.append(f"| {v} | {fmt_summary(best)} | {at_text} | {'n/a' if gap is None else f'{gap:+.4f}'} | "
+                         f"{fmt_summary(d) if d else '—'} | {verdict(d, margin) if d else '—'} |")
     lines += [
         "", "## Throughput and memory", "",
         "tokens/s: train.py's steady-state mean when results.json records it, else the median of the logged "
@@ -589,6 +694,19 @@ def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots
                 f"{fmt_summary(a['empty_rows'], ci=False)} | {fmt_summary(a['surviving_share'], ci=False)} | "
                 f"{fmt_summary(a['entropy'], 3, ci=False)} | {fmt_summary(a['max_logit'], 2, ci=False)} |"
             )
+    tracked = [(m, label) for m, label in ROW_METRICS + (("lambda", "lambda (mean over layers and heads)"),)
+               if any(m in analysis["trajectories"].get(v, {}) for v in variants)]
+    if tracked:
+        lines += ["", "## Over training (logged at each validation, mean over layers and seeds)", ""]
+        for metric, label in tracked:
+            rows = {v: analysis["trajectories"][v][metric] for v in variants if metric in analysis["trajectories"].get(v, {})}
+            tokens = sorted({t for points in rows.values() for t, _ in points})
+            lines += [f"**{label}**", "", "| variant | " + " | ".join(f"{t / 1e6:.1f}M" for t in tokens) + " |",
+                      "| --- | " + " | ".join("---" for _ in tokens) + " |"]
+            for v, points in rows.items():
+                at = dict(points)
+                lines.append(f"| {v} | " + " | ".join(fmt(at.get(t)) for t in tokens) + " |")
+            lines.append("")
     lines += ["", "## Plots", ""]
     for name, path in plots.items():
         lines.append(f"![{name}]({path.name})")
@@ -600,7 +718,8 @@ def write_markdown(analysis: dict, runs: list[Run], out: Path, title: str, plots
     return path
 
 
-def build_report(paths, out: Path, title: str = "Attention ablation", split: str = "test", stats_split: str = "val") -> dict:
+def build_report(paths, out: Path, title: str = "Attention ablation", split: str = "test", stats_split: str = "val",
+                 margin: float | None = None, preface: str | None = None) -> dict:
     runs = [load_run(d, split, stats_split) for d in find_run_dirs(paths)]
     analysis = analyze(runs)
     out.mkdir(parents=True, exist_ok=True)
@@ -609,10 +728,17 @@ def build_report(paths, out: Path, title: str = "Attention ablation", split: str
         plots["length extrapolation"] = plot_extrapolation(analysis, out / "extrapolation.png")
     if any(analysis["per_variant"][v]["tokens_per_s"]["n"] for v in analysis["variants"]):
         plots["throughput"] = plot_throughput(analysis, out / "throughput.png")
+    opening = plot_trajectories(analysis, ROW_METRICS, out / "row_opening.png", "attention rows over training")
+    if opening is not None:
+        plots["rows over training"] = opening
+    lam = plot_trajectories(analysis, (("lambda", "lambda, mean over layers and heads"),), out / "lambda.png",
+                            "differential lambda over training")
+    if lam is not None:
+        plots["lambda over training"] = lam
     grid = plot_attention_grid(runs, analysis["variants"], out / "attention_maps.png")
     if grid is not None:
         plots["attention maps (layer x head, mean over seeds)"] = grid
-    report = write_markdown(analysis, runs, out, title, plots, split)
+    report = write_markdown(analysis, runs, out, title, plots, split, margin, preface)
     analysis["report"] = str(report)
     analysis["plots"] = {k: str(p) for k, p in plots.items()}
     (out / "summary.json").write_text(json.dumps(analysis, indent=2))
@@ -626,9 +752,16 @@ def main(argv=None) -> int:
     parser.add_argument("--title", default="Attention ablation")
     parser.add_argument("--split", default="test", help="split of the perplexity JSONs to read (default: test)")
     parser.add_argument("--stats-split", default="val", help="split of the attention-stats JSONs (default: val)")
+    parser.add_argument("--margin", type=float, default=None,
+                        help="read each paired CI against ±MARGIN nats too (e.g. 0.02: within 0.02 of softmax?)")
+    parser.add_argument("--preface", type=Path, default=None, help="a markdown file put under the title (the reading)")
     args = parser.parse_args(argv)
+    if args.margin is not None and not args.margin > 0:
+        print(f"error: --margin must be > 0 nats, got {args.margin}", file=sys.stderr)
+        return 2
     try:
-        analysis = build_report(args.runs, args.out, args.title, args.split, args.stats_split)
+        preface = args.preface.read_text() if args.preface is not None else None
+        analysis = build_report(args.runs, args.out, args.title, args.split, args.stats_split, args.margin, preface)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
 #
 #   scripts/run_ablation.sh prepare                 # here, with network: wheels + token cache to carry
 #   scripts/run_ablation.sh device [OVERRIDES...]   # on the GPU machine: everything, packed into $OUT
-#   scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR]   # here: report from what came back
+#   scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR [REPORT_ARGS...]]   # here: report from what came back
+#                      (REPORT_ARGS go to scripts/ablation_report.py, e.g. --margin 0.02 --preface reading.md)
 #
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
 #   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
@@ -110,6 +111,7 @@ device() {
     echo "commit: ${ABLATION_COMMIT:-${ATTNLAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}"
     echo "command: ABLATION_EXPERIMENT=$EXPERIMENT scripts/run_ablation.sh device $*"
     echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-9}"
+    env | grep '^ABLATION_OVERRIDES_' | sort || true
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
   } | tee "$sweep/environment.txt"
@@ -162,8 +164,9 @@ device() {
 }
 
 report() {
-  local fetched=${1:?usage: scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR]}
+  local fetched=${1:?usage: scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR [REPORT_ARGS...]]}
   local dest=${2:-docs/results/ablation}
+  shift $(( $# < 2 ? $# : 2 ))
   local unpack=$ROOT/multirun/ablation-fetched
   rm -rf "$unpack" && mkdir -p "$unpack"
   tar xzf "$fetched/ablation.tar.gz" -C "$unpack"
@@ -178,7 +181,7 @@ for path in sorted(Path(sys.argv[1]).glob("*/checkpoints/*.attention-*.json")):
     plot_heatmaps(json.loads(path.read_text()), path.with_suffix(""))
 EOF
   mkdir -p "$dest"
-  $PYTHON scripts/ablation_report.py "$sweep" --out "$dest"
+  $PYTHON scripts/ablation_report.py "$sweep" --out "$dest" "$@"
   cp "$sweep/environment.txt" "$dest/" 2>/dev/null || true
   echo "report made here at commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$dest/environment.txt"
   echo "report: $dest/report.md (runs unpacked in $sweep)"

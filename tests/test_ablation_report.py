@@ -36,8 +36,9 @@ def test_t_quantile_symmetry_and_median():
 
 
 def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=(900.0, 1000.0, 1100.0),
-             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None) -> Path:
-    """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step)."""
+             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None, diagnostics=None) -> Path:
+    """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step).
+    `diagnostics`: {step: {csv column: value}} logged with the validation of that step."""
     run = root / f"{variant}_s{seed}"
     (run / "csv").mkdir(parents=True)
     (run / "checkpoints").mkdir()
@@ -47,14 +48,15 @@ def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=
         "best_checkpoint": str(run / "checkpoints" / "best.ckpt"), "peak_memory_bytes": 2.5 * 2**30,
     }
     (run / "results.json").write_text(json.dumps(results))
-    columns = ["epoch", "step", "train/loss", "train/tokens", "train/tokens_per_s", "val/loss", "val/ppl"]
+    extra = sorted({key for row in (diagnostics or {}).values() for key in row})
+    columns = ["epoch", "step", "train/loss", "train/tokens", "train/tokens_per_s", "val/loss", "val/ppl", *extra]
     with (run / "csv" / "metrics.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for step, tps in enumerate(tokens_per_s):
             w.writerow({"epoch": 0, "step": step, "train/loss": 3.0, "train/tokens": (step + 1) * 100, "train/tokens_per_s": tps})
         for step, loss in curve:
-            w.writerow({"epoch": 0, "step": step, "val/loss": loss})
+            w.writerow({"epoch": 0, "step": step, "val/loss": loss, **(diagnostics or {}).get(step, {})})
         w.writerow({"epoch": 1, "step": 4, "val/loss": curve[-1][1]})  # the final validate after fit
     if ppl is not None:
         rows = [{"context": c, "context_multiple": c / 512, "nats_per_token": math.log(p), "ppl": p, "bpb": 1.0}
@@ -116,6 +118,57 @@ def test_paired_difference_to_softmax(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "better than softmax (CI below 0)" in md and "too few paired seeds" in md
     assert summary["variants"] == ["softmax", "alsc", "threshold"]  # registry order
+
+
+def test_row_trajectories_best_loss_margin_and_preface(tmp_path):
+    """Row diagnostics and lambda over training (mean over layers and seeds), the best validation
+    loss paired to softmax, the ±margin reading and the hand-written preface."""
+    runs = tmp_path / "runs"
+    for seed, shift in ((0, 0.0), (1, 0.02)):
+        make_run(runs, "softmax", seed, 2.5 + shift, curve=((1, 3.0 + shift), (3, 2.5 + shift)))
+        diagnostics = {1: {"val/attn/empty_rows": 0.9 - shift, "val/lambda/layer0": 0.5, "val/lambda/layer1": 0.3},
+                       3: {"val/attn/empty_rows": 0.6 - shift, "val/lambda/layer0": 0.2, "val/lambda/layer1": 0.2}}
+        # overfits: best (2.0 + shift) at step 1, final 2.6 + shift
+        make_run(runs, "diff_threshold", seed, 2.6 + shift, curve=((1, 2.0 + shift), (3, 2.6 + shift)),
+                 diagnostics=diagnostics)
+    preface = tmp_path / "reading.md"
+    preface.write_text("## Reading\n\nThe hand-written conclusion.\n")
+    out = tmp_path / "report"
+    assert report.main([str(runs), "--out", str(out), "--margin", "0.05", "--preface", str(preface)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    trajectory = summary["trajectories"]["diff_threshold"]
+    # validations after 2 and 4 steps of 100 tokens; mean over seeds 0.9/0.88 and 0.6/0.58
+    assert [t for t, _ in trajectory["empty_rows"]] == [200, 400]
+    assert [x for _, x in trajectory["empty_rows"]] == pytest.approx([0.89, 0.59])
+    assert [x for _, x in trajectory["lambda"]] == pytest.approx([0.4, 0.2])  # mean over the logged lambdas
+    assert "empty_rows" not in summary["trajectories"]["softmax"]
+    best = summary["per_variant"]["diff_threshold"]["best_val_loss"]
+    assert best["values"] == pytest.approx([2.0, 2.02])
+    assert summary["per_variant"]["diff_threshold"]["best_val_tokens"]["values"] == [200, 200]
+    paired = summary["paired_vs_softmax"]["diff_threshold"]
+    assert paired["best_val_loss"]["values"] == pytest.approx([-0.5, -0.5])
+    assert paired["val_loss"]["values"] == pytest.approx([0.1, 0.1])
+    text = (out / "report.md").read_text()
+    assert text.index("The hand-written conclusion.") < text.index("## Final validation metrics")
+    assert "worse by more than 0.05 nats" in text and "better by more than 0.05 nats" in text
+    assert "**empty-row fraction**" in text and "| diff_threshold | 0.8900 | 0.5900 |" in text
+    for name in ("row_opening.png", "lambda.png"):
+        assert (out / name).read_bytes().startswith(PNG)
+
+
+@pytest.mark.parametrize("low,high,reading", [(0.03, 0.05, "worse by more than 0.02"), (-0.01, 0.015, "within 0.02"),
+                                              (-0.05, -0.03, "better by more than 0.02"),
+                                              (0.01, 0.03, "not decided at ±0.02")])
+def test_margin_reading(low, high, reading):
+    d = {"n": 3, "ci95_low": low, "ci95_high": high}
+    assert reading in report.verdict(d, margin=0.02)
+    assert "0.02" not in report.verdict(d)
+
+
+def test_margin_must_be_positive(tmp_path, capsys):
+    make_run(tmp_path / "runs", "softmax", 0, 2.0)
+    assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "o"), "--margin", "0"]) == 2
+    assert "--margin must be > 0" in capsys.readouterr().err
 
 
 def test_report_refuses_folders_without_runs(tmp_path):

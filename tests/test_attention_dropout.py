@@ -305,7 +305,7 @@ def test_kernel_dropout_statistics(name):
 
 def test_public_attention_draws_kernel_seeds_from_torch_generator():
     tensors, _ = make_tensors("softmax", 1, 20, 2, 2, 16, seed=1)
-    q, k, v = (tensors[key].float() for key in ("q", "k", "v"))
+    q, k, v = (tensors[key].to(DEVICE, torch.float32) for key in ("q", "k", "v"))
     spec = spec_of("softmax")
     run = lambda **kw: attn.attention(q, k, v, spec, backend="triton", **kw)  # noqa: E731
     torch.manual_seed(7)
