@@ -8,6 +8,10 @@ A key j is visible to query i when every enabled rule allows it:
 
 The kernels never read segment ids; they read per-row bounds (B, 4) int32 =
 [history_start, history_end, candidate_start, candidate_end) computed here once.
+
+Queries and keys of different lengths (Q <= KV, a decode step against a KV cache) align to the
+bottom-right corner: query i sits at position i + KV - Q, so the last query sees every key under
+the causal mask (FlashAttention's convention). Segment ids need Q == KV.
 """
 
 from __future__ import annotations
@@ -86,15 +90,26 @@ def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) ->
             raise ValueError(f"segment_ids: the {name} positions must form one contiguous range per row")
 
 
+def _key_length(seq_len: int, kv_len: int | None, segment_ids) -> int:
+    kv_len = seq_len if kv_len is None else kv_len
+    if kv_len < seq_len:
+        raise ValueError(f"keys ({kv_len}) must be at least as many as queries ({seq_len})")
+    if segment_ids is not None and kv_len != seq_len:
+        raise ValueError("segment_ids need queries and keys of one length")
+    return kv_len
+
+
 def dense_mask(
-    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None
+    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None, kv_len: int | None = None
 ) -> torch.Tensor:
-    """Boolean visibility (B or 1, N, N), [.., i, j] True when query i sees key j."""
+    """Boolean visibility (B or 1, N, KV), [.., i, j] True when query i sees key j; `kv_len`
+    (default N) keys, query i at position i + KV - N."""
     if segment_ids is not None:
         device = segment_ids.device
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
-    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    kv_len = _key_length(seq_len, kv_len, segment_ids)
+    i = torch.arange(seq_len, device=device)[:, None] + (kv_len - seq_len)
+    j = torch.arange(kv_len, device=device)[None, :]
+    visible = torch.ones(seq_len, kv_len, dtype=torch.bool, device=device)
     if spec.is_causal:
         visible &= j <= i
     if spec.window is not None:
@@ -112,15 +127,17 @@ def dense_mask(
 
 
 def visible_key_counts(
-    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None
+    spec: MaskSpec, seq_len: int, segment_ids: torch.Tensor | None = None, device=None, kv_len: int | None = None
 ) -> torch.Tensor:
-    """n_i: number of keys query i sees, (B or 1, N) float (closed form, no N^2 memory)."""
+    """n_i: number of keys query i sees, (B or 1, N) float (closed form, no N^2 memory); `kv_len`
+    (default N) keys, query i at position i + KV - N."""
     if segment_ids is not None:
         device = segment_ids.device
-    i = torch.arange(seq_len, device=device, dtype=torch.int64)[None]
+    kv_len = _key_length(seq_len, kv_len, segment_ids)
+    i = torch.arange(seq_len, device=device, dtype=torch.int64)[None] + (kv_len - seq_len)
     if segment_ids is None:
         if not spec.is_causal:
-            return torch.full((1, seq_len), float(seq_len), device=device)
+            return torch.full((1, seq_len), float(kv_len), device=device)
         hi = i + 1
         lo = torch.zeros_like(i) if spec.window is None else (i - spec.window + 1).clamp_min(0)
         return (hi - lo).float()

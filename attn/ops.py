@@ -116,7 +116,11 @@ def attention(
     dropout_p: float = 0.0,
     dropout_seed: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of any registered variant: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+    """Attention of any registered variant: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
+
+    KV >= N keys: a query block against a longer key sequence (a decode step against a KV cache),
+    aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py). Only the
+    reference backend computes KV > N; backend='auto' picks it then.
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
@@ -135,6 +139,11 @@ def attention(
     )
     dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
+    if k.shape[1] != q.shape[1] and backend != "reference":
+        if backend != "auto" and backend in BACKENDS:
+            raise ValueError(f"backend={backend!r} needs queries and keys of one length; {q.shape[1]} queries "
+                             f"against {k.shape[1]} keys run on backend='reference' (or 'auto')")
+        backend = "reference" if backend == "auto" else backend  # a bad name: resolve_backend names it
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
         return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,

@@ -16,7 +16,7 @@ from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
 
 def _per_query_head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q (B,N,H,D), k (B,N,Hkv,D) -> q.k (B,H,N,N); GQA by repeating kv heads."""
+    """q (B,N,H,D), k (B,KV,Hkv,D) -> q.k (B,H,N,KV); GQA by repeating kv heads."""
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     return torch.einsum("bihd,bjhd->bhij", q, k)
@@ -30,12 +30,12 @@ def threshold_tau(beta: float, head_dim: int, counts: torch.Tensor) -> torch.Ten
 def softmax_family_weights(
     q, k, spec: SoftmaxFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None
 ) -> torch.Tensor:
-    """Attention weights (B, H, N, N); fully masked rows are all zero."""
+    """Attention weights (B, H, N, KV); fully masked rows are all zero."""
     n, d = q.shape[1], q.shape[3]
     z = apply_cap(_per_query_head_scores(q, k) * spec.scale(d), spec.cap, spec.cap_value, spec.knee)
     if temperature is not None:
         z = z * temperature[:, None, :, None].to(z.dtype)
-    visible = dense_mask(mask, n, segment_ids, device=q.device)[:, None]
+    visible = dense_mask(mask, n, segment_ids, device=q.device, kv_len=k.shape[1])[:, None]
     z = z.masked_fill(~visible, float("-inf"))
     row_max = z.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
@@ -59,10 +59,10 @@ def _rectified_power(x: torch.Tensor, power: float) -> torch.Tensor:
 def threshold_family_weights(
     q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, q2=None, k2=None, lam=None
 ) -> torch.Tensor:
-    """Signed weights (B, H, N, N) of threshold(-differential) attention; masked entries are 0."""
+    """Signed weights (B, H, N, KV) of threshold(-differential) attention; masked entries are 0."""
     n, d = q.shape[1], q.shape[3]
-    visible = dense_mask(mask, n, segment_ids, device=q.device)[:, None]
-    counts = visible_key_counts(mask, n, segment_ids, device=q.device)
+    visible = dense_mask(mask, n, segment_ids, device=q.device, kv_len=k.shape[1])[:, None]
+    counts = visible_key_counts(mask, n, segment_ids, device=q.device, kv_len=k.shape[1])
     tau = threshold_tau(spec.beta, d, counts.to(q.dtype))[:, None, :, None]
 
     def view(qv, kv):
@@ -76,7 +76,7 @@ def threshold_family_weights(
 
 
 def attention_weights(q, k, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None):
-    """Weights (B, H, N, N) of any registered variant: what diagnostics read."""
+    """Weights (B, H, N, KV) of any registered variant: what diagnostics read."""
     if isinstance(spec, SoftmaxFamilySpec):
         return softmax_family_weights(q, k, spec, mask, segment_ids, temperature)
     return threshold_family_weights(q, k, spec, mask, segment_ids, q2, k2, lam)
@@ -86,7 +86,8 @@ def reference_attention(
     q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
     *, dropout_p: float = 0.0, dropout_mask=None, dropout_seed=None,
 ) -> torch.Tensor:
-    """out (B, N, H, D) = weights @ v, GQA by repeating kv heads.
+    """out (B, N, H, D) = weights @ v, GQA by repeating kv heads; k/v may hold more rows than q
+    (KV >= N, bottom-right aligned: attn/masks.py).
 
     dropout_p > 0 drops the weights (attn/dropout.py): with the keep mask `dropout_mask` (bool,
     broadcastable to (B, H, N, N); tests pass the kernels' own), else one drawn with torch (from

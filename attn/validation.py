@@ -34,8 +34,10 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         _check_tensor(name, t, 4, q.dtype, q.device)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != b or k.shape[1] != n or k.shape[3] != d:
-        raise ValueError(f"k must have shape (B, N, H_kv, D) = ({b}, {n}, H_kv, {d}), got {tuple(k.shape)}")
+    if k.shape[0] != b or k.shape[1] < n or k.shape[3] != d:
+        raise ValueError(f"k must have shape (B, KV, H_kv, D) = ({b}, KV >= {n}, H_kv, {d}), got {tuple(k.shape)}")
+    if segment_ids is not None and k.shape[1] != n:
+        raise ValueError(f"segment_ids need queries and keys of one length, got {n} queries and {k.shape[1]} keys")
     if k.shape[2] < 1 or h % k.shape[2] != 0:
         raise ValueError(f"the number of query heads ({h}) must be divisible by k's heads H_kv ({k.shape[2]})")
     if window is not None and (not isinstance(window, int) or window < 1):

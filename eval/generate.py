@@ -4,7 +4,8 @@
         [temperature=0.8] [top_k=50] [num_samples=1] [seed=0]
 
 The prompt is encoded with the run's own tokenizer (from its data config, or data=<option>);
-the context is cropped to the training length as the model generates (GPT.generate).
+the context is cropped to the training length as the model generates (GPT.generate), which
+decodes against a KV cache (kv_cache=false re-encodes the whole window for every token).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def check_options(cfg: DictConfig) -> None:
         raise ValueError(f"top_k must be a positive int or null, got {cfg.top_k!r}")
     if not isinstance(cfg.num_samples, int) or cfg.num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {cfg.num_samples!r}")
+    if not isinstance(cfg.kv_cache, bool):
+        raise ValueError(f"kv_cache must be true or false, got {cfg.kv_cache!r}")
     if not isinstance(cfg.prompt, str) or cfg.prompt == "":
         raise ValueError('prompt must be a non-empty string, e.g. prompt="ROMEO:"')
 
@@ -45,7 +48,8 @@ def sample(run: common.LoadedRun, tokenizer, cfg: DictConfig, device: torch.devi
     torch.manual_seed(generator_seed)
     idx = torch.tensor([ids] * cfg.num_samples, dtype=torch.long, device=device)
     with common.autocast(device, cfg.precision):
-        out = run.model.generate(idx, cfg.max_new_tokens, temperature=float(cfg.temperature), top_k=cfg.top_k)
+        out = run.model.generate(idx, cfg.max_new_tokens, temperature=float(cfg.temperature), top_k=cfg.top_k,
+                                 kv_cache=cfg.kv_cache)
     return [tokenizer.decode(row.tolist()) for row in out]
 
 

@@ -2,7 +2,8 @@
 
 Token embedding tied to the output head, RoPE, pre-norm RMSNorm, grouped-query
 attention, GELU or SwiGLU MLP, optional QK-norm, per-head output RMSNorm and
-differential heads for the threshold variants (DESIGN.md §4, model side).
+differential heads for the threshold variants (DESIGN.md §4, model side). Generation
+decodes against a KV cache (`KVCache`).
 """
 
 from __future__ import annotations
@@ -71,16 +72,47 @@ class RoPE(nn.Module):
         angles = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
         return angles.cos(), angles.sin()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, N, H, D): rotate pairs (first half, second half) by position."""
-        n = x.shape[1]
-        if n <= self.cos_table.shape[0]:
-            cos, sin = self.cos_table[:n], self.sin_table[:n]
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x (B, N, H, D) at positions offset .. offset + N - 1: rotate pairs (first half, second
+        half) by position."""
+        end = offset + x.shape[1]
+        if end <= self.cos_table.shape[0]:
+            cos, sin = self.cos_table[offset:end], self.sin_table[offset:end]
         else:  # beyond the training context (length-extrapolation evals)
-            cos, sin = self._tables(n)
+            cos, sin = (t[offset:] for t in self._tables(end))
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys and values of every layer for incremental decoding: per layer the keys of each view
+    (RoPE and QK-norm applied) and the values, (B, capacity, H_kv, D), allocated on first use.
+    `length` positions are filled; a forward with the cache writes its tokens after them, and
+    GPT.forward advances `length` once all layers have."""
+
+    def __init__(self, n_layer: int, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.layers: list[dict | None] = [None] * n_layer
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def append(self, layer: int, ks: list, v: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Write the new keys (one per view) and values at length .. length + n; return every
+        cached position's keys and values, the new ones included."""
+        start, end = self.length, self.length + v.shape[1]
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {end} requested (reset it first)")
+        slot = self.layers[layer]
+        if slot is None or slot["v"].shape[0] != v.shape[0] or slot["v"].dtype != v.dtype:
+            shape = (v.shape[0], self.capacity, *v.shape[2:])
+            slot = {"k": [v.new_empty(shape) for _ in ks], "v": v.new_empty(shape)}
+            self.layers[layer] = slot
+        for buffer, k in zip(slot["k"], ks):
+            buffer[:, start:end] = k
+        slot["v"][:, start:end] = v
+        return [buffer[:, :end] for buffer in slot["k"]], slot["v"][:, :end]
 
 
 def _qk_normalize(x: torch.Tensor, kind: str, norm: nn.Module | None) -> torch.Tensor:
@@ -95,6 +127,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_index: int):
         super().__init__()
         acfg = cfg.attn
+        self.layer_index = layer_index
         self.variant = attn.get_variant(acfg.name)
         self.spec = self.variant.make_spec(**acfg.params)
         self.backend, self.window = acfg.backend, acfg.window
@@ -135,8 +168,9 @@ class Attention(nn.Module):
             return self.lambda_raw.float().clamp(0.0, 1.0)
         return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
 
-    def split_heads(self, x: torch.Tensor):
-        """(B, N, C) -> list of q/k views and v, each (B, N, heads, D), with RoPE and QK-norm."""
+    def split_heads(self, x: torch.Tensor, offset: int = 0):
+        """(B, N, C) at positions offset .. offset + N - 1 -> list of q/k views and v, each
+        (B, N, heads, D), with RoPE and QK-norm."""
         b, n, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         sizes = [q_dim, kv_dim] * self.views + [kv_dim]
@@ -145,20 +179,27 @@ class Attention(nn.Module):
         ks = [p.view(b, n, self.n_kv_head, self.head_dim) for p in parts[1:-1:2]]
         v = parts[-1].view(b, n, self.n_kv_head, self.head_dim)
         # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
-        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm)).to(v.dtype) for q in qs]
-        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm)).to(v.dtype) for k in ks]
+        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm), offset).to(v.dtype) for q in qs]
+        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm), offset).to(v.dtype) for k in ks]
         return qs, ks, v
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                segment_bounds: torch.Tensor | None = None) -> torch.Tensor:
+                segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         b, n, _ = x.shape
-        qs, ks, v = self.split_heads(x)
+        qs, ks, v = self.split_heads(x, cache.length if cache is not None else 0)
+        if cache is not None:
+            ks, v = cache.append(self.layer_index, ks, v)
         extra = {}
         if self.views == 2:
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
         # the kernels draw a fresh dropout seed per call from torch's generator of the device
         dropout_p = self.attn_dropout if self.training else 0.0
-        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p, **extra)
+        if v.shape[1] == n:
+            y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
+                            **extra)
+        else:  # new queries against a longer cache: the fused kernels need one length, the reference does not
+            y = attn.attention(qs[0], ks[0], v, self.spec, causal=True, window=self.window, backend="reference",
+                               dropout_p=dropout_p, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":
@@ -196,8 +237,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, segment_ids=None, segment_bounds=None):
-        x = x + self.drop(self.attn(self.norm1(x), segment_ids, segment_bounds))
+    def forward(self, x, segment_ids=None, segment_bounds=None, cache=None):
+        x = x + self.drop(self.attn(self.norm1(x), segment_ids, segment_bounds, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -226,13 +267,18 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """idx (B, N) token ids -> logits (B, N, vocab).
 
         With targets (B, N): the cross-entropy summed over all B * N positions (fp32 nats)
         instead. Inside a compiled graph the fp32 upcast of the logits is then fused into the
         loss and never stored (at vocab 50304 that copy is 3.3 GB per 16K tokens).
+        With a `cache` (`new_cache`): idx continues the cached positions; its keys and values are
+        added to the cache.
         """
+        if cache is not None and segment_ids is not None:
+            raise ValueError("segment_ids and a KV cache cannot be combined")
         x = self.embed_drop(self.embed(idx))
         bounds = None
         if segment_ids is not None:  # checked and turned into kernel bounds once, not per layer
@@ -240,8 +286,14 @@ class GPT(nn.Module):
                 attn.masks.validate_segment_ids(segment_ids, *idx.shape)
             bounds = attn.segment_bounds(segment_ids)
         for block in self.blocks:
-            x = block(x, segment_ids, bounds)
+            x = block(x, segment_ids, bounds, cache)
+        if cache is not None:
+            cache.length += idx.shape[1]
         return self.output(x, targets)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of the training context's length."""
+        return KVCache(self.cfg.n_layer, self.cfg.context)
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and tied head: logits, or with targets the summed cross-entropy."""
@@ -280,22 +332,48 @@ class GPT(nn.Module):
         return float(dense + attention)
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
-        """Sample continuations of idx (B, N); the context is cropped to the training length."""
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 kv_cache: bool = True):
+        """Sample continuations of idx (B, N), attending to at most the training context.
+
+        Without `kv_cache` every token re-encodes the last `context` tokens. With it (default) the
+        model encodes the prompt once and then one token per step against the cache; both give the
+        same tokens while prompt and continuation fit the context. Once the cache is full it is
+        re-filled with the last 3/4 of the context (positions restart at 0, as the uncached path's
+        cropped window does), so a long generation re-encodes 3/4 context every context/4 tokens.
+        """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.context:])[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+        context = self.cfg.context
+        if not kv_cache:
+            for _ in range(max_new_tokens):
+                nxt = _sample_next(self(idx[:, -context:])[:, -1, :].float(), temperature, top_k)
+                idx = torch.cat([idx, nxt], dim=1)
+            return idx
+        cache = self.new_cache()
+        logits = self(idx[:, -context:], cache=cache)[:, -1, :]
+        for step in range(max_new_tokens):
+            nxt = _sample_next(logits.float(), temperature, top_k)
             idx = torch.cat([idx, nxt], dim=1)
+            if step == max_new_tokens - 1:
+                break
+            if cache.length == context:
+                cache.reset()
+                logits = self(idx[:, -max(1, context - context // 4):], cache=cache)[:, -1, :]
+            else:
+                logits = self(nxt, cache=cache)[:, -1, :]
         return idx
+
+
+def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """(B, vocab) fp32 logits -> next ids (B, 1): greedy at temperature 0, else top-k sampling."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1)
 
 
 def check_model_config(cfg: GPTConfig) -> None:

@@ -129,8 +129,8 @@ def test_k_v_shape_mismatch():
     q, k, v = inputs()
     with pytest.raises(ValueError, match=r"k and v must have the same shape"):
         call(q, k, v[:, :, :1])
-    for bad in (k[:1], k[:, :5], k[..., :4]):  # B, N, D of k differ from q
-        with pytest.raises(ValueError, match=r"k must have shape \(B, N, H_kv, D\)"):
+    for bad in (k[:1], k[:, :5], k[..., :4]):  # B of k differs from q's, fewer keys than queries, D differs
+        with pytest.raises(ValueError, match=r"k must have shape \(B, KV, H_kv, D\)"):
             call(q, bad, bad.clone())
 
 

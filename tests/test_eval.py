@@ -375,6 +375,15 @@ def test_generate_command_samples_text(trained_run, capsys):
     assert "anna" in capsys.readouterr().out
 
 
+def test_generate_command_with_and_without_the_kv_cache_gives_the_same_greedy_text(trained_run):
+    texts = {kv: generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "max_new_tokens=10",
+                                                 "temperature=0", f"kv_cache={kv}"))
+             for kv in ("true", "false")}
+    assert texts["true"] == texts["false"]
+    with pytest.raises(ValueError, match="kv_cache must be true or false"):
+        generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "kv_cache=3"))
+
+
 def test_wandb_logs_into_the_runs_group_offline(trained_run, monkeypatch):
     calls = {}
 

@@ -255,7 +255,9 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exa
     assert proc.returncode == 143, log[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
     step = load_checkpoint(last)["global_step"]
-    assert 6 < step < 12, step  # written at the signal, after the validation's checkpoint
+    # written at the signal: after step 6 when the signal lands while step 6's validation is still
+    # writing its checkpoint (the marker is that write's fsync), later otherwise
+    assert 6 <= step < 12, step
     assert f"SIGTERM: stopped after step {step}" in log
     assert not (run_dir / "results.json").exists()
 
