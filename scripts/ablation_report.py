@@ -497,12 +497,21 @@ def plot_throughput(analysis: dict, path: Path) -> Path:
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels(variants, rotation=20, ha="right")
     ax.set_ylabel("training throughput (k tokens/s)")
-    ax.set_title("tokens/s: median of logged steps, mean over seeds (error bar: std)")
+    ax.set_title("tokens/s per run (train.py's steady state), mean over seeds (error bar: std)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def colour_limit(arrays) -> float:
+    """Top of a 0-based colour scale shared by `arrays`: their largest finite value (1 if none > 0)."""
+    import numpy as np
+
+    finite = [float(np.nanmax(a)) for a in arrays if np.isfinite(a).any()]
+    top = max(finite, default=0.0)
+    return top if top > 0 else 1.0
 
 
 def plot_attention_grid(runs: list[Run], variants: list[str], path: Path) -> Path | None:
@@ -524,20 +533,23 @@ def plot_attention_grid(runs: list[Run], variants: list[str], path: Path) -> Pat
     fig, axes = plt.subplots(len(panels), len(names), figsize=(2.0 * len(names) + 1.2, 2.0 * len(panels) + 0.8),
                              dpi=110, squeeze=False, layout="constrained")
     for row, metric in enumerate(panels):
+        # one colour scale per metric, shared by the variants and fitted to their values: a sink mass
+        # of 0.02 would be invisible on a fixed 0..1 scale
+        vmax = colour_limit([maps[v][row] for v in names])
         for col, v in enumerate(names):
             ax = axes[row][col]
             values = maps[v][row]
-            image = ax.imshow(values, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            image = ax.imshow(values, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
             ax.set_xticks(range(values.shape[1]))
             ax.set_yticks(range(values.shape[0]))
             ax.tick_params(labelsize=6)
             if row == 0:
-                ax.set_title(v, fontsize=8)
+                ax.set_title(v.replace("[", "\n["), fontsize=7)  # a label's settings on their own line
             if row == len(panels) - 1:
                 ax.set_xlabel("head", fontsize=7)
             if col == 0:
                 ax.set_ylabel(f"{metric}\nlayer", fontsize=7)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+        fig.colorbar(image, ax=axes[row].tolist(), shrink=0.8, label=f"{metric} (0..{vmax:.3g})")
     fig.savefig(path)
     plt.close(fig)
     return path

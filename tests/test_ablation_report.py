@@ -165,6 +165,13 @@ def test_margin_reading(low, high, reading):
     assert "0.02" not in report.verdict(d)
 
 
+def test_heatmap_colour_scale_fits_the_values():
+    import numpy as np
+
+    assert report.colour_limit([np.array([[0.01, 0.02]]), np.array([[np.nan, 0.005]])]) == pytest.approx(0.02)
+    assert report.colour_limit([np.zeros((2, 2)), np.full((1, 1), np.nan)]) == 1.0
+
+
 def test_margin_must_be_positive(tmp_path, capsys):
     make_run(tmp_path / "runs", "softmax", 0, 2.0)
     assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "o"), "--margin", "0"]) == 2
