@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig
 
 from eval import common
+from eval.progress import tracked
 from models.attention_diagnostics import METRICS, attention_statistics
 
 log = logging.getLogger("attnlab.eval.attention_stats")
@@ -102,8 +103,10 @@ def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: tor
     if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {cfg.batch_size!r}")
     tokens = np.asarray(datamodule.token_ids(cfg.split))
+    batches = token_batches(tokens, seq_len, cfg.num_tokens, cfg.batch_size, device)
+    total = -(-len(window_starts(len(tokens), seq_len, cfg.num_tokens)) // cfg.batch_size)
     with common.autocast(device, cfg.precision):
-        stats = attention_statistics(run.model, token_batches(tokens, seq_len, cfg.num_tokens, cfg.batch_size, device))
+        stats = attention_statistics(run.model, tracked(batches, f"attention statistics {cfg.split}", total))
     return {
         "kind": "attention_stats",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from eval import common
+from eval.progress import progress_bar
 
 log = logging.getLogger("attnlab.eval.perplexity")
 
@@ -85,11 +86,13 @@ def score_tokens(
     stride: int,
     batch_size: int = 8,
     device: torch.device | str = "cpu",
+    on_windows: Callable[[int], None] | None = None,
 ) -> dict:
     """Sum of next-token negative log-likelihoods over `tokens` with the given windowing.
 
     logits_fn maps int64 ids (B, L) to logits (B, L, V); position p predicts token p + 1.
     Returns {"nats", "tokens", "windows", "nats_per_token"} with tokens = len(tokens) - 1.
+    `on_windows(n)` is called after each batch of n windows (a progress bar).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -117,6 +120,8 @@ def score_tokens(
             keep = positions[None, :] >= first_scored[:, None]
             total += (nll.double() * keep).sum()
             counted += int(keep.sum())
+            if on_windows is not None:
+                on_windows(len(batch))
     expected = len(tokens) - 1
     if counted != expected:  # the windowing invariant; a failure here is a bug, not bad input
         raise RuntimeError(f"scored {counted} targets, expected each of {expected} exactly once")
@@ -172,7 +177,9 @@ def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: tor
     rows = []
     for length in context_lengths(cfg, training_context):
         stride = stride_for(cfg, length)
-        scored = score_tokens(logits_fn, tokens, length, stride, cfg.batch_size, device)
+        windows = len(scoring_windows(len(tokens), length, stride))
+        with progress_bar(f"perplexity {split} @ {length}", windows) as advance:
+            scored = score_tokens(logits_fn, tokens, length, stride, cfg.batch_size, device, on_windows=advance)
         nats = scored["nats_per_token"]
         # bytes of the scored targets: the text's bytes per token x scored tokens
         scored_bytes = bytes_per_token * scored["tokens"]
