@@ -7,10 +7,12 @@ A `ckpt=` argument may name
   - a folder holding run directories (a multirun sweep), which evaluates every run in it.
 
 Checkpoints are read with `models.checkpoint_io.load_checkpoint` (weights_only=True, never
-unpickling code). A checkpoint carries its tokenizer (`data.tokenizers.tokenizer_record`): the
-eval commands use it, and refuse a `data=` config whose tokenizer is another one. A checkpoint that this attnlab cannot rebuild (unknown variant, unknown or
+unpickling code). A checkpoint that this attnlab cannot rebuild (unknown variant, unknown or
 missing config fields, weights that do not fit the model) is refused with a ValueError that
 names the file and what does not match.
+
+A checkpoint carries its tokenizer (`data.tokenizers.tokenizer_record`): the eval commands use
+it, and refuse a `data=` config whose tokenizer is another one, naming both.
 """
 
 from __future__ import annotations

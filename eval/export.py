@@ -68,13 +68,13 @@ def write_export(model: GPT, tokenizer: Tokenizer, out: Path, source: dict | Non
     """Write model and tokenizer into the folder `out` (created); returns the config file."""
     from safetensors.torch import save_model
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in EXPORT_FILES:  # an earlier export's files (overwrite=true) never mix with this one's
-        (out / name).unlink(missing_ok=True)
-    record = tokenizer_record(tokenizer)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                          f"({model.cfg.vocab_size})")
+    record = tokenizer_record(tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in EXPORT_FILES:  # an earlier export's files (overwrite=true) never mix with this one's
+        (out / name).unlink(missing_ok=True)
     tokenizer_file = HF_TOKENIZER_FILE if record["format"] == "hf-tokenizers" else ATTNLAB_TOKENIZER_FILE
     (out / tokenizer_file).write_text(record["content"], encoding="utf-8")
     if next(model.parameters()).device.type != "cpu":
