@@ -57,7 +57,9 @@ class HarnessScorer:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self._device = torch.device(device)
-        self.model = model.to(self._device).eval()
+        model = model.to(self._device)
+        model.eval()
+        self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.precision = precision
