@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 import attn
+from data.tokenizers import tokenizer_record
 from models.attention_monitor import AttentionRowMonitor
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from models.config_checks import check_config, cuda_graphs_enabled
@@ -201,7 +202,7 @@ def devices_per_run(trainer_cfg) -> int:
     return int(devices) * int(trainer_cfg.get("num_nodes", 1))
 
 
-def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitGPT:
+def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict, tokenizer: dict | None = None) -> LitGPT:
     cuda = torch.cuda.is_available() and cfg.trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda")
     cuda_graphs, why = cuda_graphs_enabled(cfg.train, devices_per_run(cfg.trainer), cuda)
     log.info("CUDA graphs: %s", why)
@@ -213,7 +214,7 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict) -> LitG
     return LitGPT(
         model=model, optim=optim, compile=cfg.train.compile, compile_unit=cfg.train.compile_unit,
         cuda_graphs=cuda_graphs,
-        bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops),
+        bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops), tokenizer=tokenizer,
     )
 
 
@@ -257,7 +258,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     datamodule.prepare_data()
     datamodule.setup("fit")
     bytes_per_token = {s: datamodule.bytes_per_token(s) for s in ("train", "val")}
-    model = build_model(cfg, datamodule.vocab_size, bytes_per_token)
+    # every checkpoint carries the tokenizer itself, so evaluation and export need no data config
+    model = build_model(cfg, datamodule.vocab_size, bytes_per_token, tokenizer_record(datamodule.tokenizer))
     n_params = model.model.num_params()  # counted now: after fit, FSDP leaves each rank its shard only
     log.info(
         "model: %s, %.2fM parameters, %.3g training FLOPs/token",

@@ -16,6 +16,10 @@ works / files), the tokenizer kind and its options (vocab size, ...).
                 byte-level BPE (GPT-2 style pre-tokenization) from HF `tokenizers`
     pretrained: name (a tiktoken encoding, e.g. gpt2; needs `pip install -e .[tiktoken]`
                 and the encoding cached or network) or path (an HF `tokenizer.json`)
+
+`tokenizer_record(tokenizer)` writes any of them as a plain dict (kind, vocab size, hash, a
+format name and a JSON text); `tokenizer_from_record` rebuilds it from that dict alone, parsing
+JSON only, and checks the rebuilt tokenizer's hash. Checkpoints and export folders carry it.
 """
 
 from __future__ import annotations
@@ -418,3 +422,101 @@ def build_tokenizer(
             tokenizer = train_bpe(_train_texts(source, cfg["max_train_bytes"]), cfg["vocab_size"], cfg["min_frequency"])
         _write_trained(path, tokenizer)
     return tokenizer
+
+
+# --------------------------------------------------------------------------- records
+
+
+# How a tokenizer is written into a checkpoint or an export folder: a plain dict of strings and
+# ints (loads with weights_only=True; rebuilding it parses JSON only, it runs no code).
+#   {"kind", "vocab_size", "hash", "format", "content"}
+# `format` names how `content` (a JSON text) rebuilds the tokenizer:
+TOKENIZER_FORMATS = (
+    "attnlab-byte",      # BYTE_TOKENIZER_JSON: the 256 UTF-8 bytes, nothing to store
+    "attnlab-char",      # CharTokenizer.to_json()
+    "hf-tokenizers",     # a Hugging Face tokenizer.json (kind bpe or pretrained)
+    "attnlab-tiktoken",  # a tiktoken encoding's pattern, ranks and special tokens
+)
+RECORD_KEYS = ("kind", "vocab_size", "hash", "format", "content")
+BYTE_TOKENIZER_JSON = '{"format": "attnlab-byte-tokenizer-v1"}'
+
+
+def _tiktoken_json(encoding) -> str:
+    ranks = sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])
+    return json.dumps({
+        "name": encoding.name,
+        "pattern": encoding._pat_str,
+        "ranks": [[token.hex(), rank] for token, rank in ranks],
+        "special_tokens": dict(encoding._special_tokens),
+    }, ensure_ascii=True)
+
+
+def _tiktoken_from_json(text: str) -> "TiktokenTokenizer":
+    import tiktoken
+
+    payload = json.loads(text)
+    encoding = tiktoken.Encoding(
+        name=payload["name"],
+        pat_str=payload["pattern"],
+        mergeable_ranks={bytes.fromhex(token): int(rank) for token, rank in payload["ranks"]},
+        special_tokens={str(k): int(v) for k, v in payload["special_tokens"].items()},
+    )
+    return TiktokenTokenizer(encoding)
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """Everything needed to rebuild `tokenizer` exactly, as plain strings and ints."""
+    if isinstance(tokenizer, ByteTokenizer):
+        fmt, content = "attnlab-byte", BYTE_TOKENIZER_JSON
+    elif isinstance(tokenizer, CharTokenizer):
+        fmt, content = "attnlab-char", tokenizer.to_json()
+    elif isinstance(tokenizer, HFTokenizer):
+        fmt, content = "hf-tokenizers", tokenizer.to_json()
+    elif isinstance(tokenizer, TiktokenTokenizer):
+        fmt, content = "attnlab-tiktoken", _tiktoken_json(tokenizer.encoding)
+    else:
+        raise TypeError(f"no record format for tokenizer type {type(tokenizer).__name__}")
+    return {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "hash": tokenizer.hash,
+            "format": fmt, "content": content}
+
+
+def tokenizer_from_record(record: Mapping[str, Any], where: str) -> Tokenizer:
+    """Rebuild a tokenizer from tokenizer_record's dict; the rebuilt tokenizer must have the
+    recorded kind, vocabulary size and hash. Errors name `where` (the file it came from)."""
+    if not isinstance(record, Mapping) or sorted(record) != sorted(RECORD_KEYS):
+        keys = sorted(record) if isinstance(record, Mapping) else type(record).__name__
+        raise ValueError(f"{where}: the tokenizer record must have exactly the keys {list(RECORD_KEYS)}, got {keys}")
+    fmt, content = record["format"], record["content"]
+    if fmt not in TOKENIZER_FORMATS:
+        raise ValueError(f"{where}: unknown tokenizer format {fmt!r}; known: {sorted(TOKENIZER_FORMATS)}")
+    if not isinstance(content, str):
+        raise ValueError(f"{where}: the tokenizer content must be a string, got {type(content).__name__}")
+    try:
+        if fmt == "attnlab-byte":
+            if json.loads(content) != json.loads(BYTE_TOKENIZER_JSON):
+                raise ValueError(f"expected {BYTE_TOKENIZER_JSON}")
+            tokenizer: Tokenizer = ByteTokenizer()
+        elif fmt == "attnlab-char":
+            tokenizer = CharTokenizer.from_json(content)
+        elif fmt == "hf-tokenizers":
+            from tokenizers import Tokenizer as RustTokenizer
+
+            tokenizer = HFTokenizer(RustTokenizer.from_str(content), kind=str(record["kind"]))
+        else:
+            tokenizer = _tiktoken_from_json(content)
+    except ImportError as error:
+        raise ValueError(f"{where}: rebuilding its {fmt} tokenizer needs {error.name}: pip install -e '.[tiktoken]'") from None
+    except Exception as error:  # malformed JSON or a foreign file
+        raise ValueError(f"{where}: the {fmt} tokenizer content cannot be read ({type(error).__name__}: {error})") from None
+    rebuilt = tokenizer.describe()
+    wanted = {key: record[key] for key in ("kind", "vocab_size", "hash")}
+    if rebuilt != wanted:
+        raise ValueError(f"{where}: the tokenizer rebuilt from its content ({describe_tokenizer(rebuilt)}) is not the "
+                         f"recorded one ({describe_tokenizer(wanted)})")
+    return tokenizer
+
+
+def describe_tokenizer(tokenizer: Tokenizer | Mapping[str, Any]) -> str:
+    """kind, vocabulary size and hash in one line (for messages)."""
+    info = tokenizer.describe() if isinstance(tokenizer, Tokenizer) else tokenizer
+    return f"kind={info['kind']} vocab={info['vocab_size']} hash={str(info['hash'])[:16]}"

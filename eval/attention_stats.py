@@ -172,7 +172,7 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
     results = []
     for run in common.iter_runs(cfg, device):
         data_cfg = common.data_config_for(run, cfg)
-        datamodule = datamodules.get(data_cfg, run.model_config.vocab_size)
+        datamodule = datamodules.for_run(run, data_cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out)
         images = plot_heatmaps(result, path.with_suffix("")) if cfg.plot else []

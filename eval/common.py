@@ -10,6 +10,9 @@ Checkpoints are read with `models.checkpoint_io.load_checkpoint` (weights_only=T
 unpickling code). A checkpoint that this attnlab cannot rebuild (unknown variant, unknown or
 missing config fields, weights that do not fit the model) is refused with a ValueError that
 names the file and what does not match.
+
+A checkpoint carries its tokenizer (`data.tokenizers.tokenizer_record`): the eval commands use
+it, and refuse a `data=` config whose tokenizer is another one, naming both.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import attn
+from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
 from models.checkpoint_io import load_checkpoint
 from models.gpt import GPT, GPTConfig
 from models.lit import gpt_config_from_dict
@@ -53,6 +57,7 @@ class LoadedRun:
     results: dict | None  # the run's results.json
     global_step: int | None
     tokens_seen: int | None
+    tokenizer: Tokenizer | None = None  # the checkpoint's own; None in checkpoints that do not record it
 
     @property
     def variant(self) -> str:
@@ -82,6 +87,7 @@ class LoadedRun:
             "tokens_seen": self.tokens_seen,
             "params": self.model.num_params(),
             "training_context": self.model_config.context,
+            "tokenizer": self.tokenizer.describe() if self.tokenizer is not None else None,
         }
 
 
@@ -181,25 +187,7 @@ def build_model_from_checkpoint(ckpt: dict, path: Path, backend: str | None = No
     model_dict = hparams.get("model") if isinstance(hparams, dict) else None
     if not isinstance(model_dict, dict):
         raise ValueError(f"checkpoint {path} is not an attnlab GPT checkpoint: hyper_parameters has no 'model' dict")
-    model_dict = dict(model_dict)
-    attn_dict = dict(model_dict.get("attn") or {})
-    name = attn_dict.get("name", "softmax")
-    if name not in attn.variant_names():
-        raise ValueError(
-            f"checkpoint {path} was trained with attention variant {name!r}, which this attnlab does not "
-            f"register; registered variants: {attn.variant_names()}"
-        )
-    if backend is not None:
-        attn_dict["backend"] = backend
-    model_dict["attn"] = attn_dict
-    try:
-        cfg = gpt_config_from_dict(model_dict)
-    except TypeError as e:  # unknown or missing dataclass fields
-        raise ValueError(f"checkpoint {path} has a model config this attnlab cannot build ({e})") from e
-    try:
-        model = GPT(cfg)
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path} has an invalid model config: {e}") from e
+    model, cfg = build_model_from_config(model_dict, f"checkpoint {path}", backend)
     weights = _state_dict_of_model(ckpt["state_dict"], path)
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -213,11 +201,42 @@ def build_model_from_checkpoint(ckpt: dict, path: Path, backend: str | None = No
     return model.eval(), cfg
 
 
+def build_model_from_config(model_dict: dict, where: str, backend: str | None = None) -> tuple[GPT, GPTConfig]:
+    """A GPT (freshly initialized) from a plain model-config dict (GPTConfig's fields, `attn` a
+    dict of AttnConfig's); `where` names the config's file in the errors."""
+    model_dict = dict(model_dict)
+    attn_dict = dict(model_dict.get("attn") or {})
+    name = attn_dict.get("name", "softmax")
+    if name not in attn.variant_names():
+        raise ValueError(
+            f"{where} was trained with attention variant {name!r}, which this attnlab does not "
+            f"register; registered variants: {attn.variant_names()}"
+        )
+    if backend is not None:
+        attn_dict["backend"] = backend
+    model_dict["attn"] = attn_dict
+    try:
+        cfg = gpt_config_from_dict(model_dict)
+    except TypeError as e:  # unknown or missing dataclass fields
+        raise ValueError(f"{where} has a model config this attnlab cannot build ({e})") from e
+    try:
+        model = GPT(cfg)
+    except ValueError as e:
+        raise ValueError(f"{where} has an invalid model config: {e}") from e
+    return model, cfg
+
+
 def load_run(path: str | os.PathLike, device: str | torch.device = "cpu", backend: str | None = None) -> LoadedRun:
     """Load one checkpoint file into a GPT in eval mode, plus its run directory's config and results."""
     path = Path(path)
     ckpt = load_checkpoint(path)  # FileNotFoundError / ValueError with the file named
     model, cfg = build_model_from_checkpoint(ckpt, path, backend)
+    tokenizer = None
+    if ckpt.get("tokenizer") is not None:
+        tokenizer = tokenizer_from_record(ckpt["tokenizer"], f"checkpoint {path}")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"checkpoint {path}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocabulary ({cfg.vocab_size})")
     run_dir = run_dir_of(path)
     run_config = None
     results = None
@@ -236,6 +255,7 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu", backen
         results=results,
         global_step=ckpt.get("global_step"),
         tokens_seen=ckpt.get("tokens_seen"),
+        tokenizer=tokenizer,
     )
 
 
@@ -472,17 +492,38 @@ class DataModuleCache:
     def __init__(self):
         self._modules: dict[str, Any] = {}
 
-    def get(self, data_cfg: DictConfig, vocab_size: int | None = None):
+    def get(self, data_cfg: DictConfig, vocab_size: int | None = None, tokenizer: Tokenizer | None = None):
+        """The data module of `data_cfg`; refused when its tokenizer is not `tokenizer` (the
+        checkpoint's) or, for a checkpoint without one, its vocabulary size is not `vocab_size`."""
         key = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True, default=str)
         if key not in self._modules:
             self._modules[key] = build_datamodule(data_cfg)
         datamodule = self._modules[key]
+        if tokenizer is not None and datamodule.tokenizer.hash != tokenizer.hash:
+            raise ValueError(
+                f"data/tokenizer mismatch: the checkpoint's tokenizer is {describe_tokenizer(tokenizer)}, the data "
+                f"config's is {describe_tokenizer(datamodule.tokenizer)}; evaluate on data tokenized with the "
+                "checkpoint's tokenizer (leave data= out to use the run's own data config)"
+            )
         if vocab_size is not None and datamodule.vocab_size != vocab_size:
             raise ValueError(
                 f"data/tokenizer mismatch: the data config gives vocabulary size {datamodule.vocab_size}, "
                 f"the checkpoint's model has {vocab_size}; evaluate with the data config it was trained on"
             )
         return datamodule
+
+    def for_run(self, run: LoadedRun, data_cfg: DictConfig):
+        return self.get(data_cfg, run.model_config.vocab_size, run.tokenizer)
+
+
+def tokenizer_for_run(run: LoadedRun, cfg: DictConfig) -> tuple[Tokenizer, DictConfig | None]:
+    """(tokenizer, data config used or None). The checkpoint's tokenizer, checked against the
+    data= config when one is given; for a checkpoint that does not record its tokenizer, the
+    tokenizer of the run's data config (or of data=)."""
+    if run.tokenizer is not None and cfg.get("data") is None:
+        return run.tokenizer, None
+    data_cfg = data_config_for(run, cfg)
+    return DataModuleCache().for_run(run, data_cfg).tokenizer, data_cfg
 
 
 def versions() -> dict:

@@ -3,7 +3,8 @@
     python -m eval.generate ckpt=RUN_DIR prompt="To be, or not" [max_new_tokens=200]
         [temperature=0.8] [top_k=50] [num_samples=1] [seed=0]
 
-The prompt is encoded with the run's own tokenizer (from its data config, or data=<option>);
+The prompt is encoded with the checkpoint's own tokenizer (checked against data=<option> when
+given; a checkpoint that does not record its tokenizer takes its run's data config or data=);
 the context is cropped to the training length as the model generates (GPT.generate), which
 decodes against a KV cache (kv_cache=false re-encodes the whole window for every token).
 """
@@ -61,9 +62,8 @@ def run_generate(cfg: DictConfig) -> list[str]:
     if len(paths) != 1:
         raise ValueError(f"eval.generate samples from one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
     run = common.load_run(paths[0], device=device, backend=cfg.backend)
-    data_cfg = common.data_config_for(run, cfg)
-    datamodule = common.DataModuleCache().get(data_cfg, run.model_config.vocab_size)
-    texts = sample(run, datamodule.tokenizer, cfg, device)
+    tokenizer, data_cfg = common.tokenizer_for_run(run, cfg)
+    texts = sample(run, tokenizer, cfg, device)
 
     from rich.console import Console
     from rich.panel import Panel

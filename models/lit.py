@@ -80,9 +80,13 @@ class LitGPT(L.LightningModule):
     def __init__(
         self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None,
         peak_tflops: float | None = None, compile_unit: str = "model", cuda_graphs: bool = False,
+        tokenizer: dict | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        # the tokenizer record (data.tokenizers.tokenizer_record) goes into every checkpoint under
+        # "tokenizer", not into the hyperparameters (a BPE vocabulary would fill hparams.yaml)
+        self.save_hyperparameters(ignore=["tokenizer"])
+        self.tokenizer_record = dict(tokenizer) if tokenizer is not None else None
         self.model_cfg = gpt_config_from_dict(model)
         self.optim_cfg = OptimConfig(**optim)
         self.optim_cfg.check()
@@ -265,7 +269,11 @@ class LitGPT(L.LightningModule):
         checkpoint["model_config"] = asdict(self.model_cfg)
         # a finished run resumed reports it without validating again (train.py)
         checkpoint["last_validation"] = dict(self.last_validation)
+        if self.tokenizer_record is not None:
+            checkpoint["tokenizer"] = dict(self.tokenizer_record)
 
     def on_load_checkpoint(self, checkpoint):
         self.tokens_seen = checkpoint.get("tokens_seen", 0)
         self.last_validation = dict(checkpoint.get("last_validation", {}))
+        if checkpoint.get("tokenizer") is not None and self.tokenizer_record is None:
+            self.tokenizer_record = dict(checkpoint["tokenizer"])

@@ -55,3 +55,22 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
 def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=overrides)
+
+
+def train_tiny_run(tmp_path: Path, **extra) -> Path:
+    """A real few-step training run on a tiny corpus in tmp_path/run, with the .hydra/config.yaml
+    Hydra would write (train.run is called in-process, which writes no Hydra files)."""
+    from omegaconf import OmegaConf
+
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
+    settings = {"train.max_steps": 2, "train.val_every": 2, "model.context": 16, **extra}
+    cfg = compose_cfg(tiny_overrides(tmp_path, corpus, **settings))
+    train.run(cfg)
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir()
+    saved = OmegaConf.to_container(cfg, resolve=False)
+    saved["paths"]["output_dir"] = str(run_dir)
+    OmegaConf.save(OmegaConf.create(saved), run_dir / ".hydra" / "config.yaml")
+    return run_dir

@@ -1,0 +1,92 @@
+"""Every checkpoint carries its tokenizer; the eval commands use it and refuse data of another tokenizer."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_record, tokenizer_record
+from eval import common, generate, perplexity
+from models.checkpoint_io import load_checkpoint
+from train_helpers import CONFIG_DIR, train_tiny_run, write_corpus
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    return train_tiny_run(tmp_path_factory.mktemp("tokenizer_run"))
+
+
+def eval_cfg(name, ckpt, *extra):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(f"eval/{name}", overrides=[f"ckpt={ckpt}", "wandb.enabled=false", *extra])
+
+
+def test_training_writes_the_tokenizer_into_every_checkpoint(byte_run):
+    for name in ("best.ckpt", "last.ckpt"):
+        ckpt = load_checkpoint(byte_run / "checkpoints" / name)  # weights_only=True
+        assert ckpt["tokenizer"] == tokenizer_record(ByteTokenizer())
+    run = common.load_run(byte_run / "checkpoints" / "best.ckpt")
+    assert run.tokenizer.describe() == ByteTokenizer().describe()
+    assert run.describe()["tokenizer"]["hash"] == ByteTokenizer().hash
+    assert "tokenizer" not in run.hparams  # kept out of hparams.yaml
+
+
+def test_generate_needs_no_data_config_for_a_bare_checkpoint(byte_run, tmp_path):
+    bare = tmp_path / "elsewhere" / "model.ckpt"
+    bare.parent.mkdir()
+    shutil.copy(byte_run / "checkpoints" / "best.ckpt", bare)
+    texts = generate.run_generate(eval_cfg("generate", bare, "prompt=anna", "max_new_tokens=5", "temperature=0"))
+    assert len(texts) == 1 and texts[0].startswith("anna") and len(texts[0].encode()) == len(b"anna") + 5
+
+
+def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, tmp_path):
+    corpus = write_corpus(tmp_path / "other.txt", lines=100, seed=3)
+    other = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=char", "~data.tokenizer.vocab_size",
+             f"cache_dir={tmp_path / 'cache'}"]
+    byte = ByteTokenizer()
+    for name, run in (("perplexity", perplexity.run_perplexity), ("generate", generate.run_generate)):
+        with pytest.raises(ValueError, match="data/tokenizer mismatch") as error:
+            run(eval_cfg(name, byte_run, "split=val", "max_tokens=64", "contexts=[8]", *other)
+                if name == "perplexity" else eval_cfg(name, byte_run, "prompt=anna", *other))
+        message = str(error.value)
+        assert f"checkpoint's tokenizer is kind=byte vocab=256 hash={byte.hash[:16]}" in message
+        assert "data config's is kind=char vocab=" in message
+    # the same tokenizer on other data is fine
+    same = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte", "~data.tokenizer.vocab_size",
+            f"cache_dir={tmp_path / 'cache'}", "split=val", "contexts=[8]", f"out={tmp_path / 'ppl.json'}"]
+    result = perplexity.run_perplexity(eval_cfg("perplexity", byte_run, *same))[0]
+    assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["kind"] == "byte"
+
+
+def test_a_tampered_tokenizer_record_is_refused(byte_run, tmp_path):
+    ckpt = load_checkpoint(byte_run / "checkpoints" / "best.ckpt")
+    char = tokenizer_record(CharTokenizer("abc"))
+    ckpt["tokenizer"] = {**char, "content": CharTokenizer("abd").to_json()}
+    path = tmp_path / "tampered.ckpt"
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=rf"checkpoint {path}: the tokenizer rebuilt from its content .* is not the recorded one"):
+        common.load_run(path)
+    ckpt["tokenizer"] = {**char, "format": "pickle"}
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match="unknown tokenizer format 'pickle'"):
+        common.load_run(path)
+    ckpt["tokenizer"] = tokenizer_record(CharTokenizer("".join(chr(c) for c in range(40, 140))))
+    torch.save(ckpt, path)  # 101 tokens for a model with 256 ids is fine; more ids than the model is not
+    assert common.load_run(path).tokenizer.vocab_size == 101
+    ckpt["tokenizer"] = tokenizer_record(CharTokenizer("".join(chr(c) for c in range(40, 400))))
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=r"its tokenizer has 361 tokens, more than the model's vocabulary \(256\)"):
+        common.load_run(path)
+
+
+def test_records_reject_malformed_content():
+    with pytest.raises(ValueError, match="must have exactly the keys"):
+        tokenizer_from_record({"kind": "byte"}, "here")
+    record = tokenizer_record(CharTokenizer("abc"))
+    with pytest.raises(ValueError, match="here: the attnlab-char tokenizer content cannot be read"):
+        tokenizer_from_record({**record, "content": "{not json"}, "here")
+    payload = json.loads(record["content"])
+    rebuilt = tokenizer_from_record({**record, "content": json.dumps(payload, indent=2)}, "here")
+    assert rebuilt.hash == CharTokenizer("abc").hash  # formatting does not matter, content does
