@@ -24,12 +24,14 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
 from data.atomic import atomic_write_text, atomic_writer, exclusive_lock, remove_stale_temp_files, sha256_file
+from data.progress import progress_bar
 from data.sources import SPLITS, Source, stable_hash
 from data.tokenizers import Tokenizer
 
@@ -132,9 +134,12 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
     digest = hashlib.sha256()
     tokens = byte_count = documents = nonempty_documents = 0
     cap = source.max_tokens(split)
-    with atomic_writer(path) as handle:
+    started = time.perf_counter()
+    logger.info("tokenizing the %s split of %s%s", split, source.slug(), f" (up to {cap:,} tokens)" if cap else "")
+    with atomic_writer(path) as handle, progress_bar(f"tokenizing {split}", cap) as advance:
         for chunk in _document_chunks(source.documents(split), source.separator):
             ids = tokenizer.encode_to_array(chunk)
+            advance(int(ids.size))
             if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                 raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size}) for split {split!r}")
             payload = ids.astype(dtype).tobytes()
@@ -154,6 +159,8 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
                 f"the {split} split of data source {source.slug()!r} is empty (no document with text); "
                 "check data.source (held-out works, files, fractions, text column)"
             )
+    logger.info("%s split: %s tokens from %s documents in %.1f s", split, f"{tokens:,}", f"{documents:,}",
+                time.perf_counter() - started)
     return {"file": path.name, "tokens": tokens, "bytes": byte_count, "documents": documents, "sha256": digest.hexdigest()}
 
 

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -255,7 +256,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
         min_frequency=min_frequency,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),  # the trainer's own bar, on a terminal only
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return HFTokenizer(tokenizer, kind="bpe")

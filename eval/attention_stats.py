@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig
 
 from eval import common
-from eval.progress import tracked
+from data.progress import tracked
 from models.attention_diagnostics import METRICS, attention_statistics
 
 log = logging.getLogger("attnlab.eval.attention_stats")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from eval import common
-from eval.progress import progress_bar
+from data.progress import progress_bar
 
 log = logging.getLogger("attnlab.eval.perplexity")
 

@@ -1,5 +1,5 @@
-"""Progress bars for long evaluations: rich, on stderr, drawn only on a terminal (a log file or a
-pipe gets no bar lines)."""
+"""Progress bars for long work (tokenization, perplexity, attention statistics): rich, on
+stderr, drawn only on a terminal (a log file or a pipe gets no bar lines)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: int, console: Console | None = None) -> Iterator[Callable[[int], None]]:
-    """Yields `advance(n)`; the bar (done / total, elapsed, remaining) disappears when done."""
+def progress_bar(description: str, total: int | None, console: Console | None = None) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(n)`; the bar (done / total, elapsed, remaining; a count when `total` is
+    None) disappears when done."""
     console = console or Console(stderr=True)
     if not console.is_terminal:
         yield lambda n=1: None
@@ -24,7 +25,7 @@ def progress_bar(description: str, total: int, console: Console | None = None) -
         yield lambda n=1: progress.advance(task, n)
 
 
-def tracked(items: Iterable, description: str, total: int, console: Console | None = None) -> Iterator:
+def tracked(items: Iterable, description: str, total: int | None, console: Console | None = None) -> Iterator:
     """`items`, advancing a progress bar by one per item."""
     with progress_bar(description, total, console) as advance:
         for item in items:
