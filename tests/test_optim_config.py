@@ -14,7 +14,7 @@ import torch
 
 from eval.run_logs import metric_by_step, train_losses
 from models.lit import LitGPT
-from models.schedules import warmup_cosine, warmup_linear, warmup_stable_decay
+from models.schedules import warmup_linear, warmup_stable_decay
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 TINY = {"vocab_size": 32, "context": 8, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 16}
