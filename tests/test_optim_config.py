@@ -224,6 +224,34 @@ def test_a_muon_run_trains_and_resumes_exactly(tmp_path, monkeypatch):
     assert [a[s] for s in (3, 4, 5)] == [b[s] for s in (3, 4, 5)]  # bitwise on CPU: Muon's momentum restored
 
 
+@needs_muon
+def test_a_muon_step_with_a_nonfinite_loss_is_skipped(tmp_path, monkeypatch):
+    """The non-finite guard's host path drops the step's gradients: neither Muon nor the AdamW part
+    moves a weight or its state on the poisoned steps (2 and 4 of 6)."""
+    import train
+    from models.checkpoint_io import load_checkpoint
+
+    real_build = train.build_model
+
+    def build(*args, **kwargs):
+        lit = real_build(*args, **kwargs)
+        poisoned = lambda: lit.training and lit._trainer is not None and lit.trainer.global_step in (2, 4)  # noqa: E731
+        lit.model.blocks[1].mlp.register_forward_hook(lambda m, a, out: out * float("inf") if poisoned() else out)
+        return lit
+
+    monkeypatch.setattr(train, "build_model", build)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"}) + ["optimizer=muon"]))
+    assert results["nonfinite_steps"] == 2 and math.isfinite(results["val_loss"])
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+    optimizer_state = state["optimizer_states"][0]
+    adamw_steps = {float(s["step"]) for s in optimizer_state["state"].values() if "step" in s}
+    assert adamw_steps == {4.0}, "6 steps, 2 skipped: the AdamW part's step count"
+    buffers = [s["momentum_buffer"] for s in optimizer_state["state"].values() if "momentum_buffer" in s]
+    assert len(buffers) == 8 and all(torch.isfinite(b).all() for b in buffers)  # Muon's: 4 matrices x 2 blocks
+
+
 def test_muon_without_torch_muon_names_the_option_and_the_torch_version(tmp_path, monkeypatch):
     import train
 
