@@ -130,6 +130,8 @@ def _group(cfg: DictConfig) -> str:
 def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, resuming: bool):
     csv_logger = ResumedCSVLogger if resuming else L.pytorch.loggers.CSVLogger
     loggers = [csv_logger(save_dir=str(output_dir), name="", version="csv")]
+    if cfg.logger.kind == "tensorboard":  # check_config made sure tensorboard is installed
+        loggers.append(L.pytorch.loggers.TensorBoardLogger(save_dir=str(output_dir), name="", version="tensorboard"))
     if cfg.logger.kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
@@ -190,6 +192,12 @@ def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
     return None
 
 
+def build_configured_callbacks(callbacks_cfg: DictConfig) -> list[L.Callback]:
+    """The callbacks of configs/callbacks/: one per entry with a `_target_`, in the config's order;
+    null entries are left out (check_config refused anything else)."""
+    return [instantiate(node) for node in (callbacks_cfg or {}).values() if node is not None]
+
+
 def devices_per_run(trainer_cfg) -> int:
     """How many devices the trainer config asks for in all (devices x num_nodes; -1 / "auto": every GPU here)."""
     devices = trainer_cfg.get("devices", "auto")
@@ -209,12 +217,12 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict, tokeniz
     model = OmegaConf.to_container(cfg.model, resolve=True)
     model["vocab_size"] = vocab_size
     model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
-    optim = {k: cfg.train[k] for k in ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2")}
-    optim["max_steps"] = cfg.train.max_steps
     return LitGPT(
-        model=model, optim=optim, compile=cfg.train.compile, compile_unit=cfg.train.compile_unit,
-        cuda_graphs=cuda_graphs,
-        bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops), tokenizer=tokenizer,
+        model=model, optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
+        scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
+        compile=cfg.train.compile, compile_unit=cfg.train.compile_unit, cuda_graphs=cuda_graphs,
+        bytes_per_token=bytes_per_token, peak_tflops=peak_tflops(cfg.train.peak_tflops),
+        log_grad_norm_per_layer=cfg.train.log_grad_norm_per_layer, tokenizer=tokenizer,
     )
 
 
@@ -271,15 +279,14 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     if ckpt_path:
         resume_run_id = load_checkpoint(ckpt_path).get("wandb_run_id")
     precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
-    checkpointing = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=str(output_dir / "checkpoints"), filename="best", monitor="val/loss", mode="min",
-        save_top_k=1, save_last=True, auto_insert_metric_name=False,
-        # last.ckpt is also written by LastCheckpointEveryNSteps: overwrite it, never last-v1.ckpt
-        enable_version_counter=False,
-    )
+    configured = build_configured_callbacks(cfg.get("callbacks"))  # configs/callbacks/
+    checkpointing = next((c for c in configured if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
     guard = NonFiniteGuard(cfg.train.nonfinite)
-    callbacks = [checkpointing, WandbRunIdInCheckpoint(), guard, ValidateAtLastStep(), on_sigterm]
+    # built here, not in configs/callbacks/: the run's machinery (train.py reads the guard's count and
+    # the SIGTERM checkpoint; the final validation and a wandb resume depend on the others) and the
+    # callbacks that train.* options switch on (configs/callbacks/default.yaml lists them)
+    callbacks = [*configured, WandbRunIdInCheckpoint(), guard, ValidateAtLastStep(), on_sigterm]
     if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
         callbacks.append(LastCheckpointEveryNSteps(output_dir / "checkpoints" / "last.ckpt", cfg.train.ckpt_every_steps,
                                                    cfg.train.val_every))
@@ -343,7 +350,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         if model.peak_tflops else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "nonfinite_steps": guard.nonfinite_steps,  # steps skipped for a non-finite loss or gradient
-        "best_checkpoint": checkpointing.best_model_path,
+        "best_checkpoint": checkpointing.best_model_path if checkpointing is not None else None,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }
     if results["nonfinite_steps"]:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
 from pathlib import Path
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
-from models.lit import OptimConfig, gpt_config_from_dict
+from models.lit import gpt_config_from_dict
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "out_norm_eps", "lambda_mode", "window"}
-LOGGER_KINDS = ("wandb", "csv", "none")
+LOGGER_KINDS = ("wandb", "csv", "tensorboard", "none")
+# metrics logged at every validation: what a callback's `monitor` may name
+VALIDATION_METRICS = ("val/loss", "val/ppl", "val/bpb")
 NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
 
 
@@ -93,6 +98,78 @@ def check_config(cfg: DictConfig) -> None:
                              f"previous micro-batch's gradients), got {t.grad_accum}")
     if t.grad_clip is not None and not t.grad_clip > 0:
         raise ValueError(f"train.grad_clip must be > 0 or null, got {t.grad_clip!r}")
-    OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps, max_steps=t.max_steps).check()
+    if not t.lr > 0:
+        raise ValueError(f"train.lr must be > 0, got {t.lr}")
+    if not isinstance(t.log_grad_norm_per_layer, bool):
+        raise ValueError(f"train.log_grad_norm_per_layer must be true or false, got {t.log_grad_norm_per_layer!r}")
+    check_optimizer_config(cfg)
+    check_scheduler_config(cfg.get("scheduler"))
+    check_callbacks_config(cfg.get("callbacks"))
     if cfg.logger.kind not in LOGGER_KINDS:
         raise ValueError(f"logger.kind must be one of {LOGGER_KINDS}, got {cfg.logger.kind!r}")
+    if cfg.logger.kind == "tensorboard" and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
+        raise ValueError("logger=tensorboard needs the tensorboard package, which is not installed: "
+                         "pip install tensorboard (or pip install 'attnlab[tensorboard]')")
+
+
+def _target_and_settings(node, group: str):
+    """(the object `_target_` names, the settings it is given) of a config built with `_partial_: true`."""
+    if not OmegaConf.is_dict(node) or "_target_" not in node:
+        raise ValueError(f"{group} must be a config with a `_target_` (configs/{group}/*.yaml), got {node!r}")
+    if node.get("_partial_") is not True:
+        raise ValueError(f"{group}._partial_ must be true ({group}._target_ is called later with its "
+                         f"{'parameter groups' if group == 'optimizer' else 'step'}), got {node.get('_partial_')!r}")
+    try:
+        target = get_object(node._target_)
+    except Exception as e:
+        raise ValueError(f"{group}._target_={node._target_!r} does not import: {e}") from None
+    settings = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not str(k).startswith("_")}
+    return target, settings
+
+
+def _check_takes(target, first_argument, settings: dict, group: str) -> None:
+    try:
+        inspect.signature(target).bind(first_argument, **settings)
+    except TypeError as e:
+        params = [p for p in inspect.signature(target).parameters][1:]
+        raise ValueError(f"{group}: {getattr(target, '__qualname__', target)} does not take the settings "
+                         f"{sorted(settings)} ({e}); it takes {params}") from None
+
+
+def check_optimizer_config(cfg: DictConfig) -> None:
+    target, settings = _target_and_settings(cfg.get("optimizer"), "optimizer")
+    check_available = getattr(target, "check_available", None)  # e.g. Muon: torch.optim.Muon exists
+    if check_available is not None:
+        check_available()
+    _check_takes(target, [], settings, "optimizer")
+    strategy = cfg.trainer.get("strategy")
+    sharded = OmegaConf.is_dict(strategy) and "FSDP" in str(strategy.get("_target_", ""))
+    if sharded and getattr(target, "takes_hidden_matrix_group", False):
+        raise ValueError(f"optimizer={cfg.optimizer._target_} does not run under an FSDP trainer: each rank holds a "
+                         f"flat 1-D shard of every weight, and Muon needs whole 2-D matrices; use trainer=ddp or optimizer=adamw")
+
+
+def check_scheduler_config(node) -> None:
+    target, settings = _target_and_settings(node, "scheduler")
+    _check_takes(target, 0, settings, "scheduler")
+    target(0, **settings)  # the schedule checks its own settings (models/schedules.py), naming them
+
+
+def check_callbacks_config(node) -> None:
+    if node is None:
+        return
+    if not OmegaConf.is_dict(node):
+        raise ValueError(f"callbacks must be a mapping of name -> callback config (configs/callbacks/), got {node!r}")
+    for name, entry in node.items():
+        if entry is None:  # left out
+            continue
+        if not OmegaConf.is_dict(entry) or "_target_" not in entry:
+            raise ValueError(f"callbacks.{name} must be a config with a `_target_` (or null to leave it out), got {entry!r}")
+        try:
+            get_object(entry._target_)
+        except Exception as e:
+            raise ValueError(f"callbacks.{name}._target_={entry._target_!r} does not import: {e}") from None
+        monitor = entry.get("monitor")
+        if monitor is not None and monitor not in VALIDATION_METRICS:
+            raise ValueError(f"callbacks.{name}.monitor must be one of {VALIDATION_METRICS} (logged at every "
+                             f"validation), got {monitor!r}")

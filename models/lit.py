@@ -5,41 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import lightning as L
 import torch
+from hydra.utils import instantiate
 
 from models.gpt import GPT, AttnConfig, GPTConfig
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    max_steps: int = 1000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-
-    def check(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"train.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.max_steps < 1:
-            raise ValueError(
-                f"train.warmup_steps must be >= 0 and train.max_steps >= 1, got {self.warmup_steps}, {self.max_steps}"
-            )
-
-    def lr_factor(self, step: int) -> float:
-        """Linear warmup, then cosine decay to min_lr_ratio at max_steps."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -68,6 +40,17 @@ def eager_mode(enabled: bool = True):
     return torch.compiler.set_stance("force_eager") if enabled else contextlib.nullcontext()
 
 
+def grad_norm_layers(model: GPT) -> list[tuple[str, list]]:
+    """(name, parameters) per layer, in parameter order: `embed` (the token embedding, also the LM
+    head), `block{i}`, `final_norm`."""
+    layers: dict[str, list] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        layer = f"block{parts[1]}" if parts[0] == "blocks" else {"norm": "final_norm"}.get(parts[0], parts[0])
+        layers.setdefault(layer, []).append(p)
+    return list(layers.items())
+
+
 def gpt_config_from_dict(model: dict) -> GPTConfig:
     model = dict(model)
     model["attn"] = AttnConfig(**model.get("attn", {}))
@@ -78,18 +61,24 @@ class LitGPT(L.LightningModule):
     """Hyperparameters are plain dicts, so checkpoints load with weights_only=True."""
 
     def __init__(
-        self, model: dict, optim: dict, compile: bool = False, bytes_per_token: dict | None = None,
-        peak_tflops: float | None = None, compile_unit: str = "model", cuda_graphs: bool = False,
-        tokenizer: dict | None = None,
+        self, model: dict, optimizer: dict | None = None, scheduler: dict | None = None, compile: bool = False,
+        bytes_per_token: dict | None = None, peak_tflops: float | None = None, compile_unit: str = "model",
+        cuda_graphs: bool = False, log_grad_norm_per_layer: bool = True, tokenizer: dict | None = None,
     ):
+        """optimizer, scheduler: resolved configs of configs/optimizer/ and configs/scheduler/ (a
+        `_target_` with `_partial_: true`), needed to train, not to evaluate."""
         super().__init__()
         # the tokenizer record (data.tokenizers.tokenizer_record) goes into every checkpoint under
         # "tokenizer", not into the hyperparameters (a BPE vocabulary would fill hparams.yaml)
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer_record = dict(tokenizer) if tokenizer is not None else None
         self.model_cfg = gpt_config_from_dict(model)
-        self.optim_cfg = OptimConfig(**optim)
-        self.optim_cfg.check()
+        for name, node in (("optimizer", optimizer), ("scheduler", scheduler)):
+            if node is not None and not (isinstance(node, dict) and "_target_" in node and node.get("_partial_") is True):
+                raise ValueError(f"{name} must be a config with a `_target_` and `_partial_: true` "
+                                 f"(configs/{name}/*.yaml), got {node!r}")
+        self.optimizer_cfg, self.scheduler_cfg = optimizer, scheduler
+        self.log_grad_norm_per_layer = log_grad_norm_per_layer
         if compile_unit not in COMPILE_UNITS:
             raise ValueError(f"train.compile_unit must be one of {COMPILE_UNITS}, got {compile_unit!r}")
         self.model = GPT(self.model_cfg)
@@ -118,6 +107,8 @@ class LitGPT(L.LightningModule):
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
         self._grad_norm: tuple[int, torch.Tensor] | None = None  # (global step, norm) of the step's gradients
+        # (layer names, norms) of train/grad_norm/<layer>, on steps whose logs are written
+        self._layer_grad_norms: tuple[list[str], torch.Tensor] | None = None
 
     def forward(self, idx):
         return self.forward_fn(idx)
@@ -169,6 +160,11 @@ class LitGPT(L.LightningModule):
         if self._grad_norm is not None and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
             # the latest step's gradient norm before clipping (under FSDP only this rank's shard's: not logged)
             self.log("train/grad_norm", self._grad_norm[1].float().cpu())
+        if self._layer_grad_norms is not None:  # one device-to-host copy for all layers
+            names, norms = self._layer_grad_norms
+            for name, value in zip(names, norms.cpu()):
+                self.log(f"train/grad_norm/{name}", value)
+            self._layer_grad_norms = None
         if self.device.type == "cuda":
             self.log("train/peak_mem_gb", torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30))
         if first_batch:  # no batch in the window yet
@@ -225,15 +221,36 @@ class LitGPT(L.LightningModule):
             (decay if id(p) in decayed else no_decay).append(p)
         return decay, no_decay
 
-    def configure_optimizers(self):
+    def param_groups(self, hidden_matrix_group: bool = False) -> list[dict]:
+        """The optimizer's parameter groups, decided here only: the decayed group of
+        weight_decay_groups takes the optimizer's weight_decay, the other group 0. With
+        hidden_matrix_group (Muon, models/optim.py) the decayed group splits in two: the 2-D
+        weight matrices inside the transformer blocks (`use_muon: True`) and the rest (the
+        embedding, which is also the LM head); the not-decayed group has `use_muon: False`."""
         decay, no_decay = self.weight_decay_groups()
-        o = self.optim_cfg
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            fused=(torch.cuda.is_available() and str(self.trainer.precision) != "16-mixed") or None,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, o.lr_factor)
+        if not hidden_matrix_group:
+            return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        in_blocks = {id(p) for p in self.model.blocks.parameters()}
+        hidden = [p for p in decay if p.ndim == 2 and id(p) in in_blocks]
+        hidden_ids = {id(p) for p in hidden}
+        return [{"params": hidden, "use_muon": True},
+                {"params": [p for p in decay if id(p) not in hidden_ids], "use_muon": False},
+                {"params": no_decay, "weight_decay": 0.0, "use_muon": False}]
+
+    def configure_optimizers(self):
+        if self.optimizer_cfg is None or self.scheduler_cfg is None:
+            raise ValueError("training needs LitGPT(optimizer=..., scheduler=...): configs with a `_target_` and "
+                             "`_partial_: true`, as in configs/optimizer/ and configs/scheduler/")
+        make_optimizer = instantiate(self.optimizer_cfg, _convert_="all")  # the class, its settings bound
+        chosen = {}
+        if make_optimizer.keywords.get("fused", False) is None:
+            # fused: null: the fused kernel on CUDA, except under 16-mixed (Lightning's AMP plugin
+            # refuses to clip the gradients of a fused optimizer); PyTorch's default elsewhere
+            chosen["fused"] = (torch.cuda.is_available() and str(self.trainer.precision) != "16-mixed") or None
+        groups = self.param_groups(hidden_matrix_group=getattr(make_optimizer.func, "takes_hidden_matrix_group", False))
+        opt = make_optimizer(groups, **chosen)
+        lr_factor = instantiate(self.scheduler_cfg, _convert_="all")  # a function of the step (models/schedules.py)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def grad_norm(self) -> torch.Tensor:
@@ -241,14 +258,38 @@ class LitGPT(L.LightningModule):
         clipping: a device tensor, computed once per step (one multi-tensor kernel) and shared by
         the non-finite guard, clipping and the train/grad_norm log. Non-finite when any gradient
         is, or when the sum of squares overflows fp32 (a gradient of 1e19: clipping by it would
-        zero the update, so such a step counts as non-finite too)."""
+        zero the update, so such a step counts as non-finite too). On steps whose logs are written
+        (and with log_grad_norm_per_layer), the per-layer norms too, from the same per-parameter
+        norms: a few more small kernels, no host sync."""
         step = self.global_step
         if self._grad_norm is None or self._grad_norm[0] != step:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) if grads
+            with_grad = [p for p in self.parameters() if p.grad is not None]
+            norms = torch._foreach_norm([p.grad for p in with_grad]) if with_grad else []
+            norm = (torch.linalg.vector_norm(torch.stack(norms).float()) if with_grad
                     else torch.zeros((), device=self.device))
             self._grad_norm = (step, norm)
+            if self._logs_layer_grad_norms():
+                norm_of = {id(p): n for p, n in zip(with_grad, norms)}
+                names, layer_norms = [], []
+                for name, params in grad_norm_layers(self.model):
+                    own = [norm_of[id(p)] for p in params if id(p) in norm_of]
+                    names.append(name)
+                    layer_norms.append(torch.linalg.vector_norm(torch.stack(own).float()) if own
+                                       else torch.zeros((), device=self.device))
+                self._layer_grad_norms = (names, torch.stack(layer_norms))
         return self._grad_norm[1]
+
+    def _logs_layer_grad_norms(self) -> bool:
+        """Whether this step logs train/grad_norm/<layer>: the option, a step whose logs are written,
+        and whole gradients on this rank (under FSDP each rank holds its shard's only: not logged)."""
+        return (self.log_grad_norm_per_layer and self._trainer is not None and writes_logs(self.trainer)
+                and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"))
+
+    def on_before_optimizer_step(self, optimizer):
+        # the per-layer norms of a logged step, when neither the non-finite guard nor clipping
+        # computed the step's norms already (they run before this hook)
+        if self._logs_layer_grad_norms():
+            self.grad_norm()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's AMP plugin refuses to clip for fused AdamW (built for fp16 loss scaling);

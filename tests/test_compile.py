@@ -125,7 +125,7 @@ def test_eager_loss_runs_hooks_of_a_per_block_compiled_model():
     torch._dynamo.utils.counters.clear()
     lit = LitGPT(model={"vocab_size": 64, "context": 16, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 32,
                         "attn": {"name": "softmax", "backend": "reference"}},
-                 optim={}, compile=True, compile_unit="block")
+                 compile=True, compile_unit="block")
     seen = []
     lit.model.blocks[1].attn.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     x = torch.randint(0, 64, (2, 16))
@@ -141,4 +141,4 @@ def test_unknown_compile_unit_is_named():
 
     with pytest.raises(ValueError, match=r"train\.compile_unit must be one of \('model', 'block'\), got 'layer'"):
         LitGPT(model={"vocab_size": 64, "context": 16, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32},
-               optim={}, compile=True, compile_unit="layer")
+               compile=True, compile_unit="layer")

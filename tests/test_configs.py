@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from models.config_checks import check_config
 from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
 
-GROUPS = ["attn", "model", "data", "trainer", "logger", "experiment"]
+GROUPS = ["attn", "model", "data", "trainer", "logger", "optimizer", "scheduler", "callbacks", "experiment"]
 LOCAL_DATA_FIELDS = {"text": "data.source.path", "jsonl": "data.source.path", "parquet": "data.source.path"}
 
 
@@ -18,7 +18,12 @@ def options(group):
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
-def test_every_config_file_composes(group, option, tmp_path):
+def test_every_config_file_composes(group, option, tmp_path, monkeypatch):
+    if group == "logger" and option == "tensorboard":  # composes whether or not tensorboard is installed
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else real(name, *a))
     overrides = [f"{group}={option}", f"paths.output_dir={tmp_path}"]
     if group == "data" and option in LOCAL_DATA_FIELDS:
         overrides.append(f"{LOCAL_DATA_FIELDS[option]}={tmp_path / 'x.txt'}")
@@ -87,7 +92,7 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("+attn.cap=3", "unknown attn fields"),
     ("train.max_steps=0", "train.max_steps"),
     ("train.lr=-1", "train.lr"),
-    ("logger.kind=tensorboard", "logger.kind"),
+    ("logger.kind=mlflow", "logger.kind"),
     ("train.lr=abc", "train.lr must be a number"),
     ("train.beta2=x", "train.beta2 must be a number"),
     ("seed=abc", "seed must be an int"),
@@ -174,6 +179,34 @@ def test_every_trainer_config_builds(option, tmp_path):
             assert trainer.num_devices == 2 and type(trainer.strategy).__name__ == "CurrentStreamDDPStrategy"
     else:
         assert kwargs["accelerator"] == "gpu"
+
+
+@pytest.mark.parametrize("option", options("scheduler"))
+def test_every_scheduler_config_builds_a_function_of_the_step(option):
+    """Each schedule starts at 1/warmup_steps, reaches 1 at the warm-up's end and min_lr_ratio at max_steps."""
+    from hydra.utils import instantiate
+
+    cfg = compose_cfg([f"scheduler={option}", "paths.output_dir=/tmp/x", "train.warmup_steps=4",
+                       "train.max_steps=40", "train.min_lr_ratio=0.25"])
+    lr_factor = instantiate(cfg.scheduler)
+    assert [lr_factor(s) for s in (0, 3, 40)] == pytest.approx([0.25, 1.0, 0.25])
+
+
+@pytest.mark.parametrize("option", options("callbacks"))
+def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
+    import lightning as L
+
+    import train
+
+    cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}"])
+    built = train.build_configured_callbacks(cfg.callbacks)
+    assert len(built) == len(cfg.callbacks) and all(isinstance(c, L.Callback) for c in built)
+
+
+def test_early_stopping_adds_to_the_default_callbacks():
+    cfg = compose_cfg(["callbacks=[default,early_stopping]", "paths.output_dir=/tmp/x"])
+    assert list(cfg.callbacks) == ["model_checkpoint", "early_stopping"]
+    assert cfg.callbacks.early_stopping.monitor == "val/loss"
 
 
 @pytest.mark.parametrize("option", options("data"))

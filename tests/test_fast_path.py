@@ -223,7 +223,7 @@ def test_cuda_graphs_need_compile_and_no_gradient_accumulation():
         check_config(cfg("train.cuda_graphs=always"))
     model = {"vocab_size": 16, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 16}
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs train.compile=true"):
-        LitGPT(model=model, optim={}, compile=False, cuda_graphs=True)
+        LitGPT(model=model, compile=False, cuda_graphs=True)
 
 
 def test_cuda_graphs_auto_turns_on_only_where_they_hold():

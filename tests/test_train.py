@@ -162,7 +162,8 @@ def test_training_logs_are_cpu_values_on_the_steps_whose_logs_are_written(tmp_pa
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
         "train.max_steps": 8, "train.val_every": 4, "train.log_every": 3})))
     names = {name for _, name, _, _ in records}
-    assert names >= {"train/loss", "train/tokens", "train/lr", "train/tokens_per_s", "train/nonfinite_steps"}, names
+    assert names >= {"train/loss", "train/tokens", "train/lr", "train/tokens_per_s", "train/nonfinite_steps",
+                     "train/grad_norm/embed", "train/grad_norm/block0", "train/grad_norm/final_norm"}, names
     assert all(written for *_, written in records), sorted(
         (step, name) for step, name, _, written in records if not written)
     assert all(on_cpu for _, _, on_cpu, _ in records), sorted(

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from eval.run_logs import metric_by_step
-from models.lit import LitGPT, OptimConfig
+from models.lit import LitGPT
+from models.schedules import warmup_cosine
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 TINY = {"vocab_size": 32, "context": 8, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "d_model": 16}
@@ -21,14 +22,16 @@ TINY = {"vocab_size": 32, "context": 8, "n_layer": 2, "n_head": 2, "n_kv_head": 
 def test_lr_schedule_values_at_chosen_steps():
     """Linear warmup over warmup_steps (step 0 already at 1/warmup), cosine from 1 to min_lr_ratio
     over the remaining steps, then the floor."""
-    o = OptimConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
+    def lr_factor(step, warmup_steps=10, max_steps=110, min_lr_ratio=0.1):
+        return warmup_cosine(step, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+
     expected = {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 35: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 60: 0.55,
                 85: 0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)), 109: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.99)),
                 110: 0.1, 500: 0.1}
     for step, want in expected.items():
-        assert o.lr_factor(step) == pytest.approx(want, abs=1e-12), step
-    assert OptimConfig(warmup_steps=0, max_steps=10, min_lr_ratio=0.0).lr_factor(0) == pytest.approx(1.0)
-    assert OptimConfig(warmup_steps=0, max_steps=10, min_lr_ratio=0.0).lr_factor(5) == pytest.approx(0.5)
+        assert lr_factor(step) == pytest.approx(want, abs=1e-12), step
+    assert lr_factor(0, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == pytest.approx(1.0)
+    assert lr_factor(5, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == pytest.approx(0.5)
 
 
 def _record_optimizer_steps(monkeypatch):
@@ -70,10 +73,10 @@ def test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient(tmp
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
         "train.max_steps": 9, "train.val_every": 9, "train.warmup_steps": 3, "train.lr": lr,
         "train.min_lr_ratio": 0.2, "train.grad_clip": clip})))
-    schedule = OptimConfig(lr=lr, min_lr_ratio=0.2, warmup_steps=3, max_steps=9)
     assert len(seen) == 9
     for step, record in enumerate(seen):
-        assert record["lr"] == pytest.approx([lr * schedule.lr_factor(step)] * 2, rel=1e-12), step
+        factor = warmup_cosine(step, warmup_steps=3, max_steps=9, min_lr_ratio=0.2)
+        assert record["lr"] == pytest.approx([lr * factor] * 2, rel=1e-12), step
         assert record["grad_norm"] == pytest.approx(clip, rel=1e-4), step
 
 
@@ -158,7 +161,7 @@ def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
     """Decayed: every linear weight and the (tied) embedding, once. Not decayed: every norm gain and
     the differential lambda parameters. Nothing else, nothing twice."""
     lit = LitGPT(model={**TINY, "attn": {"name": variant, "backend": "reference", "lambda_mode": lambda_mode}},
-                 optim={"weight_decay": 0.1})
+                 )
     names = {id(p): n for n, p in lit.model.named_parameters()}
     decay, no_decay = lit.weight_decay_groups()
     decayed = sorted(names[id(p)] for p in decay)
