@@ -36,6 +36,7 @@ from models.run_files import (
     is_global_rank_zero,
 )
 from models.lit import LitGPT
+from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
 from models.run_label import run_label
 
 log = logging.getLogger("attnlab.train")
@@ -135,7 +136,7 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
     if cfg.logger.kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        loggers.append(
+        loggers.append(without_wandb_anonymous(
             WandbLogger(
                 project=cfg.logger.project, entity=cfg.logger.entity, offline=cfg.logger.offline,
                 save_dir=str(output_dir), group=_group(cfg), name=f"{_label(cfg)}-s{cfg.seed}",
@@ -143,7 +144,7 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
                 id=resume_run_id, resume="allow" if resume_run_id else None,
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
-        )
+        ))
     return loggers
 
 
@@ -250,6 +251,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _run(cfg: DictConfig, output_dir: Path) -> dict:
+    silence_third_party_notices()
     # every file this run writes goes under one of these two (plus Hydra's files in the run dir)
     log.info("run dir: %s", output_dir.resolve())
     log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())
@@ -313,6 +315,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         logger=loggers,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
+        # the "model:" log line above gives parameters and FLOPs per token; Lightning's summary
+        # table printed FLOPs 0 (it counts none without an example input)
+        enable_model_summary=cfg.trainer.get("enable_model_summary", False),
     )
     try:
         with run_dir_for_launched_ranks(output_dir):

@@ -3,9 +3,21 @@ compiled model kept as one graph."""
 
 from __future__ import annotations
 
+import inspect
+
 import lightning as L
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+
+def ddp_buffer_kwargs(kwargs: dict) -> dict:
+    """DDP keyword arguments with `broadcast_buffers` spelled as this torch wants it: torch >= 2.13
+    deprecates it for `forward_sync_buffers` (which still syncs buffers once at construction,
+    harmless for the model's constant RoPE tables); older torch knows only `broadcast_buffers`."""
+    kwargs = dict(kwargs)
+    if "broadcast_buffers" in kwargs and "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+        kwargs.setdefault("forward_sync_buffers", kwargs.pop("broadcast_buffers"))
+    return kwargs
 
 
 class CurrentStreamDDPStrategy(L.pytorch.strategies.DDPStrategy):
@@ -34,7 +46,8 @@ class CurrentStreamDDPStrategy(L.pytorch.strategies.DDPStrategy):
             self._optimize_ddp_before = torch._dynamo.config.optimize_ddp
         # read by dynamo when it compiles a frame inside DDP's forward: the first step, after this
         torch._dynamo.config.optimize_ddp = self.split_compiled_graph
-        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(),
+                                       **ddp_buffer_kwargs(self._ddp_kwargs))
 
     def teardown(self) -> None:
         if self._optimize_ddp_before is not None:
