@@ -43,6 +43,10 @@ from models.attention_diagnostics import METRICS, attention_statistics
 
 log = logging.getLogger("attnlab.eval.attention_stats")
 
+# the settings that change the statistics (a JSON per combination: common.settings_tag)
+RESULT_SETTINGS = ("num_tokens", "seq_len", "precision", "backend")
+
+
 def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[int]:
     """Evenly spaced window starts over the split: a fixed, deterministic sample."""
     if num_split_tokens < seq_len:
@@ -174,7 +178,8 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
         data_cfg = common.data_config_for(run, cfg)
         datamodule = datamodules.for_run(run, data_cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
-        path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out)
+        path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out,
+                                  settings=common.settings_tag(cfg, "attention_stats", RESULT_SETTINGS))
         images = plot_heatmaps(result, path.with_suffix("")) if cfg.plot else []
         result["path"] = str(path)
         result["heatmaps"] = [str(p) for p in images]

@@ -18,6 +18,7 @@ it, and refuse a `data=` config whose tokenizer is another one, naming both.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -377,11 +378,42 @@ def _json_default(value):
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def output_path(checkpoint_path: Path, kind: str, split: str, out: str | None = None, suffix: str = ".json") -> Path:
-    """Results live beside the checkpoint: <ckpt stem>.<kind>-<split>.json (or `out` when given)."""
+def output_path(checkpoint_path: Path, kind: str, split: str, out: str | None = None, suffix: str = ".json",
+                settings: str = "") -> Path:
+    """Results live beside the checkpoint: <ckpt stem>.<kind>-<split>.json for the command's default
+    settings, <ckpt stem>.<kind>-<split>.<settings>.json for others (`settings_tag`), so an eval with
+    other settings never overwrites one with the defaults; `out` when given."""
     if out:
         return Path(out)
-    return checkpoint_path.with_name(f"{checkpoint_path.stem}.{kind}-{split}{suffix}")
+    tag = f".{settings}" if settings else ""
+    return checkpoint_path.with_name(f"{checkpoint_path.stem}.{kind}-{split}{tag}{suffix}")
+
+
+MAX_TAG_CHARS = 80
+
+
+def settings_tag(cfg: DictConfig, command: str, keys: Iterable[str]) -> str:
+    """The result-affecting settings of `cfg` that differ from eval command `command`'s defaults
+    (configs/eval/<command>.yaml over common.yaml), as `key=value` joined by `_` in the order of
+    `keys` ("" at the defaults); a data=<option> adds data=<source kind>. Longer than
+    MAX_TAG_CHARS: a hash of it instead."""
+    folder = Path(CONFIG_DIR) / "eval"
+    defaults = OmegaConf.merge(*(OmegaConf.load(folder / f"{name}.yaml") for name in ("common", command)))
+    parts = []
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value != OmegaConf.select(defaults, key):
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            text = "-".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts.append(f"{key}={text}")
+    source = OmegaConf.select(cfg, "data.source.kind")
+    if source is not None:
+        parts.append(f"data={source}")
+    tag = "_".join(parts)
+    tag = "".join(c if c.isalnum() or c in "=-._" else "-" for c in tag)
+    if len(tag) > MAX_TAG_CHARS:
+        tag = "settings-" + hashlib.sha256(tag.encode()).hexdigest()[:12]
+    return tag
 
 
 def eval_config_record(cfg: DictConfig, data_cfg: DictConfig | None = None) -> dict:

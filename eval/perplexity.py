@@ -78,6 +78,10 @@ def bits_per_byte(nats_per_token: float, tokens: int, num_bytes: int) -> float:
     return nats_per_token * tokens / num_bytes / LN2
 
 
+# the settings that change perplexity numbers (a JSON per combination: common.settings_tag)
+RESULT_SETTINGS = ("context", "context_multipliers", "contexts", "stride", "max_tokens", "precision", "backend")
+
+
 @torch.inference_mode()
 def score_tokens(
     logits_fn: Callable[[torch.Tensor], torch.Tensor],
@@ -267,7 +271,8 @@ def run_perplexity(cfg: DictConfig) -> list[dict]:
         data_cfg = common.data_config_for(run, cfg)
         datamodule = datamodules.for_run(run, data_cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
-        path = common.output_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out)
+        path = common.output_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out,
+                                  settings=common.settings_tag(cfg, "perplexity", RESULT_SETTINGS))
         result["path"] = str(path)
         common.write_json(path, result)
         print_table(result)

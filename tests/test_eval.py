@@ -338,7 +338,8 @@ def test_perplexity_command_writes_json_beside_checkpoint(trained_run):
     results = perplexity.run_perplexity(eval_cfg("perplexity", trained_run, "split=val", "max_tokens=400"))
     assert len(results) == 1
     path = Path(results[0]["path"])
-    assert path.parent == trained_run / "checkpoints" and path.name.endswith(".perplexity-val.json")
+    # named by the settings that differ from the command's defaults
+    assert path.parent == trained_run / "checkpoints" and path.name.endswith(".perplexity-val.max_tokens=400.json")
     saved = json.loads(path.read_text())
     assert [r["context"] for r in saved["results"]] == [16, 32, 64]
     assert saved["eval"]["config"]["max_tokens"] == 400 and saved["model"]["variant"] == "softmax"
@@ -346,6 +347,20 @@ def test_perplexity_command_writes_json_beside_checkpoint(trained_run):
     # a sweep folder: every run in it is evaluated
     results = perplexity.run_perplexity(eval_cfg("perplexity", trained_run.parent, "split=val", "max_tokens=100", "contexts=[8]"))
     assert len(results) == 1 and results[0]["results"][0]["context"] == 8
+    assert Path(results[0]["path"]).name.endswith(".perplexity-val.contexts=8_max_tokens=100.json")
+    assert json.loads(path.read_text()) == saved  # the first evaluation's file is untouched
+
+
+def test_eval_results_at_default_settings_keep_the_plain_name(trained_run):
+    from eval import common
+
+    cfg = eval_cfg("perplexity", trained_run, "split=val")
+    assert common.settings_tag(cfg, "perplexity", perplexity.RESULT_SETTINGS) == ""
+    stats = eval_cfg("attention_stats", trained_run, "num_tokens=64", "seq_len=16")
+    assert common.settings_tag(stats, "attention_stats", attention_stats.RESULT_SETTINGS) == "num_tokens=64_seq_len=16"
+    many = eval_cfg("perplexity", trained_run, f"contexts=[{','.join(str(8 + i) for i in range(40))}]")
+    tag = common.settings_tag(many, "perplexity", perplexity.RESULT_SETTINGS)
+    assert tag.startswith("settings-") and len(tag) == len("settings-") + 12
 
 
 def test_data_option_selects_another_data_config(trained_run, tmp_path):
