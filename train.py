@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
 from data.tokenizers import tokenizer_record
@@ -33,7 +33,7 @@ from models.config_checks import check_config, cuda_graphs_enabled
 from models.guards import MaxLogitMonitor, NonFiniteGuard
 from models.run_files import (
     PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, ResumedCSVLogger, RunDirectoryLock,
-    is_global_rank_zero,
+    checkpoint_run_dir, is_global_rank_zero, move_file_logs,
 )
 from models.lit import LitGPT
 from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
@@ -240,10 +240,36 @@ def peak_tflops(configured: float | None) -> float | None:
     return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
 
 
+def output_dir_chosen() -> bool:
+    """Whether this invocation names its output directory (hydra.run.dir / paths.output_dir on the
+    command line, a multirun's sweep folder, a launched DDP rank); True outside @hydra.main."""
+    if os.environ.get(RUN_DIR_ENV):
+        return True
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return True
+    if hc.mode.name == "MULTIRUN":
+        return True
+    keys = ("hydra.run.dir=", "paths.output_dir=", "+paths.output_dir=", "++paths.output_dir=")
+    return any(o.startswith(keys) for o in [*hc.overrides.task, *hc.overrides.hydra])  # hydra.* land in .hydra
+
+
 def run(cfg: DictConfig) -> dict:
-    """Train, validate, checkpoint; returns the final metrics (also written to results.json)."""
+    """Train, validate, checkpoint; returns the final metrics (also written to results.json).
+    Resuming from a run's checkpoint without naming an output directory continues in that run's
+    directory (its CSV log, checkpoints and wandb run); this invocation's Hydra files stay in the
+    directory Hydra made for it."""
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
+    original = checkpoint_run_dir(cfg.ckpt_path) if not output_dir_chosen() else None
+    if original is not None and original != output_dir.resolve():
+        log.info("resuming in the checkpoint's run directory %s", original)
+        move_file_logs(output_dir, original)
+        log.info("resuming in the checkpoint's run directory (this invocation's Hydra files: %s)", output_dir)
+        with open_dict(cfg):  # every ${paths.output_dir} (checkpoint callback, loggers) follows
+            cfg.paths.output_dir = str(original)
+        output_dir = original
     output_dir.mkdir(parents=True, exist_ok=True)
     # ranks other than 0 write into rank 0's directory by design; rank 0 holds it against other runs
     with RunDirectoryLock(output_dir) if is_global_rank_zero() else contextlib.nullcontext():

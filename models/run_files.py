@@ -1,10 +1,12 @@
 """What a training run writes and holds besides the model: its directory (a lock against a second
-live run), one last.ckpt that is always the newest, a checkpoint at SIGTERM, and a CSV log that a
-resume in the same directory extends instead of replacing (docs/reliability.md)."""
+live run; a resume continues in the directory of its checkpoint), one last.ckpt that is always the
+newest, a checkpoint at SIGTERM, and a CSV log that a resume in the same directory extends instead
+of replacing (docs/reliability.md)."""
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from pathlib import Path
 
@@ -107,3 +109,33 @@ class CheckpointOnSigterm(L.Callback):
         if isinstance(exception, SIGTERMException):
             trainer.save_checkpoint(str(self.path))
             self.saved_step = trainer.global_step
+
+
+def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/<name>.ckpt beside the run's
+    results.json or csv/ log), else None."""
+    if not ckpt_path or ckpt_path == "auto":
+        return None
+    path = Path(ckpt_path)
+    run = path.parent.parent
+    if path.is_file() and path.parent.name == "checkpoints" and ((run / "results.json").is_file() or (run / "csv").is_dir()):
+        return run.resolve()
+    return None
+
+
+def move_file_logs(old_dir: Path, new_dir: Path) -> list[Path]:
+    """Re-point the root logger's file handlers that write into `old_dir` (Hydra's <job>.log) to the
+    file of the same name in `new_dir`, appending; returns the new files."""
+    moved = []
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == old_dir.resolve():
+            target = new_dir / Path(handler.baseFilename).name
+            replacement = logging.FileHandler(target, mode="a", encoding=handler.encoding)
+            replacement.setLevel(handler.level)
+            replacement.setFormatter(handler.formatter)
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(replacement)
+            moved.append(target)
+    return moved

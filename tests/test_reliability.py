@@ -232,6 +232,34 @@ def test_resuming_in_the_same_directory_keeps_the_earlier_metric_rows(tmp_path):
     assert sorted(metric_by_step(tmp_path / "run", "val/loss")) == [3, 7]
 
 
+def test_resuming_from_a_runs_checkpoint_continues_in_that_run_directory(tmp_path):
+    """`python train.py ckpt_path=<run>/checkpoints/last.ckpt` without an output directory writes
+    into <run>: one CSV history, its checkpoints, results.json and its train.log; the directory
+    Hydra made for the invocation keeps only Hydra's files. Naming an output directory still wins."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    common = {"train.max_steps": 8, "train.val_every": 4, "paths.cache_dir": str(tmp_path / "cache")}
+    first = tmp_path / "first"
+    overrides = [o for o in tiny_overrides(tmp_path, corpus, **common) if not o.startswith("paths.output_dir=")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, "train.stop_at_step=4", f"hydra.run.dir={first}"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    assert sorted(train_losses(first)) == [0, 1, 2, 3]
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides,
+                           f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(train_losses(first)) == list(range(8))  # one history, both halves
+    assert json.loads((first / "results.json").read_text())["steps"] == 8
+    assert "resuming in the checkpoint's run directory" in (first / "train.log").read_text()
+    hydra_dirs = [p for p in (tmp_path / "outputs").rglob(".hydra")]
+    assert len(hydra_dirs) == 1  # the invocation's own folder: Hydra's files and nothing of the run
+    assert not (hydra_dirs[0].parent / "checkpoints").exists() and not (hydra_dirs[0].parent / "csv").exists()
+    elsewhere = tmp_path / "elsewhere"
+    subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+                    f"hydra.run.dir={elsewhere}"], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    assert (elsewhere / "results.json").is_file()
+
+
 def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exactly(tmp_path):
     """SIGTERM (SLURM preemption): the run stops at the end of the step it is in, writes
     checkpoints/last.ckpt there (newer than the last validation's), exits with status 143 (not 0),
