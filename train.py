@@ -38,6 +38,7 @@ from models.run_files import (
 from models.lit import LitGPT
 from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
 from models.run_label import run_label
+from models.sample_logger import ValidationSamples
 
 log = logging.getLogger("attnlab.train")
 
@@ -322,6 +323,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         callbacks.append(MaxLogitMonitor())
     if cfg.train.attention_stats_sequences:
         callbacks.append(AttentionRowMonitor(cfg.train.attention_stats_sequences))
+    if cfg.train.get("log_samples", 0) and cfg.train.get("sample_tokens", 0):
+        callbacks.append(ValidationSamples(cfg.train.log_samples, cfg.train.sample_tokens, output_dir))
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)

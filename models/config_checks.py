@@ -84,6 +84,10 @@ def check_config(cfg: DictConfig) -> None:
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
+    for key in ("log_samples", "sample_tokens"):
+        value = t.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"train.{key} must be an int >= 0, got {value!r}")
     sequences = t.get("attention_stats_sequences", 0)
     if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 0:
         raise ValueError(f"train.attention_stats_sequences must be an int >= 0, got {sequences!r}")

@@ -333,7 +333,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 kv_cache: bool = True):
+                 kv_cache: bool = True, generator: torch.Generator | None = None):
         """Sample continuations of idx (B, N), attending to at most the training context.
 
         Without `kv_cache` every token re-encodes the last `context` tokens. With it (default) the
@@ -341,19 +341,20 @@ class GPT(nn.Module):
         same tokens while prompt and continuation fit the context. Once the cache is full it is
         re-filled with the last 3/4 of the context (positions restart at 0, as the uncached path's
         cropped window does), so a long generation re-encodes 3/4 context every context/4 tokens.
+        Sampling draws from `generator` (torch's default generator when None).
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         context = self.cfg.context
         if not kv_cache:
             for _ in range(max_new_tokens):
-                nxt = _sample_next(self(idx[:, -context:])[:, -1, :].float(), temperature, top_k)
+                nxt = _sample_next(self(idx[:, -context:])[:, -1, :].float(), temperature, top_k, generator)
                 idx = torch.cat([idx, nxt], dim=1)
             return idx
         cache = self.new_cache()
         logits = self(idx[:, -context:], cache=cache)[:, -1, :]
         for step in range(max_new_tokens):
-            nxt = _sample_next(logits.float(), temperature, top_k)
+            nxt = _sample_next(logits.float(), temperature, top_k, generator)
             idx = torch.cat([idx, nxt], dim=1)
             if step == max_new_tokens - 1:
                 break
@@ -365,7 +366,8 @@ class GPT(nn.Module):
         return idx
 
 
-def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, vocab) fp32 logits -> next ids (B, 1): greedy at temperature 0, else top-k sampling."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
@@ -373,7 +375,7 @@ def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None) ->
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
 def check_model_config(cfg: GPTConfig) -> None:

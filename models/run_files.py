@@ -104,10 +104,18 @@ class CheckpointOnSigterm(L.Callback):
     def __init__(self, path: Path):
         self.path = path
         self.saved_step: int | None = None
+        self._checkpointed_step: int | None = None  # the step of the latest checkpoint written
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._checkpointed_step = trainer.global_step
 
     def on_exception(self, trainer, pl_module, exception):
         if isinstance(exception, SIGTERMException):
-            trainer.save_checkpoint(str(self.path))
+            # a signal during the step whose validation already checkpointed (last.ckpt included)
+            # keeps that checkpoint: one written from inside the validation's hooks would resume
+            # with the step's loop state half done
+            if not (self._checkpointed_step == trainer.global_step and self.path.is_file()):
+                trainer.save_checkpoint(str(self.path))
             self.saved_step = trainer.global_step
 
 
