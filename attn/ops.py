@@ -119,8 +119,9 @@ def attention(
     """Attention of any registered variant: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
     KV >= N keys: a query block against a longer key sequence (a decode step against a KV cache),
-    aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py). Only the
-    reference backend computes KV > N; backend='auto' picks it then.
+    aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py), on the
+    fused kernels (a few queries against many keys take their split-key decode path) and the
+    reference; backend='sdpa' needs KV == N.
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
@@ -139,11 +140,9 @@ def attention(
     )
     dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
-    if k.shape[1] != q.shape[1] and backend != "reference":
-        if backend != "auto" and backend in BACKENDS:
-            raise ValueError(f"backend={backend!r} needs queries and keys of one length; {q.shape[1]} queries "
-                             f"against {k.shape[1]} keys run on backend='reference' (or 'auto')")
-        backend = "reference" if backend == "auto" else backend  # a bad name: resolve_backend names it
+    if k.shape[1] != q.shape[1] and backend == "sdpa":
+        raise ValueError(f"backend='sdpa' needs queries and keys of one length; {q.shape[1]} queries against "
+                         f"{k.shape[1]} keys run on backend='triton', 'reference' or 'auto'")
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
         return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,

@@ -197,8 +197,9 @@ class Attention(nn.Module):
         if v.shape[1] == n:
             y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
                             **extra)
-        else:  # new queries against a longer cache: the fused kernels need one length, the reference does not
-            y = attn.attention(qs[0], ks[0], v, self.spec, causal=True, window=self.window, backend="reference",
+        else:  # new queries against a longer cache (bottom-right aligned): the kernels or the reference, not SDPA
+            backend = "reference" if self.backend == "sdpa" else self.backend
+            y = attn.attention(qs[0], ks[0], v, self.spec, causal=True, window=self.window, backend=backend,
                                dropout_p=dropout_p, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
