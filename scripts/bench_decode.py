@@ -10,7 +10,7 @@ causal (bottom-right aligned: the last query sees every key). SDPA runs with is_
 for a single query row is the same mask (PyTorch's is_causal aligns top-left). Times are
 `triton.testing.do_bench` medians after warm-up (autotuning and compilation happen there); GB/s
 counts reading K and V once (the memory a decode step must move). Generation: the
-configs/model/gpt2_small.yaml model, random weights, greedy, best of --repeats, cached and uncached
+configs/model/gpt2_small.yaml model, random weights, bf16 autocast, greedy, best of --repeats, cached and uncached
 interleaved; backend 'triton' (our kernels, the cached path's decode steps included) and 'sdpa'
 (torch's kernels; its decode steps run on the reference, which serves Q != KV).
 
@@ -101,11 +101,12 @@ def bench_generation(variant: str, backend: str, new_tokens: int, prompt_len: in
     preset = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / "gpt2_small.yaml"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset))
-    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    model = model.cuda().eval()
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)).cuda()
     best = {True: float("inf"), False: float("inf")}
     outputs = {}
-    with torch.no_grad():
+    # bf16 autocast, as eval.generate runs a model on CUDA (fp32 weights, bf16 matrix products)
+    with torch.no_grad(), torch.autocast(device_type="cuda", dtype=torch.bfloat16):
         for kv_cache in (True, False):  # warm-up: allocations, compilation, autotuning
             model.generate(prompt, 8, temperature=0, kv_cache=kv_cache)
         for _ in range(repeats):
@@ -138,7 +139,7 @@ def markdown(meta: dict, steps: list, gens: list) -> str:
               f"{r['splits']} | {r['ms'] * 1e3:.1f} | {r['sdpa_ms'] * 1e3:.1f} | {r['vs_sdpa']:.2f} | "
               f"{r['gb_per_s']:.0f} |" for r in steps]
     if gens:
-        lines += ["", "## Greedy generation, GPT-2-small-sized model (random weights, bf16, batch 1)", "",
+        lines += ["", "## Greedy generation, GPT-2-small-sized model (random weights, bf16 autocast, batch 1)", "",
                   "| variant | backend | params | prompt | new tokens | uncached tok/s | cached tok/s | speed-up | "
                   "same tokens within the context |",
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
