@@ -101,7 +101,8 @@ def bench_generation(variant: str, backend: str, new_tokens: int, prompt_len: in
     preset = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / "gpt2_small.yaml"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset))
-    model = model.cuda().eval()
+    model.cuda()
+    model.eval()
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)).cuda()
     best = {True: float("inf"), False: float("inf")}
     outputs = {}

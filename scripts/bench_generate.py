@@ -32,7 +32,9 @@ from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 def build(model: str, variant: str, vocab: int, backend: str, device: torch.device) -> GPT:
     preset = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / f"{model}.yaml"))
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset)).to(device).eval()
+    model = GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset)).to(device)
+    model.eval()
+    return model
 
 
 def timed(fn, device: torch.device) -> tuple[float, torch.Tensor]:

@@ -735,7 +735,7 @@ BAD_INPUTS = {
     "k-dtype": (lambda q, k, v: dict(k=k.half()), r"k must have the dtype of q"),
     "v-device": (lambda q, k, v: dict(v=v.to("meta")), r"v must be on the device of q"),
     "k-ndim": (lambda q, k, v: dict(k=k[0]), r"k must have 4 dims"),
-    "q-shape": (lambda q, k, v: dict(q=q[:, :, :, :8]), r"k must have shape \(B, N, H_kv, D\) = \(2, 8, H_kv, 8\)"),
+    "q-shape": (lambda q, k, v: dict(q=q[:, :, :, :8]), r"k must have shape \(B, KV, H_kv, D\) = \(2, KV >= 8, H_kv, 8\)"),
     "gqa-heads": (lambda q, k, v: dict(k=k[:, :, :1].expand(B, N, 3, D).contiguous(), v=v[:, :, :1].expand(B, N, 3, D).contiguous()),
                   r"query heads \(4\) must be divisible by k's heads H_kv \(3\)"),
     "segment-value": (lambda q, k, v: dict(segment_ids=torch.tensor([[1, 1, 2, -1, -1, 0, 0, 0]] * B)),
