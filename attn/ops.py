@@ -169,6 +169,8 @@ class AttentionCall:
     own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
     since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
     check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
+    k / v may hold more positions than q (a decode step, bottom-right aligned) on the 'triton' and
+    'reference' backends; 'sdpa' needs one length (the model sends those steps to the reference).
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
