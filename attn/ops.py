@@ -119,8 +119,10 @@ def attention(
     """Attention of any registered variant: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
     KV >= N keys: a query block against a longer key sequence (a decode step against a KV cache),
-    aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py). Only the
-    reference backend computes KV > N; backend='auto' picks it then.
+    aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py), on the
+    fused kernels with backend='triton' (a few queries against many keys take their split-key
+    decode path) and on the reference; backend='sdpa' needs KV == N. backend='auto' runs KV > N
+    on the reference (`longer_keys_backend`).
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
@@ -139,11 +141,11 @@ def attention(
     )
     dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
-    if k.shape[1] != q.shape[1] and backend != "reference":
-        if backend != "auto" and backend in BACKENDS:
-            raise ValueError(f"backend={backend!r} needs queries and keys of one length; {q.shape[1]} queries "
-                             f"against {k.shape[1]} keys run on backend='reference' (or 'auto')")
-        backend = "reference" if backend == "auto" else backend  # a bad name: resolve_backend names it
+    if k.shape[1] != q.shape[1]:
+        if backend == "sdpa":
+            raise ValueError(f"backend='sdpa' needs queries and keys of one length; {q.shape[1]} queries against "
+                             f"{k.shape[1]} keys run on backend='triton', 'reference' or 'auto'")
+        backend = longer_keys_backend(backend)
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
         return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
@@ -160,6 +162,14 @@ def attention(
                                dropout_p=dropout_p, dropout_seed=seed)
 
 
+def longer_keys_backend(backend: str) -> str:
+    """The backend for queries against more keys than queries (KV > N). The fused kernels take them
+    and match the float64 reference under the Triton interpreter, but they have not yet been
+    compiled and checked on a GPU: 'auto' keeps those calls on the reference until then, and
+    backend='triton' opts in."""
+    return "reference" if backend == "auto" else backend
+
+
 class AttentionCall:
     """The attention of one module, resolved once: the model's fast path.
 
@@ -170,6 +180,9 @@ class AttentionCall:
     own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
     since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
     check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
+    k / v may hold more positions than q (a decode step, bottom-right aligned) on the 'triton' and
+    'reference' backends ('auto': `longer_keys_backend`); 'sdpa' needs one length (the model sends
+    those steps to the reference).
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
@@ -186,7 +199,8 @@ class AttentionCall:
     def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None,
                  dropout_p: float = 0.0):
         # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
-        backend = resolve_backend(self.backend, q.device)
+        backend = self.backend if k.shape[1] == q.shape[1] else longer_keys_backend(self.backend)
+        backend = resolve_backend(backend, q.device)
         if backend == "triton":
             kernel = family_kernel(self.spec)
             seed = draw_seed(q.device) if dropout_p > 0.0 else None

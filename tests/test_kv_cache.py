@@ -65,12 +65,11 @@ def test_bottom_right_alignment_of_masks_and_counts():
         dense_mask(MaskSpec(), 4, kv_len=3)
 
 
-def test_different_lengths_are_refused_where_not_computed():
+def test_different_lengths_are_refused_by_sdpa_and_checked():
     spec = attn.get_variant("softmax").make_spec()
     q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 5, 2, 8)
-    for backend in ("triton", "sdpa"):
-        with pytest.raises(ValueError, match=f"backend='{backend}' needs queries and keys of one length"):
-            attn.attention(q, k, k, spec, backend=backend)
+    with pytest.raises(ValueError, match="backend='sdpa' needs queries and keys of one length"):
+        attn.attention(q, k, k, spec, backend="sdpa")
     with pytest.raises(ValueError, match="attn.backend must be one of"):
         attn.attention(q, k, k, spec, backend="fast")
     with pytest.raises(ValueError, match="segment_ids need queries and keys of one length"):
@@ -128,3 +127,17 @@ def test_cache_capacity_and_segment_ids_are_checked():
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="segment_ids and a KV cache"):
         model(torch.zeros(1, 2, dtype=torch.long), segment_ids=torch.ones(1, 2, dtype=torch.long), cache=KVCache(2, 8))
+
+
+def test_auto_keeps_longer_keys_on_the_reference_until_the_kernels_are_checked_on_a_gpu(monkeypatch):
+    from attn import ops
+
+    assert [ops.longer_keys_backend(b) for b in ("auto", "triton", "reference")] == ["reference", "triton", "reference"]
+    seen = []
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device: seen.append(backend) or "reference")
+    spec = attn.get_variant("softmax").make_spec()
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 5, 2, 8)
+    attn.attention(q, k, k, spec)
+    attn.AttentionCall(spec, backend="auto")(q, k, k)
+    attn.AttentionCall(spec, backend="auto")(k, k, k)  # one length: auto as always
+    assert seen == ["reference", "reference", "auto"]

@@ -17,6 +17,7 @@ at training shapes a call's host work can exceed its GPU time:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +28,12 @@ from attn.kernels.env import autotune_pinned, interpreting
 
 CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
 DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
+DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
+# the split-key (flash-decoding) forward serves calls with at most this many queries
+DECODE_MAX_QUERIES = 16
+# each split walks at least this many key tiles (fewer make the merge cost more than it saves)
+DECODE_MIN_TILES_PER_SPLIT = 4
+DECODE_MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,36 @@ def traced(*tensors) -> bool:
     go through the families' custom ops (fake and autograd registered); eager calls through their
     autograd Functions, which skip the dispatcher's Python custom-op layer (~0.1 ms per fwd+bwd)."""
     return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: torch.device) -> int:
+    """Key ranges a forward of few queries (a decode step) splits its keys into, 1 for none.
+
+    A forward program owns a block of query rows; with q_len <= DECODE_MAX_QUERIES there is one
+    block per (batch, head), too few programs to fill the GPU while each walks the whole cache.
+    Splitting the keys into S ranges runs S programs per block (their partial results merged
+    after). S targets two programs per multiprocessor, each range holding at least
+    DECODE_MIN_TILES_PER_SPLIT key tiles of block_n. `programs`: the unsplit grid's size.
+    ATTNLAB_DECODE_SPLITS=S forces S (at most one range per key tile; 0 or 1: never split), for
+    tests and sweeps; without it the interpreter never splits."""
+    if q_len > DECODE_MAX_QUERIES:
+        return 1
+    tiles = -(-kv_len // block_n)
+    raw = os.environ.get(DECODE_SPLITS_ENV)
+    if raw is not None:
+        if not raw.isdigit():
+            raise ValueError(f"{DECODE_SPLITS_ENV} must be a non-negative integer (a number of key ranges), got {raw!r}")
+        return max(1, min(int(raw), tiles))
+    if interpreting() or device.type != "cuda":
+        return 1
+    wanted = -(-2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+               // max(programs, 1))
+    return max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
 
 
 def _direct_launches() -> bool:

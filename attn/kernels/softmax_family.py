@@ -44,7 +44,7 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, traced
+from attn.kernels.runtime import Kernel, TileConfig, decode_splits, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
 
@@ -140,7 +140,7 @@ def _split_key_range(lo, hi, m0, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _split_query_range(lo, hi, n0, kv_len, window, hs, he, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
     """Mirror of _split_key_range for a key block [n0, n0+BN): query tiles [a, b) see every key
     of the block (rows that see nothing have lse = +inf, so they add exactly 0)."""
@@ -150,7 +150,7 @@ def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexp
         s_min = tl.maximum(s_min, n0 + BLOCK_N - 1)
     if HAS_WINDOW:
         s_max = tl.minimum(s_max, n0 + window)
-    keys_ok = n0 + BLOCK_N <= seq_len
+    keys_ok = n0 + BLOCK_N <= kv_len
     if HAS_SEG:
         keys_ok = keys_ok & (n0 >= hs) & (n0 + BLOCK_N <= he)
     n_all = tl.cdiv(hi - lo, BLOCK_M)
@@ -168,7 +168,7 @@ def _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len, window,
+def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, kv_len, window,
               hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
               CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr,
@@ -179,7 +179,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
     rescale is applied once to the output)."""
     offs_n = start + offs_n0
     if MASKED:
-        in_n = offs_n < seq_len
+        in_n = offs_n < kv_len
         k = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)
         v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=in_n[:, None], other=0.0)
     else:
@@ -188,7 +188,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
     x = tl.dot(q, k, input_precision=DOT_PREC)
     g, _ = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = tile_visible(offs_m, offs_n, lo, hi, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         g = tl.where(vis, g, float("-inf"))  # scale > 0 or per-row: -inf stays -inf (t = 0 rows: see below)
     if FIXED_MAX:
         # bounded logits (a cap without temperature): shift by the row's own diagonal logit
@@ -197,7 +197,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         p = tl.exp2(g * row_scale - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_i
     else:
@@ -214,7 +214,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         return acc, l_i, m_new
 
@@ -245,25 +245,35 @@ def _fwd_kernel(
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
-    stride_ob, stride_on, stride_oh, stride_od,
+    stride_ob, stride_on, stride_oh, stride_od, stride_os,
     stride_tb, stride_tn,
-    H, GROUP, seq_len, window,
+    H, GROUP, q_len, kv_len, window, split_len,
     qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch, head). Query row i sits at key position
+    i + kv_len - q_len (bottom-right alignment); every mask and tile range works on positions.
+    SPLIT_KV (flash-decoding): program_id(2) = s takes only keys [s split_len, (s+1) split_len)
+    and writes its normalized partial output at O + s stride_os and its lse2 at
+    LSE + s (B H q_len) (+inf where the split holds no visible key); `_combine_splits_kernel`
+    merges the splits."""
     # heaviest (causal: last) query blocks first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
+    split = tl.program_id(2)
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    pos_offset = kv_len - q_len
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = offs_m + pos_offset  # their key positions
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
-    in_m = offs_m < seq_len
+    in_m = offs_m < q_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
@@ -280,51 +290,95 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FIXED_MAX:
-        # shift = z_ii: |z - z_ii| <= 2 c log2e, so exp2 neither overflows nor underflows (host
-        # guard), the diagonal adds exactly ~1 to l, and a single-key row gets p = 1 as with a max
-        kd = tl.load(K + b * stride_kb + hk * stride_kh + offs_m[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        # shift = z_ii (the key at the row's own position): |z - z_ii| <= 2 c log2e, so exp2 neither
+        # overflows nor underflows (host guard), the diagonal adds exactly ~1 to l, and a single-key
+        # row gets p = 1 as with a max
+        kd = tl.load(K + b * stride_kb + hk * stride_kh + pos_m[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                      mask=in_m[:, None], other=0.0)
         gd, _ = _cap(tl.sum(q.to(tl.float32) * kd.to(tl.float32), 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
         m_i = gd * out_scale
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: exp2(m_old - m_new) never NaN
 
-    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, bnd = _split_key_range(lo, hi, m0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    p0 = m0 + pos_offset  # key position of the block's first row
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    if SPLIT_KV:
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    a, bnd = _split_key_range(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
                                   FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     for start in range(a, bnd, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
                                   FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     for start in range(bnd, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, seq_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
                                   FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
     if HAS_SEG:  # candidates' own diagonal
         for start in range(lo2, hi2, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo2, hi2,
-                                      seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo2, hi2,
+                                      kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
                                       cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                       HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
 
     seen = l_i != 0.0  # rows that saw nothing have l = 0 exactly; NaN (a NaN score) propagates, as in the reference
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
-        seen = seen & (((offs_m >= hs) & (offs_m < he)) | ((offs_m >= cs) & (offs_m < ce)))
+        seen = seen & (((pos_m >= hs) & (pos_m < he)) | ((pos_m >= cs) & (pos_m < ce)))
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     if DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
     out = tl.where(seen[:, None], out, 0.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("inf"))
+    tl.store(O + split * stride_os + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
+             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=in_m[:, None])
+    tl.store(LSE + (split * tl.num_programs(1) + bh) * q_len + offs_m, lse, mask=in_m)
+
+
+@triton.jit
+def _combine_splits_kernel(PART_O, PART_LSE, O, LSE,
+                           stride_pb, stride_pn, stride_ph, stride_pd, stride_ps,
+                           stride_ob, stride_on, stride_oh, stride_od,
+                           H, q_len, num_splits,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge the per-split (normalized output, lse2) of a SPLIT_KV forward into the output and
+    lse2 of the whole key range: weights 2^(lse_s - max_s lse_s); splits without a visible key
+    (lse +inf) weigh 0; a row no split saw gets 0 and lse +inf, as the plain forward gives."""
+    pid_m = tl.program_id(0)  # BLOCK_N unused (the runtime passes both tile sizes)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_m = offs_m < q_len
+    num_bh = tl.num_programs(1)
+    m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    for s in range(0, num_splits):
+        lse_s = tl.load(PART_LSE + (s * num_bh + bh) * q_len + offs_m, mask=in_m, other=float("inf"))
+        m = tl.maximum(m, tl.where(lse_s == float("inf"), float("-inf"), lse_s))
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(PART_LSE + (s * num_bh + bh) * q_len + offs_m, mask=in_m, other=float("inf"))
+        w = tl.where(lse_s == float("inf"), 0.0, tl.exp2(lse_s - m))
+        o_s = tl.load(PART_O + s * stride_ps + b * stride_pb + h * stride_ph + offs_m[:, None] * stride_pn
+                      + offs_d[None, :] * stride_pd, mask=in_m[:, None], other=0.0)
+        acc += w[:, None] * o_s
+        l_sum += w
+    seen = l_sum > 0.0
+    l_safe = tl.where(seen, l_sum, 1.0)
+    out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(seen, m + tl.log2(l_safe), float("inf"))
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=in_m[:, None])
-    tl.store(LSE + bh * seq_len + offs_m, lse, mask=in_m)
+    tl.store(LSE + bh * q_len + offs_m, lse, mask=in_m)
 
 
 # ----------------------------------------------------------------------- backward
@@ -332,7 +386,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
-                    stride_dob, stride_don, stride_doh, stride_dod, H, seq_len,
+                    stride_dob, stride_don, stride_doh, stride_dod, H, q_len,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)  # BLOCK_N unused (the runtime passes both tile sizes)
     bh = tl.program_id(1)
@@ -340,24 +394,27 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    in_m = offs_m < seq_len
+    in_m = offs_m < q_len
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
                 mask=in_m[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                  mask=in_m[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + bh * seq_len + offs_m, tl.sum(o * do, 1), mask=in_m)
+    tl.store(DELTA + bh * q_len + offs_m, tl.sum(o * do, 1), mask=in_m)
 
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n, lo, hi,
-               seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, out_scale, cap_value,
+               kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, out_scale, cap_value,
                alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
                DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
-    """DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
+    """Query positions [start, start + BLOCK_M) against this program's keys; q_ptrs, do_ptrs,
+    lse_ptr, delta_ptr and t_ptr are indexed by key position (the kernel shifts them by the
+    queries' offset), and only positions of real query rows are visited.
+    DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
     dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped)."""
     offs_m = start + offs_m0
-    in_m = offs_m < seq_len
+    in_m = offs_m < kv_len
     if MASKED:
         q = tl.load(q_ptrs + offs_m[None, :] * stride_qn, mask=in_m[None, :], other=0.0)  # (D, BM)
         do = tl.load(do_ptrs + offs_m[:, None] * stride_don, mask=in_m[:, None], other=0.0)  # (BM, D)
@@ -376,12 +433,12 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
     g, fprime = _cap(xT, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     pT = tl.exp2(g * col_scale[None, :] - lse[None, :])
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         vis = vis & (offs_m[:, None] >= lo) & (offs_m[:, None] < hi)
         pT = tl.where(tl.trans(vis), pT, 0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, BM)
     if DROPOUT:
-        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], kv_len, dropout_p)
         dv = tl.dot(tl.where(keepT, pT, 0.0).to(do.dtype), do, dv, input_precision=DOT_PREC)
         dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
@@ -406,7 +463,7 @@ def _dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
     stride_tb, stride_tn,
-    H, H_KV, GROUP, seq_len, window,
+    H, H_KV, GROUP, q_len, kv_len, window,
     qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -420,9 +477,12 @@ def _dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
-    in_n = offs_n < seq_len
+    in_n = offs_n < kv_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
+    # query row i sits at key position i + pos_offset (bottom-right alignment): the loops below run
+    # over positions, and the query-indexed pointers are shifted by -pos_offset rows to match
+    pos_offset = kv_len - q_len
 
     k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=in_n[:, None], other=0.0)
@@ -430,36 +490,38 @@ def _dkdv_kernel(
                 mask=in_n[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    t_ptr = TEMP + b * stride_tb
+    t_ptr = TEMP + b * stride_tb - pos_offset * stride_tn
 
-    lo, hi, lo2, hi2 = query_ranges(n0, seq_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, bnd = _split_query_range(lo, hi, n0, seq_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
+    hi = tl.maximum(hi, lo)
+    a, bnd = _split_query_range(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
         bh = b * H + h
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd
-        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
-        lse_ptr = LSE + (b * H + h) * seq_len
-        delta_ptr = DELTA + (b * H + h) * seq_len
+        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd - pos_offset * stride_qn
+        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod - pos_offset * stride_don
+        lse_ptr = LSE + (b * H + h) * q_len - pos_offset
+        delta_ptr = DELTA + (b * H + h) * q_len - pos_offset
         for start in range(lo, a, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for start in range(a, bnd, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for start in range(bnd, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, seq_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         if HAS_SEG:
             for start in range(lo2, hi2, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0,
-                                    offs_n, lo2, hi2, seq_len, window, hs, he, cs, ce, stride_qn, stride_don,
+                                    offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
                                     stride_tn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True,
                                     CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     dk = dk * grad_scale
@@ -473,13 +535,13 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
-             seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g, qk_scale,
+             kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g, qk_scale,
              CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr,
              DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
     offs_n = start + offs_n0
     if MASKED:
-        in_n = offs_n < seq_len
+        in_n = offs_n < kv_len
         kT = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)  # (D, BN)
         vT = tl.load(v_ptrs + offs_n[None, :] * stride_vn, mask=in_n[None, :], other=0.0)  # (D, BN)
     else:
@@ -489,11 +551,11 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, off
     g, fprime = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     p = tl.exp2(g * row_scale[:, None] - lse[:, None])
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = tile_visible(offs_m, offs_n, lo, hi, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, vT, input_precision=DOT_PREC)
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = p * (dp - delta[:, None])
     if NEED_DT:
@@ -515,7 +577,7 @@ def _dq_kernel(
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_tb, stride_tn,
-    H, GROUP, seq_len, window,
+    H, GROUP, q_len, kv_len, window,
     qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
@@ -526,11 +588,13 @@ def _dq_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = offs_m + pos_offset  # their key positions
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
-    in_m = offs_m < seq_len
+    in_m = offs_m < q_len
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
@@ -538,8 +602,8 @@ def _dq_kernel(
                 mask=in_m[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                  mask=in_m[:, None], other=0.0)
-    lse = tl.load(LSE + bh * seq_len + offs_m, mask=in_m, other=float("inf"))
-    delta = tl.load(DELTA + bh * seq_len + offs_m, mask=in_m, other=0.0)
+    lse = tl.load(LSE + bh * q_len + offs_m, mask=in_m, other=float("inf"))
+    delta = tl.load(DELTA + bh * q_len + offs_m, mask=in_m, other=0.0)
     row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + out_scale
     t = row_scale
     if HAS_TEMP:
@@ -550,31 +614,32 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dt = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, bnd = _split_key_range(lo, hi, m0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    p0 = m0 + pos_offset  # key position of the block's first row
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, bnd = _split_key_range(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
-                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+                          kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
                           qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for start in range(a, bnd, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
-                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+                          kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
                           qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for start in range(bnd, hi, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
-                          seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+                          kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
                           qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     if HAS_SEG:
         for start in range(lo2, hi2, BLOCK_N):
-            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0,
-                              lo2, hi2, seq_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
+            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0,
+                              lo2, hi2, kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
                               alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
                               DOT_PREC, seed, bh, dropout_p, DROPOUT)
     dq = dq * grad_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
     if NEED_DT:
-        tl.store(DT + bh * seq_len + offs_m, dt * dt_scale, mask=in_m)
+        tl.store(DT + bh * q_len + offs_m, dt * dt_scale, mask=in_m)
 
 
 # ----------------------------------------------------------------------- launchers
@@ -583,6 +648,7 @@ _FWD = Kernel(_fwd_kernel, "softmax_family_fwd")
 _DKDV = Kernel(_dkdv_kernel, "softmax_family_dkdv")
 _DQ = Kernel(_dq_kernel, "softmax_family_dq")
 _PREPROCESS = Kernel(_bwd_preprocess, "softmax_family_delta")
+_COMBINE = Kernel(_combine_splits_kernel, "softmax_family_combine_splits")
 _PREPROCESS_CONFIG = [TileConfig(64, 64, 4, 2)]  # BLOCK_M rows per program (BLOCK_N unused)
 
 
@@ -617,6 +683,9 @@ def _check(q, k, v):
     d = q.shape[-1]
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS} for the softmax-family kernels, got {d}")
+    if k.shape[1] < q.shape[1]:
+        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
+                         f"for {q.shape[1]} queries")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
 
@@ -624,7 +693,7 @@ def _check(q, k, v):
 def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None):
     _check(q, k, v)
     bsz, n, h, d = q.shape
-    h_kv = k.shape[2]
+    kv_len, h_kv = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     qk_scale, out_scale, _, _, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
@@ -632,29 +701,67 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     temp = temperature if temperature is not None else lse  # dummy pointer, never read
     st = (temperature.stride(0), temperature.stride(1)) if temperature is not None else (0, 0)
     bnd = bounds if bounds is not None else lse
+    seed_arg = seed_operand(dropout_p, seed, lse)
+    splits = 1
+    if bounds is None and dropout_p == 0.0:
+        splits = decode_splits(n, kv_len, bsz * h, _decode_config().block_n, q.device)
     # a cap bounds |z| by c (log2 units: c log2e); without a temperature the forward can then
     # shift by the diagonal logit instead of a running max: p = exp2(z - z_ii) lies in
-    # [2^-2B, 2^2B], B = c log2e, and l <= N 2^2B; bf16/fp32 keep that range (fp16 p would
+    # [2^-2B, 2^2B], B = c log2e, and l <= KV 2^2B; bf16/fp32 keep that range (fp16 p would
     # not), with 2^18 headroom in fp32 for |v| in acc = sum p v
-    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16
-                 and 2.0 * float(cap_value) * LOG2E + math.log2(max(n, 2)) <= 108.0
+    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16 and splits == 1
+                 and 2.0 * float(cap_value) * LOG2E + math.log2(max(kv_len, 2)) <= 108.0
                  and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
                 DROPOUT=dropout_p > 0.0)
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *st,
-               h, h // h_kv, n, window,
+    if splits > 1:
+        _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
+                          window)
+        return out, lse
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, *st,
+               h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
-    seed_arg = seed_operand(dropout_p, seed, lse)
-    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg), scalars, meta,
-                _candidates("fwd", n), (q.dtype, _n_bucket(n), *meta.values()))
+    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg), scalars,
+                {**meta, "SPLIT_KV": False}, _candidates("fwd", n),
+                (q.dtype, _n_bucket(n), _n_bucket(kv_len), *meta.values()))
     return out, lse
+
+
+def _decode_config() -> TileConfig:
+    """Tiles of the split-key forward: 16 query rows (a decode step's few queries; the smallest
+    tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
+    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
+
+
+def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
+                      window):
+    """Flash-decoding: `splits` programs per query block, each over one contiguous key range
+    (whole key tiles), writing a normalized partial output and its lse2 (fp32); then one merge
+    kernel weighs the partials by 2^(lse_s - max lse) into `out` and `lse`, the same (out, lse)
+    the one-pass forward gives (the backward reads them as usual)."""
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    cfg = _decode_config()
+    split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+    splits = _cdiv(kv_len, split_len)
+    part_out = torch.empty((splits, bsz, n, h, d), device=q.device, dtype=torch.float32)
+    part_lse = torch.empty((splits, bsz, h, n), device=q.device, dtype=torch.float32)
+    po = part_out[0]
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *po.stride(), part_out.stride(0), *st,
+               h, h // h_kv, n, kv_len, window, split_len,
+               qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
+    _FWD.launch(lambda c: (_cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse),
+                scalars, {**meta, "SPLIT_KV": True}, [cfg], ())
+    _COMBINE.launch(lambda c: (_cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
+                    (*po.stride(), part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
+                    [TileConfig(16, 16, 4, 1)], ())
 
 
 def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
               dropout_p=0.0, seed=None):
     bsz, n, h, d = q.shape
-    h_kv = k.shape[2]
+    kv_len, h_kv = k.shape[1], k.shape[2]
     group = h // h_kv
     qk_scale, out_scale, grad_scale, f_scale, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
     fast, prec = _flags(q)
@@ -670,28 +777,28 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     temp = temperature if has_temp else lse
     st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
     bnd = bounds if bounds is not None else lse
-    nb = _n_bucket(n)
+    nb = (_n_bucket(n), _n_bucket(kv_len))
     mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     seed_arg = seed_operand(dropout_p, seed, lse)
     _DKDV.launch(
-        lambda cfg: (_cdiv(n, cfg.block_n), bsz * h_kv),
+        lambda cfg: (_cdiv(kv_len, cfg.block_n), bsz * h_kv),
         (q, k, v, do, dk, dv, lse, delta, temp, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
-         h, h_kv, group, n, window,
+         h, h_kv, group, n, kv_len, window,
          qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        kv_meta, _candidates("kv", n), (q.dtype, nb, group, *kv_meta.values()))
+        kv_meta, _candidates("kv", kv_len), (q.dtype, *nb, group, *kv_meta.values()))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
     q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     _DQ.launch(
         lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
         (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
-         h, group, n, window,
+         h, group, n, kv_len, window,
          qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        q_meta, _candidates("q", n), (q.dtype, nb, *q_meta.values()))
+        q_meta, _candidates("q", n), (q.dtype, *nb, *q_meta.values()))
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
     else:
@@ -796,14 +903,20 @@ class _EagerSoftmaxFamily(torch.autograd.Function):
 
 def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
                     *, bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
-    """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+    """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
+    KV >= N keys, aligned bottom-right (query i at key position i + KV - N, attn/masks.py); a call
+    with at most `runtime.DECODE_MAX_QUERIES` queries against a long key sequence splits the keys
+    across programs (flash-decoding, `_split_kv_forward`). Segment ids need KV == N.
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller (a model
     with many layers); computed here from segment_ids when not given. `dropout_p` > 0 drops the
     probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py)."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
     _check(q, k, v)
+    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
+        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
+                         f"{k.shape[1]} keys")
     if bounds is None and segment_ids is not None:
         bounds = segment_bounds(segment_ids)
     args = (q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),

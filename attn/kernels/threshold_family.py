@@ -55,7 +55,7 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, pinned_index, traced
+from attn.kernels.runtime import Kernel, TileConfig, decode_splits, pinned_index, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -122,10 +122,10 @@ def _rectified_power_grad(x, power, POWER_MODE: tl.constexpr):
 
 
 @triton.jit
-def _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale,
+def _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale,
                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
     """tau_i = beta sqrt(2 ln n_i / D) = tau_scale * sqrt(ln n_i); n_i = 0 (sees nothing) -> 0."""
-    n_i = visible_counts(offs_m, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+    n_i = visible_counts(offs_m, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
     return tau_scale * tl.sqrt(tl.log(tl.maximum(n_i, 1.0)))
 
 
@@ -182,17 +182,17 @@ def _segment_union(hs, he, cs, ce):
 
 
 @triton.jit
-def _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce,
+def _full_key_span(m0, lo, hi, kv_len, window, hs, he, cs, ce,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
     """Key tiles of [lo, hi) that every valid query row of [m0, m0 + BLOCK_M) sees entirely.
 
-    Rows at or past seq_len are never stored by the forward / dq programs, so they do not
-    constrain the span.
+    m0 is the key position of the block's first query row; rows at or past position kv_len are
+    never stored by the forward / dq programs, so they do not constrain the span.
     """
-    m_last = tl.minimum(m0 + BLOCK_M, seq_len) - 1
+    m_last = tl.minimum(m0 + BLOCK_M, kv_len) - 1
     full_lo = lo
-    full_hi = tl.minimum(hi, seq_len)
+    full_hi = tl.minimum(hi, kv_len)
     if CAUSAL:
         full_hi = tl.minimum(full_hi, m0 + 1)
     if HAS_WINDOW:
@@ -207,12 +207,12 @@ def _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce,
 
 
 @triton.jit
-def _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce,
+def _full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
-    """Query tiles of [lo, hi) (all rows < seq_len) that see every key of [n0, n0 + BLOCK_N)."""
+    """Query tiles of [lo, hi) (all rows < kv_len) that see every key of [n0, n0 + BLOCK_N)."""
     full_lo = lo
-    full_hi = tl.minimum(hi, seq_len)
+    full_hi = tl.minimum(hi, kv_len)
     if CAUSAL:
         full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1)
     if HAS_WINDOW:
@@ -223,8 +223,8 @@ def _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce,
         full_hi = tl.minimum(full_hi, u_hi)
         keys_in_history = (n0 >= hs) & (n0 + BLOCK_N <= he)
         full_hi = tl.where(keys_in_history, full_hi, full_lo)
-    # a key block reaching past seq_len stays on the masked path
-    full_hi = tl.where(n0 + BLOCK_N <= seq_len, full_hi, full_lo)
+    # a key block reaching past kv_len stays on the masked path
+    full_hi = tl.where(n0 + BLOCK_N <= kv_len, full_hi, full_lo)
     return _aligned_span(lo, hi, full_lo, full_hi, BLOCK_M)
 
 
@@ -236,7 +236,7 @@ def _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce,
 @triton.jit
 def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
               skn, skd, svn, svd, sk2n, sk2d,
-              offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+              offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -246,7 +246,7 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
-        in_seq = offs_n[:, None] < seq_len
+        in_seq = offs_n[:, None] < kv_len
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
     else:
@@ -262,11 +262,11 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
         x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
         w = w - lam * _rectified_power(x2, power, POWER_MODE)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         w = tl.where(vis, w, 0.0)
     if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
         w = tl.where(keep, w * (1.0 / (1.0 - dropout_p)), 0.0)
     # the one w.V product per tile (both views already combined in w)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -275,23 +275,29 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
 # Scalars that vary with the problem size are not specialized on (value 1 / divisibility
 # by 16), so one compiled kernel serves every N, head count, GQA ratio and window: compile
 # once per mask kind / variant / dtype / head dim, and a warm-up anywhere fills the cache.
-_RUNTIME_SCALARS = ["seq_len", "num_heads", "group", "window", "N_BUCKET"]
+_RUNTIME_SCALARS = ["q_len", "kv_len", "num_heads", "group", "window", "N_BUCKET"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS + ["split_len"])
 def _fwd_kernel(
     Q, K, V, Q2, K2, LAM, BOUNDS, OUT, SEED,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
-    sob, son, soh, sod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dropout_p,
+    sob, son, soh, sod, sos,
+    q_len, kv_len, num_heads, group, window, split_len, tau_scale, power, N_BUCKET, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
 ):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch, head); query row i sits at key position
+    i + kv_len - q_len (bottom-right alignment), and masks, tile ranges and n_i work on positions.
+    SPLIT_KV (flash-decoding): program_id(2) = s takes only keys [s split_len, (s+1) split_len)
+    and writes its partial sum at OUT + s sos (fp32); the launcher sums the splits."""
     # heaviest query blocks (most visible keys under causal masks) start first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
+    split = tl.program_id(2)
     b = bh // num_heads
     h = bh % num_heads
     hk = h // group
@@ -299,10 +305,13 @@ def _fwd_kernel(
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
+    pos_offset = kv_len - q_len
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = offs_m + pos_offset  # their key positions
+    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < seq_len
+    row_ok = offs_m[:, None] < q_len
     q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
@@ -315,21 +324,24 @@ def _fwd_kernel(
         q2 = q
         k2_base = k_base
         lam = 0.0
-    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+    tau = _row_threshold(pos_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, z = _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    if SPLIT_KV:
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    a, z = _full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
-                        offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
+                        pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, power,
                         HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
-                        offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+                        pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
                         HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-    tl.store(OUT + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+    tl.store(OUT + split * sos + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
              acc.to(OUT.dtype.element_ty), mask=row_ok)
 
 
@@ -341,7 +353,7 @@ def _fwd_kernel(
 @triton.jit
 def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
              skn, skd, svn, svd, sk2n, sk2d,
-             offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+             offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
              POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
              HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -349,7 +361,7 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
-        in_seq = offs_n[:, None] < seq_len
+        in_seq = offs_n[:, None] < kv_len
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
     else:
@@ -358,11 +370,11 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         dp = tl.where(vis, dp, 0.0)  # masks both views' ds
     if DROPOUT:  # d(m w / (1 - p)) / dw
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = dp * _rectified_power_grad(x, power, POWER_MODE)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -383,7 +395,7 @@ def _dq_kernel(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sdob, sdon, sdoh, sdod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dropout_p,
+    q_len, kv_len, num_heads, group, window, tau_scale, power, N_BUCKET, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
@@ -397,10 +409,13 @@ def _dq_kernel(
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
+    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = offs_m + pos_offset  # their key positions
+    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < seq_len
+    row_ok = offs_m[:, None] < q_len
     q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
     do = tl.load(DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :] * sdod,
                  mask=row_ok, other=0.0)
@@ -415,23 +430,23 @@ def _dq_kernel(
         q2 = q
         k2_base = k_base
         lam = 0.0
-    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+    tau = _row_threshold(pos_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, z = _full_key_span(m0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = _full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
-                           offs_m, n0, lo, hi, seq_len, window, hs, he, cs, ce, power,
+                           pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, power,
                            HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
-                           offs_m, n0, key_lo, key_hi, seq_len, window, hs, he, cs, ce, power,
+                           pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
                            HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
     # dq / dq2 are contiguous (B, N, H, D) allocations of the launcher
-    out_offs = b64 * seq_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
+    out_offs = b64 * q_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + out_offs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok)
     if DIFF:
         tl.store(DQ2 + out_offs + offs_d[None, :], dq2.to(DQ2.dtype.element_ty), mask=row_ok)
@@ -445,13 +460,13 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                sqn, sqd, sdon, sdod, sq2n, sq2d,
-               offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+               offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, tau_scale, power,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr,
                seed, bh, dropout_p, DROPOUT: tl.constexpr):
-    """One query tile [m0, m0 + BLOCK_M) against this program's keys; MASKED tiles keep
-    queries in [q_lo, q_hi). Tiles are held transposed, (keys, queries), so dv and dk
+    """One query tile at key positions [m0, m0 + BLOCK_M) against this program's keys (q_base,
+    do_base and q2_base are indexed by key position); MASKED tiles keep queries in [q_lo, q_hi). Tiles are held transposed, (keys, queries), so dv and dk
     accumulate without transposing the accumulators.
 
     VIEWS (differential only): 0 = dk, dv, dk2 and d-lambda in one pass; 1 = dk and dv;
@@ -462,20 +477,20 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     if MASKED:
-        row_ok = offs_m[:, None] < seq_len
+        row_ok = offs_m[:, None] < kv_len
         do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
     else:
         do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
-    tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
+    tau = _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce,
+        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
         vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
         visT = tl.trans(vis)
         dpT = tl.where(visT, dpT, 0.0)  # masks every ds term and d-lambda
     if DROPOUT:  # one keep mask m for the combined weight: dv += (m w / (1 - p))^T do, dp -> m dp / (1 - p)
-        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], seq_len, dropout_p)
+        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], kv_len, dropout_p)
         dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     if FIRST:
         if MASKED:
@@ -512,7 +527,7 @@ def _dkdv_kernel(
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sdob, sdon, sdoh, sdod,
-    seq_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots, dropout_p,
+    q_len, kv_len, num_heads, group, window, tau_scale, power, N_BUCKET, dlam_slots, dropout_p,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, VIEWS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -532,7 +547,7 @@ def _dkdv_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < seq_len
+    key_ok = offs_n[:, None] < kv_len
     k = tl.load(K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=key_ok, other=0.0)
     v = tl.load(V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=key_ok, other=0.0)
     if DIFF:
@@ -541,8 +556,13 @@ def _dkdv_kernel(
     else:
         k2 = k
 
-    lo, hi, lo2, hi2 = query_ranges(n0, seq_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, z = _full_query_span(n0, lo, hi, seq_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+    # query row i sits at key position i + pos_offset (bottom-right alignment): the loops below run
+    # over positions, and the query-indexed pointers are shifted by -pos_offset rows to match
+    pos_offset = kv_len - q_len
+    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
+    hi = tl.maximum(hi, lo)
+    a, z = _full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_WINDOW, HAS_SEG)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -550,10 +570,10 @@ def _dkdv_kernel(
     # GQA: this kv head's query heads, one after another (no repeated K/V, no atomics)
     for h in range(hk * group, hk * group + group):
         bh = b * num_heads + h
-        q_base = Q + b64 * sqb + h * sqh
-        do_base = DO + b64 * sdob + h * sdoh
+        q_base = Q + b64 * sqb + h * sqh - pos_offset * sqn
+        do_base = DO + b64 * sdob + h * sdoh - pos_offset * sdon
         if DIFF:
-            q2_base = Q2 + b64 * sq2b + h * sq2h
+            q2_base = Q2 + b64 * sq2b + h * sq2h - pos_offset * sq2n
             lam = tl.load(LAM + h * slam).to(tl.float32)
         else:
             q2_base = q_base
@@ -562,14 +582,14 @@ def _dkdv_kernel(
         for m0 in range(a, z, BLOCK_M):
             dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
-                                           offs_n, m0, lo, hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+                                           offs_n, m0, lo, hi, kv_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
                                            VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
             m0, q_lo, q_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
             dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
-                                           offs_n, m0, q_lo, q_hi, seq_len, window, hs, he, cs, ce, tau_scale, power,
+                                           offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
                                            VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         if SECOND:
@@ -580,7 +600,7 @@ def _dkdv_kernel(
             vals = tl.where(tl.arange(0, BLOCK_N // DLAM_SLOT) == 0, dlam, 0.0)
             tl.store(DLAM_PART + (b64 * num_heads + h) * dlam_slots + slots, vals, mask=slots < dlam_slots)
     # dk / dv / dk2 are contiguous (B, N, H_kv, D) allocations of the launcher
-    out_offs = b64 * seq_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
+    out_offs = b64 * kv_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
     if FIRST:
         tl.store(DK + out_offs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
         tl.store(DV + out_offs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
@@ -617,7 +637,7 @@ def _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, s
     return zeros
 
 
-@triton.jit(do_not_specialize=_RUNTIME_SCALARS[:4])
+@triton.jit(do_not_specialize=["seq_len", "num_heads", "group", "window"])
 def _zero_count_kernel(
     Q, K, Q2, K2, LAM, BOUNDS, ZEROS,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd,
@@ -725,7 +745,7 @@ def _candidates(kind: str, head_dim: int, differential: bool, views: int = 0) ->
     return GPU_CONFIGS.get((kind, head_dim, differential, views), _DEFAULT_CONFIGS)
 
 
-def _launch(kind: str, grid, args, meta: dict, n_bucket: int, dtype, views: int = 0) -> None:
+def _launch(kind: str, grid, args, meta: dict, n_bucket, dtype, views: int = 0) -> None:
     """Launch kernel `kind` with its interpreter / pinned / tuned config (attn/kernels/runtime.py);
     grid maps a TileConfig to the launch grid."""
     if kind == "dkdv":
@@ -788,19 +808,44 @@ def _check_kernel_operands(q: torch.Tensor) -> None:
 
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     bsz, n, heads, d = q.shape
+    kv_len = k.shape[1]
     group = heads // k.shape[2]
     out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
     if n == 0 or bsz == 0:
         return out
     differential = q2 is not None
-    args = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-            bounds if bounds is not None else q, out, seed_operand(dropout_p, seed, q),
-            *_common_args(q, k, v, q2, k2, lam), *out.stride(),
-            n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n), float(dropout_p))
-    _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args,
-            {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0},
-            _n_bucket(n), q.dtype)
+    meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0}
+    operands = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
+                bounds if bounds is not None else q)
+    scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), _n_bucket(kv_len),
+               float(dropout_p))
+    splits = 1
+    if bounds is None and dropout_p == 0.0:
+        splits = decode_splits(n, kv_len, bsz * heads, _decode_config().block_n, q.device)
+    if splits > 1:
+        # flash-decoding: each split sums its key range into fp32 partials; nothing to rescale
+        # (no row max, no normalizer), so merging is a plain sum
+        cfg = _decode_config()
+        split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+        splits = _cdiv(kv_len, split_len)
+        part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
+        scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
+        _KERNELS["fwd"].launch(lambda c: (_cdiv(n, c.block_m), bsz * heads, splits),
+                               (*operands, part, q), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
+                                                      part.stride(0), *scalars),
+                               {**meta, "SPLIT_KV": True}, [cfg], ())
+        return part.sum(dim=0).to(q.dtype)
+    args = (*operands, out, seed_operand(dropout_p, seed, q),
+            *_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars)
+    _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args, {**meta, "SPLIT_KV": False},
+            (_n_bucket(n), _n_bucket(kv_len)), q.dtype)
     return out
+
+
+def _decode_config() -> TileConfig:
+    """Tiles of the split-key forward: 16 query rows (a decode step's few queries; the smallest
+    tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
+    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
 
 
 def _dkdv_diff(dkdv, key) -> None:
@@ -838,15 +883,15 @@ def _dkdv_diff(dkdv, key) -> None:
 
 def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     bsz, n, heads, d = q.shape
-    kv_heads = k.shape[2]
+    kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     differential = q2 is not None
     dq = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((bsz, n, kv_heads, d), device=q.device, dtype=k.dtype)
-    dv = torch.empty((bsz, n, kv_heads, d), device=q.device, dtype=v.dtype)
+    dk = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
     dq2 = torch.empty_like(dq) if differential else None
     dk2 = torch.empty_like(dk) if differential else None
-    dlam_slots = _cdiv(max(n, 1), _DLAM_SLOT)
+    dlam_slots = _cdiv(max(kv_len, 1), _DLAM_SLOT)
     dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
     if n > 0 and bsz > 0:
         common = _common_args(q, k, v, q2, k2, lam)
@@ -854,21 +899,22 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         seed_arg = seed_operand(dropout_p, seed, q)
-        scalars = (n, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(n))
+        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(kv_len))
+        buckets = (_n_bucket(n), _n_bucket(kv_len))
         _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
                 (*ops, dout, dq, dq2 if differential else dq, seed_arg, *common, *dout.stride(), *scalars,
                  float(dropout_p)),
-                meta, _n_bucket(n), q.dtype)
+                meta, buckets, q.dtype)
         dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg,
                      *common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
         dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
 
         def dkdv(views):
-            _launch("dkdv", lambda cfg: (_cdiv(n, cfg.block_n), bsz * kv_heads),
-                    dkdv_args, dkdv_meta, _n_bucket(n), q.dtype, views)
+            _launch("dkdv", lambda cfg: (_cdiv(kv_len, cfg.block_n), bsz * kv_heads),
+                    dkdv_args, dkdv_meta, buckets, q.dtype, views)
 
         if differential:
-            _dkdv_diff(dkdv, (d, q.dtype, _n_bucket(n), meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
+            _dkdv_diff(dkdv, (d, q.dtype, buckets, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
                                      meta["DROPOUT"]))
         else:
             dkdv(0)
@@ -987,10 +1033,16 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
     _check_kernel_operands(q)
+    if k.shape[1] < q.shape[1]:
+        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
+                         f"for {q.shape[1]} queries")
     if spec.differential and (q2 is None or k2 is None or lam is None):
         raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
     if not spec.differential:
         q2 = k2 = lam = None
+    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
+        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
+                         f"{k.shape[1]} keys")
     if bounds is None and segment_ids is not None:
         bounds = segment_bounds(segment_ids)
     return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
@@ -999,7 +1051,11 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
 def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
                     q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
                     dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,N,H_kv,D) -> (B,N,H,D).
+    """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
+
+    KV >= N keys, aligned bottom-right (query i at key position i + KV - N, attn/masks.py; n_i counts
+    the keys visible there); a call with at most `runtime.DECODE_MAX_QUERIES` queries against a long
+    key sequence splits the keys across programs (flash-decoding). Segment ids need KV == N.
 
     Differentiable in q, k, v (and q2, k2, lam for spec.differential); traceable by
     torch.compile(fullgraph=True) through the `attnlab::threshold_attention` custom op.
@@ -1030,6 +1086,8 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
     """
     q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
     bsz, n, heads, d = q.shape
+    if k.shape[1] != n:
+        raise ValueError(f"zero_fraction needs queries and keys of one length, got {n} queries and {k.shape[1]} keys")
     differential = q2 is not None
     if n == 0 or bsz == 0:
         return torch.zeros(heads, dtype=torch.float64, device=q.device)

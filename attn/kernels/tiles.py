@@ -3,6 +3,10 @@
 Semantics are those of `attn/masks.py` (tested against `dense_mask`). Segment ids reach
 kernels as per-row bounds [hist_start, hist_end, cand_start, cand_end) (`segment_bounds`).
 
+Every function here works on key positions: `seq_len` is the number of keys, and a query is
+passed as its key position (query row + KV - Q under the bottom-right alignment of Q queries
+against KV keys; the row itself when Q == KV).
+
 Tile skipping: a forward program for query rows [m0, m0 + BLOCK_M) visits at most two key
 ranges, the main one (everything, or the history keys under segment ids, clipped by
 causal / window) and the candidates' diagonal; the ranges are disjoint and each loop

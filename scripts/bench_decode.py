@@ -1,0 +1,197 @@
+"""Decode-step benchmark on the GPU: one new query row against a long KV cache, every variant through
+the fused kernels (their split-key, flash-decoding forward) against SDPA on the same cache; and
+greedy generation tokens/s of a GPT-2-small-sized model with and without the KV cache.
+
+    python scripts/bench_decode.py --out gpu_out/bench_decode [--caches 4096,32768] [--batch 8]
+        [--heads 16] [--head-dim 128] [--new-tokens 256] [--prompt 64] [--skip-generate]
+
+Attention: (B, H, D) = (8, 16, 128), bf16, one query row (Q = 1) against caches of 4K and 32K keys,
+causal (bottom-right aligned: the last query sees every key). SDPA runs with is_causal=False, which
+for a single query row is the same mask (PyTorch's is_causal aligns top-left). Times are
+`triton.testing.do_bench` medians after warm-up (autotuning and compilation happen there); GB/s
+counts reading K and V once (the memory a decode step must move). Generation: the
+configs/model/gpt2_small.yaml model, random weights, bf16 autocast, greedy, best of --repeats, cached and uncached
+interleaved; backend 'triton' (our kernels, the cached path's decode steps included) and 'sdpa'
+(torch's kernels; its decode steps run on the reference, which serves Q != KV).
+
+Writes OUT.json and OUT.md (date, GPU, torch/triton versions, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import triton  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from bench_train import git_commit  # noqa: E402
+
+import attn  # noqa: E402
+from attn.kernels import runtime  # noqa: E402
+from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
+
+# variant -> spec parameters (caps large enough to be realistic, as in scripts/bench_attention.py)
+VARIANTS = {
+    "softmax": {},
+    "softcap_tanh": {"cap": 30.0},
+    "softcap_softsign": {"cap": 30.0},
+    "alsc": {"cap": 30.0, "knee": 0.5},
+    "threshold": {"beta": 1.0, "power": 2.0},
+    "diff_threshold": {"beta": 1.0, "power": 2.0},
+}
+
+
+def decode_inputs(name: str, batch: int, heads: int, cache: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """One query row and a filled cache; unit rows for the threshold family (cosine scores)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(length):
+        x = torch.randn(batch, length, heads, head_dim, device="cuda", generator=gen, dtype=torch.float32)
+        return (F.normalize(x, dim=-1) if "threshold" in name else x).to(dtype)
+
+    x = {"q": rand(1), "k": rand(cache), "v": rand(cache)}
+    if name == "diff_threshold":
+        x.update(q2=rand(1), k2=rand(cache), lam=torch.full((heads,), 0.3, device="cuda", dtype=dtype))
+    return x
+
+
+def bench_decode_step(name: str, batch: int, heads: int, cache: int, head_dim: int, dtype: torch.dtype) -> dict:
+    x = decode_inputs(name, batch, heads, cache, head_dim, dtype)
+    spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+    q, k, v = x.pop("q"), x.pop("k"), x.pop("v")
+    splits = runtime.decode_splits(1, cache, batch * heads, 64, q.device)
+
+    def ours():
+        return attn.attention(q, k, v, spec, causal=True, backend="triton", **x)
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=False)
+
+    with torch.no_grad():
+        for fn in (ours, sdpa):  # compile / autotune outside the timing
+            fn()
+        torch.cuda.synchronize()
+        ms = do_bench(ours, warmup=25, rep=100, return_mode="median")
+        sdpa_ms = do_bench(sdpa, warmup=25, rep=100, return_mode="median")
+    kv_bytes = (2 + (name == "diff_threshold")) * k.numel() * k.element_size()
+    row = {"variant": name, "batch": batch, "heads": heads, "cache": cache, "head_dim": head_dim,
+           "dtype": str(dtype).removeprefix("torch."), "splits": splits, "ms": ms, "sdpa_ms": sdpa_ms,
+           "vs_sdpa": sdpa_ms / ms, "gb_per_s": kv_bytes / ms / 1e6}
+    print(f"{name:17} cache {cache:6}  ours {ms * 1e3:8.1f} us  sdpa {sdpa_ms * 1e3:8.1f} us  "
+          f"({row['vs_sdpa']:.2f}x sdpa, {row['gb_per_s']:.0f} GB/s, {splits} splits)", flush=True)
+    return row
+
+
+def bench_generation(variant: str, backend: str, new_tokens: int, prompt_len: int, repeats: int, vocab: int) -> dict:
+    preset = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / "gpt2_small.yaml"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset))
+    model.cuda()
+    model.eval()
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)).cuda()
+    best = {True: float("inf"), False: float("inf")}
+    outputs = {}
+    # bf16 autocast, as eval.generate runs a model on CUDA (fp32 weights, bf16 matrix products)
+    with torch.no_grad(), torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        for kv_cache in (True, False):  # warm-up: allocations, compilation, autotuning
+            model.generate(prompt, 8, temperature=0, kv_cache=kv_cache)
+        for _ in range(repeats):
+            for kv_cache in (False, True):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                outputs[kv_cache] = model.generate(prompt, new_tokens, temperature=0, kv_cache=kv_cache)
+                torch.cuda.synchronize()
+                best[kv_cache] = min(best[kv_cache], time.perf_counter() - start)
+    context = model.cfg.context
+    row = {"model": "gpt2_small", "variant": variant, "backend": backend, "params": model.num_params(),
+           "prompt": prompt_len, "new_tokens": new_tokens, "uncached_tokens_per_s": new_tokens / best[False],
+           "cached_tokens_per_s": new_tokens / best[True],
+           "same_tokens": bool(torch.equal(outputs[True][:, :context], outputs[False][:, :context]))}
+    row["speedup"] = row["cached_tokens_per_s"] / row["uncached_tokens_per_s"]
+    print(f"gpt2_small {variant:16} {backend:8} uncached {row['uncached_tokens_per_s']:8.1f} tok/s  cached "
+          f"{row['cached_tokens_per_s']:8.1f} tok/s  {row['speedup']:5.1f}x  same tokens {row['same_tokens']}",
+          flush=True)
+    return row
+
+
+def markdown(meta: dict, steps: list, gens: list) -> str:
+    lines = ["# Decode benchmark", "",
+             f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
+             f"commit {meta['commit']}", "",
+             "## One decode step (Q = 1 against the cache, causal; SDPA is_causal=False on the same cache)", "",
+             "| variant | B | H | D | cache | dtype | splits | ours (us) | SDPA (us) | SDPA / ours | K,V GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['heads']} | {r['head_dim']} | {r['cache']} | {r['dtype']} | "
+              f"{r['splits']} | {r['ms'] * 1e3:.1f} | {r['sdpa_ms'] * 1e3:.1f} | {r['vs_sdpa']:.2f} | "
+              f"{r['gb_per_s']:.0f} |" for r in steps]
+    if gens:
+        lines += ["", "## Greedy generation, GPT-2-small-sized model (random weights, bf16 autocast, batch 1)", "",
+                  "| variant | backend | params | prompt | new tokens | uncached tok/s | cached tok/s | speed-up | "
+                  "same tokens within the context |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['variant']} | {r['backend']} | {r['params']:,} | {r['prompt']} | {r['new_tokens']} | "
+                  f"{r['uncached_tokens_per_s']:.1f} | {r['cached_tokens_per_s']:.1f} | {r['speedup']:.1f}x | "
+                  f"{r['same_tokens']} |" for r in gens]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="gpu_out/bench_decode", help="OUT.md / OUT.json")
+    ap.add_argument("--caches", default="4096,32768", help="cache lengths, comma list")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--generate-variants", default="softmax,threshold", help="comma list for the generation rows")
+    ap.add_argument("--skip-generate", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA GPU")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": git_commit()}
+    print(meta, flush=True)
+    steps, gens = [], []
+
+    def write():  # after every row: a run cut off by a time limit keeps what it measured
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "decode_steps": steps, "generation": gens},
+                                                       indent=1))
+        out.with_suffix(".md").write_text(markdown(meta, steps, gens))
+
+    for cache in (int(c) for c in args.caches.split(",")):
+        for name in args.variants.split(","):
+            steps.append(bench_decode_step(name, args.batch, args.heads, cache, args.head_dim, torch.bfloat16))
+            write()
+    if not args.skip_generate:
+        for name in args.generate_variants.split(","):
+            for backend in ("triton", "sdpa") if name == "softmax" else ("triton",):
+                gens.append(bench_generation(name, backend, args.new_tokens, args.prompt, args.repeats, args.vocab))
+                write()
+    print(markdown(meta, steps, gens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Fused kernels with queries against a longer key sequence (Q <= KV, bottom-right aligned: query i
+at key position i + KV - Q), every variant, against the float64 reference by the DESIGN.md §6 rule
+(forward and every gradient), on CPU under TRITON_INTERPRET=1; the split-key decode forward
+(flash-decoding, few queries against many keys); cached greedy generation on the kernels."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn
+from attn.kernels import runtime
+from attn.kernels import softmax_family as sf
+from attn.kernels import threshold_family as tf
+from attn.masks import MaskSpec
+from attn.testing import outputs_and_grads
+from models.gpt import GPT, AttnConfig, GPTConfig
+from tolerance import assert_within_reference_error
+
+VARIANTS = {
+    "softmax": {},
+    "softcap_tanh": {"cap": 2.0},
+    "softcap_softsign": {"cap": 2.0},
+    "alsc": {"cap": 2.0, "knee": 0.5},
+    "threshold": {"beta": 0.3, "power": 2.0},
+    "diff_threshold": {"beta": 0.2, "power": 1.5},
+}
+MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(causal=True, window=7), "full": MaskSpec(causal=False)}
+# absolute allowance (times max(1, |reference|)) for fp32's blockwise-summation noise, as in
+# tests/test_softmax_family.py; fp16's from tests/test_threshold_kernels.py
+FLOORS = {torch.float32: 3e-6, torch.float16: 1e-4}
+
+
+def make_inputs(name, b, n, kv, h, h_kv, d, seed, temperature=False):
+    """float64 leaves: q (B, n, H, D), k / v (B, kv, H_kv, D) (unit rows for the threshold family,
+    whose scores are cosines), the second view and lambda for diff_threshold, a temperature."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = "threshold" in name
+
+    def rand(length, heads):
+        x = torch.randn(b, length, heads, d, generator=gen, dtype=torch.float64)
+        return F.normalize(x, dim=-1) if unit else 2.0 * x
+
+    x = {"q": rand(n, h), "k": rand(kv, h_kv), "v": torch.randn(b, kv, h_kv, d, generator=gen, dtype=torch.float64)}
+    if name == "diff_threshold":
+        x.update(q2=rand(n, h), k2=rand(kv, h_kv),
+                 lam=torch.tensor([0.3, 0.6, 0.1, 0.8, 0.5, 0.2, 0.7, 0.4][:h], dtype=torch.float64))
+    if temperature:
+        x["temperature"] = 0.5 + torch.rand(b, n, generator=gen, dtype=torch.float64)
+    return x
+
+
+def leaves(x, dtype):
+    """Leaf copies in dtype (lam stays fp32 for low-precision runs, as a model keeps it)."""
+    return {key: t.detach().to(torch.float32 if key == "lam" and dtype == torch.float16 else dtype).requires_grad_()
+            for key, t in x.items()}
+
+
+def check(name, mask, n, kv, group, dtype=torch.float32, *, temperature=False, b=2, h_kv=2, d=16, seed=0):
+    """Out and every gradient of backend='triton' within the rule of the float64 reference."""
+    spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+    x = make_inputs(name, b, n, kv, h_kv * group, h_kv, d, seed, temperature)
+    dout = torch.randn(b, n, h_kv * group, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+
+    def run(backend, dt):
+        def fn(q, k, v, **extra):
+            return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend=backend, **extra)
+        return outputs_and_grads(fn, leaves(x, dt), dout)
+
+    ref64, same, fused = run("reference", torch.float64), run("reference", dtype), run("triton", dtype)
+    assert set(fused) == {"out"} | {f"d{key}" for key in x}
+    ratios = {}
+    for key in ref64:
+        assert fused[key].shape == ref64[key].shape, key
+        allowance = FLOORS[dtype] * max(1.0, ref64[key].abs().max().item())
+        ratios[key] = assert_within_reference_error(key, fused[key], same[key], ref64[key], floor=allowance)
+    return fused
+
+
+# every variant x every mask kind; Q, KV and the GQA ratio rotate (Q = 1, odd lengths, Q = KV)
+SHAPES = [(1, 37, 2), (5, 29, 1), (19, 45, 4), (16, 16, 2), (3, 48, 1), (23, 41, 2)]
+MATRIX = [pytest.param(name, mask, *SHAPES[(i + 2 * j) % len(SHAPES)],
+                       id=f"{name}-{mask}-Q{SHAPES[(i + 2 * j) % len(SHAPES)][0]}-KV{SHAPES[(i + 2 * j) % len(SHAPES)][1]}")
+          for i, name in enumerate(VARIANTS) for j, mask in enumerate(MASKS)]
+
+
+@pytest.mark.parametrize("name,mask,n,kv,group", MATRIX)
+def test_queries_against_longer_keys_match_the_reference(nan_poison, monkeypatch, name, mask, n, kv, group):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "0")  # the one-pass forward (the split one: below)
+    check(name, MASKS[mask], n, kv, group, temperature=name in ("softcap_tanh", "alsc"), seed=n * kv)
+
+
+@pytest.mark.parametrize("name", ["alsc", "diff_threshold"])
+def test_fp16_queries_against_longer_keys(nan_poison, monkeypatch, name):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "0")
+    check(name, MASKS["window"], 7, 33, 2, torch.float16, temperature=name == "alsc", seed=3)
+
+
+def test_window_wider_than_the_cache_and_a_window_of_one(nan_poison, monkeypatch):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "0")
+    check("threshold", MaskSpec(causal=True, window=60), 4, 30, 1, seed=1)  # n_i = position + 1 throughout
+    check("softmax", MaskSpec(causal=True, window=1), 6, 21, 2, seed=2)  # each query sees its own key only
+
+
+class _SplitCounter:
+    """Counts launches of the split-key forward (so a test knows the decode path ran)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = sf._split_kv_forward
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(sf, "_split_kv_forward", counted)
+        original_launch = tf._KERNELS["fwd"].launch
+
+        def counted_launch(grid, tensors, scalars, meta, configs, tune_key):
+            self.calls += int(meta.get("SPLIT_KV", False))
+            return original_launch(grid, tensors, scalars, meta, configs, tune_key)
+
+        monkeypatch.setattr(tf._KERNELS["fwd"], "launch", counted_launch)
+
+
+# few queries (1..16) against a longer key sequence, keys split into 3 (or as forced) ranges
+DECODE = [("softmax", "causal", 1, 45, 2, 3), ("softcap_softsign", "window", 4, 40, 1, 3),
+          ("alsc", "full", 16, 48, 2, 2), ("softcap_tanh", "causal", 2, 33, 4, 5),
+          ("threshold", "causal", 1, 45, 2, 3), ("threshold", "window", 9, 40, 1, 2),
+          ("diff_threshold", "full", 3, 47, 2, 3), ("diff_threshold", "causal", 16, 37, 1, 4)]
+
+
+@pytest.mark.parametrize("name,mask,n,kv,group,splits", DECODE,
+                         ids=[f"{c[0]}-{c[1]}-Q{c[2]}-KV{c[3]}-S{c[5]}" for c in DECODE])
+def test_split_key_decode_forward_matches_the_reference(nan_poison, monkeypatch, name, mask, n, kv, group, splits):
+    """The split path's (out, lse) are those of the whole key range: the output matches and so does
+    every gradient (the backward reads the merged lse)."""
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, str(splits))
+    counter = _SplitCounter(monkeypatch)
+    check(name, MASKS[mask], n, kv, group, temperature=name == "softcap_tanh", seed=kv + splits)
+    assert counter.calls == 1
+
+
+def test_split_key_decode_rows_without_visible_keys_in_a_split(nan_poison, monkeypatch):
+    """A window of 3 leaves every split but the last empty for the last query: those partials weigh 0."""
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "4")
+    counter = _SplitCounter(monkeypatch)
+    for name in ("softmax", "threshold"):
+        check(name, MaskSpec(causal=True, window=3), 2, 64, 2, seed=4)
+    assert counter.calls == 2
+
+
+def test_decode_split_planning(monkeypatch):
+    monkeypatch.delenv(runtime.DECODE_SPLITS_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert runtime.decode_splits(1, 32768, 128, 64, cpu) == 1  # the interpreter / CPU never splits by itself
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "8")
+    assert runtime.decode_splits(4, 4096, 128, 64, cpu) == 8
+    assert runtime.decode_splits(4, 100, 128, 64, cpu) == 2  # at most one range per key tile
+    assert runtime.decode_splits(runtime.DECODE_MAX_QUERIES + 1, 4096, 128, 64, cpu) == 1
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "many")
+    with pytest.raises(ValueError, match="ATTNLAB_DECODE_SPLITS must be a non-negative integer"):
+        runtime.decode_splits(1, 4096, 128, 64, cpu)
+
+
+def test_segment_ids_need_one_length_on_the_kernels():
+    ids = torch.ones(1, 4, dtype=torch.long)
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 9, 2, 16)
+    for name in ("softmax", "threshold"):
+        spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+        with pytest.raises(ValueError, match="segment_ids need queries and keys of one length"):
+            attn.attention(q, k, k, spec, segment_ids=ids, backend="triton")
+        kernel = sf.fused_attention if name == "softmax" else tf.fused_attention
+        with pytest.raises(ValueError, match="segment_ids need queries and keys of one length"):
+            kernel(q, k, k, spec, MaskSpec(), ids)
+        with pytest.raises(ValueError, match=r"k must hold at least as many keys as q has queries"):
+            kernel(k, q, q, spec, MaskSpec())
+    with pytest.raises(ValueError, match="zero_fraction needs queries and keys of one length"):
+        tf.zero_fraction(q, k, attn.get_variant("threshold").make_spec(), MaskSpec())
+
+
+def tiny_triton_gpt(name, window=None):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=61, context=20, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                    attn=AttnConfig(name=name, params=VARIANTS[name], backend="triton", window=window))
+    return GPT(cfg).eval()
+
+
+@pytest.mark.parametrize("name,window,splits", [("softmax", None, "0"), ("alsc", 6, "2"),
+                                                ("diff_threshold", None, "3"), ("threshold", 5, "0")])
+def test_cached_greedy_generation_on_the_kernels_equals_uncached(monkeypatch, name, window, splits):
+    """Prompt once, then one token per step against the cache, through the fused kernels (the split
+    decode forward where forced): the same tokens as re-encoding the window each step, and the same
+    logits as the reference backend's cached decode."""
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    model = tiny_triton_gpt(name, window)
+    prompt = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cached = model.generate(prompt, 10, temperature=0, kv_cache=True)
+        assert torch.equal(cached, model.generate(prompt, 10, temperature=0, kv_cache=False))
+        cache = model.new_cache()
+        steps = [model(cached[:, :6], cache=cache)] + [model(cached[:, t:t + 1], cache=cache) for t in range(6, 16)]
+        for block in model.modules():
+            if isinstance(getattr(block, "attend", None), attn.AttentionCall):
+                block.attend = attn.AttentionCall(block.spec, causal=True, window=block.window, backend="reference")
+        cache = model.new_cache()
+        ref = [model(cached[:, :6], cache=cache)] + [model(cached[:, t:t + 1], cache=cache) for t in range(6, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(ref, dim=1), rtol=1e-4, atol=1e-4)
