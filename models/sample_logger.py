@@ -6,12 +6,14 @@ ValidationSamples (train.log_samples: N prompts, 0 turns it off; train.sample_to
     0.8, top-k 50, from a generator seeded by the step, so training's random state is untouched).
     Each sample is appended to <run>/samples.jsonl ({"step", "prompt", "sample"}) and, with a
     wandb logger, logged as the table `val/samples` (step, prompt, continuation).
-    Left out under sharded strategies (FSDP: no rank holds whole weights outside the wrapper).
+    Left out under sharded strategies (FSDP: no rank holds whole weights outside the wrapper), and
+    with a warning when the weights or the logits are not finite: samples never stop a run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +23,7 @@ from models.guards import _shards_gradients
 from models.lit import eager_mode
 
 TEMPERATURE, TOP_K = 0.8, 50
+log = logging.getLogger(__name__)
 
 
 class ValidationSamples(L.Callback):
@@ -47,12 +50,20 @@ class ValidationSamples(L.Callback):
             return
         generator = torch.Generator(device=prompts.device).manual_seed(int(trainer.global_step))
         model = pl_module.model
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # train.nonfinite=off runs
+            log.warning("validation samples skipped at step %d: the model has non-finite weights", trainer.global_step)
+            return
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), eager_mode(), trainer.precision_plugin.forward_context():
                 out = model.generate(prompts, self.max_new_tokens, temperature=TEMPERATURE, top_k=TOP_K,
                                      generator=generator)
+        except RuntimeError as error:  # finite weights, non-finite logits (an overflow): samples are optional
+            if "probability tensor contains" not in str(error):
+                raise
+            log.warning("validation samples skipped at step %d: non-finite logits", trainer.global_step)
+            return
         finally:
             model.train(was_training)
         rows = [{"step": int(trainer.global_step), "prompt": tokenizer.decode(p.tolist()),
