@@ -50,7 +50,8 @@ class ValidationSamples(L.Callback):
             return
         generator = torch.Generator(device=prompts.device).manual_seed(int(trainer.global_step))
         model = pl_module.model
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # train.nonfinite=off runs
+        finite = torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()
+        if not bool(finite):  # one host sync; non-finite weights happen in train.nonfinite=off runs
             log.warning("validation samples skipped at step %d: the model has non-finite weights", trainer.global_step)
             return
         was_training = model.training

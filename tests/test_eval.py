@@ -21,7 +21,7 @@ from eval import attention_stats, common, generate, perplexity
 from models import attention_diagnostics
 from eval.perplexity import Window, bits_per_byte, score_tokens, scoring_windows
 from models.gpt import GPT, AttnConfig, GPTConfig
-from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
+from train_helpers import CONFIG_DIR, train_tiny_run, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -314,19 +314,7 @@ def test_capped_max_logit_is_bounded_by_the_cap():
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A real 4-step training run on a tiny corpus, with the .hydra/config.yaml Hydra would write."""
-    import train
-
-    tmp = tmp_path_factory.mktemp("evalrun")
-    corpus = write_corpus(tmp / "corpus.txt", lines=300)
-    overrides = tiny_overrides(tmp, corpus, **{"train.max_steps": 4, "train.val_every": 2, "model.context": 16})
-    cfg = compose_cfg(overrides)
-    train.run(cfg)
-    run_dir = tmp / "run"
-    (run_dir / ".hydra").mkdir()
-    saved = OmegaConf.to_container(cfg, resolve=False)
-    saved["paths"]["output_dir"] = str(run_dir)
-    OmegaConf.save(OmegaConf.create(saved), run_dir / ".hydra" / "config.yaml")
-    return run_dir
+    return train_tiny_run(tmp_path_factory.mktemp("evalrun"), **{"train.max_steps": 4})
 
 
 def eval_cfg(name, run_dir, *extra):
