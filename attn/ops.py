@@ -166,8 +166,8 @@ def longer_keys_backend(backend: str) -> str:
     """The backend for queries against more keys than queries (KV > N). The fused kernels take them
     and match the float64 reference under the Triton interpreter, but they have not yet been
     compiled and checked on a GPU: 'auto' keeps those calls on the reference until then, and
-    backend='triton' opts in."""
-    return "reference" if backend == "auto" else backend
+    backend='triton' opts in. SDPA's causal mask aligns top-left: 'sdpa' calls go to the reference."""
+    return "reference" if backend in ("auto", "sdpa") else backend
 
 
 class AttentionCall:
@@ -180,9 +180,8 @@ class AttentionCall:
     own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
     since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
     check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
-    k / v may hold more positions than q (a decode step, bottom-right aligned) on the 'triton' and
-    'reference' backends ('auto': `longer_keys_backend`); 'sdpa' needs one length (the model sends
-    those steps to the reference).
+    k / v may hold more positions than q (a decode step, bottom-right aligned): the backend for
+    those calls is `longer_keys_backend`'s.
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):

@@ -194,13 +194,8 @@ class Attention(nn.Module):
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
         # the kernels draw a fresh dropout seed per call from torch's generator of the device
         dropout_p = self.attn_dropout if self.training else 0.0
-        if v.shape[1] == n or self.backend != "sdpa":
-            # new queries against a longer cache align bottom-right: the kernels and the reference take them
-            y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
-                            **extra)
-        else:  # SDPA's causal mask aligns top-left: its decode steps run on the reference
-            y = attn.attention(qs[0], ks[0], v, self.spec, causal=True, window=self.window, backend="reference",
-                               dropout_p=dropout_p, **extra)
+        # new queries against a longer cache align bottom-right (attn.AttentionCall picks their backend)
+        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":

@@ -79,10 +79,10 @@ def test_different_lengths_are_refused_by_sdpa_and_checked():
     assert attn.attention(q, k, k, spec).shape == q.shape  # auto: the reference on CPU
 
 
-def tiny_gpt(name, window=None, lambda_mode="reparam", context=24):
+def tiny_gpt(name, window=None, lambda_mode="reparam", context=24, backend="reference"):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=61, context=context, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                    attn=AttnConfig(name=name, params=VARIANTS[name], backend="reference", window=window,
+                    attn=AttnConfig(name=name, params=VARIANTS[name], backend=backend, window=window,
                                     lambda_mode=lambda_mode))
     return GPT(cfg).eval()
 
@@ -132,7 +132,8 @@ def test_cache_capacity_and_segment_ids_are_checked():
 def test_auto_keeps_longer_keys_on_the_reference_until_the_kernels_are_checked_on_a_gpu(monkeypatch):
     from attn import ops
 
-    assert [ops.longer_keys_backend(b) for b in ("auto", "triton", "reference")] == ["reference", "triton", "reference"]
+    assert [ops.longer_keys_backend(b) for b in ("auto", "triton", "reference", "sdpa")] == [
+        "reference", "triton", "reference", "reference"]
     seen = []
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, device: seen.append(backend) or "reference")
     spec = attn.get_variant("softmax").make_spec()
@@ -141,3 +142,10 @@ def test_auto_keeps_longer_keys_on_the_reference_until_the_kernels_are_checked_o
     attn.AttentionCall(spec, backend="auto")(q, k, k)
     attn.AttentionCall(spec, backend="auto")(k, k, k)  # one length: auto as always
     assert seen == ["reference", "reference", "auto"]
+
+
+def test_a_model_on_sdpa_decodes_its_cache_on_the_reference():
+    model = tiny_gpt("softmax", backend="sdpa")
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(model.generate(prompt, 19, temperature=0, kv_cache=True),
+                       model.generate(prompt, 19, temperature=0, kv_cache=False))
