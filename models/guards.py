@@ -33,6 +33,7 @@ import torch
 import attn
 from models.attention_diagnostics import per_head_scores
 from models.lit import writes_logs
+from models.step_scalars import nonfinite_flag
 
 POLICIES = ("skip", "stop", "off")
 
@@ -72,8 +73,8 @@ class NonFiniteGuard(L.Callback):
         if policy not in POLICIES:
             raise ValueError(f"train.nonfinite must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
-        self._skipped: torch.Tensor | int = 0  # a device tensor once steps are checked on the device
-        self._loss_finite = True
+        self._skipped: torch.Tensor | int = 0  # a device tensor once steps are checked
+        self._loss: torch.Tensor | None = None  # the step's loss (summed over micro-batches), detached
         self._batch = None
 
     @property
@@ -84,37 +85,38 @@ class NonFiniteGuard(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._batch = batch
         if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._loss_finite = True
+            self._loss = None
 
     def on_before_backward(self, trainer, pl_module, loss):
-        # a device tensor, read once per step (no host sync per micro-batch); with gradient
-        # accumulation one bad micro-batch marks the whole step
-        self._loss_finite = torch.isfinite(loss.detach()).all() & self._loss_finite
+        # the step's loss, summed over micro-batches (one bad micro-batch makes the sum non-finite):
+        # checked once per step, on the device, with the gradient norm
+        loss = loss.detach()
+        self._loss = loss if self._loss is None else self._loss + loss
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.policy == "off":
             return
         scaler_handles_grads = str(trainer.precision) == "16-mixed"
-        loss_bad = torch.logical_not(torch.as_tensor(self._loss_finite, device=pl_module.device))
-        if scaler_handles_grads:
-            found = loss_bad.float().reshape(())
-        else:  # a non-finite gradient makes the step's gradient norm non-finite (LitGPT.grad_norm)
-            found = (loss_bad | torch.logical_not(torch.isfinite(pl_module.grad_norm()))).float().reshape(())
+        loss = self._loss if self._loss is not None else torch.zeros((), device=pl_module.device)
+        if not isinstance(self._skipped, torch.Tensor):
+            self._skipped = torch.tensor(float(self._skipped), device=pl_module.device)
+        # a non-finite gradient makes the step's gradient norm non-finite (LitGPT.grad_norm);
+        # under the scaler only the loss is ours to check
+        norm = loss if scaler_handles_grads else pl_module.grad_norm()
+        found, skipped_if_skipped = nonfinite_flag(norm, loss, self._skipped)
         if _shards_gradients(trainer) and torch.distributed.is_initialized():
             # each rank checked only its own gradient shard: agree before skipping. (DDP needs
             # none: a non-finite value on one rank reaches every rank's all-reduced gradients,
             # and a non-finite loss gives non-finite gradients; it saves a collective per step.)
             torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+            skipped_if_skipped = self._skipped + found
         optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
         if self.policy == "skip" and getattr(optimizer, "_step_supports_amp_scaling", False) and not scaler_handles_grads:
             optimizer.found_inf = found  # the fused step skips itself when found == 1
-            if not isinstance(self._skipped, torch.Tensor):
-                self._skipped = torch.tensor(float(self._skipped), device=found.device)
-            self._skipped += found
+            self._skipped = skipped_if_skipped
             return
         if not bool(found):  # one host sync per step
             return
-        self._loss_finite = bool(self._loss_finite)
         bad_param = None
         if not scaler_handles_grads:  # only after a failure: name the first bad gradient
             bad_param = next(
@@ -123,7 +125,7 @@ class NonFiniteGuard(L.Callback):
             )
         if self.policy == "stop":
             raise NonFiniteError(self._describe(trainer, pl_module, bad_param))
-        self._skipped += 1
+        self._skipped = self._skipped + 1
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -139,7 +141,7 @@ class NonFiniteGuard(L.Callback):
     def _describe(self, trainer, pl_module, bad_param: str | None) -> str:
         step = trainer.global_step
         parts = [f"non-finite values at global step {step} (train.nonfinite=stop)"]
-        parts.append("loss is finite" if self._loss_finite else "loss is not finite")
+        parts.append("loss is finite" if self._loss is None or _all_finite(self._loss) else "loss is not finite")
         if bad_param is not None:
             parts.append(f"first parameter with a non-finite gradient: {bad_param}")
         module = self._first_nonfinite_module(trainer, pl_module)

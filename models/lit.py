@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from models.gpt import GPT, AttnConfig, GPTConfig
+from models.step_scalars import norm_and_clip
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -107,6 +108,7 @@ class LitGPT(L.LightningModule):
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
         self._grad_norm: tuple[int, torch.Tensor] | None = None  # (global step, norm) of the step's gradients
+        self._clip_factors: tuple = (None, None)  # (scale, divisor) of that step's clip (step_scalars.norm_and_clip)
         # (layer names, norms) of train/grad_norm/<layer>, on steps whose logs are written
         self._layer_grad_norms: tuple[list[str], torch.Tensor] | None = None
 
@@ -255,19 +257,24 @@ class LitGPT(L.LightningModule):
 
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of all of this rank's gradients at the current optimizer step, before
-        clipping: a device tensor, computed once per step (one multi-tensor kernel) and shared by
-        the non-finite guard, clipping and the train/grad_norm log. Non-finite when any gradient
-        is, or when the sum of squares overflows fp32 (a gradient of 1e19: clipping by it would
-        zero the update, so such a step counts as non-finite too). On steps whose logs are written
-        (and with log_grad_norm_per_layer), the per-layer norms too, from the same per-parameter
-        norms: a few more small kernels, no host sync."""
+        clipping: a device tensor, computed once per step and shared by the non-finite guard,
+        clipping and the train/grad_norm log, with the step's clip factors (the per-parameter norms
+        in one multi-tensor kernel, the rest in one fused kernel on CUDA: models/step_scalars.py).
+        Non-finite when any gradient is, or when the sum of squares overflows fp32 (a gradient of
+        1e19: clipping by it would zero the update, so such a step counts as non-finite too). On
+        steps whose logs are written (and with log_grad_norm_per_layer), the per-layer norms too,
+        from the same per-parameter norms: a few more small kernels, no host sync."""
         step = self.global_step
         if self._grad_norm is None or self._grad_norm[0] != step:
             with_grad = [p for p in self.parameters() if p.grad is not None]
-            norms = torch._foreach_norm([p.grad for p in with_grad]) if with_grad else []
-            norm = (torch.linalg.vector_norm(torch.stack(norms).float()) if with_grad
-                    else torch.zeros((), device=self.device))
+            max_norm = self._clip_value()
+            if with_grad:
+                norms = torch._foreach_norm([p.grad for p in with_grad])
+                norm, scale, divisor = norm_and_clip(norms, max_norm)
+            else:
+                norms, norm, scale, divisor = [], torch.zeros((), device=self.device), None, None
             self._grad_norm = (step, norm)
+            self._clip_factors = (scale, divisor)
             if self._logs_layer_grad_norms():
                 norm_of = {id(p): n for p, n in zip(with_grad, norms)}
                 names, layer_norms = [], []
@@ -278,6 +285,12 @@ class LitGPT(L.LightningModule):
                                        else torch.zeros((), device=self.device))
                 self._layer_grad_norms = (names, torch.stack(layer_norms))
         return self._grad_norm[1]
+
+    def _clip_value(self) -> float | None:
+        """The trainer's gradient clip (train.grad_clip) where this module clips, else None."""
+        if self._trainer is None or hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
+            return None
+        return float(self.trainer.gradient_clip_val) if self.trainer.gradient_clip_val else None
 
     def _logs_layer_grad_norms(self) -> bool:
         """Whether this step logs train/grad_norm/<layer>: the option, a step whose logs are written,
@@ -300,10 +313,19 @@ class LitGPT(L.LightningModule):
         if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm over every rank's shard
             wrapped.clip_grad_norm_(gradient_clip_val)
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:  # torch.nn.utils.clip_grad_norm_'s rule, on the step's shared norm; no host sync
-            scale = torch.clamp(gradient_clip_val / (self.grad_norm() + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, scale)
+        self.grad_norm()  # the step's norm and clip factors (torch.nn.utils.clip_grad_norm_'s rule)
+        scale, divisor = self._clip_factors
+        if scale is None:  # no gradients this step
+            return
+        inner = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
+        if getattr(inner, "_step_supports_amp_scaling", False) and str(self.trainer.precision) != "16-mixed":
+            # a fused optimizer divides every gradient by its grad_scale inside its own kernel
+            # (the mechanism GradScaler uses to unscale): the clip costs no pass over the gradients
+            inner.grad_scale = divisor
+        else:  # (the non-finite guard's host-synced skip may have dropped every gradient)
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale)
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["tokens_seen"] = self.tokens_seen

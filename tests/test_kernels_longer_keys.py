@@ -1,11 +1,8 @@
 """Fused kernels with queries against a longer key sequence (Q <= KV, bottom-right aligned: query i
 at key position i + KV - Q), every variant, against the float64 reference by the DESIGN.md §6 rule
-(forward and every gradient), on CPU under TRITON_INTERPRET=1; the split-key decode forward
-(flash-decoding, few queries against many keys); cached greedy generation on the kernels."""
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+(forward and every gradient), on CPU under TRITON_INTERPRET=1 (tests/conftest.py sets it) and
+natively on a GPU (bf16 too); the split-key decode forward (flash-decoding, few queries against many
+keys); cached greedy generation on the kernels."""
 
 import pytest
 import torch
@@ -31,7 +28,8 @@ VARIANTS = {
 MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(causal=True, window=7), "full": MaskSpec(causal=False)}
 # absolute allowance (times max(1, |reference|)) for fp32's blockwise-summation noise, as in
 # tests/test_softmax_family.py; fp16's from tests/test_threshold_kernels.py
-FLOORS = {torch.float32: 3e-6, torch.float16: 1e-4}
+FLOORS = {torch.float32: 3e-6, torch.float16: 1e-4, torch.bfloat16: 8e-3}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_inputs(name, b, n, kv, h, h_kv, d, seed, temperature=False):
@@ -54,8 +52,9 @@ def make_inputs(name, b, n, kv, h, h_kv, d, seed, temperature=False):
 
 
 def leaves(x, dtype):
-    """Leaf copies in dtype (lam stays fp32 for low-precision runs, as a model keeps it)."""
-    return {key: t.detach().to(torch.float32 if key == "lam" and dtype == torch.float16 else dtype).requires_grad_()
+    """Leaf copies in dtype on DEVICE (lam stays fp32 for low-precision runs, as a model keeps it)."""
+    low = dtype in (torch.float16, torch.bfloat16)
+    return {key: t.detach().to(device=DEVICE, dtype=torch.float32 if key == "lam" and low else dtype).requires_grad_()
             for key, t in x.items()}
 
 
@@ -63,7 +62,8 @@ def check(name, mask, n, kv, group, dtype=torch.float32, *, temperature=False, b
     """Out and every gradient of backend='triton' within the rule of the float64 reference."""
     spec = attn.get_variant(name).make_spec(**VARIANTS[name])
     x = make_inputs(name, b, n, kv, h_kv * group, h_kv, d, seed, temperature)
-    dout = torch.randn(b, n, h_kv * group, d, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    dout = torch.randn(b, n, h_kv * group, d, generator=torch.Generator().manual_seed(seed + 1),
+                       dtype=torch.float64).to(DEVICE)
 
     def run(backend, dt):
         def fn(q, k, v, **extra):
@@ -71,6 +71,7 @@ def check(name, mask, n, kv, group, dtype=torch.float32, *, temperature=False, b
         return outputs_and_grads(fn, leaves(x, dt), dout)
 
     ref64, same, fused = run("reference", torch.float64), run("reference", dtype), run("triton", dtype)
+    ref64 = {key: t.to(DEVICE) for key, t in ref64.items()}
     assert set(fused) == {"out"} | {f"d{key}" for key in x}
     ratios = {}
     for key in ref64:
@@ -97,6 +98,13 @@ def test_queries_against_longer_keys_match_the_reference(nan_poison, monkeypatch
 def test_fp16_queries_against_longer_keys(nan_poison, monkeypatch, name):
     monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "0")
     check(name, MASKS["window"], 7, 33, 2, torch.float16, temperature=name == "alsc", seed=3)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter mishandles bf16: checked on the GPU only")
+@pytest.mark.parametrize("name,mask,n,kv,group", MATRIX)
+def test_bf16_queries_against_longer_keys(nan_poison, monkeypatch, name, mask, n, kv, group):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "0")
+    check(name, MASKS[mask], n, kv, group, torch.bfloat16, temperature=name in ("softcap_tanh", "alsc"), seed=n + kv)
 
 
 def test_window_wider_than_the_cache_and_a_window_of_one(nan_poison, monkeypatch):
@@ -186,7 +194,7 @@ def tiny_triton_gpt(name, window=None):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=61, context=20, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                     attn=AttnConfig(name=name, params=VARIANTS[name], backend="triton", window=window))
-    return GPT(cfg).eval()
+    return GPT(cfg).to(DEVICE).eval()
 
 
 @pytest.mark.parametrize("name,window,splits", [("softmax", None, "0"), ("alsc", 6, "2"),
@@ -197,7 +205,7 @@ def test_cached_greedy_generation_on_the_kernels_equals_uncached(monkeypatch, na
     logits as the reference backend's cached decode."""
     monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
     model = tiny_triton_gpt(name, window)
-    prompt = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
         cached = model.generate(prompt, 10, temperature=0, kv_cache=True)
         assert torch.equal(cached, model.generate(prompt, 10, temperature=0, kv_cache=False))

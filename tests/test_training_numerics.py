@@ -80,6 +80,47 @@ def test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient(tmp
         assert record["grad_norm"] == pytest.approx(clip, rel=1e-4), step
 
 
+class FusedAdamWRecordingMoments(torch.optim.AdamW):
+    """Fused AdamW (as on GPU; PyTorch has it on CPU too) recording, per step, the raw gradient
+    norm, the grad_scale the clip set, and the norm of the first moment after the step."""
+
+    seen: list[dict] = []
+
+    def __init__(self, *args, fused=None, **kwargs):
+        super().__init__(*args, fused=True, **kwargs)
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        raw = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).item()
+        scale = getattr(self, "grad_scale", None)
+        super().step()
+        moment = torch.linalg.vector_norm(torch.stack([self.state[p]["exp_avg"].norm() for p in params])).item()
+        FusedAdamWRecordingMoments.seen.append(
+            {"raw": raw, "grad_scale": None if scale is None else float(scale), "moment": moment})
+        return loss
+
+
+def test_a_fused_optimizer_clips_inside_its_step(tmp_path, monkeypatch):
+    """With a fused optimizer the clip is its grad_scale (the gradients are divided inside the fused
+    step, no pass over them): the divisor is norm / clip, and the first step's moment is
+    (1 - beta1) times the clipped gradient, whose norm is the clip."""
+    import train
+
+    FusedAdamWRecordingMoments.seen = []
+    monkeypatch.setattr(torch.optim, "AdamW", FusedAdamWRecordingMoments)
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    clip = 1e-3
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{
+        "train.max_steps": 3, "train.val_every": 3, "train.grad_clip": clip})))
+    seen = FusedAdamWRecordingMoments.seen
+    assert len(seen) == 3
+    for record in seen:
+        assert record["raw"] > 10 * clip, "the clip binds"
+        assert record["grad_scale"] == pytest.approx((record["raw"] + 1e-6) / clip, rel=1e-5)
+    assert seen[0]["moment"] == pytest.approx(0.1 * clip, rel=1e-4)  # AdamW's beta1 = 0.9
+
+
 def test_without_clipping_the_optimizer_sees_the_raw_gradient(tmp_path, monkeypatch):
     """The other side of the clipping test: with train.grad_clip=null the norms are the raw ones,
     far above the 1e-3 the clipped run sees (so that test's equality is the clip's doing)."""
@@ -202,3 +243,21 @@ def test_logged_bits_per_byte_are_the_validation_nats_over_ln2_and_bytes_per_tok
     for step in loss:
         assert bpb[step] == pytest.approx(loss[step] / math.log(2) / bytes_per_token, rel=1e-6), step
     assert results["val_bpb"] == pytest.approx(results["val_loss"] / math.log(2) / bytes_per_token, rel=1e-9)
+
+
+def test_step_scalars_by_hand():
+    """The step's norm, clip factors and non-finite flag (models/step_scalars.py) on known values."""
+    from models.step_scalars import CLIP_EPS, norm_and_clip, nonfinite_flag
+
+    norms = [torch.tensor(3.0), torch.tensor(4.0, dtype=torch.bfloat16)]
+    norm, scale, divisor = norm_and_clip(norms, 1.0)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(5.0)
+    assert scale.item() == pytest.approx(1.0 / (5.0 + CLIP_EPS)) and divisor.item() == pytest.approx(5.0 + CLIP_EPS)
+    assert norm_and_clip(norms, 10.0)[1].item() == 1.0, "a clip above the norm never scales up"
+    assert norm_and_clip(norms, None)[1:] == (None, None)
+    skipped = torch.tensor(2.0)
+    cases = {(5.0, 1.0): 0.0, (math.inf, 1.0): 1.0, (math.nan, 1.0): 1.0, (5.0, math.inf): 1.0, (5.0, -math.nan): 1.0}
+    for (g, loss), want in cases.items():
+        found, total = nonfinite_flag(torch.tensor(g), torch.tensor(loss), skipped)
+        assert found.shape == () and found.dtype == torch.float32 and found.item() == want, (g, loss)
+        assert total.item() == 2.0 + want
