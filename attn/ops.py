@@ -121,8 +121,8 @@ def attention(
     KV >= N keys: a query block against a longer key sequence (a decode step against a KV cache),
     aligned to the bottom-right corner (query i at position i + KV - N, attn/masks.py), on the
     fused kernels with backend='triton' (a few queries against many keys take their split-key
-    decode path) and on the reference; backend='sdpa' needs KV == N. backend='auto' runs KV > N
-    on the reference (`longer_keys_backend`).
+    decode path) and on the reference; backend='sdpa' needs KV == N; backend='auto' picks as for
+    KV == N (the kernels where Triton runs).
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
     Softmax family: optional per-query `temperature` (B, N). Differential threshold:
@@ -163,11 +163,11 @@ def attention(
 
 
 def longer_keys_backend(backend: str) -> str:
-    """The backend for queries against more keys than queries (KV > N). The fused kernels take them
-    and match the float64 reference under the Triton interpreter, but they have not yet been
-    compiled and checked on a GPU: 'auto' keeps those calls on the reference until then, and
-    backend='triton' opts in. SDPA's causal mask aligns top-left: 'sdpa' calls go to the reference."""
-    return "reference" if backend in ("auto", "sdpa") else backend
+    """The backend for queries against more keys than queries (KV > N): the chosen one, except that
+    SDPA's causal mask aligns top-left, so 'sdpa' calls go to the reference. The fused kernels
+    match the float64 reference on these calls under the interpreter and natively on a GPU (bf16
+    too; tests/test_kernels_longer_keys.py)."""
+    return "reference" if backend == "sdpa" else backend
 
 
 class AttentionCall:

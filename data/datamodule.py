@@ -91,7 +91,7 @@ class TokenDataModule(L.LightningDataModule):
         batch_size: int,
         val_tokens: int,
         seed: int,
-        num_workers: int | None = None,
+        num_workers: int = 0,
         pin_memory: bool | None = None,
     ):
         super().__init__()
@@ -99,10 +99,7 @@ class TokenDataModule(L.LightningDataModule):
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.val_tokens = _check_int("val_tokens", val_tokens, 1)
         self.seed = _check_int("seed", seed, 0)
-        # None: the training batches come from one worker process on CUDA (each next batch is cut,
-        # pinned and waiting while the GPU runs the current step: the training loop's host thread
-        # only takes it), and from the main process elsewhere (CPU runs have no spare cores)
-        self.num_workers = None if num_workers is None else _check_int("num_workers", num_workers, 0)
+        self.num_workers = _check_int("num_workers", num_workers, 0)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         if cache_dir is None or str(cache_dir) == "":
             raise ValueError("data.cache_dir must be a directory path")
@@ -206,14 +203,9 @@ class TokenDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ loaders
 
-    def _loader(self, dataset, train: bool = False) -> DataLoader:
+    def _loader(self, dataset) -> DataLoader:
         # batch_size=None: the datasets yield whole batches.
-        workers = self.num_workers
-        if workers is None:  # see __init__; evaluation reads few batches, in order: no worker to start
-            workers = 1 if train and torch.cuda.is_available() else 0
-        # not persistent: a worker holds a copy of the dataset, whose start position is read when
-        # an iterator is created (so a new iterator must start new workers)
-        return DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.pin_memory)
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
 
     def train_dataloader(self):
         self._require_setup()
@@ -222,7 +214,7 @@ class TokenDataModule(L.LightningDataModule):
         dataset = TrainBatches(
             self._shards["train"], self.seq_len, self.batch_size, self.seed, rank, world_size, self._position
         )
-        loader = self._loader(dataset, train=True)
+        loader = self._loader(dataset)
         # Under a Trainer the position advances in on_after_batch_transfer (what the loop
         # really consumed); without one, as batches are handed out.
         return loader if self.trainer is not None else _CountingLoader(loader, self._position)

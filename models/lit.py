@@ -108,7 +108,7 @@ class LitGPT(L.LightningModule):
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
         self._grad_norm: tuple[int, torch.Tensor] | None = None  # (global step, norm) of the step's gradients
-        self._clip_factors: tuple = (None, None)  # (scale, divisor) of that step's clip (step_scalars.norm_and_clip)
+        self._clip_divisor: torch.Tensor | None = None  # that step's clip (step_scalars.norm_and_clip)
         # (layer names, norms) of train/grad_norm/<layer>, on steps whose logs are written
         self._layer_grad_norms: tuple[list[str], torch.Tensor] | None = None
 
@@ -270,11 +270,11 @@ class LitGPT(L.LightningModule):
             max_norm = self._clip_value()
             if with_grad:
                 norms = torch._foreach_norm([p.grad for p in with_grad])
-                norm, scale, divisor = norm_and_clip(norms, max_norm)
+                norm, divisor = norm_and_clip(norms, max_norm)
             else:
-                norms, norm, scale, divisor = [], torch.zeros((), device=self.device), None, None
+                norms, norm, divisor = [], torch.zeros((), device=self.device), None
             self._grad_norm = (step, norm)
-            self._clip_factors = (scale, divisor)
+            self._clip_divisor = divisor
             if self._logs_layer_grad_norms():
                 norm_of = {id(p): n for p, n in zip(with_grad, norms)}
                 names, layer_norms = [], []
@@ -313,9 +313,9 @@ class LitGPT(L.LightningModule):
         if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm over every rank's shard
             wrapped.clip_grad_norm_(gradient_clip_val)
             return
-        self.grad_norm()  # the step's norm and clip factors (torch.nn.utils.clip_grad_norm_'s rule)
-        scale, divisor = self._clip_factors
-        if scale is None:  # no gradients this step
+        self.grad_norm()  # the step's norm and clip divisor (torch.nn.utils.clip_grad_norm_'s rule)
+        divisor = self._clip_divisor
+        if divisor is None:  # no gradients this step
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer
         if getattr(inner, "_step_supports_amp_scaling", False) and str(self.trainer.precision) != "16-mixed":
@@ -325,7 +325,7 @@ class LitGPT(L.LightningModule):
         else:  # (the non-finite guard's host-synced skip may have dropped every gradient)
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             if grads:
-                torch._foreach_mul_(grads, scale)
+                torch._foreach_div_(grads, divisor)
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["tokens_seen"] = self.tokens_seen

@@ -15,21 +15,19 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: clip / (norm + eps)
 
 
 def norm_and_clip(per_param_norms: list[torch.Tensor], max_norm: float | None):
-    """(global norm in fp32, clip scale, clip divisor) from the per-parameter norms
-    (torch._foreach_norm's). scale = min(1, max_norm / (norm + eps)) multiplies the gradients
-    (clip_grad_norm_'s rule); divisor = 1 / scale is what a fused optimizer divides them by
-    (its `grad_scale`). Both None without a clip."""
+    """(global norm in fp32, clip divisor) from the per-parameter norms (torch._foreach_norm's).
+    The gradients are divided by max(1, (norm + eps) / max_norm): torch.nn.utils.clip_grad_norm_'s
+    rule (it multiplies by the inverse), and what a fused optimizer applies as its `grad_scale`.
+    The divisor is None without a clip."""
     norm = torch.linalg.vector_norm(torch.stack(per_param_norms).float())
     if max_norm is None:
-        return norm, None, None
-    scale = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
-    return norm, scale, 1.0 / scale
+        return norm, None
+    return norm, torch.clamp((norm + CLIP_EPS) / max_norm, min=1.0)
 
 
 def nonfinite_flag(grad_norm: torch.Tensor, loss: torch.Tensor, skipped: torch.Tensor):
     """(found, skipped + found): found is 1.0 when the step's loss or gradient norm is not finite
-    (a non-finite gradient makes the norm non-finite), else 0.0, as a 0-d fp32 tensor (the dtype
-    a fused optimizer's `found_inf` takes)."""
-    found = torch.logical_not(torch.isfinite(grad_norm) & torch.isfinite(loss)).float().reshape(())
+    (a non-finite gradient makes the norm non-finite; so does their sum), else 0.0, as a 0-d fp32
+    tensor (the dtype a fused optimizer's `found_inf` takes)."""
+    found = torch.logical_not(torch.isfinite(grad_norm + loss)).float().reshape(())
     return found, skipped + found
-

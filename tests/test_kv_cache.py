@@ -129,19 +129,22 @@ def test_cache_capacity_and_segment_ids_are_checked():
         model(torch.zeros(1, 2, dtype=torch.long), segment_ids=torch.ones(1, 2, dtype=torch.long), cache=KVCache(2, 8))
 
 
-def test_auto_keeps_longer_keys_on_the_reference_until_the_kernels_are_checked_on_a_gpu(monkeypatch):
+def test_longer_keys_take_the_chosen_backend_except_sdpa(monkeypatch):
+    """auto picks for KV > N as for KV == N (the kernels where Triton runs); SDPA's causal mask
+    aligns top-left, so its longer-key calls run on the reference."""
     from attn import ops
 
     assert [ops.longer_keys_backend(b) for b in ("auto", "triton", "reference", "sdpa")] == [
-        "reference", "triton", "reference", "reference"]
+        "auto", "triton", "reference", "reference"]
     seen = []
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, device: seen.append(backend) or "reference")
     spec = attn.get_variant("softmax").make_spec()
     q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 5, 2, 8)
     attn.attention(q, k, k, spec)
     attn.AttentionCall(spec, backend="auto")(q, k, k)
+    attn.AttentionCall(spec, backend="sdpa")(q, k, k)
     attn.AttentionCall(spec, backend="auto")(k, k, k)  # one length: auto as always
-    assert seen == ["reference", "reference", "auto"]
+    assert seen == ["auto", "auto", "reference", "auto"]
 
 
 def test_a_model_on_sdpa_decodes_its_cache_on_the_reference():

@@ -250,13 +250,15 @@ def test_step_scalars_by_hand():
     from models.step_scalars import CLIP_EPS, norm_and_clip, nonfinite_flag
 
     norms = [torch.tensor(3.0), torch.tensor(4.0, dtype=torch.bfloat16)]
-    norm, scale, divisor = norm_and_clip(norms, 1.0)
+    norm, divisor = norm_and_clip(norms, 1.0)
     assert norm.dtype == torch.float32 and norm.item() == pytest.approx(5.0)
-    assert scale.item() == pytest.approx(1.0 / (5.0 + CLIP_EPS)) and divisor.item() == pytest.approx(5.0 + CLIP_EPS)
+    assert divisor.item() == pytest.approx(5.0 + CLIP_EPS)
+    assert norm_and_clip(norms, 2.0)[1].item() == pytest.approx((5.0 + CLIP_EPS) / 2.0)
     assert norm_and_clip(norms, 10.0)[1].item() == 1.0, "a clip above the norm never scales up"
-    assert norm_and_clip(norms, None)[1:] == (None, None)
+    assert norm_and_clip(norms, None)[1] is None
     skipped = torch.tensor(2.0)
-    cases = {(5.0, 1.0): 0.0, (math.inf, 1.0): 1.0, (math.nan, 1.0): 1.0, (5.0, math.inf): 1.0, (5.0, -math.nan): 1.0}
+    cases = {(5.0, 1.0): 0.0, (math.inf, 1.0): 1.0, (math.nan, 1.0): 1.0, (5.0, math.inf): 1.0, (5.0, -math.nan): 1.0,
+             (math.inf, -math.inf): 1.0}
     for (g, loss), want in cases.items():
         found, total = nonfinite_flag(torch.tensor(g), torch.tensor(loss), skipped)
         assert found.shape == () and found.dtype == torch.float32 and found.item() == want, (g, loss)
