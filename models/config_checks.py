@@ -30,14 +30,21 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-CUDA_GRAPHS_CHOICES = (True, False, "auto")
+CUDA_GRAPHS_CHOICES = (True, False, "auto", "step")
 
 
-def cuda_graphs_enabled(train_cfg, n_devices: int, cuda: bool) -> tuple[bool, str]:
-    """(on, why) for train.cuda_graphs: true and false as given; auto turns them on where they
-    are known to hold (bitwise-equal losses, about 2x the steps per second at model `small` on an
-    H200): a compiled model on one CUDA device, without gradient accumulation."""
+def cuda_graphs_enabled(train_cfg, n_devices: int, cuda: bool) -> tuple[bool | str, str]:
+    """(mode, why) for train.cuda_graphs: true, false and step as given; auto turns torch.compile's
+    graphs (true) on where they are known to hold (bitwise-equal losses, about 2x the steps per
+    second at model `small` on an H200): a compiled model on one CUDA device, without gradient
+    accumulation. step: the whole forward and backward as one graph (models/captured_step.py)."""
     graphs = train_cfg.get("cuda_graphs", "auto")
+    if graphs == "step":
+        reasons = [why for bad, why in ((not cuda, "no CUDA device"), (n_devices != 1, f"{n_devices} devices"))
+                   if bad]
+        if reasons:
+            raise ValueError("train.cuda_graphs=step needs one CUDA device (" + ", ".join(reasons) + ")")
+        return "step", "train.cuda_graphs=step: the forward, loss and backward of each step as one captured graph"
     if graphs != "auto":
         return bool(graphs), f"train.cuda_graphs={str(graphs).lower()}: {'on' if graphs else 'off'}"
     reasons = [why for bad, why in ((not train_cfg.compile, "train.compile=false"),
@@ -93,7 +100,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"train.attention_stats_sequences must be an int >= 0, got {sequences!r}")
     graphs = t.get("cuda_graphs", "auto")
     if graphs not in CUDA_GRAPHS_CHOICES:
-        raise ValueError(f"train.cuda_graphs must be one of true, false, auto; got {graphs!r}")
+        raise ValueError(f"train.cuda_graphs must be one of true, false, auto, step; got {graphs!r}")
+    if graphs == "step" and t.grad_accum != 1:
+        raise ValueError(f"train.cuda_graphs=step needs train.grad_accum=1 (a replay overwrites the gradients), "
+                         f"got {t.grad_accum}")
     if graphs is True:
         if not t.compile:
             raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 
+from models.captured_step import CapturedStep
 from models.gpt import GPT, AttnConfig, GPTConfig
 from models.step_scalars import norm_and_clip
 
@@ -64,7 +65,7 @@ class LitGPT(L.LightningModule):
     def __init__(
         self, model: dict, optimizer: dict | None = None, scheduler: dict | None = None, compile: bool = False,
         bytes_per_token: dict | None = None, peak_tflops: float | None = None, compile_unit: str = "model",
-        cuda_graphs: bool = False, log_grad_norm_per_layer: bool = True, tokenizer: dict | None = None,
+        cuda_graphs: bool | str = False, log_grad_norm_per_layer: bool = True, tokenizer: dict | None = None,
     ):
         """optimizer, scheduler: resolved configs of configs/optimizer/ and configs/scheduler/ (a
         `_target_` with `_partial_: true`), needed to train, not to evaluate."""
@@ -84,17 +85,23 @@ class LitGPT(L.LightningModule):
             raise ValueError(f"train.compile_unit must be one of {COMPILE_UNITS}, got {compile_unit!r}")
         self.model = GPT(self.model_cfg)
         forward_fn = self.model
-        if cuda_graphs and not compile:
+        if cuda_graphs not in (True, False, "step"):
+            raise ValueError(f"cuda_graphs must be True, False or 'step', got {cuda_graphs!r}")
+        if cuda_graphs is True and not compile:
             raise ValueError("train.cuda_graphs=true needs train.compile=true (the graphs are torch.compile's)")
-        # CUDA graphs: the compiled forward and backward are captured once (after warm-up runs, which
-        # tune and compile the kernels) and replayed: one launch per graph instead of one per kernel;
-        # torch.compile copies each batch into the graph's static input buffers (one device copy)
-        self.cuda_graphs = cuda_graphs
-        mode = "reduce-overhead" if cuda_graphs else None
+        # cuda_graphs=True: the compiled forward and backward are captured by torch.compile (after
+        # warm-up runs, which tune and compile the kernels) and replayed: one launch per graph
+        # instead of one per kernel; torch.compile copies each batch into the graph's static input
+        # buffers (one device copy). "step": the whole forward, loss and backward as one graph of
+        # our own (models/captured_step.py), over the compiled or the eager model.
+        self.cuda_graphs = cuda_graphs is True
+        mode = "reduce-overhead" if self.cuda_graphs else None
         if compile and compile_unit == "model":  # one graph: the fastest single-device step
             forward_fn = torch.compile(self.model, fullgraph=True, mode=mode)
         elif compile:  # a graph per block, shared by the blocks (see GPT.compile_per_block)
             self.model.compile_per_block(mode=mode)
+        self.step_graph = (CapturedStep(lambda x, y: self._loss((x, y)), self.model.parameters())
+                           if cuda_graphs == "step" else None)
         # kept out of the module tree so the state dict holds each weight once
         self.__dict__["forward_fn"] = forward_fn
         # UTF-8 bytes per token of each split, for bits per byte
@@ -130,12 +137,23 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.cuda_graphs:  # a new step: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        loss = self._loss(batch)
+        # a captured step runs its backward with the forward (LitGPT.backward then has nothing to do)
+        loss = self.step_graph(*batch) if self.step_graph is not None else self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
         if writes_logs(self.trainer):  # logged at the batch end, after the clock's device sync
             self._loss_to_log = loss.detach()
         return loss
+
+    def backward(self, loss, *args, **kwargs):
+        if self.step_graph is None:
+            super().backward(loss, *args, **kwargs)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        # Lightning zeroes between training_step and backward; a captured step's training_step ran
+        # its backward already, and sets (or overwrites) the gradients itself
+        if self.step_graph is None:
+            optimizer.zero_grad()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Only the steps whose logs are written log anything, after one device sync (the clock's),

@@ -219,8 +219,11 @@ def test_cuda_graphs_need_compile_and_no_gradient_accumulation():
         check_config(cfg("train.cuda_graphs=true"))
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs train.grad_accum=1"):
         check_config(cfg("train.compile=true", "train.cuda_graphs=true", "train.grad_accum=2"))
-    with pytest.raises(ValueError, match="train.cuda_graphs must be one of true, false, auto; got 'always'"):
+    with pytest.raises(ValueError, match="train.cuda_graphs must be one of true, false, auto, step; got 'always'"):
         check_config(cfg("train.cuda_graphs=always"))
+    check_config(cfg("train.cuda_graphs=step"))  # compiled or not
+    with pytest.raises(ValueError, match="train.cuda_graphs=step needs train.grad_accum=1"):
+        check_config(cfg("train.cuda_graphs=step", "train.grad_accum=2"))
     model = {"vocab_size": 16, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 16}
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs train.compile=true"):
         LitGPT(model=model, compile=False, cuda_graphs=True)
@@ -244,7 +247,76 @@ def test_cuda_graphs_auto_turns_on_only_where_they_hold():
         assert not on and why in reason, reason
     assert cuda_graphs_enabled(train(cuda_graphs=False), 1, True)[0] is False
     assert cuda_graphs_enabled(train(cuda_graphs=True, compile=False), 4, False)[0] is True
+    assert cuda_graphs_enabled(train(cuda_graphs="step", compile=False), 1, True)[0] == "step"
+    for devices, cuda, why in ((1, False, "no CUDA device"), (2, True, "2 devices")):
+        with pytest.raises(ValueError, match=f"train.cuda_graphs=step needs one CUDA device \\({why}\\)"):
+            cuda_graphs_enabled(train(cuda_graphs="step"), devices, cuda)
     assert devices_per_run(OmegaConf.create({"devices": 2, "num_nodes": 3})) == 6
     assert devices_per_run(OmegaConf.create({"devices": [0, 1]})) == 2
     assert devices_per_run(OmegaConf.create({"devices": "0,1,2"})) == 3
     assert devices_per_run(OmegaConf.create({"devices": -1})) == max(torch.cuda.device_count(), 1)
+
+
+def eager_capture(step, reset):
+    """A CPU stand-in for models.captured_step.capture_cuda_graph with a CUDA graph's semantics: the
+    capture records without running (here: the step is kept), and each replay runs the step again
+    and writes its loss and gradients into the tensors the capture returned (static addresses)."""
+    reset()
+    loss = step()  # the "recorded" outputs; the real capture would leave them unwritten
+    params = [p for p in _CAPTURED_PARAMS if p.grad is not None]
+    static_grads = [p.grad for p in params]
+
+    def replay():
+        for p in params:
+            p.grad = None
+        fresh = step()
+        loss.copy_(fresh)
+        for p, static in zip(params, static_grads):
+            static.copy_(p.grad)
+            p.grad = static
+
+    return replay, loss
+
+
+_CAPTURED_PARAMS: list = []
+
+
+def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
+    """train.cuda_graphs=step (the forward, loss and backward of a step as one captured graph) on
+    Lightning's loop, with the CUDA graph replaced by an eager stand-in of the same semantics:
+    the same losses, gradient norms and weights as the eager run, through the warm-up calls, the
+    capture and the replays (zero_grad and the guard's dropped gradients must not lose them)."""
+    import train
+    from models import captured_step
+    from train_helpers import compose_cfg, tiny_overrides, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
+    runs = {}
+    for mode in ("eager", "step"):
+        overrides = {"train.max_steps": 8, "train.val_every": 8, "train.grad_clip": 1e-2}
+        if mode == "step":
+            monkeypatch.setattr(train, "cuda_graphs_enabled", lambda *a: ("step", "test"))
+            real_init = captured_step.CapturedStep.__init__
+
+            def init(self, loss_fn, params, capture=None):
+                real_init(self, loss_fn, params, capture=eager_capture)
+                _CAPTURED_PARAMS[:] = self.params
+
+            monkeypatch.setattr(captured_step.CapturedStep, "__init__", init)
+            calls = []
+            real_call = captured_step.CapturedStep.__call__
+            monkeypatch.setattr(captured_step.CapturedStep, "__call__",
+                                lambda self, x, y: calls.append(self.captured) or real_call(self, x, y))
+        run = tmp_path / mode
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **overrides, **{"paths.output_dir": str(run)})))
+        runs[mode] = run
+    assert calls == [False] * (captured_step.WARMUP_CALLS + 1) + [True] * (8 - captured_step.WARMUP_CALLS - 1)
+    from eval.run_logs import metric_by_step
+    for metric in ("train/loss", "train/grad_norm"):
+        eager, step = (metric_by_step(runs[m], metric) for m in ("eager", "step"))
+        assert eager.keys() == step.keys() and len(eager) >= 2
+        for k in eager:
+            assert step[k] == pytest.approx(eager[k], rel=1e-5, abs=1e-7), (metric, k)
+    weights = [torch.load(runs[m] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for m in runs]
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
