@@ -4,7 +4,8 @@ Rows per variant: a plain PyTorch training loop (no Lightning: compiled step, fu
 tokens), and with --train-py `train.py` itself on the same model size (its steady-state tokens/s
 from results.json, Shakespeare tokens). The same model with torch SDPA (plain softmax) is the
 yardstick, in the same process. bf16 autocast, torch.compile(fullgraph=True) end to end;
---cuda-graphs replays the compiled step as CUDA graphs (mode reduce-overhead; train.cuda_graphs).
+--cuda-graphs replays the compiled step as CUDA graphs: the plain loop through torch.compile (mode
+reduce-overhead), train.py through train.cuda_graphs=step (its whole forward and backward as one graph).
 
     python scripts/bench_train.py --model gpt2_small --batch 16 --out gpu_out/bench_train
     python scripts/bench_train.py --model small --vocab 2048 --batch 32 --train-py --cuda-graphs
@@ -137,7 +138,7 @@ def train_py_case(args, model_cfg: dict, variant: str, backend: str, params: dic
         "experiment=gpu_small", f"model={args.model}", f"attn={variant}", f"attn.backend={backend}",
         f"model.context={model_cfg['context']}", f"train.batch_size={args.batch}", f"train.max_steps={steps}",
         f"train.val_every={steps}", "train.log_every=10", "train.val_tokens=65536", "train.log_max_logit=false",
-        "train.compile=true", f"train.cuda_graphs={str(cuda_graphs).lower()}", "logger=csv",
+        "train.compile=true", f"train.cuda_graphs={'step' if cuda_graphs else 'false'}", "logger=csv",
         "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
         *[f"attn.params.{k}={v}" for k, v in params.items()], *args.train_py_overrides,
     ]
