@@ -304,7 +304,7 @@ class GPT(nn.Module):
         DDP with buckets smaller than the gradient (not trainer=ddp's 512 MB) each block's
         gradients are all-reduced while earlier blocks run backward.
         Measured no faster on 2 H200s than the whole-model graph split by dynamo's DDPOptimizer
-        (docs/results/bench_ddp.md, 5fa7ad2); not measured against trainer=ddp's one graph. Blocks
+        (docs/results/bench_ddp.md); not measured against trainer=ddp's one graph. Blocks
         share their compiled code; state-dict keys do not change."""
         for block in self.blocks:
             block.compile(fullgraph=True, **compile_kwargs)
