@@ -5,6 +5,10 @@
     dm.prepare_data(); dm.setup()
     dm.vocab_size, dm.tokenizer.decode(...), dm.unigram_bpb("val"), dm.token_ids("val")
 
+In the `data=` configs `tokenizer` is the option of the nested group configs/data/tokenizer/
+(`data/tokenizer=char` switches it), and `tokenizer_per_kind` holds the corpus's own options per
+kind, which those option files read (data/tokenizers.py lists the options of each kind).
+
 prepare_data() (Lightning runs it once per node, on local rank 0) downloads / reads the
 source, trains or loads the tokenizer and builds or verifies the token cache (full sha256
 check). setup() (every rank) loads the tokenizer and memory-maps the shards after a cheap
@@ -40,7 +44,9 @@ from data.cache import CacheInvalid, cache_directory, check_cache, ensure_token_
 from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, eval_window_count
 from data.sources import SPLITS, build_source
 from data.stats import unigram_bpb, unigram_counts
-from data.tokenizers import Tokenizer, TokenizerNotCached, build_tokenizer, parse_tokenizer_config
+from data.tokenizers import (
+    Tokenizer, TokenizerNotCached, build_tokenizer, check_tokenizer_per_kind, parse_tokenizer_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,7 @@ class TokenDataModule(L.LightningDataModule):
         seed: int,
         num_workers: int = 0,
         pin_memory: bool | None = None,
+        tokenizer_per_kind: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         self.seq_len = _check_int("seq_len", seq_len, 1)
@@ -106,6 +113,8 @@ class TokenDataModule(L.LightningDataModule):
         self.cache_dir = Path(os.path.expanduser(str(cache_dir)))
         self.source_config = _plain(source)
         self.tokenizer_config = parse_tokenizer_config(_plain(tokenizer))
+        # read by the config files of configs/data/tokenizer/ (interpolations); checked here only
+        self.tokenizer_per_kind = check_tokenizer_per_kind(_plain(tokenizer_per_kind))
         # Building the source validates data.source (kinds, options, local files exist) now,
         # before any training starts; it reads no data yet.
         self.source = build_source(self.source_config, self.cache_dir)

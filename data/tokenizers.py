@@ -9,7 +9,8 @@ held-out text leaks into the vocabulary. They are trained once and cached under
 `<cache_dir>/tokenizers/`, keyed by a hash of the source fingerprint (which fixes the train
 works / files), the tokenizer kind and its options (vocab size, ...).
 
-`data.tokenizer` options per kind:
+`data.tokenizer` is chosen with `data/tokenizer=<kind>` (configs/data/tokenizer/<kind>.yaml); a data
+config gives its corpus's options per kind under `data.tokenizer_per_kind`. Options per kind:
     byte:       (none)                      vocab 256, the UTF-8 bytes
     char:       (none)                      train-split characters + one <unk> id (last)
     bpe:        vocab_size, min_frequency=2, max_train_bytes=null
@@ -292,11 +293,10 @@ def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
     allowed = TOKENIZER_OPTIONS[kind]
     unknown = sorted(set(cfg) - {"kind", *allowed})
     if unknown:
-        removals = " ".join(f"~data.tokenizer.{key}" for key in unknown)
         raise ValueError(
             f"data.tokenizer.{unknown[0]}: unknown option for tokenizer kind {kind!r}; allowed: {['kind', *allowed]}. "
-            f"Switching the kind on the command line, drop the data config's other options too: "
-            f"data.tokenizer.kind={kind} {removals}"
+            f"Switch tokenizers with data/tokenizer={kind} (configs/data/tokenizer/{kind}.yaml), which brings that "
+            f"kind's options only; a data config gives its corpus's options under tokenizer_per_kind.<kind>"
         )
     parsed: dict[str, Any] = {"kind": kind}
     if kind == "bpe":
@@ -321,6 +321,30 @@ def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
             )
         parsed.update(name=name, path=path)
     return parsed
+
+
+def check_tokenizer_per_kind(per_kind: Mapping[str, Any] | None) -> dict:
+    """Validate `data.tokenizer_per_kind` (a data config's options per tokenizer kind, which
+    configs/data/tokenizer/<kind>.yaml reads): known kinds, each with options of its own kind
+    only, so a misspelt option fails instead of being passed over."""
+    if per_kind is None:
+        return {}
+    if not isinstance(per_kind, Mapping):
+        raise ValueError(f"data.tokenizer_per_kind must be a mapping of tokenizer kind to options, got {per_kind!r}")
+    checked = {}
+    for kind, options in per_kind.items():
+        if kind not in TOKENIZER_KINDS:
+            raise ValueError(f"data.tokenizer_per_kind.{kind}: unknown tokenizer kind; allowed: {list(TOKENIZER_KINDS)}")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"data.tokenizer_per_kind.{kind} must be a mapping of options, got {options!r}")
+        unknown = sorted(set(options) - set(TOKENIZER_OPTIONS[kind]))
+        if unknown:
+            raise ValueError(f"data.tokenizer_per_kind.{kind}.{unknown[0]}: unknown option for tokenizer kind "
+                             f"{kind!r}; allowed: {list(TOKENIZER_OPTIONS[kind])}")
+        checked[kind] = dict(options)
+    return checked
 
 
 def tokenizer_cache_path(cfg: dict, source: Source, cache_dir: str | os.PathLike) -> Path:

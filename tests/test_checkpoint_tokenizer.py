@@ -43,7 +43,7 @@ def test_generate_needs_no_data_config_for_a_bare_checkpoint(byte_run, tmp_path)
 
 def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, tmp_path):
     corpus = write_corpus(tmp_path / "other.txt", lines=100, seed=3)
-    other = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=char", "~data.tokenizer.vocab_size",
+    other = ["data=text", f"data.source.path={corpus}", "data/tokenizer=char",
              f"cache_dir={tmp_path / 'cache'}"]
     byte = ByteTokenizer()
     for name, run in (("perplexity", perplexity.run_perplexity), ("generate", generate.run_generate)):
@@ -54,7 +54,7 @@ def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, t
         assert f"checkpoint's tokenizer is kind=byte vocab=256 hash={byte.hash[:16]}" in message
         assert "data config's is kind=char vocab=" in message
     # the same tokenizer on other data is fine
-    same = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte", "~data.tokenizer.vocab_size",
+    same = ["data=text", f"data.source.path={corpus}", "data/tokenizer=byte",
             f"cache_dir={tmp_path / 'cache'}", "split=val", "contexts=[8]", f"out={tmp_path / 'ppl.json'}"]
     result = perplexity.run_perplexity(eval_cfg("perplexity", byte_run, *same))[0]
     assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["kind"] == "byte"

@@ -28,8 +28,7 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
     base = {
         "data": "text",
         "data.source.path": str(corpus),
-        "data.tokenizer.kind": "byte",
-        "~data.tokenizer.vocab_size": None,
+        "data/tokenizer": "byte",
         "trainer": "cpu",
         "logger": "csv",
         "model.n_layer": 2,
