@@ -215,7 +215,7 @@ def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
 
 def test_early_stopping_adds_to_the_default_callbacks():
     cfg = compose_cfg(["callbacks=[default,early_stopping]", "paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "early_stopping"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "early_stopping"]
     assert cfg.callbacks.early_stopping.monitor == "val/loss"
 
 
