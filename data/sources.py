@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
@@ -83,18 +84,36 @@ class Source(ABC):
 
 
 @contextlib.contextmanager
-def _quiet_local_builder() -> Iterator[None]:
-    """Hide `datasets`' per-split progress bars while converting small local files (they
-    would clutter the training log); restores the user's setting afterwards."""
+def _progress_bars(show: bool) -> Iterator[None]:
+    """`datasets`' and `huggingface_hub`'s progress bars as the user set them (`show`) or hidden
+    while a dataset loads; the user's settings are restored afterwards."""
     import datasets
+    from huggingface_hub import utils as hub_utils
 
-    was_disabled = datasets.are_progress_bars_disabled()
+    if show:
+        yield
+        return
+    datasets_hidden, hub_hidden = datasets.are_progress_bars_disabled(), hub_utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
+    hub_utils.disable_progress_bars()
     try:
         yield
     finally:
-        if not was_disabled:
+        if not datasets_hidden:
             datasets.enable_progress_bars()
+        if not hub_hidden:
+            hub_utils.enable_progress_bars()
+
+
+def _quiet_local_builder():
+    """No progress bars while small local files are converted (they would clutter the training log)."""
+    return _progress_bars(show=False)
+
+
+def _hub_download_progress():
+    """Hub downloads show their progress bars (on stderr) on a terminal only: a log file or a pipe
+    gets no bar lines."""
+    return _progress_bars(show=sys.stderr.isatty())
 
 
 def _check_split(split: str) -> None:
@@ -633,9 +652,10 @@ class HubSource(Source):
         import datasets
 
         o = self.options
-        dataset = datasets.load_dataset(
-            o.hub_id, o.config_name, split=hub_split, streaming=bool(o.streaming), revision=o.revision
-        )
+        with _hub_download_progress():
+            dataset = datasets.load_dataset(
+                o.hub_id, o.config_name, split=hub_split, streaming=bool(o.streaming), revision=o.revision
+            )
         yield from _iter_text_column(dataset, o.text_column, f"{o.hub_id}/{o.config_name} split {hub_split!r}")
 
     def documents(self, split: str) -> Iterator[str]:
