@@ -181,7 +181,8 @@ def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[
 
 def plot_heatmaps(metrics: dict, label: str, prefix: Path) -> list[Path]:
     """One PNG per metric of `metrics` (attention_statistics' per layer x head lists), named
-    <prefix>.<metric>.png: layers down, heads across, values annotated, titled `label: <metric>`."""
+    <prefix>.<metric>.png: layers down, heads across, values annotated, titled `label` above the
+    metric's title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,7 +192,8 @@ def plot_heatmaps(metrics: dict, label: str, prefix: Path) -> list[Path]:
     for name, (_, title, _) in METRICS.items():
         values = np.array([[np.nan if v is None else v for v in layer] for layer in metrics[name]], dtype=float)
         n_layer, n_head = values.shape
-        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n_head, 1.0 + 0.5 * n_layer), dpi=110)
+        # at least wide enough for the two-line title
+        fig, ax = plt.subplots(figsize=(max(4.5, 1.0 + 0.7 * n_head), 1.4 + 0.5 * n_layer), dpi=110)
         image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
         middle = np.nanmean(values) if np.isfinite(values).any() else 0.0
         fig.colorbar(image, ax=ax)
@@ -199,7 +201,7 @@ def plot_heatmaps(metrics: dict, label: str, prefix: Path) -> list[Path]:
         ax.set_ylabel("layer")
         ax.set_xticks(range(n_head))
         ax.set_yticks(range(n_layer))
-        ax.set_title(f"{label}: {title}", fontsize=9)
+        ax.set_title(f"{label}\n{title}", fontsize=9)
         if n_layer * n_head <= 256:
             for (i, j), v in np.ndenumerate(values):
                 if np.isfinite(v):
