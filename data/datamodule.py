@@ -100,6 +100,7 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool | None = None,
         tokenizer_per_kind: Mapping[str, Any] | None = None,
+        use_tokenizer: Tokenizer | None = None,
     ):
         super().__init__()
         self.seq_len = _check_int("seq_len", seq_len, 1)
@@ -115,6 +116,12 @@ class TokenDataModule(L.LightningDataModule):
         self.tokenizer_config = parse_tokenizer_config(_plain(tokenizer))
         # read by the config files of configs/data/tokenizer/ (interpolations); checked here only
         self.tokenizer_per_kind = check_tokenizer_per_kind(_plain(tokenizer_per_kind))
+        # evaluation passes a checkpoint's own tokenizer, used as it is (never trained again), so the
+        # splits are tokenized exactly as in training even where `tokenizer` would now train another
+        if use_tokenizer is not None and use_tokenizer.kind != self.tokenizer_config["kind"]:
+            raise ValueError(f"use_tokenizer is of kind {use_tokenizer.kind!r}, data.tokenizer.kind is "
+                             f"{self.tokenizer_config['kind']!r}")
+        self.use_tokenizer = use_tokenizer
         # Building the source validates data.source (kinds, options, local files exist) now,
         # before any training starts; it reads no data yet.
         self.source = build_source(self.source_config, self.cache_dir)
@@ -130,15 +137,19 @@ class TokenDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ preparation
 
+    def _tokenizer(self, allow_training: bool) -> Tokenizer:
+        if self.use_tokenizer is not None:
+            return self.use_tokenizer
+        return build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=allow_training)
+
     def prepare_data(self) -> None:
-        tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=True)
-        ensure_token_cache(self.cache_dir, self.source, tokenizer, verify_checksums=True)
+        ensure_token_cache(self.cache_dir, self.source, self._tokenizer(allow_training=True), verify_checksums=True)
 
     def setup(self, stage: str | None = None) -> None:
         if self.manifest is not None:
             return
         try:
-            tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=False)
+            tokenizer = self._tokenizer(allow_training=False)
             directory = cache_directory(self.cache_dir, self.source, tokenizer)
             manifest = check_cache(directory, self.source, tokenizer, verify_checksums=False)
         except (TokenizerNotCached, CacheInvalid) as problem:
@@ -149,7 +160,7 @@ class TokenDataModule(L.LightningDataModule):
                     "prepare_data() runs on local rank 0 of each node before setup(); if nodes do not share "
                     "data.cache_dir, keep prepare_data_per_node=True"
                 ) from None
-            tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=True)
+            tokenizer = self._tokenizer(allow_training=True)
             directory, manifest = ensure_token_cache(self.cache_dir, self.source, tokenizer, verify_checksums=True)
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size

@@ -131,7 +131,7 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
     results = []
     for run in common.iter_runs(cfg, device):
         data_cfg = common.data_config_for(run, cfg)
-        datamodule = datamodules.for_run(run, data_cfg)
+        datamodule = datamodules.for_run(run, data_cfg, cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out,
                                   settings=common.settings_tag(cfg, "attention_stats", RESULT_SETTINGS))

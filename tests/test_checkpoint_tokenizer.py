@@ -90,3 +90,28 @@ def test_records_reject_malformed_content():
     payload = json.loads(record["content"])
     rebuilt = tokenizer_from_record({**record, "content": json.dumps(payload, indent=2)}, "here")
     assert rebuilt.hash == CharTokenizer("abc").hash  # formatting does not matter, content does
+
+
+def test_the_runs_own_data_is_tokenized_with_the_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """A BPE run evaluates on its own data config with the tokenizer its checkpoint holds: the
+    tokenizer and token caches gone (another machine) and BPE training now giving another
+    vocabulary (as a later attnlab may), perplexity and attention stats still run on the tokens
+    the model was trained on, without training a tokenizer; data= with another tokenizer is
+    refused as before."""
+    from data import tokenizers as tokenizers_module
+    from eval import attention_stats
+
+    run = train_tiny_run(tmp_path, **{"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300})
+    recorded = common.load_run(run / "checkpoints" / "best.ckpt").tokenizer
+    assert recorded.kind == "bpe" and recorded.end_of_text_id is not None
+    shutil.rmtree(tmp_path / "cache")
+    monkeypatch.setattr(tokenizers_module, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    result = perplexity.run_perplexity(eval_cfg("perplexity", run, "split=val", "contexts=[16]"))[0]
+    assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["hash"] == recorded.hash
+    stats = attention_stats.run_attention_stats(eval_cfg("attention_stats", run, "num_tokens=32", "plot=false"))[0]
+    assert stats["tokens"] == 32
+    cached = [p for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir()]
+    assert len(cached) == 1 and json.loads((cached[0] / "manifest.json").read_text())["tokenizer"]["hash"] == recorded.hash
+    with pytest.raises(ValueError, match="data/tokenizer mismatch"):
+        perplexity.run_perplexity(eval_cfg("perplexity", run, "data=text", f"data.source.path={tmp_path / 'corpus.txt'}",
+                                           "data/tokenizer=byte", "split=val", "contexts=[16]"))
