@@ -119,8 +119,9 @@ class TokenDataModule(L.LightningDataModule):
         # evaluation passes a checkpoint's own tokenizer, used as it is (never trained again), so the
         # splits are tokenized exactly as in training even where `tokenizer` would now train another
         if use_tokenizer is not None and use_tokenizer.kind != self.tokenizer_config["kind"]:
-            raise ValueError(f"use_tokenizer is of kind {use_tokenizer.kind!r}, data.tokenizer.kind is "
-                             f"{self.tokenizer_config['kind']!r}")
+            raise ValueError(f"data.tokenizer.kind is {self.tokenizer_config['kind']!r}, but the checkpoint's tokenizer "
+                             f"(which resuming and evaluating a run tokenize with) is of kind {use_tokenizer.kind!r}: "
+                             f"use the data config the run was trained with (data/tokenizer={use_tokenizer.kind})")
         self.use_tokenizer = use_tokenizer
         # Building the source validates data.source (kinds, options, local files exist) now,
         # before any training starts; it reads no data yet.

@@ -115,3 +115,29 @@ def test_the_runs_own_data_is_tokenized_with_the_checkpoints_tokenizer(tmp_path,
     with pytest.raises(ValueError, match="data/tokenizer mismatch"):
         perplexity.run_perplexity(eval_cfg("perplexity", run, "data=text", f"data.source.path={tmp_path / 'corpus.txt'}",
                                            "data/tokenizer=byte", "split=val", "contexts=[16]"))
+
+
+def test_a_resumed_run_keeps_its_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """Resuming tokenizes with the checkpoint's tokenizer, not one the data config would train now
+    (the tokenizer cache gone and BPE training changed): the run continues on its own tokens. A
+    resume with another tokenizer kind is refused, naming both kinds."""
+    import train
+    from data import tokenizers as tokenizers_module
+    from train_helpers import compose_cfg, tiny_overrides
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
+    settings = {"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300, "train.max_steps": 4, "train.val_every": 2,
+                "model.context": 16, "callbacks.attention_heatmaps": "null"}
+    first = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **settings, **{"train.stop_at_step": 2})))
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    recorded = tokenizer_from_record(load_checkpoint(last)["tokenizer"], "test")
+    assert first["steps"] == 2
+    shutil.rmtree(tmp_path / "cache" / "tokenizers")
+    monkeypatch.setattr(tokenizers_module, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    resumed = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **settings, ckpt_path=str(last))))
+    assert resumed["steps"] == 4
+    assert tokenizer_from_record(load_checkpoint(last)["tokenizer"], "test").hash == recorded.hash
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.kind is 'byte', but the checkpoint's tokenizer .* is of "
+                                         r"kind 'bpe'.*data/tokenizer=bpe"):
+        byte = {key: value for key, value in settings.items() if not key.startswith("data.tokenizer")}
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{**byte, "data/tokenizer": "byte"}, ckpt_path=str(last))))
