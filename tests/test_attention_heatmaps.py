@@ -15,7 +15,8 @@ from train_helpers import compose_cfg, tiny_overrides, write_corpus
 from models.attention_diagnostics import METRICS
 from models.attention_heatmaps import AttentionHeatmapsAtEnd
 
-SHORT = {"train.max_steps": 2, "train.val_every": 2}
+# tiny_overrides switches the heatmaps off (they cost about a second a run): on here, as by default
+SHORT = {"train.max_steps": 2, "train.val_every": 2, "callbacks.attention_heatmaps.windows": 4}
 
 
 def run(tmp_path, *extra, **settings):
@@ -45,9 +46,20 @@ def test_a_run_ends_with_heatmaps_of_every_metric_in_its_directory(tmp_path):
     assert 0 < record["summary"]["sink_mass"] < 1
 
 
-@pytest.mark.parametrize("switch", ["callbacks.attention_heatmaps.windows=0", "callbacks.attention_heatmaps=null"])
+def test_the_heatmaps_are_on_by_default_with_four_windows():
+    cfg = compose_cfg(["paths.output_dir=/unused"])
+    assert cfg.callbacks.attention_heatmaps.windows == 4
+    assert cfg.callbacks.attention_heatmaps._target_ == "models.attention_heatmaps.AttentionHeatmapsAtEnd"
+
+
+@pytest.mark.parametrize("switch", [{"callbacks.attention_heatmaps.windows": 0}, {"callbacks.attention_heatmaps": "null"}])
 def test_the_heatmaps_can_be_switched_off(tmp_path, switch):
-    run(tmp_path, switch)
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
+    overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})
+    overrides = [o for o in overrides if not o.startswith("callbacks.")] + [f"{k}={v}" for k, v in switch.items()]
+    train.run(compose_cfg(overrides))
     assert not (tmp_path / "run" / "attention_heatmaps").exists()
 
 

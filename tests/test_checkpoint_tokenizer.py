@@ -127,7 +127,7 @@ def test_a_resumed_run_keeps_its_checkpoints_tokenizer(tmp_path, monkeypatch):
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
     settings = {"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300, "train.max_steps": 4, "train.val_every": 2,
-                "model.context": 16, "callbacks.attention_heatmaps": "null"}
+                "model.context": 16}
     first = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **settings, **{"train.stop_at_step": 2})))
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     recorded = tokenizer_from_record(load_checkpoint(last)["tokenizer"], "test")
