@@ -2,7 +2,9 @@
 
 AttentionHeatmapsAtEnd (configs/callbacks/default.yaml `attention_heatmaps`; `windows: 0` or
 `callbacks.attention_heatmaps=null` turns it off)
-    When fit ends (also when a finished run is resumed), on global rank 0: `windows` windows of the
+    When training ends (after the last validation, while the model is still on its device and the
+    loggers are open; a finished run that is resumed has nothing to train and writes none), on
+    global rank 0: `windows` windows of the
     training context, evenly spaced over the validation split (the fixed sample eval.attention_stats
     takes, so the same run gives the same batch), run once, eagerly and one window at a time, through
     models/attention_diagnostics.attention_statistics. Written to <run>/attention_heatmaps/:
@@ -40,7 +42,7 @@ class AttentionHeatmapsAtEnd(L.Callback):
         self.windows = windows
         self.written: list[Path] = []  # the files of the last call (PNGs, then the JSON)
 
-    def on_fit_end(self, trainer, pl_module):
+    def on_train_end(self, trainer, pl_module):
         self.written = []
         if not self.windows or not trainer.is_global_zero or _shards_gradients(trainer):
             return
