@@ -6,11 +6,12 @@ Layout, under `<cache_dir>/tokens/<source>-<tokenizer>-<key>/`:
     manifest.json                  written last; its presence marks a complete cache
 
 A split's token stream is its documents in order, each with the source's separator text as its
-tail and then, when the tokenizer has one, the end-of-text token (Tokenizer.encode_documents):
+tail and then, when the tokenizer has one and the source's rows are whole documents
+(Source.rows_are_documents), the end-of-text token (Tokenizer.encode_documents):
 `doc1 sep <|endoftext|> doc2 sep <|endoftext|> ...`. The directory key hashes the source
 fingerprint, the tokenizer hash and FORMAT_VERSION, so changing any of them builds a new cache
 next to the old one. The manifest records the source description, the tokenizer (kind, hash,
-vocab size), its end-of-text id (null: none), the dtype and, per split, the token count
+vocab size), the end-of-text id put after each document (null: none), the dtype and, per split, the token count
 (end-of-text tokens included), the UTF-8 byte count of the tokenized text (documents plus
 separators, the end-of-text token adds none; the denominator of bits-per-byte) and the sha256
 of the shard.
@@ -144,7 +145,7 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
     logger.info("tokenizing the %s split of %s%s", split, source.slug(), f" (up to {cap:,} tokens)" if cap else "")
     with atomic_writer(path) as handle, progress_bar(f"tokenizing {split}", cap) as advance:
         for chunk in _document_chunks(source.documents(split), source.separator):
-            ids = tokenizer.encode_documents(chunk)
+            ids = tokenizer.encode_documents(chunk) if source.rows_are_documents else tokenizer.encode_to_array(chunk)
             advance(int(ids.size))
             if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                 raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size}) for split {split!r}")
@@ -182,7 +183,7 @@ def build_cache(directory: Path, source: Source, tokenizer: Tokenizer) -> dict:
         **_expected_identity(source, tokenizer),
         "source": source.describe(),
         "tokenizer": tokenizer.describe(),
-        "end_of_text_id": tokenizer.end_of_text_id,
+        "end_of_text_id": tokenizer.end_of_text_id if source.rows_are_documents else None,
         "dtype": dtype.name,
         "separator": source.separator,
         "splits": splits,

@@ -176,3 +176,48 @@ def test_lm_harness_conditions_empty_contexts_on_the_end_of_text_token():
     assert scorer.prefix_ids == [tok.end_of_text_id]
     assert HarnessScorer(tiny_gpt(256), ByteTokenizer()).prefix_ids == list(b"\n")
     assert np.isfinite(scorer.loglikelihood([("", "anna sees")])[0][0])
+
+
+@pytest.mark.parametrize("sample_by, ends", [("line", False), ("paragraph", True), ("document", True)])
+def test_the_lines_of_a_text_file_are_pieces_of_one_text_not_documents(tmp_path, sample_by, ends):
+    """sample_by=line rows keep their line breaks and join into the file's text: no token between
+    them; paragraphs and whole files are documents."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"anna sees the cat {i}.\nbert likes it." for i in range(80)) + "\n")
+    # one file is one document with sample_by=document: val and test read it too
+    splits = ({"val_path": str(corpus), "test_path": str(corpus)} if sample_by == "document"
+              else {"val_fraction": 0.1, "test_fraction": 0.1})
+    dm = TokenDataModule(source={"kind": "text", "path": str(corpus), "sample_by": sample_by, **splits},
+                         tokenizer={"kind": "bpe", "vocab_size": 300}, cache_dir=str(tmp_path / "cache"), seq_len=8,
+                         batch_size=2, val_tokens=256, seed=0)
+    dm.prepare_data()
+    dm.setup()
+    eot = dm.tokenizer.end_of_text_id
+    found = int((dm.token_ids("train") == eot).sum())
+    assert (found == dm.manifest["splits"]["train"]["documents"]) if ends else found == 0
+    assert dm.manifest["end_of_text_id"] == (eot if ends else None)
+
+
+def test_hub_rows_can_be_pieces_of_one_text(tmp_path, monkeypatch):
+    """data.source.rows_are_documents=false (wikitext103's lines): no token between rows, and a cache
+    of its own (the option is part of the source fingerprint)."""
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda hub_id, config_name, split, streaming, revision:
+                        datasets.Dataset.from_dict({"text": [f" line {i} of an article .\n" for i in range(30)]}))
+
+    def dm(**options):
+        source = {"kind": "hub", "hub_id": "someone/wiki", "splits": {"train": "train", "val": "train", "test": "train"},
+                  "separator": "", **options}
+        module = TokenDataModule(source=source, tokenizer={"kind": "bpe", "vocab_size": 300},
+                                 cache_dir=str(tmp_path / "cache"), seq_len=8, batch_size=2, val_tokens=256, seed=0)
+        module.prepare_data()
+        module.setup()
+        return module
+
+    pieces, documents = dm(rows_are_documents=False), dm()
+    assert pieces.cache_path != documents.cache_path
+    assert int((pieces.token_ids("train") == pieces.tokenizer.end_of_text_id).sum()) == 0
+    assert int((documents.token_ids("train") == documents.tokenizer.end_of_text_id).sum()) == 30
+    with pytest.raises(ValueError, match=r"data\.source\.rows_are_documents must be true or false, got 'no'"):
+        build_source({"kind": "hub", "hub_id": "x", "rows_are_documents": "no"}, tmp_path)
