@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
-from data.tokenizers import tokenizer_record
+from data.tokenizers import Tokenizer, tokenizer_from_record, tokenizer_record
 from models.attention_monitor import AttentionRowMonitor
 from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from models.config_checks import check_config, cuda_graphs_enabled
@@ -194,6 +194,17 @@ def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
     return None
 
 
+def resumed_state(ckpt_path: str | None) -> tuple[str | None, Tokenizer | None]:
+    """(wandb run id, tokenizer) recorded in the checkpoint a run resumes from; (None, None) for a
+    fresh start, None for what a checkpoint does not record."""
+    if not ckpt_path:
+        return None, None
+    checkpoint = load_checkpoint(ckpt_path)
+    record = checkpoint.get("tokenizer")
+    tokenizer = tokenizer_from_record(record, f"checkpoint {ckpt_path}") if record is not None else None
+    return checkpoint.get("wandb_run_id"), tokenizer
+
+
 def build_configured_callbacks(callbacks_cfg: DictConfig) -> list[L.Callback]:
     """The callbacks of configs/callbacks/: one per entry with a `_target_`, in the config's order;
     null entries are left out (check_config refused anything else)."""
@@ -286,8 +297,12 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
         attn.pin_kernel_configs(True)
 
+    ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
+    resume_run_id, resumed_tokenizer = resumed_state(ckpt_path)
     try:
-        datamodule = instantiate(cfg.data)
+        # a resumed run tokenizes with its checkpoint's tokenizer, never with one the data config would
+        # train now (another attnlab's BPE training)
+        datamodule = instantiate(cfg.data, use_tokenizer=resumed_tokenizer)
     except InstantiationException as e:  # surface our own clear config errors unwrapped
         if isinstance(e.__cause__, (ValueError, FileNotFoundError)):
             raise e.__cause__ from None
@@ -303,10 +318,6 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         cfg.attn.name, n_params / 1e6, model.model.flops_per_token(),
     )
 
-    ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
-    resume_run_id = None
-    if ckpt_path:
-        resume_run_id = load_checkpoint(ckpt_path).get("wandb_run_id")
     precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
     configured = build_configured_callbacks(cfg.get("callbacks"))  # configs/callbacks/
     checkpointing = next((c for c in configured if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)

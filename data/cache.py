@@ -5,11 +5,16 @@ Layout, under `<cache_dir>/tokens/<source>-<tokenizer>-<key>/`:
     train.bin  val.bin  test.bin   token ids, native byte order, uint16 (vocab < 65536) or uint32
     manifest.json                  written last; its presence marks a complete cache
 
-The directory key hashes the source fingerprint and the tokenizer hash, so changing either
-builds a new cache next to the old one. The manifest records the source description, the
-tokenizer (kind, hash, vocab size), the dtype and, per split, the token count, the UTF-8
-byte count of the tokenized text (documents plus separators; the denominator of
-bits-per-byte) and the sha256 of the shard.
+A split's token stream is its documents in order, each with the source's separator text as its
+tail and then, when the tokenizer has one and the source's rows are whole documents
+(Source.rows_are_documents), the end-of-text token (Tokenizer.encode_documents):
+`doc1 sep <|endoftext|> doc2 sep <|endoftext|> ...`. The directory key hashes the source
+fingerprint, the tokenizer hash and FORMAT_VERSION, so changing any of them builds a new cache
+next to the old one. The manifest records the source description, the tokenizer (kind, hash,
+vocab size), the end-of-text id put after each document (null: none), the dtype and, per split, the token count
+(end-of-text tokens included), the UTF-8 byte count of the tokenized text (documents plus
+separators, the end-of-text token adds none; the denominator of bits-per-byte) and the sha256
+of the shard.
 
 Every file is written atomically (temp file in the same directory, fsync, os.replace) and
 the manifest goes last, so a crash mid-build leaves shards without a manifest. On load the
@@ -37,7 +42,9 @@ from data.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: documents are followed by the tokenizer's end-of-text token (when it has one), and special-token
+# text inside documents is encoded as plain text
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 # Documents are tokenized in groups of about this many UTF-8 bytes: large enough for the
 # Rust tokenizers' batch parallelism, small enough to bound memory on huge corpora.
@@ -138,7 +145,7 @@ def _write_shard(path: Path, source: Source, split: str, tokenizer: Tokenizer, d
     logger.info("tokenizing the %s split of %s%s", split, source.slug(), f" (up to {cap:,} tokens)" if cap else "")
     with atomic_writer(path) as handle, progress_bar(f"tokenizing {split}", cap) as advance:
         for chunk in _document_chunks(source.documents(split), source.separator):
-            ids = tokenizer.encode_to_array(chunk)
+            ids = tokenizer.encode_documents(chunk) if source.rows_are_documents else tokenizer.encode_to_array(chunk)
             advance(int(ids.size))
             if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                 raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size}) for split {split!r}")
@@ -176,6 +183,7 @@ def build_cache(directory: Path, source: Source, tokenizer: Tokenizer) -> dict:
         **_expected_identity(source, tokenizer),
         "source": source.describe(),
         "tokenizer": tokenizer.describe(),
+        "end_of_text_id": tokenizer.end_of_text_id if source.rows_are_documents else None,
         "dtype": dtype.name,
         "separator": source.separator,
         "splits": splits,

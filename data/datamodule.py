@@ -5,6 +5,10 @@
     dm.prepare_data(); dm.setup()
     dm.vocab_size, dm.tokenizer.decode(...), dm.unigram_bpb("val"), dm.token_ids("val")
 
+In the `data=` configs `tokenizer` is the option of the nested group configs/data/tokenizer/
+(`data/tokenizer=char` switches it), and `tokenizer_per_kind` holds the corpus's own options per
+kind, which those option files read (data/tokenizers.py lists the options of each kind).
+
 prepare_data() (Lightning runs it once per node, on local rank 0) downloads / reads the
 source, trains or loads the tokenizer and builds or verifies the token cache (full sha256
 check). setup() (every rank) loads the tokenizer and memory-maps the shards after a cheap
@@ -40,7 +44,9 @@ from data.cache import CacheInvalid, cache_directory, check_cache, ensure_token_
 from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, eval_window_count
 from data.sources import SPLITS, build_source
 from data.stats import unigram_bpb, unigram_counts
-from data.tokenizers import Tokenizer, TokenizerNotCached, build_tokenizer, parse_tokenizer_config
+from data.tokenizers import (
+    Tokenizer, TokenizerNotCached, build_tokenizer, check_tokenizer_per_kind, parse_tokenizer_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,8 @@ class TokenDataModule(L.LightningDataModule):
         seed: int,
         num_workers: int = 0,
         pin_memory: bool | None = None,
+        tokenizer_per_kind: Mapping[str, Any] | None = None,
+        use_tokenizer: Tokenizer | None = None,
     ):
         super().__init__()
         self.seq_len = _check_int("seq_len", seq_len, 1)
@@ -106,6 +114,15 @@ class TokenDataModule(L.LightningDataModule):
         self.cache_dir = Path(os.path.expanduser(str(cache_dir)))
         self.source_config = _plain(source)
         self.tokenizer_config = parse_tokenizer_config(_plain(tokenizer))
+        # read by the config files of configs/data/tokenizer/ (interpolations); checked here only
+        self.tokenizer_per_kind = check_tokenizer_per_kind(_plain(tokenizer_per_kind))
+        # evaluation passes a checkpoint's own tokenizer, used as it is (never trained again), so the
+        # splits are tokenized exactly as in training even where `tokenizer` would now train another
+        if use_tokenizer is not None and use_tokenizer.kind != self.tokenizer_config["kind"]:
+            raise ValueError(f"data.tokenizer.kind is {self.tokenizer_config['kind']!r}, but the checkpoint's tokenizer "
+                             f"(which resuming and evaluating a run tokenize with) is of kind {use_tokenizer.kind!r}: "
+                             f"use the data config the run was trained with (data/tokenizer={use_tokenizer.kind})")
+        self.use_tokenizer = use_tokenizer
         # Building the source validates data.source (kinds, options, local files exist) now,
         # before any training starts; it reads no data yet.
         self.source = build_source(self.source_config, self.cache_dir)
@@ -121,15 +138,19 @@ class TokenDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ preparation
 
+    def _tokenizer(self, allow_training: bool) -> Tokenizer:
+        if self.use_tokenizer is not None:
+            return self.use_tokenizer
+        return build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=allow_training)
+
     def prepare_data(self) -> None:
-        tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=True)
-        ensure_token_cache(self.cache_dir, self.source, tokenizer, verify_checksums=True)
+        ensure_token_cache(self.cache_dir, self.source, self._tokenizer(allow_training=True), verify_checksums=True)
 
     def setup(self, stage: str | None = None) -> None:
         if self.manifest is not None:
             return
         try:
-            tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=False)
+            tokenizer = self._tokenizer(allow_training=False)
             directory = cache_directory(self.cache_dir, self.source, tokenizer)
             manifest = check_cache(directory, self.source, tokenizer, verify_checksums=False)
         except (TokenizerNotCached, CacheInvalid) as problem:
@@ -140,7 +161,7 @@ class TokenDataModule(L.LightningDataModule):
                     "prepare_data() runs on local rank 0 of each node before setup(); if nodes do not share "
                     "data.cache_dir, keep prepare_data_per_node=True"
                 ) from None
-            tokenizer = build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=True)
+            tokenizer = self._tokenizer(allow_training=True)
             directory, manifest = ensure_token_cache(self.cache_dir, self.source, tokenizer, verify_checksums=True)
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size

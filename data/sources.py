@@ -15,7 +15,10 @@ kind reads through a Hugging Face `datasets` builder:
 
 Documents are joined in the token stream with a separator (tokenized as the tail of each
 document) so that decoding a split gives back readable text and so the byte counts used for
-bits-per-byte are the bytes of exactly the text that was tokenized.
+bits-per-byte are the bytes of exactly the text that was tokenized. Where a source's rows are
+whole documents (`rows_are_documents`: works, books, JSON/Parquet rows, hub rows; not the lines of
+a text file or of WikiText, which are pieces of one text), a tokenizer with an end-of-text token
+also puts that token after every document (data/cache.py).
 
 Sources are cheap to construct (config validation and file checks happen here, so a typo
 fails before any training starts); downloads and `load_dataset` happen on first use of
@@ -33,6 +36,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
@@ -58,6 +62,9 @@ class Source(ABC):
 
     kind: ClassVar[str]
     separator: str
+    # whether each document this source yields is a whole document (the tokenizer's end-of-text
+    # token follows it in the token stream) rather than a piece of one text (a line of a file)
+    rows_are_documents: bool = True
 
     @abstractmethod
     def fingerprint(self) -> dict:
@@ -82,18 +89,36 @@ class Source(ABC):
 
 
 @contextlib.contextmanager
-def _quiet_local_builder() -> Iterator[None]:
-    """Hide `datasets`' per-split progress bars while converting small local files (they
-    would clutter the training log); restores the user's setting afterwards."""
+def _progress_bars(show: bool) -> Iterator[None]:
+    """`datasets`' and `huggingface_hub`'s progress bars as the user set them (`show`) or hidden
+    while a dataset loads; the user's settings are restored afterwards."""
     import datasets
+    from huggingface_hub import utils as hub_utils
 
-    was_disabled = datasets.are_progress_bars_disabled()
+    if show:
+        yield
+        return
+    datasets_hidden, hub_hidden = datasets.are_progress_bars_disabled(), hub_utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
+    hub_utils.disable_progress_bars()
     try:
         yield
     finally:
-        if not was_disabled:
+        if not datasets_hidden:
             datasets.enable_progress_bars()
+        if not hub_hidden:
+            hub_utils.enable_progress_bars()
+
+
+def _quiet_local_builder():
+    """No progress bars while small local files are converted (they would clutter the training log)."""
+    return _progress_bars(show=False)
+
+
+def _hub_download_progress():
+    """Hub downloads show their progress bars (on stderr) on a terminal only: a log file or a pipe
+    gets no bar lines."""
+    return _progress_bars(show=sys.stderr.isatty())
 
 
 def _check_split(split: str) -> None:
@@ -468,8 +493,10 @@ class LocalFilesSource(Source):
             if options.sample_by not in self.SAMPLE_BY:
                 raise ValueError(f"data.source.sample_by must be one of {list(self.SAMPLE_BY)}, got {options.sample_by!r}")
             self.text_column = "text"  # the text builder's only column
-            # Line rows keep their line breaks, so joining them with "" restores the file.
+            # Line rows keep their line breaks, so joining them with "" restores the file; they are
+            # pieces of the file's text, paragraphs and whole files are documents.
             default_separator = "" if options.sample_by == "line" else DOCUMENT_SEPARATOR
+            self.rows_are_documents = options.sample_by != "line"
         else:
             self.text_column = str(options.text_column)
             default_separator = DOCUMENT_SEPARATOR
@@ -587,6 +614,8 @@ class HubOptions:
     max_train_tokens: int | None = None  # cap for huge (streaming) corpora; whole documents
     revision: str | None = None
     separator: str = DOCUMENT_SEPARATOR
+    # false: rows are pieces of one text (WikiText's lines): no end-of-text token between them
+    rows_are_documents: bool = True
 
 
 class HubSource(Source):
@@ -595,6 +624,9 @@ class HubSource(Source):
     def __init__(self, options: HubOptions, cache_dir: Path):
         self.options = options
         self.separator = options.separator
+        if not isinstance(options.rows_are_documents, bool):
+            raise ValueError(f"data.source.rows_are_documents must be true or false, got {options.rows_are_documents!r}")
+        self.rows_are_documents = options.rows_are_documents
         splits = dict(options.splits)
         if sorted(splits) != sorted(SPLITS):
             raise ValueError(f"data.source.splits must map exactly {list(SPLITS)} to hub split names (or null), got {splits}")
@@ -623,6 +655,7 @@ class HubSource(Source):
             "max_train_tokens": o.max_train_tokens,
             "revision": o.revision,
             "separator": self.separator,
+            "rows_are_documents": self.rows_are_documents,
         }
 
     def slug(self) -> str:
@@ -632,9 +665,10 @@ class HubSource(Source):
         import datasets
 
         o = self.options
-        dataset = datasets.load_dataset(
-            o.hub_id, o.config_name, split=hub_split, streaming=bool(o.streaming), revision=o.revision
-        )
+        with _hub_download_progress():
+            dataset = datasets.load_dataset(
+                o.hub_id, o.config_name, split=hub_split, streaming=bool(o.streaming), revision=o.revision
+            )
         yield from _iter_text_column(dataset, o.text_column, f"{o.hub_id}/{o.config_name} split {hub_split!r}")
 
     def documents(self, split: str) -> Iterator[str]:

@@ -4,16 +4,27 @@ Every tokenizer has `encode(text) -> list[int]`, `encode_batch(texts)`, `decode(
 `vocab_size` and `hash`: a sha256 of everything that determines its output (vocabulary,
 merges, rules), so a token cache built with one tokenizer is never read with another.
 
+End of text: `end_of_text_id` is the id of `<|endoftext|>` where the tokenizer has one, and
+`encode_documents(texts)` puts it after every document, so a window that spans two documents
+sees the boundary (data/cache.py tokenizes the splits with it). Our trained BPE reserves it (it
+is in every BPE vocabulary we train); pretrained tokenizers have it when their vocabulary does
+(tiktoken's gpt2 has it, id 50256; an HF tokenizer.json when it declares `<|endoftext|>` a special
+token). `byte` and `char` have none (all 256 byte ids are bytes; a char vocabulary is the train
+split's characters): their documents are separated by the source's separator text only. The text
+`<|endoftext|>` inside a document is encoded as plain text by every tokenizer, so a corpus cannot
+forge a boundary; `decode` writes the token as `<|endoftext|>`.
+
 Trained tokenizers (`char`, `bpe`) only ever see the train split, so nothing about the
 held-out text leaks into the vocabulary. They are trained once and cached under
 `<cache_dir>/tokenizers/`, keyed by a hash of the source fingerprint (which fixes the train
 works / files), the tokenizer kind and its options (vocab size, ...).
 
-`data.tokenizer` options per kind:
+`data.tokenizer` is chosen with `data/tokenizer=<kind>` (configs/data/tokenizer/<kind>.yaml); a data
+config gives its corpus's options per kind under `data.tokenizer_per_kind`. Options per kind:
     byte:       (none)                      vocab 256, the UTF-8 bytes
     char:       (none)                      train-split characters + one <unk> id (last)
     bpe:        vocab_size, min_frequency=2, max_train_bytes=null
-                byte-level BPE (GPT-2 style pre-tokenization) from HF `tokenizers`
+                byte-level BPE (GPT-2 style pre-tokenization) from HF `tokenizers`, with <|endoftext|>
     pretrained: name (a tiktoken encoding, e.g. gpt2; needs `pip install -e .[tiktoken]`
                 and the encoding cached or network) or path (an HF `tokenizer.json`)
 
@@ -48,8 +59,10 @@ TOKENIZER_OPTIONS = {
     "pretrained": ("name", "path"),
 }
 # Bump when training code changes in a way that changes its output, to retire old caches.
-TRAINED_TOKENIZER_VERSION = 1
+# (2: BPE vocabularies hold END_OF_TEXT)
+TRAINED_TOKENIZER_VERSION = 2
 UNKNOWN_CHAR = "\ufffd"
+END_OF_TEXT = "<|endoftext|>"
 
 
 def _sha256_text(text: str) -> str:
@@ -74,6 +87,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    @property
+    def end_of_text_id(self) -> int | None:
+        """The id of END_OF_TEXT, which encode_documents puts after every document; None: the
+        tokenizer has no such token."""
+        return None
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
@@ -82,6 +101,16 @@ class Tokenizer(ABC):
         encoded = self.encode_batch(texts)
         total = sum(len(ids) for ids in encoded)
         return np.fromiter((i for ids in encoded for i in ids), dtype=np.int64, count=total)
+
+    def encode_documents(self, documents: Sequence[str]) -> np.ndarray:
+        """The token ids of `documents` concatenated as int64, each document followed by
+        end_of_text_id when the tokenizer has one (the token stream of a split)."""
+        end = self.end_of_text_id
+        if end is None:
+            return self.encode_to_array(documents)
+        encoded = self.encode_batch(documents)
+        total = sum(len(ids) + 1 for ids in encoded)
+        return np.fromiter((i for ids in encoded for i in (*ids, end)), dtype=np.int64, count=total)
 
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "hash": self.hash}
@@ -170,7 +199,8 @@ class CharTokenizer(Tokenizer):
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers.Tokenizer`: our trained byte-level BPE (`kind="bpe"`) or a
-    pretrained `tokenizer.json` (`kind="pretrained"`)."""
+    pretrained `tokenizer.json` (`kind="pretrained"`). Special tokens written in the text are
+    encoded as plain text (`encode_special_tokens`, which tokenizer.json does not store)."""
 
     def __init__(self, tokenizer, kind: str):
         self.tokenizer = tokenizer
@@ -178,6 +208,14 @@ class HFTokenizer(Tokenizer):
         # Hash the canonical JSON (vocab, merges, normalizer, pre-tokenizer, decoder) so two
         # files that differ only in formatting get the same hash.
         self._hash = stable_hash(json.loads(tokenizer.to_str()))
+        tokenizer.encode_special_tokens = True
+        specials = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()
+                    if token.special}
+        self._end_of_text_id = specials.get(END_OF_TEXT)
+
+    @property
+    def end_of_text_id(self) -> int | None:
+        return self._end_of_text_id
 
     @property
     def vocab_size(self) -> int:
@@ -210,6 +248,8 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, encoding):
         self.encoding = encoding
+        self._end_of_text_id = (encoding.encode_single_token(END_OF_TEXT)
+                                if END_OF_TEXT in encoding.special_tokens_set else None)
         token_bytes = []
         for token_id in range(encoding.n_vocab):
             try:
@@ -223,6 +263,10 @@ class TiktokenTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return self.encoding.n_vocab
+
+    @property
+    def end_of_text_id(self) -> int | None:
+        return self._end_of_text_id
 
     @property
     def hash(self) -> str:
@@ -242,9 +286,10 @@ class TiktokenTokenizer(Tokenizer):
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> HFTokenizer:
-    """Byte-level BPE: GPT-2 pre-tokenization, all 256 bytes in the initial alphabet (so any
-    text encodes without <unk> and decodes back exactly), merges learned up to `vocab_size`
-    (fewer if the corpus runs out of pairs seen `min_frequency` times)."""
+    """Byte-level BPE: GPT-2 pre-tokenization, END_OF_TEXT as a special token (id 0), all 256
+    bytes in the initial alphabet (so any text encodes without <unk> and decodes back exactly),
+    merges learned up to `vocab_size` tokens in all (fewer if the corpus runs out of pairs seen
+    `min_frequency` times)."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -255,7 +300,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
+        special_tokens=[END_OF_TEXT],
         show_progress=sys.stderr.isatty(),  # the trainer's own bar, on a terminal only
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
@@ -292,19 +337,17 @@ def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
     allowed = TOKENIZER_OPTIONS[kind]
     unknown = sorted(set(cfg) - {"kind", *allowed})
     if unknown:
-        removals = " ".join(f"~data.tokenizer.{key}" for key in unknown)
         raise ValueError(
             f"data.tokenizer.{unknown[0]}: unknown option for tokenizer kind {kind!r}; allowed: {['kind', *allowed]}. "
-            f"Switching the kind on the command line, drop the data config's other options too: "
-            f"data.tokenizer.kind={kind} {removals}"
+            f"Switch tokenizers with data/tokenizer={kind} (configs/data/tokenizer/{kind}.yaml), which brings that "
+            f"kind's options only; a data config gives its corpus's options under tokenizer_per_kind.<kind>"
         )
     parsed: dict[str, Any] = {"kind": kind}
     if kind == "bpe":
         vocab_size = cfg.get("vocab_size")
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 256:
-            raise ValueError(
-                f"data.tokenizer.vocab_size must be an integer >= 256 (the byte alphabet) for kind 'bpe', got {vocab_size!r}"
-            )
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 257:
+            raise ValueError(f"data.tokenizer.vocab_size must be an integer >= 257 (the 256 bytes and {END_OF_TEXT}) "
+                             f"for kind 'bpe', got {vocab_size!r}")
         min_frequency = cfg.get("min_frequency", 2)
         if not isinstance(min_frequency, int) or min_frequency < 1:
             raise ValueError(f"data.tokenizer.min_frequency must be an integer >= 1, got {min_frequency!r}")
@@ -321,6 +364,30 @@ def parse_tokenizer_config(cfg: Mapping[str, Any]) -> dict:
             )
         parsed.update(name=name, path=path)
     return parsed
+
+
+def check_tokenizer_per_kind(per_kind: Mapping[str, Any] | None) -> dict:
+    """Validate `data.tokenizer_per_kind` (a data config's options per tokenizer kind, which
+    configs/data/tokenizer/<kind>.yaml reads): known kinds, each with options of its own kind
+    only, so a misspelt option fails instead of being passed over."""
+    if per_kind is None:
+        return {}
+    if not isinstance(per_kind, Mapping):
+        raise ValueError(f"data.tokenizer_per_kind must be a mapping of tokenizer kind to options, got {per_kind!r}")
+    checked = {}
+    for kind, options in per_kind.items():
+        if kind not in TOKENIZER_KINDS:
+            raise ValueError(f"data.tokenizer_per_kind.{kind}: unknown tokenizer kind; allowed: {list(TOKENIZER_KINDS)}")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"data.tokenizer_per_kind.{kind} must be a mapping of options, got {options!r}")
+        unknown = sorted(set(options) - set(TOKENIZER_OPTIONS[kind]))
+        if unknown:
+            raise ValueError(f"data.tokenizer_per_kind.{kind}.{unknown[0]}: unknown option for tokenizer kind "
+                             f"{kind!r}; allowed: {list(TOKENIZER_OPTIONS[kind])}")
+        checked[kind] = dict(options)
+    return checked
 
 
 def tokenizer_cache_path(cfg: dict, source: Source, cache_dir: str | os.PathLike) -> Path:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 from pathlib import Path
 
 import hydra
@@ -39,7 +38,7 @@ from omegaconf import DictConfig
 
 from eval import common
 from data.progress import tracked
-from models.attention_diagnostics import METRICS, attention_statistics
+from models.attention_diagnostics import METRICS, attention_statistics, plot_heatmaps, window_starts
 
 log = logging.getLogger("attnlab.eval.attention_stats")
 
@@ -47,55 +46,11 @@ log = logging.getLogger("attnlab.eval.attention_stats")
 RESULT_SETTINGS = ("num_tokens", "seq_len", "precision", "backend")
 
 
-def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[int]:
-    """Evenly spaced window starts over the split: a fixed, deterministic sample."""
-    if num_split_tokens < seq_len:
-        raise ValueError(f"the split has {num_split_tokens} tokens, fewer than seq_len={seq_len}")
-    count = max(1, math.ceil(num_tokens / seq_len))
-    last = num_split_tokens - seq_len
-    return sorted(set(np.linspace(0, last, count).round().astype(int).tolist()))
-
-
 def token_batches(tokens: np.ndarray, seq_len: int, num_tokens: int, batch_size: int, device):
     starts = window_starts(len(tokens), seq_len, num_tokens)
     for i in range(0, len(starts), batch_size):
         chunk = np.stack([tokens[s : s + seq_len] for s in starts[i : i + batch_size]]).astype(np.int64)
         yield torch.from_numpy(chunk).to(device)
-
-
-def plot_heatmaps(result: dict, prefix: Path) -> list[Path]:
-    """One PNG per metric: layers down, heads across, values annotated."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    model = result["model"]
-    for name, (_, title, _) in METRICS.items():
-        values = np.array([[np.nan if v is None else v for v in layer] for layer in result["metrics"][name]], dtype=float)
-        n_layer, n_head = values.shape
-        fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n_head, 1.0 + 0.5 * n_layer), dpi=110)
-        image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
-        middle = np.nanmean(values) if np.isfinite(values).any() else 0.0
-        fig.colorbar(image, ax=ax)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(n_head))
-        ax.set_yticks(range(n_layer))
-        ax.set_title(f"{model['variant']} s{model['seed']}: {title}", fontsize=9)
-        if n_layer * n_head <= 256:
-            for (i, j), v in np.ndenumerate(values):
-                if np.isfinite(v):
-                    # dark text on the bright (high) end of viridis, light text on the dark end
-                    color = "k" if v > middle else "w"
-                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6, color=color)
-        fig.tight_layout()
-        path = prefix.with_name(f"{prefix.name}.{name}.png")
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
@@ -176,11 +131,12 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
     results = []
     for run in common.iter_runs(cfg, device):
         data_cfg = common.data_config_for(run, cfg)
-        datamodule = datamodules.for_run(run, data_cfg)
+        datamodule = datamodules.for_run(run, data_cfg, cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out,
                                   settings=common.settings_tag(cfg, "attention_stats", RESULT_SETTINGS))
-        images = plot_heatmaps(result, path.with_suffix("")) if cfg.plot else []
+        label = f"{result['model']['variant']} s{result['model']['seed']}"
+        images = plot_heatmaps(result["metrics"], label, path.with_suffix("")) if cfg.plot else []
         result["path"] = str(path)
         result["heatmaps"] = [str(p) for p in images]
         common.write_json(path, result)

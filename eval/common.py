@@ -12,7 +12,10 @@ missing config fields, weights that do not fit the model) is refused with a Valu
 names the file and what does not match.
 
 A checkpoint carries its tokenizer (`data.tokenizers.tokenizer_record`): the eval commands use
-it, and refuse a `data=` config whose tokenizer is another one, naming both.
+it, and refuse a `data=` config whose tokenizer is another one, naming both. On the run's own data
+config they tokenize with the checkpoint's tokenizer as it is (a BPE is never trained again), so
+a run whose config would now train another tokenizer (an older attnlab's) still evaluates on the
+tokens it was trained on.
 """
 
 from __future__ import annotations
@@ -310,9 +313,9 @@ def _refuse_code(node, where: str) -> None:
             _refuse_code(value, f"{where}[{i}]")
 
 
-def build_datamodule(data_cfg: DictConfig):
-    """Construct (from an allow-list, with plain values only), prepare (builds or verifies the
-    token cache) and set up the data module."""
+def build_datamodule(data_cfg: DictConfig, use_tokenizer: Tokenizer | None = None):
+    """Construct (from an allow-list, with plain values only; with `use_tokenizer`, that tokenizer
+    instead of the config's), prepare (builds or verifies the token cache) and set up the data module."""
     from data.datamodule import TokenDataModule
 
     values = OmegaConf.to_container(data_cfg, resolve=True)
@@ -321,7 +324,7 @@ def build_datamodule(data_cfg: DictConfig):
         raise ValueError(f"data._target_ must be one of {sorted(DATAMODULES)} (evaluation runs no other code "
                          f"named in a run's config), got {target!r}")
     _refuse_code(values, "data")
-    datamodule = TokenDataModule(**values)
+    datamodule = TokenDataModule(**values, use_tokenizer=use_tokenizer)
     datamodule.prepare_data()
     datamodule.setup("test")
     return datamodule
@@ -524,12 +527,16 @@ class DataModuleCache:
     def __init__(self):
         self._modules: dict[str, Any] = {}
 
-    def get(self, data_cfg: DictConfig, vocab_size: int | None = None, tokenizer: Tokenizer | None = None):
+    def get(self, data_cfg: DictConfig, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
+            own_config: bool = False):
         """The data module of `data_cfg`; refused when its tokenizer is not `tokenizer` (the
-        checkpoint's) or, for a checkpoint without one, its vocabulary size is not `vocab_size`."""
-        key = json.dumps(OmegaConf.to_container(data_cfg, resolve=True), sort_keys=True, default=str)
+        checkpoint's) or, for a checkpoint without one, its vocabulary size is not `vocab_size`.
+        `own_config` (data_cfg is the run's own): tokenized with `tokenizer` itself."""
+        given = tokenizer if own_config else None
+        key = json.dumps([OmegaConf.to_container(data_cfg, resolve=True), given.hash if given else None],
+                         sort_keys=True, default=str)
         if key not in self._modules:
-            self._modules[key] = build_datamodule(data_cfg)
+            self._modules[key] = build_datamodule(data_cfg, use_tokenizer=given)
         datamodule = self._modules[key]
         if tokenizer is not None and datamodule.tokenizer.hash != tokenizer.hash:
             raise ValueError(
@@ -544,8 +551,9 @@ class DataModuleCache:
             )
         return datamodule
 
-    def for_run(self, run: LoadedRun, data_cfg: DictConfig):
-        return self.get(data_cfg, run.model_config.vocab_size, run.tokenizer)
+    def for_run(self, run: LoadedRun, data_cfg: DictConfig, cfg: DictConfig):
+        """The data module of data_config_for(run, cfg) (`data_cfg`), checked against the checkpoint."""
+        return self.get(data_cfg, run.model_config.vocab_size, run.tokenizer, own_config=cfg.get("data") is None)
 
 
 def tokenizer_for_run(run: LoadedRun, cfg: DictConfig) -> tuple[Tokenizer, DictConfig | None]:
@@ -555,7 +563,7 @@ def tokenizer_for_run(run: LoadedRun, cfg: DictConfig) -> tuple[Tokenizer, DictC
     if run.tokenizer is not None and cfg.get("data") is None:
         return run.tokenizer, None
     data_cfg = data_config_for(run, cfg)
-    return DataModuleCache().for_run(run, data_cfg).tokenizer, data_cfg
+    return DataModuleCache().for_run(run, data_cfg, cfg).tokenizer, data_cfg
 
 
 def versions() -> dict:

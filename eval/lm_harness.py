@@ -14,13 +14,15 @@ How requests are scored (HarnessScorer):
     encode(context). Context and continuation are truncated from the left to the model's
     training context; a continuation longer than the context is refused. `is_greedy`: every
     continuation token is the argmax.
-  - An empty context (and the start of every rolling text) is conditioned on one prefix token:
-    the last token of the document separator (data.sources.DOCUMENT_SEPARATOR), which is what
-    precedes every document in the training token stream.
+  - An empty context (and the start of every rolling text) is conditioned on one prefix token,
+    what precedes every document in the training token stream: the end-of-text token for
+    tokenizers that have one (data/tokenizers.py), else the last token of the document separator
+    (data.sources.DOCUMENT_SEPARATOR).
   - loglikelihood_rolling(text): every token scored once, windows of the training context with
     the most left context (eval.perplexity.score_tokens, stride = context).
   - generate_until(context, gen_kwargs): greedy (a request asking to sample is answered
-    greedily, with a warning), up to max_gen_toks tokens, cut at the first `until` string.
+    greedily, with a warning), up to max_gen_toks tokens, cut at the first `until` string or
+    the end-of-text token (a document's end), whichever comes first.
 Batches: requests sorted by length, right-padded (the model is causal, so padding after a row
 changes none of its logits); generation batches rows of one context length.
 """
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from data.sources import DOCUMENT_SEPARATOR
-from data.tokenizers import Tokenizer
+from data.tokenizers import END_OF_TEXT, Tokenizer
 from eval import common
 from eval.perplexity import score_tokens
 from models.gpt import GPT
@@ -65,7 +67,10 @@ class HarnessScorer:
         self.precision = precision
         self.max_gen_toks = max_gen_toks
         self.context = model.cfg.context
-        self.prefix_ids = tokenizer.encode(DOCUMENT_SEPARATOR)[-1:]
+        if tokenizer.end_of_text_id is not None:
+            self.prefix_ids = [tokenizer.end_of_text_id]
+        else:
+            self.prefix_ids = tokenizer.encode(DOCUMENT_SEPARATOR)[-1:]
         if not self.prefix_ids:
             raise ValueError("the tokenizer encodes the document separator to no tokens: no prefix for empty contexts")
         common.autocast(self.device, precision)  # checks the precision name
@@ -160,6 +165,8 @@ class HarnessScorer:
         return results
 
     def _greedy(self, ids: torch.Tensor, until: list[str], max_tokens: int) -> list[str]:
+        if self.tokenizer.end_of_text_id is not None:  # decode writes the token as this text
+            until = [*until, END_OF_TEXT]
         generated = [[] for _ in range(len(ids))]
         done = [False] * len(ids)
         ids = ids.to(self.device)

@@ -269,7 +269,7 @@ def run_perplexity(cfg: DictConfig) -> list[dict]:
     for run in common.iter_runs(cfg, device):
         context_lengths(cfg, run.model_config.context)  # fail on a bad list before loading data
         data_cfg = common.data_config_for(run, cfg)
-        datamodule = datamodules.for_run(run, data_cfg)
+        datamodule = datamodules.for_run(run, data_cfg, cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
         path = common.output_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out,
                                   settings=common.settings_tag(cfg, "perplexity", RESULT_SETTINGS))

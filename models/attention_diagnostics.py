@@ -4,13 +4,15 @@
 the float-exact weights from the layer's input with `attn.attention_weights` (the registry's
 reference path, which serves every variant: no per-variant code here). `HeadStats` holds the
 running sums; METRICS names each statistic (see eval/attention_stats.py for their definitions).
-Used by `python -m eval.attention_stats` and by the validation-time monitor
-(models/attention_monitor.py).
+`window_starts` picks the fixed sample of windows and `plot_heatmaps` draws one PNG per metric.
+Used by `python -m eval.attention_stats`, the validation-time monitor (models/attention_monitor.py)
+and the end-of-run heatmaps (models/attention_heatmaps.py).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -166,3 +168,49 @@ def summarize(metrics: dict) -> dict:
         else:
             summary[name] = float(np.mean(values)) if how == "mean" else float(np.max(values))
     return summary
+
+
+def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[int]:
+    """Evenly spaced window starts over the split: a fixed, deterministic sample."""
+    if num_split_tokens < seq_len:
+        raise ValueError(f"the split has {num_split_tokens} tokens, fewer than seq_len={seq_len}")
+    count = max(1, math.ceil(num_tokens / seq_len))
+    last = num_split_tokens - seq_len
+    return sorted(set(np.linspace(0, last, count).round().astype(int).tolist()))
+
+
+def plot_heatmaps(metrics: dict, label: str, prefix: Path) -> list[Path]:
+    """One PNG per metric of `metrics` (attention_statistics' per layer x head lists), named
+    <prefix>.<metric>.png: layers down, heads across, values annotated, titled `label` above the
+    metric's title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, (_, title, _) in METRICS.items():
+        values = np.array([[np.nan if v is None else v for v in layer] for layer in metrics[name]], dtype=float)
+        n_layer, n_head = values.shape
+        # at least wide enough for the two-line title
+        fig, ax = plt.subplots(figsize=(max(4.5, 1.0 + 0.7 * n_head), 1.4 + 0.5 * n_layer), dpi=110)
+        image = ax.imshow(np.ma.masked_invalid(values), cmap="viridis", aspect="auto")
+        middle = np.nanmean(values) if np.isfinite(values).any() else 0.0
+        fig.colorbar(image, ax=ax)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(n_head))
+        ax.set_yticks(range(n_layer))
+        ax.set_title(f"{label}\n{title}", fontsize=9)
+        if n_layer * n_head <= 256:
+            for (i, j), v in np.ndenumerate(values):
+                if np.isfinite(v):
+                    # dark text on the bright (high) end of viridis, light text on the dark end
+                    color = "k" if v > middle else "w"
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6, color=color)
+        fig.tight_layout()
+        path = prefix.with_name(f"{prefix.name}.{name}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -329,7 +329,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 kv_cache: bool = True, generator: torch.Generator | None = None):
+                 kv_cache: bool = True, generator: torch.Generator | None = None, stop_token: int | None = None):
         """Sample continuations of idx (B, N), attending to at most the training context.
 
         Without `kv_cache` every token re-encodes the last `context` tokens. With it (default) the
@@ -338,27 +338,42 @@ class GPT(nn.Module):
         re-filled with the last 3/4 of the context (positions restart at 0, as the uncached path's
         cropped window does), so a long generation re-encodes 3/4 context every context/4 tokens.
         Sampling draws from `generator` (torch's default generator when None).
+        With `stop_token` (e.g. the end-of-text id), a row that has sampled it is done: its later
+        positions hold stop_token, and generation ends once every row is done (one host sync per
+        token); the result may then be shorter than N + max_new_tokens.
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         context = self.cfg.context
+        done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device) if stop_token is not None else None
+
+        def append(idx, nxt):
+            """idx with nxt appended, and whether every row is done."""
+            if done is None:
+                return torch.cat([idx, nxt], dim=1), False
+            nxt = nxt.masked_fill(done, stop_token)
+            done.logical_or_(nxt == stop_token)
+            return torch.cat([idx, nxt], dim=1), bool(done.all())
+
         if not kv_cache:
             for _ in range(max_new_tokens):
                 nxt = _sample_next(self(idx[:, -context:])[:, -1, :].float(), temperature, top_k, generator)
-                idx = torch.cat([idx, nxt], dim=1)
+                idx, finished = append(idx, nxt)
+                if finished:
+                    break
             return idx
         cache = self.new_cache()
         logits = self(idx[:, -context:], cache=cache)[:, -1, :]
         for step in range(max_new_tokens):
             nxt = _sample_next(logits.float(), temperature, top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
-            if step == max_new_tokens - 1:
+            idx, finished = append(idx, nxt)
+            if finished or step == max_new_tokens - 1:
                 break
             if cache.length == context:
                 cache.reset()
                 logits = self(idx[:, -max(1, context - context // 4):], cache=cache)[:, -1, :]
             else:
-                logits = self(nxt, cache=cache)[:, -1, :]
+                logits = self(idx[:, -1:], cache=cache)[:, -1, :]
         return idx
 
 

@@ -5,7 +5,8 @@ ValidationSamples (train.log_samples: N prompts, 0 turns it off; train.sample_to
     the first N validation sequences are continued with the KV cache (GPT.generate, temperature
     0.8, top-k 50, from a generator seeded by the step, so training's random state is untouched).
     Each sample is appended to <run>/samples.jsonl ({"step", "prompt", "sample"}) and, with a
-    wandb logger, logged as the table `val/samples` (step, prompt, continuation).
+    wandb logger, logged as the table `val/samples` (step, prompt, continuation). The samples run all
+    `sample_tokens` tokens: an end-of-text token the model writes shows as <|endoftext|> in the text.
     Left out under sharded strategies (FSDP: no rank holds whole weights outside the wrapper), and
     with a warning when the weights or the logits are not finite: samples never stop a run.
 """

@@ -21,7 +21,7 @@ timeout 270 python3 scripts/bench_train.py --model small --vocab 2048 --batch 32
   --train-py --train-py-steps 100 --out $OUT/bench_train_small > $OUT/logs/bench_train_small.log 2>&1; st small
 left=$(( 560 - ($(date +%s) - T0) ))
 timeout $left python3 scripts/bench_train.py --model small --vocab 85 --context 256 --batch 64 --steps 30 --variants softcap_tanh \
-  --train-py --train-py-steps 100 --train-py-overrides data.tokenizer.kind=char '~data.tokenizer.vocab_size' \
+  --train-py --train-py-steps 100 --train-py-overrides data/tokenizer=char \
   --out $OUT/bench_train_char > $OUT/logs/bench_train_char.log 2>&1; st char
 grep -E "FAIL|all pass|failed" $OUT/logs/nonfinite_check.log
 grep -A14 "host time per action" $OUT/logs/profile_train_loop.log; grep -A12 "host-device syncs" $OUT/logs/profile_train_loop.log

@@ -334,12 +334,15 @@ def test_the_preset_trains_tokens_from_fake_wheels(wheel_dir, pinned, tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from hydra import compose, initialize_config_dir
+
     raw = OmegaConf.load(REPO / "configs" / "data" / "bibles.yaml")
-    stub = {"paths": {"cache_dir": str(tmp_path / "cache")}, "model": {"context": 16},
-            "train": {"batch_size": 4, "val_tokens": 256}, "seed": 0}
-    overrides = {"source": {"wheel_dir": str(wheel_dir), "translations": sorted(FAKE)}, "tokenizer": {"vocab_size": 300}}
-    cfg = OmegaConf.merge(stub, {"data": raw}, {"data": overrides})
-    dm = instantiate(cfg.data)
+    overrides = ["data=bibles", f"data.source.wheel_dir={wheel_dir}", f"data.source.translations=[{','.join(sorted(FAKE))}]",
+                 "data.tokenizer.vocab_size=300", f"paths.cache_dir={tmp_path / 'cache'}", "model.context=16",
+                 "train.batch_size=4", "train.val_tokens=256", "paths.output_dir=/unused"]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        data = compose("train", overrides=overrides).data
+    dm = instantiate(data)
     dm.prepare_data()
     dm.setup()
     assert dm.tokenizer.kind == "bpe" and 256 < dm.vocab_size <= 300

@@ -43,7 +43,7 @@ def test_generate_needs_no_data_config_for_a_bare_checkpoint(byte_run, tmp_path)
 
 def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, tmp_path):
     corpus = write_corpus(tmp_path / "other.txt", lines=100, seed=3)
-    other = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=char", "~data.tokenizer.vocab_size",
+    other = ["data=text", f"data.source.path={corpus}", "data/tokenizer=char",
              f"cache_dir={tmp_path / 'cache'}"]
     byte = ByteTokenizer()
     for name, run in (("perplexity", perplexity.run_perplexity), ("generate", generate.run_generate)):
@@ -54,7 +54,7 @@ def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, t
         assert f"checkpoint's tokenizer is kind=byte vocab=256 hash={byte.hash[:16]}" in message
         assert "data config's is kind=char vocab=" in message
     # the same tokenizer on other data is fine
-    same = ["data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte", "~data.tokenizer.vocab_size",
+    same = ["data=text", f"data.source.path={corpus}", "data/tokenizer=byte",
             f"cache_dir={tmp_path / 'cache'}", "split=val", "contexts=[8]", f"out={tmp_path / 'ppl.json'}"]
     result = perplexity.run_perplexity(eval_cfg("perplexity", byte_run, *same))[0]
     assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["kind"] == "byte"
@@ -90,3 +90,54 @@ def test_records_reject_malformed_content():
     payload = json.loads(record["content"])
     rebuilt = tokenizer_from_record({**record, "content": json.dumps(payload, indent=2)}, "here")
     assert rebuilt.hash == CharTokenizer("abc").hash  # formatting does not matter, content does
+
+
+def test_the_runs_own_data_is_tokenized_with_the_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """A BPE run evaluates on its own data config with the tokenizer its checkpoint holds: the
+    tokenizer and token caches gone (another machine) and BPE training now giving another
+    vocabulary (as a later attnlab may), perplexity and attention stats still run on the tokens
+    the model was trained on, without training a tokenizer; data= with another tokenizer is
+    refused as before."""
+    from data import tokenizers as tokenizers_module
+    from eval import attention_stats
+
+    run = train_tiny_run(tmp_path, **{"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300})
+    recorded = common.load_run(run / "checkpoints" / "best.ckpt").tokenizer
+    assert recorded.kind == "bpe" and recorded.end_of_text_id is not None
+    shutil.rmtree(tmp_path / "cache")
+    monkeypatch.setattr(tokenizers_module, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    result = perplexity.run_perplexity(eval_cfg("perplexity", run, "split=val", "contexts=[16]"))[0]
+    assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["hash"] == recorded.hash
+    stats = attention_stats.run_attention_stats(eval_cfg("attention_stats", run, "num_tokens=32", "plot=false"))[0]
+    assert stats["tokens"] == 32
+    cached = [p for p in (tmp_path / "cache" / "tokens").iterdir() if p.is_dir()]
+    assert len(cached) == 1 and json.loads((cached[0] / "manifest.json").read_text())["tokenizer"]["hash"] == recorded.hash
+    with pytest.raises(ValueError, match="data/tokenizer mismatch"):
+        perplexity.run_perplexity(eval_cfg("perplexity", run, "data=text", f"data.source.path={tmp_path / 'corpus.txt'}",
+                                           "data/tokenizer=byte", "split=val", "contexts=[16]"))
+
+
+def test_a_resumed_run_keeps_its_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """Resuming tokenizes with the checkpoint's tokenizer, not one the data config would train now
+    (the tokenizer cache gone and BPE training changed): the run continues on its own tokens. A
+    resume with another tokenizer kind is refused, naming both kinds."""
+    import train
+    from data import tokenizers as tokenizers_module
+    from train_helpers import compose_cfg, tiny_overrides
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
+    settings = {"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300, "train.max_steps": 4, "train.val_every": 2,
+                "model.context": 16}
+    first = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **settings, **{"train.stop_at_step": 2})))
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    recorded = tokenizer_from_record(load_checkpoint(last)["tokenizer"], "test")
+    assert first["steps"] == 2
+    shutil.rmtree(tmp_path / "cache" / "tokenizers")
+    monkeypatch.setattr(tokenizers_module, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    resumed = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **settings, ckpt_path=str(last))))
+    assert resumed["steps"] == 4
+    assert tokenizer_from_record(load_checkpoint(last)["tokenizer"], "test").hash == recorded.hash
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.kind is 'byte', but the checkpoint's tokenizer .* is of "
+                                         r"kind 'bpe'.*data/tokenizer=bpe"):
+        byte = {key: value for key, value in settings.items() if not key.startswith("data.tokenizer")}
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{**byte, "data/tokenizer": "byte"}, ckpt_path=str(last))))

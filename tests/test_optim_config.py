@@ -282,7 +282,7 @@ def test_the_default_callbacks_run_without_early_stopping_and_an_entry_can_be_le
     import train
 
     cfg = compose_cfg(["paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps"]
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 4, "train.val_every": 2})
                                     + ["callbacks.model_checkpoint=null"]))

@@ -19,8 +19,8 @@ def test_a_wandb_run_prints_none_of_the_notices(tmp_path, capfd, caplog):
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, logger="wandb", **{"train.max_steps": 2,
-                                                                                   "train.val_every": 2})))
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, logger="wandb", **{
+            "train.max_steps": 2, "train.val_every": 2, "callbacks.attention_heatmaps.windows": 4})))
     printed = capfd.readouterr()
     text = printed.out + printed.err + caplog.text + "\n".join(str(w.message) for w in caught)
     assert "val loss" in printed.out  # the run's own summary is still there

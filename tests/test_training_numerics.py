@@ -229,7 +229,7 @@ def test_logged_bits_per_byte_are_the_validation_nats_over_ln2_and_bytes_per_tok
     text = write_corpus(tmp_path / "plain.txt", lines=800).read_text()
     corpus.write_text(text.replace("a", "ä").replace("o", "ø"))
     overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 6, "train.val_every": 3,
-                                                     "data.tokenizer.kind": "char"})
+                                                     "data/tokenizer": "char"})
     cfg = compose_cfg(overrides)
     results = train.run(cfg)
     dm = instantiate(cfg.data)

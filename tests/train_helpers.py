@@ -28,8 +28,7 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
     base = {
         "data": "text",
         "data.source.path": str(corpus),
-        "data.tokenizer.kind": "byte",
-        "~data.tokenizer.vocab_size": None,
+        "data/tokenizer": "byte",
         "trainer": "cpu",
         "logger": "csv",
         "model.n_layer": 2,
@@ -47,6 +46,9 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
         "paths.cache_dir": str(tmp_path / "cache"),
         "paths.output_dir": str(tmp_path / "run"),
         "trainer.enable_progress_bar": False,
+        # the end-of-run attention heatmaps cost about a second a run; tests/test_attention_heatmaps.py
+        # and test_quiet_logs.py run them
+        "callbacks.attention_heatmaps.windows": 0,
     }
     base.update(extra)
     return [k if v is None else f"{k}={v}" for k, v in base.items()]
