@@ -1,0 +1,180 @@
+"""LitGPT's hooks called one at a time on a tiny model, with a stand-in trainer and a recording
+`log`: no Lightning run, so each test takes milliseconds (the mutation run over models/lit.py
+runs these for every mutant). What they pin: the validation sums and their reduction over ranks,
+val/loss, val/ppl and val/bpb, which validations count as the latest, the loss reductions, the
+checkpoint fields and what a resumed module takes back from them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models.lit import LitGPT
+
+TINY = {"vocab_size": 32, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 16,
+        "attn": {"name": "softmax", "backend": "reference"}}
+
+
+def attached(lit: LitGPT, **trainer) -> list[tuple[str, float]]:
+    """Attach a stand-in trainer (global_step, sanity_checking, ...) and record self.log's calls."""
+    lit._trainer = SimpleNamespace(**{"global_step": 7, "sanity_checking": False, **trainer})
+    logged = []
+    lit.log = lambda name, value, **kw: logged.append((name, float(value)))
+    return logged
+
+
+def validate(lit: LitGPT, batches, gathered=None) -> dict[str, float]:
+    """One validation epoch over (x, y) batches; `gathered` stands for all_gather (one rank: itself)."""
+    lit.on_validation_epoch_start()
+    for i, batch in enumerate(batches):
+        lit.validation_step(batch, i)
+    lit.all_gather = gathered or (lambda t: t)
+    logged = {}
+    real_log = lit.log
+    lit.log = lambda name, value, **kw: (logged.__setitem__(name, float(value)), real_log(name, value, **kw))
+    lit.on_validation_epoch_end()
+    lit.log = real_log
+    return logged
+
+
+def batches(seed=0, n=3, b=2, t=8):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 32, (b, t), generator=g), torch.randint(0, 32, (b, t), generator=g)) for _ in range(n)]
+
+
+def direct_nats(lit, data):
+    total = sum(torch.nn.functional.cross_entropy(lit.model(x).double().reshape(-1, 32), y.reshape(-1),
+                                                  reduction="sum").item() for x, y in data)
+    return total / sum(y.numel() for _, y in data)
+
+
+def test_validation_logs_token_weighted_nats_their_exp_and_bits_per_byte():
+    torch.manual_seed(0)
+    lit = LitGPT(model=TINY, bytes_per_token={"val": 1.5, "train": 9.0})
+    attached(lit)
+    # batches of different sizes: the mean is over tokens, not over batches
+    data = batches(n=2) + [(torch.randint(0, 32, (1, 8)), torch.randint(0, 32, (1, 8)))]
+    with torch.no_grad():
+        logged = validate(lit, data)
+        nats = direct_nats(lit, data)
+    assert logged["val/loss"] == pytest.approx(nats, rel=1e-6)
+    assert logged["val/ppl"] == pytest.approx(math.exp(nats), rel=1e-6)
+    assert logged["val/bpb"] == pytest.approx(nats / math.log(2) / 1.5, rel=1e-6)
+    assert lit.last_validation == {"step": 7, "val/loss": logged["val/loss"]}
+    assert lit._window is None  # validation time is left out of the next throughput window
+
+
+def test_val_bpb_is_not_logged_without_the_splits_bytes_per_token():
+    lit = LitGPT(model=TINY, bytes_per_token={"train": 1.0})
+    attached(lit)
+    with torch.no_grad():
+        assert set(validate(lit, batches())) == {"val/loss", "val/ppl"}
+
+
+def test_the_sums_of_every_rank_make_the_validation_loss():
+    """all_gather gives (world size, 2) under DDP: the token-weighted mean over all ranks' sums."""
+    lit = LitGPT(model=TINY)
+    attached(lit)
+    other_rank = torch.tensor([300.0, 100.0], dtype=torch.float64)  # 3 nats/token over 100 tokens
+    with torch.no_grad():
+        logged = validate(lit, batches(n=1), gathered=lambda t: torch.stack([t, other_rank]))
+        mine = direct_nats(lit, batches(n=1))
+    assert logged["val/loss"] == pytest.approx((mine * 16 + 300.0) / (16 + 100), rel=1e-6)
+
+
+def test_perplexity_is_capped_and_an_empty_validation_is_zero_not_nan():
+    lit = LitGPT(model=TINY)
+    lit.all_gather = lambda t: t
+    records = attached(lit)
+    lit.on_validation_epoch_start()
+    lit._val_sums += torch.tensor([80.0, 1.0], dtype=torch.float64)  # 80 nats: exp(80) would be 5.5e34
+    lit.on_validation_epoch_end()
+    assert dict(records)["val/loss"] == 80.0
+    assert dict(records)["val/ppl"] == pytest.approx(math.exp(50.0), rel=1e-12)
+    records = attached(lit)
+    lit.on_validation_epoch_start()  # no batch: 0 tokens
+    lit.on_validation_epoch_end()
+    assert dict(records)["val/loss"] == 0.0 and dict(records)["val/ppl"] == 1.0
+
+
+def test_the_sanity_check_is_not_the_latest_validation():
+    lit = LitGPT(model=TINY)
+    attached(lit, sanity_checking=True)
+    with torch.no_grad():
+        validate(lit, batches())
+    assert lit.last_validation == {}
+    attached(lit, sanity_checking=False, global_step=3)
+    with torch.no_grad():
+        logged = validate(lit, batches())
+    assert lit.last_validation == {"step": 3, "val/loss": logged["val/loss"]}
+
+
+def test_loss_reductions():
+    torch.manual_seed(1)
+    lit = LitGPT(model=TINY)
+    (x, y), = batches(n=1)
+    with torch.no_grad():
+        total = lit._loss((x, y), reduction="sum")
+        assert lit._loss((x, y)).item() == pytest.approx(total.item() / y.numel(), rel=1e-6)
+        assert total.item() == pytest.approx(direct_nats(lit, [(x, y)]) * y.numel(), rel=1e-5)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        lit._loss((x, y), reduction="none")
+
+
+def test_a_checkpoint_holds_the_counters_the_model_config_and_the_tokenizer_and_gives_them_back():
+    from dataclasses import asdict
+
+    record = {"kind": "char", "alphabet": "abc"}
+    lit = LitGPT(model=TINY, tokenizer=record)
+    lit.tokens_seen, lit.last_validation = 1234, {"step": 5, "val/loss": 2.5}
+    checkpoint = {}
+    lit.on_save_checkpoint(checkpoint)
+    assert checkpoint == {"tokens_seen": 1234, "model_config": asdict(lit.model_cfg),
+                          "last_validation": {"step": 5, "val/loss": 2.5}, "tokenizer": record}
+    assert checkpoint["last_validation"] is not lit.last_validation and checkpoint["tokenizer"] is not record
+    resumed = LitGPT(model=TINY)
+    resumed.on_load_checkpoint(checkpoint)
+    assert (resumed.tokens_seen, resumed.last_validation, resumed.tokenizer_record) == (1234, checkpoint["last_validation"], record)
+    # without a tokenizer record: none written; a module built with its own record keeps it
+    plain = {}
+    LitGPT(model=TINY).on_save_checkpoint(plain)
+    assert "tokenizer" not in plain
+    own = LitGPT(model=TINY, tokenizer={"kind": "byte"})
+    own.on_load_checkpoint(checkpoint)
+    assert own.tokenizer_record == {"kind": "byte"}
+    # a checkpoint of an older version, without the counters: zero tokens, no validation yet
+    old = LitGPT(model=TINY)
+    old.on_load_checkpoint({"tokenizer": None})
+    assert (old.tokens_seen, old.last_validation, old.tokenizer_record) == (0, {}, None)
+
+
+@pytest.mark.parametrize("unit", ["model", "block"])
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_compile_wraps_the_chosen_unit_with_the_chosen_mode(unit, cuda_graphs, monkeypatch):
+    """train.compile_unit=model: one torch.compile of the whole model, the forward goes through it;
+    =block: one per block plus the output, the forward is the model itself. CUDA graphs are
+    torch.compile's reduce-overhead mode. (Recorded, not compiled: the tests that compile are
+    tests/test_compile.py's.)"""
+    calls = []
+
+    def recording_compile(fn, **kwargs):
+        calls.append((fn, kwargs))
+        return SimpleNamespace(compiled=fn)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    plain = LitGPT(model=TINY)
+    assert plain.forward_fn is plain.model and calls == []  # compile=False: nothing compiled
+    lit = LitGPT(model={**TINY, "n_layer": 2}, compile=True, compile_unit=unit, cuda_graphs=cuda_graphs)
+    mode = "reduce-overhead" if cuda_graphs else None
+    assert all(kwargs == {"fullgraph": True, "mode": mode} for _, kwargs in calls), calls
+    if unit == "model":
+        assert [fn for fn, _ in calls] == [lit.model] and lit.forward_fn.compiled is lit.model
+    else:
+        blocks = [block._call_impl for block in lit.model.blocks]
+        assert [fn for fn, _ in calls][:2] == blocks and len(calls) == 3  # two blocks, then the output
+        assert lit.forward_fn is lit.model
+    assert lit.cuda_graphs is cuda_graphs
+    assert "forward_fn" not in dict(lit.named_children())  # out of the module tree: each weight saved once
