@@ -178,3 +178,29 @@ def test_compile_wraps_the_chosen_unit_with_the_chosen_mode(unit, cuda_graphs, m
         assert lit.forward_fn is lit.model
     assert lit.cuda_graphs is cuda_graphs
     assert "forward_fn" not in dict(lit.named_children())  # out of the module tree: each weight saved once
+
+
+def test_on_a_cuda_device_the_clock_syncs_and_peak_memory_is_logged_in_gib(monkeypatch):
+    """The GPU-only branches of the batch end, on CPU: a module that reports a CUDA device, with
+    torch.cuda's memory counter and synchronize stood in for."""
+    lit = LitGPT(model=TINY)
+    logged = attached(lit, world_size=1, _logger_connector=SimpleNamespace(should_update_logs=True),
+                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
+                      strategy=SimpleNamespace(model=torch.nn.Identity()))
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30 + 2**29)
+    monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.25}]))
+    lit._device = torch.device("cuda", 0)
+    lit._loss_to_log = torch.tensor(2.0)
+    batch = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    lit.on_train_batch_end(None, batch, 0)
+    assert dict(logged)["train/peak_mem_gb"] == 3.5
+    assert dict(logged)["train/lr"] == 0.25 and dict(logged)["train/loss"] == 2.0
+    # the clock syncs the device each time it is read: the window's start, and the log write
+    assert synced == [torch.device("cuda", 0)] * 2
+    for step, other in enumerate(("cpu", "mps"), start=1):  # other devices: no CUDA call
+        lit._device = torch.device(other)
+        del logged[:]
+        lit.on_train_batch_end(None, batch, step)
+        assert "train/peak_mem_gb" not in dict(logged) and len(synced) == 2
