@@ -204,3 +204,76 @@ def test_on_a_cuda_device_the_clock_syncs_and_peak_memory_is_logged_in_gib(monke
         del logged[:]
         lit.on_train_batch_end(None, batch, step)
         assert "train/peak_mem_gb" not in dict(logged) and len(synced) == 2
+
+
+def logging_trainer(lit, world_size, steps_that_write, fsdp=False):
+    """A stand-in trainer whose log writes happen on `steps_that_write` (global steps)."""
+    connector = SimpleNamespace(should_update_logs=False)
+    wrapped = SimpleNamespace(clip_grad_norm_=lambda *a: None) if fsdp else torch.nn.Identity()
+    logged = attached(lit, world_size=world_size, _logger_connector=connector, strategy=SimpleNamespace(model=wrapped),
+                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+
+    def at(step):
+        lit._trainer.global_step = step
+        connector.should_update_logs = step in steps_that_write
+    return logged, at
+
+
+def test_tokens_throughput_and_mfu_count_every_rank(monkeypatch):
+    """World size 2: each rank's batch is half of the step's tokens. train/tokens, tokens/s and MFU
+    (over world size x peak) are of the whole step; windows that start before WARMUP_STEPS are
+    logged but left out of the steady-state mean."""
+    from models.lit import WARMUP_STEPS
+
+    assert WARMUP_STEPS == 5
+    lit = LitGPT(model=TINY, peak_tflops=2.0)
+    logged, at = logging_trainer(lit, world_size=2, steps_that_write={0, 1, 5, 7, 8})
+    clock = iter([10.0, 10.0, 12.0, 20.0, 22.0, 23.0])  # read at the first batch's start and at each log write
+    monkeypatch.setattr(lit, "_clock", lambda: next(clock))
+    monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.5}]))
+    batch = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))  # 16 tokens a rank
+    by_step = {}
+    for step in range(9):
+        at(step)
+        del logged[:]
+        with torch.no_grad():
+            lit.training_step(batch, step)
+        lit.on_train_batch_end(None, batch, step)
+        by_step[step] = dict(logged)
+    assert lit.tokens_seen == 9 * 32
+    assert [s for s in by_step if by_step[s]] == [0, 1, 5, 7, 8]  # only the steps whose logs are written
+    assert by_step[7]["train/tokens"] == 8 * 32 and by_step[7]["train/lr"] == 0.5
+    assert "train/tokens_per_s" not in by_step[0]  # no batch in the first window yet
+    rates = {s: by_step[s]["train/tokens_per_s"] for s in (1, 5, 7, 8)}
+    assert rates == {1: 32 / 2.0, 5: 4 * 32 / 8.0, 7: 2 * 32 / 2.0, 8: 32 / 1.0}
+    for s, tps in rates.items():
+        assert by_step[s]["train/mfu"] == pytest.approx(tps * lit.flops_per_token / (2.0e12 * 2), rel=1e-9)
+    # steady state: the windows that opened at steps 5 and 7 (>= WARMUP_STEPS)
+    assert lit.throughput == {"tokens": 96, "seconds": 3.0} and lit.mean_tokens_per_s() == 32.0
+
+
+def test_gradient_norms_are_logged_once_and_not_under_sharded_gradients(monkeypatch):
+    for fsdp in (False, True):
+        lit = LitGPT(model=TINY)
+        logged, at = logging_trainer(lit, world_size=1, steps_that_write={0}, fsdp=fsdp)
+        monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.5}]))
+        lit._loss_to_log = torch.tensor(1.0)
+        lit._grad_norm = (0, torch.tensor(3.0))
+        lit._layer_grad_norms = (["embed", "block0"], torch.tensor([1.0, 2.0]))
+        at(0)
+        lit.on_train_batch_end(None, (torch.zeros(1, 8, dtype=torch.long),) * 2, 0)
+        norms = {k: v for k, v in logged if k.startswith("train/grad_norm")}
+        if fsdp:  # this rank's shard's norm is not the model's: the total is not logged
+            assert norms == {"train/grad_norm/embed": 1.0, "train/grad_norm/block0": 2.0}
+        else:
+            assert norms == {"train/grad_norm": 3.0, "train/grad_norm/embed": 1.0, "train/grad_norm/block0": 2.0}
+        assert lit._layer_grad_norms is None  # logged once
+
+
+def test_optimizer_and_scheduler_configs_must_be_partial_targets():
+    partial = {"_target_": "torch.optim.AdamW", "_partial_": True}
+    LitGPT(model=TINY, optimizer=partial, scheduler={**partial, "_target_": "models.schedules.warmup_cosine"})
+    for name in ("optimizer", "scheduler"):
+        for bad in ({"_target_": "torch.optim.AdamW"}, {**partial, "_partial_": "true"}, {"_partial_": True}, "adamw"):
+            with pytest.raises(ValueError, match=f"{name} must be a config with a `_target_` and `_partial_: true`"):
+                LitGPT(model=TINY, **{name: bad})
