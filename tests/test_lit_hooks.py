@@ -277,3 +277,31 @@ def test_optimizer_and_scheduler_configs_must_be_partial_targets():
         for bad in ({"_target_": "torch.optim.AdamW"}, {**partial, "_partial_": "true"}, {"_partial_": True}, "adamw"):
             with pytest.raises(ValueError, match=f"{name} must be a config with a `_target_` and `_partial_: true`"):
                 LitGPT(model=TINY, **{name: bad})
+
+
+class RecordingSGD(torch.optim.SGD):
+    """An optimizer target that records the `fused` it is built with."""
+    made: list = []
+
+    def __init__(self, params, lr=0.1, **kwargs):
+        RecordingSGD.made.append(kwargs.get("fused", "not given"))
+        super().__init__(params, lr=lr)
+
+
+@pytest.mark.parametrize("cuda,precision,configured,want", [
+    (True, "bf16-mixed", None, True),  # fused: null on CUDA: the fused kernel
+    (True, "32-true", None, True),
+    (True, "16-mixed", None, None),  # Lightning's AMP plugin refuses to clip a fused optimizer
+    (False, "bf16-mixed", None, None),  # off CUDA: PyTorch's default
+    (True, "bf16-mixed", False, False),  # an explicit choice stays
+])
+def test_fused_null_picks_the_fused_kernel_on_cuda_except_under_fp16(cuda, precision, configured, want, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    RecordingSGD.made = []
+    lit = LitGPT(model=TINY, optimizer={"_target_": f"{__name__}.RecordingSGD", "_partial_": True, "fused": configured},
+                 scheduler={"_target_": "models.schedules.warmup_cosine", "_partial_": True, "warmup_steps": 1,
+                            "max_steps": 4, "min_lr_ratio": 0.1})
+    attached(lit, precision=precision)
+    out = lit.configure_optimizers()
+    assert RecordingSGD.made == [want] and type(out["optimizer"]) is RecordingSGD
+    assert out["lr_scheduler"]["interval"] == "step"
