@@ -204,6 +204,28 @@ def test_explicit_contexts_stride_and_max_tokens():
         perplexity.evaluate_run(loaded(model), ppl_cfg(contexts="[4,12]", stride=8), data, torch.device("cpu"))
 
 
+def test_evaluate_run_rows_and_data_record():
+    """Each row's context multiple, bits per token and beyond-training flag, and the data record:
+    the split's own counts and its unigram baseline; a max_tokens of the split's length or more
+    truncates nothing."""
+    model = tiny_gpt(context=8)
+    tokens = np.random.default_rng(4).integers(0, 64, 60)
+    data = FakeData(tokens, num_bytes=90, vocab_size=64)
+    for max_tokens in ("null", 60, 61):
+        result = perplexity.evaluate_run(loaded(model), ppl_cfg(contexts="[4,8,16]", stride=4, max_tokens=max_tokens),
+                                         data, torch.device("cpu"))
+        assert result["data"] == {"tokens": 60, "bytes": 90, "bytes_per_token": 1.5,
+                                  "truncated_to_max_tokens": False, "unigram_bpb": 8.0}, max_tokens
+        rows = result["results"]
+        assert [r["context_multiple"] for r in rows] == [0.5, 1.0, 2.0]
+        assert [r["beyond_training_context"] for r in rows] == [False, False, True]
+        for r in rows:
+            assert r["bits_per_token"] == pytest.approx(r["nats_per_token"] / math.log(2), rel=1e-12)
+            assert r["windows"] == len(scoring_windows(60, r["context"], 4)) and r["tokens"] == 59
+    truncated = perplexity.evaluate_run(loaded(model), ppl_cfg(contexts="[4]", max_tokens=59), data, torch.device("cpu"))
+    assert truncated["data"]["truncated_to_max_tokens"] and truncated["data"]["unigram_bpb"] is None
+
+
 # ---------------------------------------------------------------------------- attention statistics
 
 
