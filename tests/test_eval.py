@@ -204,6 +204,22 @@ def test_explicit_contexts_stride_and_max_tokens():
         perplexity.evaluate_run(loaded(model), ppl_cfg(contexts="[4,12]", stride=8), data, torch.device("cpu"))
 
 
+def test_context_lengths_and_default_strides():
+    from eval.perplexity import context_lengths, stride_for
+
+    assert context_lengths(ppl_cfg(), 8) == [8, 16, 32]  # 1x, 2x, 4x the training context
+    assert context_lengths(ppl_cfg(context=6, context_multipliers="[1,1.5,0.5]"), 8) == [6, 9, 3]
+    assert context_lengths(ppl_cfg(contexts="[5,7]", context=6), 8) == [5, 7]  # an explicit list wins
+    for bad in ("[0]", "[4,-1]", "[2.5]"):
+        with pytest.raises(ValueError, match=r"context lengths must be positive ints, got \["):
+            context_lengths(ppl_cfg(contexts=bad), 8)
+    assert [stride_for(ppl_cfg(), n) for n in (1, 2, 9, 16)] == [1, 1, 4, 8]  # half the context, at least 1
+    assert stride_for(ppl_cfg(stride=3), 3) == 3
+    for stride, length in ((4, 3), (0, 3)):
+        with pytest.raises(ValueError, match=f"stride must be an int in \\[1, context\\] for every context; got stride={stride} with context {length}"):
+            stride_for(ppl_cfg(stride=stride), length)
+
+
 def test_evaluate_run_rows_and_data_record():
     """Each row's context multiple, bits per token and beyond-training flag, and the data record:
     the split's own counts and its unigram baseline; a max_tokens of the split's length or more
