@@ -730,3 +730,23 @@ def test_gradcheck_reference(case):
             assert margin.abs().min() > 1e-3
             assert (margin > 0).any() and (margin < 0).any()
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_exact_zero_fraction_by_hand():
+    """Per head: exactly-zero weights among the visible (i, j), over batch and rows; a masked
+    entry never counts, whatever its weight; a head without any visible entry gives 0, not NaN.
+    (The threshold kernel's statistics are checked against this function.)"""
+    from attn.reference import exact_zero_fraction
+
+    visible = torch.tensor([[True, False, False], [True, True, False]])[None, None]  # (1, 1, N=2, KV=3): 3 visible
+    weights = torch.zeros(2, 3, 2, 3)  # (B=2, H=3, 2, 3)
+    weights[:, 0] = torch.tensor([[0.0, 5.0, 5.0], [0.5, 0.0, 0.0]])  # head 0: zeros at 2 of 3 visible, each batch
+    weights[0, 1] = torch.tensor([[0.1, 0.0, 0.0], [-0.2, 0.3, 0.0]])  # head 1: none in batch 0 ...
+    weights[1, 1] = torch.tensor([[0.0, 1.0, 1.0], [0.0, -1e-30, 7.0]])  # ... 2 of 3 in batch 1; -1e-30 is no zero
+    weights[:, 2] = 1.0  # head 2: no zeros
+    got = exact_zero_fraction(weights, visible)
+    assert got.dtype == torch.float64 and got.shape == (3,)
+    assert got.tolist() == [4 / 6, 2 / 6, 0.0]
+    assert exact_zero_fraction(weights, torch.zeros_like(visible)).tolist() == [0.0, 0.0, 0.0]
+    one_visible = torch.tensor([True, False])[None, None, None]  # a single visible entry, weight 0
+    assert exact_zero_fraction(torch.zeros(1, 1, 1, 2), one_visible).tolist() == [1.0]
