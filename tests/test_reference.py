@@ -750,3 +750,17 @@ def test_exact_zero_fraction_by_hand():
     assert exact_zero_fraction(weights, torch.zeros_like(visible)).tolist() == [0.0, 0.0, 0.0]
     one_visible = torch.tensor([True, False])[None, None, None]  # a single visible entry, weight 0
     assert exact_zero_fraction(torch.zeros(1, 1, 1, 2), one_visible).tolist() == [1.0]
+
+
+def test_threshold_weights_for_a_power_below_one():
+    """p = 0.5 (any float > 0, DESIGN.md §4): relu(x - tau)^p over the visible keys, written out
+    directly; the loop comparisons above use p >= 1 only."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(1, 9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    w = threshold_family_weights(q, k, get_variant("threshold").make_spec(beta=0.5, power=0.5), MaskSpec())
+    x = torch.einsum("bihd,bjhd->bhij", q, k)
+    tau = 0.5 * torch.sqrt(2 * torch.log(torch.arange(1, 10, dtype=torch.float64)) / 8)[None, None, :, None]
+    visible = dense_mask(MaskSpec(), 9)[:, None]
+    want = torch.where(visible, torch.relu(x - tau) ** 0.5, torch.zeros_like(x))
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
+    assert 0.1 < (w[visible.expand_as(w)] == 0).double().mean() < 0.9  # both sides of the threshold
