@@ -305,3 +305,20 @@ def test_fused_null_picks_the_fused_kernel_on_cuda_except_under_fp16(cuda, preci
     out = lit.configure_optimizers()
     assert RecordingSGD.made == [want] and type(out["optimizer"]) is RecordingSGD
     assert out["lr_scheduler"]["interval"] == "step"
+
+
+def test_eager_mode_runs_compiled_functions_eagerly_by_default():
+    """models/sample_logger.py calls eager_mode() with no argument: compiled code must not compile there."""
+    from torch._dynamo.testing import CompileCounter
+
+    from models.lit import eager_mode
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    double = torch.compile(lambda x: 2 * x, backend=counter)
+    with eager_mode():
+        assert double(torch.ones(3)).tolist() == [2.0] * 3
+    assert counter.frame_count == 0
+    with eager_mode(False):
+        double(torch.ones(3))
+    assert counter.frame_count == 1  # compiled only outside eager mode
