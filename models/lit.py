@@ -276,8 +276,8 @@ class LitGPT(L.LightningModule):
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of all of this rank's gradients at the current optimizer step, before
         clipping: a device tensor, computed once per step and shared by the non-finite guard,
-        clipping and the train/grad_norm log, with the step's clip factors (the per-parameter norms
-        in one multi-tensor kernel, the rest in one fused kernel on CUDA: models/step_scalars.py).
+        clipping and the train/grad_norm log, with the step's clip divisor (the per-parameter norms
+        in one multi-tensor kernel, then a few scalar ops: models/step_scalars.py).
         Non-finite when any gradient is, or when the sum of squares overflows fp32 (a gradient of
         1e19: clipping by it would zero the update, so such a step counts as non-finite too). On
         steps whose logs are written (and with log_grad_norm_per_layer), the per-layer norms too,
