@@ -81,6 +81,10 @@ class CapturedStep:
             self._replay, self._loss = self.capture(self._forward_backward, self._drop_grads)
             self._grads = [p.grad for p in self.params]
         else:
+            if x.shape != self._static[0].shape or y.shape != self._static[1].shape:
+                raise ValueError(f"train.cuda_graphs=step replays one batch shape, captured "
+                                 f"{tuple(self._static[0].shape)}; got inputs {tuple(x.shape)}, targets {tuple(y.shape)} "
+                                 "(use train.cuda_graphs=false for batches of varying shape)")
             self._static[0].copy_(x)
             self._static[1].copy_(y)
         self._replay()

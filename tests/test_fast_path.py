@@ -320,3 +320,18 @@ def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
     weights = [torch.load(runs[m] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for m in runs]
     for name, w in weights[0].items():
         torch.testing.assert_close(weights[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_captured_step_refuses_another_batch_shape():
+    from models.captured_step import WARMUP_CALLS, CapturedStep
+
+    _CAPTURED_PARAMS[:] = []
+    weight = torch.nn.Parameter(torch.ones(3))
+    _CAPTURED_PARAMS.append(weight)
+    step = CapturedStep(lambda x, y: (weight * x.float()).sum() + 0 * y.sum(), [weight], capture=eager_capture)
+    x = torch.ones(2, 3)
+    for _ in range(WARMUP_CALLS + 2):
+        assert step(x, x).item() == 6.0 and torch.equal(weight.grad, torch.full((3,), 2.0))
+    assert step.captured
+    with pytest.raises(ValueError, match=r"replays one batch shape, captured \(2, 3\); got inputs \(1, 3\)"):
+        step(torch.ones(1, 3), torch.ones(1, 3))
