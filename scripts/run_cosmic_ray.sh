@@ -4,7 +4,7 @@
 #
 #   pip install cosmic-ray==8.7.0            # once; not a CI dependency (a run takes ~30 min per module)
 #   scripts/run_cosmic_ray.sh sampling       # data/sampling.py: about 320 mutants, ~6 s each on 2 cores
-#   scripts/run_cosmic_ray.sh lit            # also: perplexity, masks, reference (reduced and sampled)
+#   scripts/run_cosmic_ray.sh lit            # also: perplexity, masks, reference, cache, tokenizers (reduced and sampled)
 #
 # After cosmic-ray's init, filters mark mutants as skipped: cosmic-ray's operators-filter (the
 # config's `[cosmic-ray.filters.operators-filter] exclude-operators`, a reduced operator set), its

@@ -82,8 +82,11 @@ def test_a_tampered_tokenizer_record_is_refused(byte_run, tmp_path):
 
 
 def test_records_reject_malformed_content():
-    with pytest.raises(ValueError, match="must have exactly the keys"):
+    # the message names the keys it got, or the type of a record that is no mapping
+    with pytest.raises(ValueError, match=r"must have exactly the keys .*, got \['kind'\]$"):
         tokenizer_from_record({"kind": "byte"}, "here")
+    with pytest.raises(ValueError, match=r"must have exactly the keys .*, got int$"):
+        tokenizer_from_record(5, "here")
     record = tokenizer_record(CharTokenizer("abc"))
     with pytest.raises(ValueError, match="here: the attnlab-char tokenizer content cannot be read"):
         tokenizer_from_record({**record, "content": "{not json"}, "here")

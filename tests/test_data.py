@@ -6,6 +6,7 @@ sdist-shaped tar.gz built here, the hub source on an in-memory `datasets.Dataset
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
@@ -283,6 +284,39 @@ def test_uint32_shards_for_large_vocabularies():
     assert cache_module.token_dtype(50257) == np.uint16
 
 
+def _three_file_text_source(tmp_path, train: str, val: str, test: str):
+    paths = {}
+    for split, text in (("train", train), ("val", val), ("test", test)):
+        paths[split] = tmp_path / f"{split}.txt"
+        paths[split].write_text(text, encoding="utf-8")
+    return build_source({"kind": "text", "path": str(paths["train"]), "val_path": str(paths["val"]),
+                         "test_path": str(paths["test"])}, tmp_path / "cache")
+
+
+def test_an_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    """The shard writer's range check is [0, vocab_size): an id of exactly vocab_size (one past the
+    last) is refused, not written (cosmic-ray survivor: `>=` -> `>` on data/cache.py's check)."""
+
+    class OnePastTheEnd(ByteTokenizer):
+        def encode_to_array(self, texts):
+            ids = super().encode_to_array(texts)
+            return np.where(ids == ord("~"), self.vocab_size, ids)
+
+    source = _three_file_text_source(tmp_path, "plain train text\n" * 4, "val ~ text\n", "test text\n")
+    with pytest.raises(ValueError, match=r"ids outside \[0, 256\) for split 'val'"):
+        cache_module.build_cache(tmp_path / "tokens", source, OnePastTheEnd())
+    cache_module.build_cache(tmp_path / "clean", source, ByteTokenizer())  # the same text, in range, builds
+
+
+def test_a_split_of_a_single_token_is_not_empty(tmp_path):
+    """Only a split with no token (or no document with text) is refused as empty: a one-byte split
+    builds, with one token (cosmic-ray survivor: `tokens == 0` -> `tokens == 1` in the check)."""
+    source = _three_file_text_source(tmp_path, "plain train text\n" * 4, "v", "test text\n")
+    assert source.separator == ""  # a text file's lines are pieces of one text: nothing added
+    manifest = cache_module.build_cache(tmp_path / "tokens", source, ByteTokenizer())
+    assert manifest["splits"]["val"]["tokens"] == 1 and manifest["splits"]["val"]["bytes"] == 1
+
+
 # --------------------------------------------------------------------------- local files
 
 
@@ -468,6 +502,33 @@ def test_bpe_is_cached_by_source_and_options(sdist, tmp_path, monkeypatch):
     # A torn tokenizer file is retrained (with a warning), not trusted.
     path.write_text(path.read_text()[:100])
     assert build_tokenizer({"kind": "bpe", "vocab_size": 300}, source, tmp_path).hash == first.hash
+    # So is a torn file with no digest beside it (a cache from before the digests, trusted once):
+    # its parse error marks it, not the digest (cosmic-ray survivor: `_read_trained`'s except).
+    path.write_text(path.read_text()[:100])
+    tokenizers_module._digest_path(path).unlink()
+    assert build_tokenizer({"kind": "bpe", "vocab_size": 300}, source, tmp_path).hash == first.hash
+
+
+def test_a_tokenizer_another_process_trained_while_we_waited_is_reused(tmp_path, monkeypatch):
+    """build_tokenizer looks at the cache again once it holds the lock: a tokenizer another job
+    finished while this one waited is loaded, not trained a second time (cosmic-ray survivor:
+    the second `path.is_file()` negated)."""
+    source = _three_file_text_source(tmp_path, "abc train text\n" * 4, "val text\n", "test text\n")
+    cfg = {"kind": "char"}
+    path = tokenizers_module.tokenizer_cache_path(tokenizers_module.parse_tokenizer_config(cfg), source, tmp_path)
+    other = CharTokenizer("abc")  # what the other job wrote (not what this source would train)
+    real_lock = tokenizers_module.exclusive_lock
+
+    @contextlib.contextmanager
+    def lock_held_by_another_job_first(lock_path):
+        assert not path.exists()
+        with real_lock(lock_path):
+            tokenizers_module._write_trained(path, other)  # it finished while we waited
+            yield
+
+    monkeypatch.setattr(tokenizers_module, "exclusive_lock", lock_held_by_another_job_first)
+    monkeypatch.setattr(CharTokenizer, "fit", classmethod(lambda cls, texts: pytest.fail("trained again")))
+    assert build_tokenizer(cfg, source, tmp_path).hash == other.hash
 
 
 def test_bpe_sees_only_train_works(sdist, tmp_path, monkeypatch):
