@@ -3,12 +3,12 @@ and the model's KV-cache decoding: equal to re-encoding the whole window, token 
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import attn
 from attn.masks import MaskSpec, dense_mask, visible_key_counts
 from attn.reference import reference_attention
 from models.gpt import GPT, AttnConfig, GPTConfig, KVCache
+from test_kernels_longer_keys import make_inputs
 
 VARIANTS = {
     "softmax": {},
@@ -21,29 +21,13 @@ VARIANTS = {
 MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(causal=True, window=5), "full": MaskSpec(causal=False)}
 
 
-def inputs(name, b, n, kv, h, h_kv, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    unit = "threshold" in name
-
-    def rand(length, heads):
-        x = torch.randn(b, length, heads, d, generator=gen, dtype=torch.float64)
-        return F.normalize(x, dim=-1) if unit else x
-
-    x = {"q": rand(kv, h), "k": rand(kv, h_kv), "v": torch.randn(b, kv, h_kv, d, generator=gen, dtype=torch.float64)}
-    if name == "diff_threshold":
-        x.update(q2=rand(kv, h), k2=rand(kv, h_kv), lam=torch.tensor([0.3, 0.6, 0.1, 0.8][:h], dtype=torch.float64))
-    if name in ("softcap_tanh", "alsc"):
-        x["temperature"] = 0.5 + torch.rand(b, kv, generator=gen, dtype=torch.float64)
-    return x
-
-
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_last_queries_against_all_keys_are_the_last_rows_of_full_attention(name, mask):
     """Query block i of Q against KV keys is query KV - Q + i of the square problem: same
     visible keys, same tau counts, same output (float64)."""
     b, kv, h, h_kv, d = 2, 13, 4, 2, 8
-    x = inputs(name, b, kv, kv, h, h_kv, d, seed=kv)
+    x = make_inputs(name, b, kv, kv, h, h_kv, d, seed=kv, temperature=name in ("softcap_tanh", "alsc"))
     spec = attn.get_variant(name).make_spec(**VARIANTS[name])
     full = reference_attention(x["q"], x["k"], x["v"], spec, MASKS[mask], temperature=x.get("temperature"),
                                q2=x.get("q2"), k2=x.get("k2"), lam=x.get("lam"))
