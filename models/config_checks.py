@@ -37,8 +37,7 @@ def cuda_graphs_enabled(train_cfg, n_devices: int, cuda: bool) -> tuple[bool | s
     """(mode, why) for train.cuda_graphs: true (torch.compile's graphs), false and step (the whole
     forward and backward as one graph, models/captured_step.py) as given; auto picks step where
     graphs are known to hold: a compiled model on one CUDA device, without gradient accumulation
-    (at model `small` on an H200, step trained at 1.47x the tokens/s of torch.compile's graphs,
-    which ran at about 2x no graphs; the same losses within bf16 noise)."""
+    (step is the fastest of the three there: docs/results/captured_step/)."""
     graphs = train_cfg.get("cuda_graphs", "auto")
     if graphs == "step":
         reasons = [why for bad, why in ((not cuda, "no CUDA device"), (n_devices != 1, f"{n_devices} devices"))
