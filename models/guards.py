@@ -33,7 +33,7 @@ import torch
 import attn
 from models.attention_diagnostics import per_head_scores
 from models.lit import writes_logs
-from models.step_scalars import nonfinite_flag
+from models.step_scalars import nonfinite_found
 
 POLICIES = ("skip", "stop", "off")
 
@@ -100,10 +100,10 @@ class NonFiniteGuard(L.Callback):
         loss = self._loss if self._loss is not None else torch.zeros((), device=pl_module.device)
         if not isinstance(self._skipped, torch.Tensor):
             self._skipped = torch.tensor(float(self._skipped), device=pl_module.device)
-        # a non-finite gradient makes the step's gradient norm non-finite (LitGPT.grad_norm);
+        # a non-finite gradient makes the step's gradient norm non-finite (LitGPT.nonfinite_flag);
         # under the scaler only the loss is ours to check
-        norm = loss if scaler_handles_grads else pl_module.grad_norm()
-        found, skipped_if_skipped = nonfinite_flag(norm, loss, self._skipped)
+        found = nonfinite_found(loss, loss) if scaler_handles_grads else pl_module.nonfinite_flag(loss)
+        skipped_if_skipped = self._skipped + found
         if _shards_gradients(trainer) and torch.distributed.is_initialized():
             # each rank checked only its own gradient shard: agree before skipping. (DDP needs
             # none: a non-finite value on one rank reaches every rank's all-reduced gradients,

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 
 from models.captured_step import CapturedStep
 from models.gpt import GPT, AttnConfig, GPTConfig
-from models.step_scalars import norm_and_clip
+from models.step_scalars import StepScalars, nonfinite_found, step_scalars
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,9 @@ class LitGPT(L.LightningModule):
             forward_fn = torch.compile(self.model, fullgraph=True, mode=mode)
         elif compile:  # a graph per block, shared by the blocks (see GPT.compile_per_block)
             self.model.compile_per_block(mode=mode)
-        self.step_graph = (CapturedStep(lambda x, y: self._loss((x, y)), self.model.parameters())
+        # the step's gradient norms, clip divisor and non-finite flag are computed inside the graph
+        self.step_graph = (CapturedStep(lambda x, y: self._loss((x, y)), self.model.parameters(),
+                                        tail=self._captured_step_scalars)
                            if cuda_graphs == "step" else None)
         # kept out of the module tree so the state dict holds each weight once
         self.__dict__["forward_fn"] = forward_fn
@@ -114,8 +116,10 @@ class LitGPT(L.LightningModule):
         self.peak_tflops = peak_tflops  # bf16 dense peak of one device, for MFU; None: no MFU
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
-        self._grad_norm: tuple[int, torch.Tensor] | None = None  # (global step, norm) of the step's gradients
-        self._clip_divisor: torch.Tensor | None = None  # that step's clip (step_scalars.norm_and_clip)
+        # (global step, StepScalars, the parameters in the order of its per-parameter norms) of the
+        # step's gradients: computed once per step (grad_norm) or by the captured step
+        self._step_scalars: tuple[int, StepScalars, list] | None = None
+        self._scalar_params: list = []  # the parameters of the captured step's per-parameter norms
         # (layer names, norms) of train/grad_norm/<layer>, on steps whose logs are written
         self._layer_grad_norms: tuple[list[str], torch.Tensor] | None = None
 
@@ -138,7 +142,11 @@ class LitGPT(L.LightningModule):
         if self.cuda_graphs:  # a new step: the previous step's graph outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         # a captured step runs its backward with the forward (LitGPT.backward then has nothing to do)
-        loss = self.step_graph(*batch) if self.step_graph is not None else self._loss(batch)
+        if self.step_graph is not None:
+            loss = self.step_graph(*batch)
+            self._step_scalars = (self.global_step, self.step_graph.tail_outputs, self._scalar_params)
+        else:
+            loss = self._loss(batch)
         tokens = batch[0].numel()
         self.tokens_seen += tokens * self.trainer.world_size
         if writes_logs(self.trainer):  # logged at the batch end, after the clock's device sync
@@ -177,9 +185,9 @@ class LitGPT(L.LightningModule):
         self.log("train/loss", loss.cpu(), prog_bar=True)
         self.log("train/tokens", torch.tensor(float(self.tokens_seen)))
         self.log("train/lr", torch.tensor(float(self.optimizers().param_groups[0]["lr"])))
-        if self._grad_norm is not None and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
+        if self._step_scalars is not None and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
             # the latest step's gradient norm before clipping (under FSDP only this rank's shard's: not logged)
-            self.log("train/grad_norm", self._grad_norm[1].float().cpu())
+            self.log("train/grad_norm", self._step_scalars[1].norm.float().cpu())
         if self._layer_grad_norms is not None:  # one device-to-host copy for all layers
             names, norms = self._layer_grad_norms
             for name, value in zip(names, norms.cpu()):
@@ -273,36 +281,60 @@ class LitGPT(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def _captured_step_scalars(self, loss: torch.Tensor, params: list) -> StepScalars:
+        """The captured step's tail (models/captured_step.py): the step's scalars from its fresh
+        gradients, inside the graph. The parameters with a gradient are those of the capture's run,
+        and stay so: the replays run the same kernels."""
+        self._scalar_params = [p for p in params if p.grad is not None]
+        return step_scalars([p.grad for p in self._scalar_params], self._clip_value(), loss)
+
+    def current_step_scalars(self) -> StepScalars:
+        """The gradient norm, clip divisor and non-finite flag of this rank's gradients at the current
+        optimizer step, before clipping: device tensors, computed once per step (or by the captured
+        step, inside its graph) and shared by the non-finite guard, clipping and the train/grad_norm
+        log (the per-parameter norms in one multi-tensor kernel, then a few scalar ops:
+        models/step_scalars.py). The norm is non-finite when any gradient is, or when the sum of
+        squares overflows fp32 (a gradient of 1e19: clipping by it would zero the update, so such a
+        step counts as non-finite too). On steps whose
+        logs are written (and with log_grad_norm_per_layer), the per-layer norms too, from the same
+        per-parameter norms: a few more small kernels, no host sync."""
+        step = self.global_step
+        if self._step_scalars is None or self._step_scalars[0] != step:
+            with_grad = [p for p in self.parameters() if p.grad is not None]
+            if with_grad:
+                scalars = step_scalars([p.grad for p in with_grad], self._clip_value())
+            else:
+                scalars = StepScalars([], torch.zeros((), device=self.device), None, None)
+            self._step_scalars = (step, scalars, with_grad)
+            if self._logs_layer_grad_norms():
+                self._layer_grad_norms = self._per_layer_norms(scalars.per_param_norms, with_grad)
+        elif self._logs_layer_grad_norms() and self._layer_grad_norms is None:
+            _, scalars, params = self._step_scalars
+            self._layer_grad_norms = self._per_layer_norms(scalars.per_param_norms, params)
+        return self._step_scalars[1]
+
+    def _per_layer_norms(self, per_param_norms: list, params: list) -> tuple[list[str], torch.Tensor]:
+        norm_of = {id(p): n for p, n in zip(params, per_param_norms)}
+        names, layer_norms = [], []
+        for name, layer_params in grad_norm_layers(self.model):
+            own = [norm_of[id(p)] for p in layer_params if id(p) in norm_of]
+            names.append(name)
+            layer_norms.append(torch.linalg.vector_norm(torch.stack(own).float()) if own
+                               else torch.zeros((), device=self.device))
+        return names, torch.stack(layer_norms)
+
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of all of this rank's gradients at the current optimizer step, before
-        clipping: a device tensor, computed once per step and shared by the non-finite guard,
-        clipping and the train/grad_norm log, with the step's clip divisor (the per-parameter norms
-        in one multi-tensor kernel, then a few scalar ops: models/step_scalars.py).
-        Non-finite when any gradient is, or when the sum of squares overflows fp32 (a gradient of
-        1e19: clipping by it would zero the update, so such a step counts as non-finite too). On
-        steps whose logs are written (and with log_grad_norm_per_layer), the per-layer norms too,
-        from the same per-parameter norms: a few more small kernels, no host sync."""
-        step = self.global_step
-        if self._grad_norm is None or self._grad_norm[0] != step:
-            with_grad = [p for p in self.parameters() if p.grad is not None]
-            max_norm = self._clip_value()
-            if with_grad:
-                norms = torch._foreach_norm([p.grad for p in with_grad])
-                norm, divisor = norm_and_clip(norms, max_norm)
-            else:
-                norms, norm, divisor = [], torch.zeros((), device=self.device), None
-            self._grad_norm = (step, norm)
-            self._clip_divisor = divisor
-            if self._logs_layer_grad_norms():
-                norm_of = {id(p): n for p, n in zip(with_grad, norms)}
-                names, layer_norms = [], []
-                for name, params in grad_norm_layers(self.model):
-                    own = [norm_of[id(p)] for p in params if id(p) in norm_of]
-                    names.append(name)
-                    layer_norms.append(torch.linalg.vector_norm(torch.stack(own).float()) if own
-                                       else torch.zeros((), device=self.device))
-                self._layer_grad_norms = (names, torch.stack(layer_norms))
-        return self._grad_norm[1]
+        clipping (current_step_scalars)."""
+        return self.current_step_scalars().norm
+
+    def nonfinite_flag(self, loss: torch.Tensor) -> torch.Tensor:
+        """1.0 (0-d fp32 device tensor) when the step's `loss` or gradient norm is not finite: the
+        captured step's own flag (its loss is the step's loss), else computed here."""
+        scalars = self.current_step_scalars()
+        if scalars.found_nonfinite is not None:
+            return scalars.found_nonfinite
+        return nonfinite_found(scalars.norm, loss)
 
     def _clip_value(self) -> float | None:
         """The trainer's gradient clip (train.grad_clip) where this module clips, else None."""
@@ -318,9 +350,9 @@ class LitGPT(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         # the per-layer norms of a logged step, when neither the non-finite guard nor clipping
-        # computed the step's norms already (they run before this hook)
+        # asked for the step's scalars already (they run before this hook)
         if self._logs_layer_grad_norms():
-            self.grad_norm()
+            self.current_step_scalars()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's AMP plugin refuses to clip for fused AdamW (built for fp16 loss scaling);
@@ -331,8 +363,8 @@ class LitGPT(L.LightningModule):
         if hasattr(wrapped, "clip_grad_norm_"):  # FSDP: the norm over every rank's shard
             wrapped.clip_grad_norm_(gradient_clip_val)
             return
-        self.grad_norm()  # the step's norm and clip divisor (torch.nn.utils.clip_grad_norm_'s rule)
-        divisor = self._clip_divisor
+        # the step's clip divisor (torch.nn.utils.clip_grad_norm_'s rule)
+        divisor = self.current_step_scalars().divisor
         if divisor is None:  # no gradients this step
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # unwrap a LightningOptimizer

@@ -64,17 +64,27 @@ class Mutation:
 MUTATIONS = [
     # ------------------------------------------------------------------ learning-rate schedule
     Mutation(
-        "lr-warmup-off-by-one", "models/lit.py",
-        "return (step + 1) / self.warmup_steps",
-        "return (step + 2) / self.warmup_steps",
+        "lr-warmup-off-by-one", "models/schedules.py",
+        "def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:\n"
+        "    \"\"\"Linear warm-up, then cosine decay from 1 to min_lr_ratio between warmup_steps and max_steps.\"\"\"\n"
+        "    _check_common(warmup_steps, max_steps, min_lr_ratio)\n"
+        "    if step < warmup_steps:\n"
+        "        return (step + 1) / warmup_steps",
+        "def warmup_cosine(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:\n"
+        "    \"\"\"Linear warm-up, then cosine decay from 1 to min_lr_ratio between warmup_steps and max_steps.\"\"\"\n"
+        "    _check_common(warmup_steps, max_steps, min_lr_ratio)\n"
+        "    if step < warmup_steps:\n"
+        "        return (step + 2) / warmup_steps",
         "linear warmup one step ahead",
         (f"{NUMERICS}::test_lr_schedule_values_at_chosen_steps",
          f"{NUMERICS}::test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient"),
     ),
     Mutation(
-        "cosine-stretched-10pct", "models/lit.py",
-        "max(1, self.max_steps - self.warmup_steps))",
-        "max(1, self.max_steps - self.warmup_steps) * 1.1)",
+        "cosine-stretched-10pct", "models/schedules.py",
+        "    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))\n"
+        "    return _decay(progress, min_lr_ratio, \"cosine\")",
+        "    progress = min(1.0, (step - warmup_steps) / (max(1, max_steps - warmup_steps) * 1.1))\n"
+        "    return _decay(progress, min_lr_ratio, \"cosine\")",
         "cosine phase 10% longer than max_steps - warmup_steps",
         (f"{NUMERICS}::test_lr_schedule_values_at_chosen_steps",
          f"{NUMERICS}::test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient"),
@@ -105,29 +115,29 @@ MUTATIONS = [
     # ------------------------------------------------------------------ gradient clipping and its norm
     Mutation(
         "clip-scale-not-applied", "models/lit.py",
-        "torch._foreach_mul_(grads, scale)",
-        "torch._foreach_mul_(grads, 1.0)",
+        "torch._foreach_div_(grads, divisor)",
+        "torch._foreach_div_(grads, 1.0)",
         "the clip scale is computed but the gradients are not scaled",
         (f"{NUMERICS}::test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient",),
     ),
     Mutation(
-        "clip-clamp-max-2", "models/lit.py",
-        "max=1.0)",
-        "max=2.0)",
-        "clip scale clamped at 2 instead of 1: gradients below the clip are scaled up",
+        "clip-clamp-max-2", "models/step_scalars.py",
+        "min=1.0)",
+        "min=0.5)",
+        "clip divisor clamped at 0.5 instead of 1: gradients below the clip are scaled up",
         (f"{NUMERICS}::test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient",
          f"{NUMERICS}::test_a_clip_above_the_gradient_norm_leaves_the_gradient_untouched"),
     ),
     Mutation(
         "grad-norm-logged-after-clip", "models/lit.py",
-        "torch._foreach_mul_(grads, scale)",
-        "torch._foreach_mul_(grads, scale)\n"
-        "            self._grad_norm = (self.global_step, torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))",
+        "torch._foreach_div_(grads, divisor)",
+        "torch._foreach_div_(grads, divisor)\n"
+        "                self._step_scalars[1].norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))",
         "train/grad_norm is the norm after clipping",
         (f"{NUMERICS}::test_logged_grad_norm_is_the_pre_clip_norm_of_each_step",),
     ),
     Mutation(
-        "grad-norm-first-gradient-only", "models/lit.py",
+        "grad-norm-first-gradient-only", "models/step_scalars.py",
         "torch._foreach_norm(grads)",
         "torch._foreach_norm(grads[:1])",
         "the step's gradient norm covers only the first parameter's gradient",
@@ -136,18 +146,18 @@ MUTATIONS = [
     ),
     # ------------------------------------------------------------------ non-finite guard
     Mutation(
-        "guard-ignores-loss-flag", "models/guards.py",
-        "loss_bad = torch.logical_not(torch.as_tensor(self._loss_finite, device=pl_module.device))",
-        "loss_bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)",
+        "guard-ignores-loss-flag", "models/step_scalars.py",
+        "torch.isfinite(grad_norm + loss)",
+        "torch.isfinite(grad_norm + 0 * loss.nan_to_num(0.0, 0.0, 0.0))",
         "the non-finite guard never looks at the loss",
         (f"{RELIABILITY}::test_nonfinite_steps_are_skipped_counted_and_logged",
          f"{RELIABILITY}::test_nonfinite_loss_stops_naming_step_and_first_module",
          f"{RELIABILITY}::test_a_nonfinite_loss_with_finite_gradients_is_skipped"),
     ),
     Mutation(
-        "guard-ignores-gradients", "models/guards.py",
-        "found = (loss_bad | torch.logical_not(torch.isfinite(pl_module.grad_norm()))).float().reshape(())",
-        "found = loss_bad.float().reshape(())",
+        "guard-ignores-gradients", "models/step_scalars.py",
+        "torch.isfinite(grad_norm + loss)",
+        "torch.isfinite(0 * grad_norm.nan_to_num(0.0, 0.0, 0.0) + loss)",
         "the non-finite guard never looks at the gradients",
         (f"{RELIABILITY}::test_nonfinite_gradient_with_finite_loss_stops_naming_the_parameter",),
     ),

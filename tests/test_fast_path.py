@@ -257,30 +257,6 @@ def test_cuda_graphs_auto_turns_on_only_where_they_hold():
     assert devices_per_run(OmegaConf.create({"devices": -1})) == max(torch.cuda.device_count(), 1)
 
 
-def eager_capture(step, reset):
-    """A CPU stand-in for models.captured_step.capture_cuda_graph with a CUDA graph's semantics: the
-    capture records without running (here: the step is kept), and each replay runs the step again
-    and writes its loss and gradients into the tensors the capture returned (static addresses)."""
-    reset()
-    loss = step()  # the "recorded" outputs; the real capture would leave them unwritten
-    params = [p for p in _CAPTURED_PARAMS if p.grad is not None]
-    static_grads = [p.grad for p in params]
-
-    def replay():
-        for p in params:
-            p.grad = None
-        fresh = step()
-        loss.copy_(fresh)
-        for p, static in zip(params, static_grads):
-            static.copy_(p.grad)
-            p.grad = static
-
-    return replay, loss
-
-
-_CAPTURED_PARAMS: list = []
-
-
 def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
     """train.cuda_graphs=step (the forward, loss and backward of a step as one captured graph) on
     Lightning's loop, with the CUDA graph replaced by an eager stand-in of the same semantics:
@@ -288,25 +264,14 @@ def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
     capture and the replays (zero_grad and the guard's dropped gradients must not lose them)."""
     import train
     from models import captured_step
-    from train_helpers import compose_cfg, tiny_overrides, write_corpus
+    from train_helpers import compose_cfg, tiny_overrides, use_eager_captured_step, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     runs = {}
     for mode in ("eager", "step"):
         overrides = {"train.max_steps": 8, "train.val_every": 8, "train.grad_clip": 1e-2}
         if mode == "step":
-            monkeypatch.setattr(train, "cuda_graphs_enabled", lambda *a: ("step", "test"))
-            real_init = captured_step.CapturedStep.__init__
-
-            def init(self, loss_fn, params, capture=None):
-                real_init(self, loss_fn, params, capture=eager_capture)
-                _CAPTURED_PARAMS[:] = self.params
-
-            monkeypatch.setattr(captured_step.CapturedStep, "__init__", init)
-            calls = []
-            real_call = captured_step.CapturedStep.__call__
-            monkeypatch.setattr(captured_step.CapturedStep, "__call__",
-                                lambda self, x, y: calls.append(self.captured) or real_call(self, x, y))
+            calls = use_eager_captured_step(monkeypatch)
         run = tmp_path / mode
         train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **overrides, **{"paths.output_dir": str(run)})))
         runs[mode] = run
@@ -324,11 +289,11 @@ def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
 
 def test_a_captured_step_refuses_another_batch_shape():
     from models.captured_step import WARMUP_CALLS, CapturedStep
+    from train_helpers import eager_capture_for
 
-    _CAPTURED_PARAMS[:] = []
     weight = torch.nn.Parameter(torch.ones(3))
-    _CAPTURED_PARAMS.append(weight)
-    step = CapturedStep(lambda x, y: (weight * x.float()).sum() + 0 * y.sum(), [weight], capture=eager_capture)
+    step = CapturedStep(lambda x, y: (weight * x.float()).sum() + 0 * y.sum(), [weight],
+                        capture=eager_capture_for([weight]))
     x = torch.ones(2, 3)
     for _ in range(WARMUP_CALLS + 2):
         assert step(x, x).item() == 6.0 and torch.equal(weight.grad, torch.full((3,), 2.0))

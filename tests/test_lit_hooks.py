@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models.lit import LitGPT
+from models.step_scalars import StepScalars
 
 TINY = {"vocab_size": 32, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 16,
         "attn": {"name": "softmax", "backend": "reference"}}
@@ -258,7 +259,7 @@ def test_gradient_norms_are_logged_once_and_not_under_sharded_gradients(monkeypa
         logged, at = logging_trainer(lit, world_size=1, steps_that_write={0}, fsdp=fsdp)
         monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.5}]))
         lit._loss_to_log = torch.tensor(1.0)
-        lit._grad_norm = (0, torch.tensor(3.0))
+        lit._step_scalars = (0, StepScalars([], torch.tensor(3.0), None, None), [])
         lit._layer_grad_norms = (["embed", "block0"], torch.tensor([1.0, 2.0]))
         at(0)
         lit.on_train_batch_end(None, (torch.zeros(1, 8, dtype=torch.long),) * 2, 0)

@@ -565,21 +565,32 @@ class RecordingFusedAdamW(torch.optim.AdamW):
         return out
 
 
-@pytest.mark.parametrize("optimizer", ["unfused", "fused"])
+@pytest.mark.parametrize("optimizer", ["unfused", "fused", "fused_captured"])
 def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, optimizer):
     """unfused (AdamW's CPU default): the host-synced path (gradients dropped); fused: the skip
-    stays on the device (the optimizer's found_inf flag, no host sync)."""
+    stays on the device (the optimizer's found_inf flag, no host sync); fused_captured: the same
+    under train.cuda_graphs=step, whose flag is computed inside the captured step (a stand-in of
+    the CUDA graph on CPU; the bad steps come after the capture)."""
     import train
 
-    if optimizer == "fused":
+    bad, steps = {2, 4}, 6
+    if optimizer.startswith("fused"):
         RecordingFusedAdamW.flags = []
         monkeypatch.setattr(torch.optim, "AdamW", RecordingFusedAdamW)
-    poison_layer(monkeypatch, {2, 4}, "forward")
+    if optimizer == "fused_captured":
+        from models.captured_step import WARMUP_CALLS
+        from train_helpers import use_eager_captured_step
+
+        calls = use_eager_captured_step(monkeypatch)
+        # replays (the call after the warm-up captures), a good one between and after
+        bad, steps = {WARMUP_CALLS + 1, WARMUP_CALLS + 3}, WARMUP_CALLS + 5
+    poison_layer(monkeypatch, bad, "forward")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
-    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip"})))
+    results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.nonfinite": "skip",
+                                                                        "train.max_steps": steps})))
     assert metric_values(tmp_path / "run", "train/nonfinite_steps")[-1] == 2.0
     losses = [v for _, v in sorted(train_losses(tmp_path / "run").items())]
-    assert len(losses) == 6 and sum(not torch.isfinite(torch.tensor(v)) for v in losses) == 2
+    assert len(losses) == steps and sum(not torch.isfinite(torch.tensor(v)) for v in losses) == 2
     assert torch.isfinite(torch.tensor(losses[-1]))
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values()), "no inf/NaN reached the weights"
@@ -589,9 +600,11 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
     guard_state = next(v for k, v in state["callbacks"].items() if k.startswith("NonFiniteGuard"))
     assert guard_state == {"nonfinite_steps": 2}, "the count survives a resume"
     adam_steps = {float(s["step"]) for s in state["optimizer_states"][0]["state"].values()}
-    assert adam_steps == {4.0}, "6 steps, 2 skipped: AdamW's step count and moments untouched by them"
-    if optimizer == "fused":
-        assert RecordingFusedAdamW.flags == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert adam_steps == {steps - 2.0}, "2 steps skipped: AdamW's step count and moments untouched by them"
+    if optimizer.startswith("fused"):
+        assert RecordingFusedAdamW.flags == [float(step in bad) for step in range(steps)]
+    if optimizer == "fused_captured":
+        assert [calls[step] for step in sorted(bad)] == [True, True], calls
 
 
 @pytest.mark.parametrize("optimizer", ["unfused", "fused"])

@@ -247,7 +247,7 @@ def test_logged_bits_per_byte_are_the_validation_nats_over_ln2_and_bytes_per_tok
 
 def test_step_scalars_by_hand():
     """The step's norm, clip factors and non-finite flag (models/step_scalars.py) on known values."""
-    from models.step_scalars import CLIP_EPS, norm_and_clip, nonfinite_flag
+    from models.step_scalars import CLIP_EPS, norm_and_clip, nonfinite_found, step_scalars
 
     norms = [torch.tensor(3.0), torch.tensor(4.0, dtype=torch.bfloat16)]
     norm, divisor = norm_and_clip(norms, 1.0)
@@ -256,10 +256,19 @@ def test_step_scalars_by_hand():
     assert norm_and_clip(norms, 2.0)[1].item() == pytest.approx((5.0 + CLIP_EPS) / 2.0)
     assert norm_and_clip(norms, 10.0)[1].item() == 1.0, "a clip above the norm never scales up"
     assert norm_and_clip(norms, None)[1] is None
-    skipped = torch.tensor(2.0)
     cases = {(5.0, 1.0): 0.0, (math.inf, 1.0): 1.0, (math.nan, 1.0): 1.0, (5.0, math.inf): 1.0, (5.0, -math.nan): 1.0,
              (math.inf, -math.inf): 1.0}
     for (g, loss), want in cases.items():
-        found, total = nonfinite_flag(torch.tensor(g), torch.tensor(loss), skipped)
+        found = nonfinite_found(torch.tensor(g), torch.tensor(loss))
         assert found.shape == () and found.dtype == torch.float32 and found.item() == want, (g, loss)
-        assert total.item() == 2.0 + want
+    # all of them at once from the gradients (the captured step's tail)
+    grads = [torch.full((2,), 1.5), torch.tensor([[2.0, 0.0], [1.0, 2.0]])]  # squares sum to 4.5 and 9
+    scalars = step_scalars(grads, 2.0, torch.tensor(1.0))
+    assert [n.item() for n in scalars.per_param_norms] == pytest.approx([math.sqrt(4.5), 3.0])
+    assert scalars.norm.item() == pytest.approx(math.sqrt(13.5))
+    assert scalars.divisor.item() == pytest.approx((math.sqrt(13.5) + CLIP_EPS) / 2.0)
+    assert scalars.found_nonfinite.item() == 0.0
+    assert step_scalars(grads, None).divisor is None and step_scalars(grads, None).found_nonfinite is None
+    assert step_scalars(grads, 2.0, torch.tensor(math.nan)).found_nonfinite.item() == 1.0
+    grads[1][0, 0] = math.inf
+    assert step_scalars(grads, 2.0, torch.tensor(1.0)).found_nonfinite.item() == 1.0

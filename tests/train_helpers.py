@@ -76,3 +76,49 @@ def train_tiny_run(tmp_path: Path, **extra) -> Path:
     saved["paths"]["output_dir"] = str(run_dir)
     OmegaConf.save(OmegaConf.create(saved), run_dir / ".hydra" / "config.yaml")
     return run_dir
+
+
+def eager_capture_for(params: list):
+    """A CPU stand-in for models.captured_step.capture_cuda_graph with a CUDA graph's semantics: the
+    capture records without running (here: the step is kept), and each replay runs the step again
+    and writes its outputs and `params`' gradients into the tensors the capture returned (static
+    addresses)."""
+
+    def capture(step, reset):
+        reset()
+        outputs = step()  # the "recorded" outputs; the real capture would leave them unwritten
+        with_grad = [p for p in params if p.grad is not None]
+        static_grads = [p.grad for p in with_grad]
+
+        def replay():
+            for p in with_grad:
+                p.grad = None
+            for static, fresh in zip(outputs, step(), strict=True):
+                static.copy_(fresh)
+            for p, static in zip(with_grad, static_grads):
+                static.copy_(p.grad)
+                p.grad = static
+
+        return replay, outputs
+
+    return capture
+
+
+def use_eager_captured_step(monkeypatch) -> list[bool]:
+    """train.cuda_graphs=step on CPU: train.py picks the captured step and every CapturedStep
+    captures with eager_capture_for. Returns the list of `captured` before each step call."""
+    import train
+    from models import captured_step
+
+    monkeypatch.setattr(train, "cuda_graphs_enabled", lambda *a: ("step", "test"))
+    real_init, real_call = captured_step.CapturedStep.__init__, captured_step.CapturedStep.__call__
+
+    def init(self, loss_fn, params, capture=None, tail=None):
+        params = list(params)
+        real_init(self, loss_fn, params, capture=eager_capture_for([p for p in params if p.requires_grad]), tail=tail)
+
+    calls: list[bool] = []
+    monkeypatch.setattr(captured_step.CapturedStep, "__init__", init)
+    monkeypatch.setattr(captured_step.CapturedStep, "__call__",
+                        lambda self, x, y: calls.append(self.captured) or real_call(self, x, y))
+    return calls
