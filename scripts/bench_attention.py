@@ -447,7 +447,8 @@ def markdown(meta, rows, tgts, title="Softmax-family attention benchmark"):
         lines += ["", "Tiles visited: the fraction of the (query tile, key tile) grid our kernels walk for the "
                   "row's mask, from attn/kernels/tiles.py's ranges at the tile config the tuned launch used "
                   "(BLOCK_M x BLOCK_N); visible pairs: the fraction of (query, key) pairs the mask keeps.", "",
-                  "| case | visible pairs | fwd tiles | fwd config | dk/dv tiles | dk/dv config | dq tiles | dq config |",
+                  "| case | visible pairs | fwd tiles | fwd config | dk/dv tiles | dk/dv config | dq tiles "
+                  "| dq config |",
                   "| --- | ---: | ---: | --- | ---: | --- | ---: | --- |"]
         for r in tiled:
             t = r["tiles"]
