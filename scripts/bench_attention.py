@@ -275,7 +275,8 @@ def mask_name(mask: MaskSpec, ids) -> str:
 
 def softmax_impls(q, k, v, cap, mask, ids, *, sdpa=False, flex=True, ref=False, compiled=True):
     """{name: zero-argument call} for one softmax-family case on q (B,N,H,D), k/v (B,N,H_kv,D):
-    ours, and as asked sdpa (plain softmax), flex (same score_mod and mask) and ref_compiled.
+    ours, and as asked sdpa (plain softmax), flex (same score_mod and mask) and ref_compiled;
+    sdpa and flex take and return (B,H,N,D) copies.
     compiled=False: eager FlexAttention (CPU, forward only). Every mask input (segment bounds,
     Flex's block mask) is built here, outside the timed calls."""
     from attn.kernels.softmax_family import fused_attention
@@ -295,13 +296,13 @@ def softmax_impls(q, k, v, cap, mask, ids, *, sdpa=False, flex=True, ref=False, 
     if sdpa:
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v))
         impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask.causal,
-                                                               enable_gqa=gqa).transpose(1, 2)
+                                                               enable_gqa=gqa)
     if flex and flex_attention is not None:
         qf, kf, vf = (x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v))
         bm = block_mask_for(mask, ids, b, n, q.device)
         sm = score_mod_for(cap)
         fa = _flex if compiled else flex_attention
-        impls["flex"] = lambda: fa(qf, kf, vf, score_mod=sm, block_mask=bm, enable_gqa=gqa).transpose(1, 2)
+        impls["flex"] = lambda: fa(qf, kf, vf, score_mod=sm, block_mask=bm, enable_gqa=gqa)
     if ref:
         from attn.reference import reference_attention
         ref_c = torch.compile(reference_attention)
@@ -500,7 +501,7 @@ def threshold_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     if sdpa:
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v))
         impls["sdpa"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=mask.causal,
-                                                               enable_gqa=gqa).transpose(1, 2)
+                                                               enable_gqa=gqa)
     if ref:
         from attn.reference import reference_attention
         ref_c = torch.compile(reference_attention)
@@ -694,6 +695,8 @@ def dry_check(case, atol=1e-4) -> dict:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = fn()
+        if key in ("sdpa", "flex"):
+            out = out.transpose(1, 2)
         assert out.shape == want.shape, (name, key, out.shape, want.shape)
         if key in same:
             res["errors"][key] = (out.double() - want).abs().max().item()
