@@ -10,7 +10,7 @@ under a causal mask), backward 2.5x that.
 
     python scripts/bench_attention.py --out gpu_out/softmax_family  [--only main]
     python scripts/bench_attention.py --only threshold --out gpu_out/bench_threshold
-    python scripts/bench_attention.py --only issue15 --out gpu_out/issue15
+    python scripts/bench_attention.py --only issue15 --prewarm 6 --out gpu_out/issue15
     python scripts/bench_attention.py --only issue15 --dry-run   # CPU: tiny shapes, no timing
 
 Writes OUT.json and OUT.md (date, GPU, torch/triton/CUDA versions, commit, the targets table
@@ -24,6 +24,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -751,6 +752,12 @@ def main():
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test: build every case of --only at a tiny shape, check Flex's mask and the "
                          "outputs against the reference, print tiles visited at the real shapes; no timing")
+    ap.add_argument("--prewarm", type=int, default=0, metavar="K",
+                    help="first compile and tune every case in K worker processes at once (filling Triton's and "
+                         "Inductor's on-disk caches), then measure in this process as usual: most of a cold run "
+                         "is compiling, one case at a time")
+    ap.add_argument("--warm-only", default=None, metavar="I,J,..",
+                    help="(a --prewarm worker) run the cases of these indices once each, untimed, write nothing")
     args = ap.parse_args()
     wanted = args.names.split(",") if args.names else None
     if args.dry_run:
@@ -762,6 +769,9 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     all_cases, targets_of, title = suite(args.only)
+    if args.warm_only is not None:
+        warm_only([all_cases[int(i)] for i in args.warm_only.split(",") if i])
+        return
     if args.merge:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
         rows = [r for part in parts for r in part["rows"]]
@@ -776,6 +786,9 @@ def main():
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "commit": commit, "suite": args.only}
     print(meta, flush=True)
+    if args.prewarm > 0 and not args.merge:
+        chosen = [i for i, c in enumerate(all_cases) if not wanted or any(w in c[0] for w in wanted)]
+        prewarm(args.only, chosen, args.prewarm, out)
     rows, tgts = [], []
     t0 = time.perf_counter()
     for name, b, h, n, d, cap, mask, extra in all_cases:
@@ -793,6 +806,35 @@ def main():
     for t in tgts:
         v = t["value"] if t["value"] is None else round(t["value"], 3)
         print(f"{t['target']:58} {v} {({True: 'met', False: 'MISSED', None: 'info'})[t['met']]}")
+
+
+def warm_only(some_cases):
+    """Each case once, as run_case / run_threshold_case build it (compiles and tunes), without timing."""
+    global do_bench
+    do_bench = lambda fn, **kw: (fn(), 1.0)[1]  # noqa: E731  (bench(): its warm-up calls, then one call)
+    for name, b, h, n, d, cap, mask, extra in some_cases:
+        t = time.perf_counter()
+        (run_threshold_case if cap in THRESHOLD_VARIANTS else run_case)(name, b, h, n, d, cap, mask, **extra)
+        print(f"warmed {name}: {time.perf_counter() - t:.0f} s", flush=True)
+
+
+def prewarm(only, indices, workers, out):
+    """Compile and tune the cases in `workers` processes at once (round robin), wait for all of them;
+    the on-disk caches they fill make this process's compiles loads. A failed worker only costs
+    its time: the measured run compiles what is missing."""
+    t = time.perf_counter()
+    procs = []
+    for w in range(min(workers, len(indices))):
+        mine = ",".join(str(i) for i in indices[w::workers])
+        log = open(f"{out}.prewarm{w}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, "--only", only, "--out", str(out) + ".prewarm",
+                                        "--warm-only", mine], stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in procs:
+        codes.append(proc.wait())
+        log.close()
+    print(f"prewarm: {len(procs)} workers, {time.perf_counter() - t:.0f} s, exit codes {codes} "
+          f"(logs {out}.prewarm*.log)", flush=True)
 
 
 def _dry_suite_cases(only):
