@@ -9,6 +9,10 @@ torch.cuda.set_sync_debug_mode("warn") (each blocking op warns, with the stack t
 counted per call site. Compilation and autotuning sync too; they show up with small counts, while
 a per-step sync shows up about once per training step. CUDA only for the sync census; the hook
 timings work on any device.
+
+--trace-steps A:B also records steps [A, B) with torch.profiler and prints the host's ops by
+their own (self) time: a host that waits for the GPU shows it as a long CUDA runtime call
+(cudaMemcpyAsync, cudaStreamSynchronize, ...); --trace-out writes the Chrome trace.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import lightning as L
 import torch
 from lightning.pytorch.profilers import SimpleProfiler
 
@@ -48,10 +53,41 @@ def steady_state_table(durations: dict[str, list[float]], skip: int) -> str:
     return "\n".join(lines)
 
 
+class StepTrace(L.Callback):
+    """torch.profiler over training steps [first, stop): the host's ops by self time, printed."""
+
+    def __init__(self, first: int, stop: int, trace_out: str | None):
+        self.first, self.stop, self.trace_out = first, stop, trace_out
+        self.profile = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.first and self.profile is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profile = torch.profiler.profile(activities=activities)
+            self.profile.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.profile is not None and trainer.global_step == self.stop:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profile.__exit__(None, None, None)
+            steps = self.stop - self.first
+            print(f"\n# host ops by self time over training steps [{self.first}, {self.stop}) ({steps} steps)\n")
+            print(self.profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            if self.trace_out:
+                self.profile.export_chrome_trace(self.trace_out)
+            self.profile = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", type=int, default=10, help="calls of each action left out (compilation, autotuning)")
     ap.add_argument("--out", default=None, help="folder for the profiler's report (default: the run dir)")
+    ap.add_argument("--trace-steps", default=None, help="A:B: torch.profiler over training steps [A, B)")
+    ap.add_argument("--trace-out", default=None, help="with --trace-steps: write the Chrome trace here")
+    ap.add_argument("--no-sync-census", action="store_true", help="leave torch's sync debug mode off")
     args, overrides = ap.parse_known_args()
     syncs: collections.Counter[str] = collections.Counter()
 
@@ -61,10 +97,20 @@ def main() -> None:
         else:
             sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
-    if torch.cuda.is_available():
+    census = torch.cuda.is_available() and not args.no_sync_census
+    if census:
         torch.cuda.set_sync_debug_mode("warn")
         warnings.simplefilter("always")
         warnings.showwarning = record
+    if args.trace_steps:
+        first, stop = (int(x) for x in args.trace_steps.split(":"))
+        original_trainer_init = L.Trainer.__init__
+
+        def with_trace(self, *a, callbacks=None, **k):
+            callbacks = list(callbacks or []) + [StepTrace(first, stop, args.trace_out)]
+            original_trainer_init(self, *a, callbacks=callbacks, **k)
+
+        L.Trainer.__init__ = with_trace
     profilers = []
     original_init = SimpleProfiler.__init__
 
@@ -84,7 +130,7 @@ def main() -> None:
         if e.code not in (0, None):
             raise
     finally:
-        if torch.cuda.is_available():
+        if census:
             torch.cuda.set_sync_debug_mode("default")
         for p in profilers:
             print(steady_state_table(p.recorded_durations, args.skip))
