@@ -13,12 +13,17 @@ timings work on any device.
 --trace-steps A:B also records steps [A, B) with torch.profiler and prints the host's ops by
 their own (self) time: a host that waits for the GPU shows it as a long CUDA runtime call
 (cudaMemcpyAsync, cudaStreamSynchronize, ...); --trace-out writes the Chrome trace.
+--python-steps A:B runs cProfile over steps [A, B) and prints the Python functions by own time:
+where the training loop's host time goes, ours and Lightning's.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import runpy
 import sys
 import traceback
@@ -81,12 +86,36 @@ class StepTrace(L.Callback):
             self.profile = None
 
 
+class PythonProfile(L.Callback):
+    """cProfile over training steps [first, stop): Python functions by own time, per step, printed."""
+
+    def __init__(self, first: int, stop: int):
+        self.first, self.stop = first, stop
+        self.profile = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.first and self.profile is None:
+            self.profile = cProfile.Profile()
+            self.profile.enable()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.profile is not None and trainer.global_step == self.stop:
+            self.profile.disable()
+            text = io.StringIO()
+            pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(40)
+            print(f"\n# Python functions by own time over training steps [{self.first}, {self.stop}) "
+                  f"({self.stop - self.first} steps; cProfile slows the host)\n")
+            print(text.getvalue())
+            self.profile = None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skip", type=int, default=10, help="calls of each action left out (compilation, autotuning)")
     ap.add_argument("--out", default=None, help="folder for the profiler's report (default: the run dir)")
     ap.add_argument("--trace-steps", default=None, help="A:B: torch.profiler over training steps [A, B)")
     ap.add_argument("--trace-out", default=None, help="with --trace-steps: write the Chrome trace here")
+    ap.add_argument("--python-steps", default=None, help="A:B: cProfile over training steps [A, B)")
     ap.add_argument("--no-sync-census", action="store_true", help="leave torch's sync debug mode off")
     args, overrides = ap.parse_known_args()
     syncs: collections.Counter[str] = collections.Counter()
@@ -102,15 +131,18 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode("warn")
         warnings.simplefilter("always")
         warnings.showwarning = record
+    extra_callbacks = []
     if args.trace_steps:
-        first, stop = (int(x) for x in args.trace_steps.split(":"))
+        extra_callbacks.append(StepTrace(*(int(x) for x in args.trace_steps.split(":")), args.trace_out))
+    if args.python_steps:
+        extra_callbacks.append(PythonProfile(*(int(x) for x in args.python_steps.split(":"))))
+    if extra_callbacks:
         original_trainer_init = L.Trainer.__init__
 
-        def with_trace(self, *a, callbacks=None, **k):
-            callbacks = list(callbacks or []) + [StepTrace(first, stop, args.trace_out)]
-            original_trainer_init(self, *a, callbacks=callbacks, **k)
+        def with_callbacks(self, *a, callbacks=None, **k):
+            original_trainer_init(self, *a, callbacks=list(callbacks or []) + extra_callbacks, **k)
 
-        L.Trainer.__init__ = with_trace
+        L.Trainer.__init__ = with_callbacks
     profilers = []
     original_init = SimpleProfiler.__init__
 
