@@ -101,12 +101,19 @@ def reference_attention(
     """out (B, N, H, D) = weights @ v, GQA by repeating kv heads; k/v may hold more rows than q
     (KV >= N, bottom-right aligned: attn/masks.py). `key_lengths` (B,): only keys [0, L_b) of row b
     exist (`attn.masks.length_mask`); the slots beyond are zeroed before use, so whatever they hold
-    (an unwritten cache, NaN) never reaches the output.
+    (an unwritten cache, NaN) never reaches the output, and on CPU those past the longest row are
+    not computed at all.
 
     dropout_p > 0 drops the weights (attn/dropout.py): with the keep mask `dropout_mask` (bool,
     broadcastable to (B, H, N, N); tests pass the kernels' own), else one drawn with torch (from
     `dropout_seed` when given, else torch's generator)."""
     if key_lengths is not None:
+        if k.device.type == "cpu" and not torch.compiler.is_compiling():
+            # the slots past the longest row are invisible to every row: dropped where reading the
+            # lengths costs nothing (a CPU cache of capacity C would otherwise cost C per step)
+            longest = max(1, min(int(key_lengths.max()), k.shape[1]))
+            k, v = k[:, :longest], v[:, :longest]
+            k2 = k2[:, :longest] if k2 is not None else None
         filled = (torch.arange(k.shape[1], device=k.device)[None, :]
                   < key_lengths.to(torch.int64)[:, None])[:, :, None, None]
         k, v = k.masked_fill(~filled, 0.0), v.masked_fill(~filled, 0.0)
