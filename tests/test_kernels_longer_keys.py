@@ -392,3 +392,37 @@ def test_key_lengths_custom_ops_and_compile():
         eager = call(q, k, v, lens)
         compiled = torch.compile(call, fullgraph=True)(q, k, v, lens)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,window,splits", [("alsc", 6, "2"), ("diff_threshold", None, "3")])
+def test_captured_generation_on_the_kernels_equals_eager_steps(monkeypatch, name, window, splits):
+    """The decode step on the fused kernels (key_lengths, the split-key forward where forced),
+    captured once and replayed: a real CUDA graph under bf16 autocast on a GPU, the stand-in
+    (tests/test_kv_cache.py) in fp32 under the interpreter. Same tokens and step logits (values and
+    dtypes) as the eager decode steps, and on the GPU the same tokens as uncached decoding in fp32."""
+    from models.captured_step import capture_cuda_graph
+    from models.gpt import DecodeStep
+    from test_kv_cache import EagerCapture
+
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    model = tiny_triton_gpt(name, window)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cuda = DEVICE.type == "cuda"
+    capture = capture_cuda_graph if cuda else EagerCapture()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), autocast:
+        logits = []
+        for graph in (True, False):
+            cache = model.new_cache()
+            model(prompt, cache=cache)
+            step = DecodeStep(model, cache, graph=graph, capture=capture)
+            logits.append([step(prompt[:, t:t + 1]).clone() for t in range(4)])
+        for a, b in zip(*logits):
+            assert a.dtype == b.dtype == (torch.bfloat16 if cuda else torch.float32)
+            assert torch.equal(a, b)
+        graphed = model.generate(prompt, 18, temperature=0, graph=True, capture=capture)  # past the context (20)
+        assert torch.equal(graphed, model.generate(prompt, 18, temperature=0, graph=False))
+    if cuda:
+        with torch.no_grad():
+            assert torch.equal(model.generate(prompt, 15, temperature=0),
+                               model.generate(prompt, 15, temperature=0, kv_cache=False))
