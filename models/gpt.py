@@ -359,11 +359,15 @@ class GPT(nn.Module):
         forward filled: the token's position, where its keys go and the key lengths attention reads
         are the cache's device tensors, which the step advances by one. The host's `cache.length`
         is the caller's to advance (`DecodeStep` does); nothing here reads it, so the step can be
-        captured once as a CUDA graph and replayed for every token."""
+        captured once as a CUDA graph and replayed for every token. Inference only (under
+        torch.no_grad(), as `generate` runs it): the attention's key_lengths path has no backward."""
         if idx.ndim != 2 or idx.shape[1] != 1:
             raise ValueError(f"decode_step takes one token per row, idx of shape (B, 1), got {tuple(idx.shape)}")
         if cache.key_lengths is None:
             raise ValueError("a decode step needs a cache that a forward filled first (e.g. with the prompt)")
+        if cache.capacity > self.cfg.context:  # RoPE's tables end at the context
+            raise ValueError(f"a decode step serves caches of at most the context ({self.cfg.context} positions), "
+                             f"got capacity {cache.capacity}")
         if cache.key_lengths.shape[0] != idx.shape[0]:
             raise ValueError(f"a decode step needs a cache that a forward of this batch size filled: idx has batch "
                              f"{idx.shape[0]}, the cache {cache.key_lengths.shape[0]}")

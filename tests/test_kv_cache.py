@@ -295,3 +295,8 @@ def test_decode_step_and_graph_options_are_checked():
             step(torch.cat([prompt[:1, :1]] * 2))
     with pytest.raises(ValueError, match=r"KV cache length must lie in \[0, 12\]"):
         cache.set_length(13)
+    longer = KVCache(model.cfg.n_layer, 13)
+    with torch.no_grad():
+        model(prompt, cache=longer)
+        with pytest.raises(ValueError, match=r"at most the context \(12 positions\), got capacity 13"):
+            model.decode_step(prompt[:, :1], longer)
