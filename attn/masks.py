@@ -12,6 +12,12 @@ The kernels never read segment ids; they read per-row bounds (B, 4) int32 =
 Queries and keys of different lengths (Q <= KV, a decode step against a KV cache) align to the
 bottom-right corner: query i sits at position i + KV - Q, so the last query sees every key under
 the causal mask (FlashAttention's convention). Segment ids need Q == KV.
+
+Per-row key lengths (`key_lengths` (B,), flash-attn's `cache_seqlens`: a static KV cache of KV
+slots of which row b has filled L_b): only keys [0, L_b) exist for row b, and query i sits at
+position L_b - Q + i, so causal / window masks and n_i count only filled keys. A row with
+L_b < Q places its first queries at negative positions: under a causal or window mask those see
+no key (output 0); under the full mask every query sees the L_b keys.
 """
 
 from __future__ import annotations
@@ -150,3 +156,18 @@ def visible_key_counts(
     is_cand = segment_ids == CANDIDATE
     # a candidate always sees itself (j == i passes causal and window too)
     return torch.where(is_hist, history_seen, torch.where(is_cand, history_seen + 1, 0)).float()
+
+
+def length_mask(spec: MaskSpec, seq_len: int, key_lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Boolean visibility (B, N, KV) against per-row key lengths (values clamped to [0, KV]): key j
+    exists for row b when j < L_b; query i sits at position L_b - N + i. Segment ids do not combine
+    with key lengths."""
+    lengths = key_lengths.to(torch.int64).clamp(0, kv_len)[:, None, None]
+    i = torch.arange(seq_len, device=key_lengths.device)[None, :, None] + lengths - seq_len
+    j = torch.arange(kv_len, device=key_lengths.device)[None, None, :]
+    visible = j < lengths
+    if spec.is_causal:
+        visible = visible & (j <= i)
+    if spec.window is not None:
+        visible = visible & (j > i - spec.window)
+    return visible

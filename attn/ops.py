@@ -19,7 +19,7 @@ from attn.masks import MaskSpec
 from attn.reference import reference_attention
 from attn.registry import family_kernel
 from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
-from attn.validation import check_attention_inputs, check_kernel_inputs
+from attn.validation import check_attention_inputs, check_kernel_inputs, check_key_length_values, check_key_lengths
 
 log = logging.getLogger(__name__)
 # sdpa: torch's scaled_dot_product_attention, plain softmax only (the speed yardstick)
@@ -115,6 +115,7 @@ def attention(
     backend: str = "auto",
     dropout_p: float = 0.0,
     dropout_seed: int | torch.Tensor | None = None,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of any registered variant: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
@@ -133,6 +134,20 @@ def attention(
     pass 0 at evaluation. `dropout_seed` (int or one-element integer tensor) fixes the mask: the
     kernels' mask is a function of it (`attn.kernels.dropout.keep_mask`), the reference's is drawn
     from a torch generator seeded with it; None draws from torch's generator.
+
+    `key_lengths` (B,) int32 (flash-attn's `cache_seqlens` / `seqused_k`): k / v are a static KV
+    cache of KV slots of which row b has filled the first key_lengths[b]; only keys
+    [0, key_lengths[b]) exist for row b, and query i sits at key position key_lengths[b] - N + i
+    (bottom-right alignment against the filled length), so causal / window masks and the threshold
+    family's n_i count filled keys only; the slots beyond are never read into the output. A row
+    with key_lengths[b] < N puts its first queries at negative positions: under a causal or window
+    mask they see no key and output 0, under the full mask every query sees the filled keys.
+    Forward only (inference): a ValueError if an input requires grad (with grad mode on), with
+    segment_ids or with dropout_p > 0. Values must lie in [0, KV]: checked here with a device sync,
+    except inside a CUDA-graph capture or compiled code (there, and in `AttentionCall`, values
+    outside are clamped to [0, KV]). The fused kernels read the lengths on the device, so their
+    launches do not depend on the values (a call can be captured in a CUDA graph and replayed as
+    the cache fills); backend='sdpa' sends these calls to the reference.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -141,7 +156,13 @@ def attention(
     )
     dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
-    if k.shape[1] != q.shape[1]:
+    if key_lengths is not None:
+        check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
+                          tensors=(v, temperature, q2, k2, lam))
+        if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+            check_key_length_values(key_lengths, k.shape[1])
+        backend = longer_keys_backend(backend)
+    elif k.shape[1] != q.shape[1]:
         if backend == "sdpa":
             raise ValueError(f"backend='sdpa' needs queries and keys of one length; {q.shape[1]} queries against "
                              f"{k.shape[1]} keys run on backend='triton', 'reference' or 'auto'")
@@ -149,7 +170,7 @@ def attention(
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
         return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
-                                   dropout_p=dropout_p, dropout_seed=dropout_seed)
+                                   dropout_p=dropout_p, dropout_seed=dropout_seed, key_lengths=key_lengths)
     if backend == "sdpa":
         if dropout_seed is not None:
             raise ValueError("backend='sdpa' draws its dropout mask from torch's generator; dropout_seed must be None")
@@ -159,7 +180,7 @@ def attention(
     if dropout_p > 0.0:
         seed = draw_seed(q.device) if dropout_seed is None else seed_tensor(dropout_seed, q.device)
     return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
-                               dropout_p=dropout_p, dropout_seed=seed)
+                               dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
 
 
 def longer_keys_backend(backend: str) -> str:
@@ -181,7 +202,9 @@ class AttentionCall:
     since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
     check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
     k / v may hold more positions than q (a decode step, bottom-right aligned): the backend for
-    those calls is `longer_keys_backend`'s.
+    those calls is `longer_keys_backend`'s. `key_lengths` (B,) int32: per-row filled lengths of a
+    static KV cache, as in `attention` (forward only; values are not checked, the backends clamp
+    them to [0, KV]); its calls also take `longer_keys_backend`'s backend.
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
@@ -196,18 +219,24 @@ class AttentionCall:
         preload_kernel(spec, backend)
 
     def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None,
-                 dropout_p: float = 0.0):
+                 dropout_p: float = 0.0, key_lengths=None):
         # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
-        backend = self.backend if k.shape[1] == q.shape[1] else longer_keys_backend(self.backend)
+        if k.shape[1] == q.shape[1] and key_lengths is None:
+            backend = self.backend
+        else:
+            backend = longer_keys_backend(self.backend)
         backend = resolve_backend(backend, q.device)
+        if key_lengths is not None:
+            check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
+                              tensors=(v, temperature, q2, k2, lam))
         if backend == "triton":
             kernel = family_kernel(self.spec)
             seed = draw_seed(q.device) if dropout_p > 0.0 else None
             return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam, bounds=bounds,
-                          dropout_p=dropout_p, dropout_seed=seed)
+                          dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
         if backend == "reference":
             return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam,
-                                       dropout_p=dropout_p)
+                                       dropout_p=dropout_p, key_lengths=key_lengths)
         return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, dropout_p)
 
 

@@ -83,3 +83,33 @@ def check_kernel_inputs(q) -> None:
         raise ValueError(f"head dim D must be one of {KERNEL_HEAD_DIMS} for backend='triton', got {d}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for backend='triton', got {q.dtype}")
+
+
+def check_key_lengths(key_lengths, q, k, *, segment_ids=None, bounds=None, dropout_p: float = 0.0,
+                      tensors=()) -> None:
+    """The call-level checks of a `key_lengths` call (no device sync, so capturable): a (B,) int32
+    tensor on q's device, forward only (nothing in `tensors` may require grad while grad mode is
+    on), no segment ids, no dropout. Its values are checked by `check_key_length_values`."""
+    if not isinstance(key_lengths, torch.Tensor):
+        raise ValueError(f"key_lengths must be a (B,) int32 tensor, got {type(key_lengths).__name__}")
+    b = q.shape[0]
+    if key_lengths.dtype != torch.int32 or tuple(key_lengths.shape) != (b,):
+        raise ValueError(f"key_lengths must be a (B,) = ({b},) int32 tensor, got shape {tuple(key_lengths.shape)} "
+                         f"dtype {key_lengths.dtype}")
+    if key_lengths.device != q.device:
+        raise ValueError(f"key_lengths must be on the device of q ({q.device}), got {key_lengths.device}")
+    if segment_ids is not None or bounds is not None:
+        raise ValueError("key_lengths cannot be combined with segment_ids (per-row key lengths serve a KV cache)")
+    if dropout_p > 0.0:
+        raise ValueError(f"key_lengths is for inference: dropout_p must be 0, got {dropout_p}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, *tensors)):
+        raise ValueError("key_lengths is forward-only (inference): no input may require grad "
+                         "(run under torch.no_grad() or detach the inputs)")
+
+
+def check_key_length_values(key_lengths: torch.Tensor, kv_len: int) -> None:
+    """0 <= key_lengths <= KV. Syncs with the device: the public `attn.attention` calls it outside
+    CUDA-graph captures and compiled code; elsewhere the backends clamp the values to [0, KV]."""
+    if bool(((key_lengths < 0) | (key_lengths > kv_len)).any()):
+        raise ValueError(f"key_lengths values must lie in [0, KV] = [0, {kv_len}], got values from "
+                         f"{int(key_lengths.min())} to {int(key_lengths.max())}")

@@ -1,12 +1,14 @@
 """Sample text from a trained run.
 
     python -m eval.generate ckpt=RUN_DIR prompt="To be, or not" [max_new_tokens=200]
-        [temperature=0.8] [top_k=50] [num_samples=1] [seed=0] [stop_at_end_of_text=true]
+        [temperature=0.8] [top_k=50] [num_samples=1] [seed=0] [stop_at_end_of_text=true] [cuda_graph=null]
 
 The prompt is encoded with the checkpoint's own tokenizer (checked against data=<option> when
 given; a checkpoint that does not record its tokenizer takes its run's data config or data=);
 the context is cropped to the training length as the model generates (GPT.generate), which
-decodes against a KV cache (kv_cache=false re-encodes the whole window for every token).
+decodes against a KV cache (kv_cache=false re-encodes the whole window for every token), on CUDA
+with its decode step captured as one CUDA graph and replayed per token (cuda_graph=false: eager
+steps, the same tokens).
 A sample ends where the model writes the tokenizer's end-of-text token (the end of a document;
 data/tokenizers.py says which tokenizers have one): the text stops before it and the sample is
 marked as ended. `stop_at_end_of_text=false` generates all max_new_tokens tokens and shows the
@@ -37,6 +39,8 @@ def check_options(cfg: DictConfig) -> None:
         raise ValueError(f"num_samples must be a positive int, got {cfg.num_samples!r}")
     if not isinstance(cfg.kv_cache, bool):
         raise ValueError(f"kv_cache must be true or false, got {cfg.kv_cache!r}")
+    if cfg.cuda_graph is not None and not isinstance(cfg.cuda_graph, bool):
+        raise ValueError(f"cuda_graph must be true, false or null (auto: on CUDA), got {cfg.cuda_graph!r}")
     if not isinstance(cfg.stop_at_end_of_text, bool):
         raise ValueError(f"stop_at_end_of_text must be true or false, got {cfg.stop_at_end_of_text!r}")
     if not isinstance(cfg.prompt, str) or cfg.prompt == "":
@@ -58,7 +62,7 @@ def sample(run: common.LoadedRun, tokenizer, cfg: DictConfig, device: torch.devi
     stop = tokenizer.end_of_text_id if cfg.stop_at_end_of_text else None
     with common.autocast(device, cfg.precision):
         out = run.model.generate(idx, cfg.max_new_tokens, temperature=float(cfg.temperature), top_k=cfg.top_k,
-                                 kv_cache=cfg.kv_cache, stop_token=stop)
+                                 kv_cache=cfg.kv_cache, stop_token=stop, graph=cfg.cuda_graph)
     samples = []
     for row in out.tolist():
         continuation = row[len(ids):]

@@ -3,19 +3,22 @@
 Token embedding tied to the output head, RoPE, pre-norm RMSNorm, grouped-query
 attention, GELU or SwiGLU MLP, optional QK-norm, per-head output RMSNorm and
 differential heads for the threshold variants (DESIGN.md §4, model side). Generation
-decodes against a KV cache (`KVCache`).
+decodes against a static KV cache (`KVCache`), one token per step (`GPT.decode_step`), on CUDA
+as a captured CUDA graph replayed per token (`DecodeStep`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import attn
+from models.captured_step import capture_cuda_graph
 
 QK_NORMS = ("none", "l2", "rms")
 MLP_KINDS = ("gelu", "swiglu")
@@ -72,47 +75,88 @@ class RoPE(nn.Module):
         angles = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
         return angles.cos(), angles.sin()
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
         """x (B, N, H, D) at positions offset .. offset + N - 1: rotate pairs (first half, second
-        half) by position."""
-        end = offset + x.shape[1]
-        if end <= self.cos_table.shape[0]:
-            cos, sin = self.cos_table[offset:end], self.sin_table[offset:end]
+        half) by position. `offset` may be a (1,) int64 device tensor (a decode step's position,
+        N = 1, inside the training context): the table rows are then gathered on the device."""
+        if isinstance(offset, torch.Tensor):
+            if x.shape[1] != 1:
+                raise ValueError(f"a tensor RoPE offset serves one position (N = 1), got N = {x.shape[1]}")
+            cos, sin = self.cos_table.index_select(0, offset), self.sin_table.index_select(0, offset)
+        elif offset + x.shape[1] <= self.cos_table.shape[0]:
+            cos, sin = self.cos_table[offset:offset + x.shape[1]], self.sin_table[offset:offset + x.shape[1]]
         else:  # beyond the training context (length-extrapolation evals)
-            cos, sin = (t[offset:] for t in self._tables(end))
+            cos, sin = (t[offset:] for t in self._tables(offset + x.shape[1]))
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding: per layer the keys of each view
-    (RoPE and QK-norm applied) and the values, (B, capacity, H_kv, D), allocated on first use.
-    `length` positions are filled; a forward with the cache writes its tokens after them, and
-    GPT.forward advances `length` once all layers have."""
+    """Static keys and values of every layer for incremental decoding: per layer the keys of each
+    view (RoPE and QK-norm applied) and the values, (B, capacity, H_kv, D) buffers allocated once
+    for a batch size, dtype and device (zero-filled, at the first write) and written in place from
+    then on, so a captured decode step keeps pointing at them.
+
+    `length` positions are filled. The host keeps `length` (the eager paths slice with it); the
+    device keeps `key_lengths` (B,) int32 (what attention reads, `attn.attention`'s key_lengths) and
+    `position` (1,) int64 (where the next token's keys go), which a decode step
+    (`GPT.decode_step`) reads and advances without the host. A forward with the cache writes its
+    tokens after `length` (host positions) and GPT.forward then sets both to the new length."""
 
     def __init__(self, n_layer: int, capacity: int):
         self.capacity, self.length = capacity, 0
         self.layers: list[dict | None] = [None] * n_layer
+        self.key_lengths: torch.Tensor | None = None
+        self.position: torch.Tensor | None = None
 
     def reset(self) -> None:
-        self.length = 0
+        self.set_length(0)
+
+    def set_length(self, length: int) -> None:
+        """The filled length on the host and (when allocated) on the device (two fills, no sync)."""
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"KV cache length must lie in [0, {self.capacity}], got {length}")
+        self.length = length
+        if self.key_lengths is not None:
+            self.key_lengths.fill_(length)
+            self.position.fill_(length)
+
+    def _slot(self, layer: int, ks: list, v: torch.Tensor) -> dict:
+        slot = self.layers[layer]
+        if slot is None or slot["v"].shape[0] != v.shape[0] or slot["v"].dtype != v.dtype or slot["v"].device != v.device:
+            shape = (v.shape[0], self.capacity, *v.shape[2:])
+            slot = {"k": [v.new_zeros(shape) for _ in ks], "v": v.new_zeros(shape)}
+            self.layers[layer] = slot
+            if self.key_lengths is None or self.key_lengths.shape[0] != v.shape[0] or self.key_lengths.device != v.device:
+                self.key_lengths = torch.full((v.shape[0],), self.length, dtype=torch.int32, device=v.device)
+                self.position = torch.full((1,), self.length, dtype=torch.int64, device=v.device)
+        return slot
 
     def append(self, layer: int, ks: list, v: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """Write the new keys (one per view) and values at length .. length + n; return every
-        cached position's keys and values, the new ones included."""
+        """Write the new keys (one per view) and values at length .. length + n (host positions);
+        return every cached position's keys and values, the new ones included."""
         start, end = self.length, self.length + v.shape[1]
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; {end} requested (reset it first)")
-        slot = self.layers[layer]
-        if slot is None or slot["v"].shape[0] != v.shape[0] or slot["v"].dtype != v.dtype:
-            shape = (v.shape[0], self.capacity, *v.shape[2:])
-            slot = {"k": [v.new_empty(shape) for _ in ks], "v": v.new_empty(shape)}
-            self.layers[layer] = slot
+        slot = self._slot(layer, ks, v)
         for buffer, k in zip(slot["k"], ks):
             buffer[:, start:end] = k
         slot["v"][:, start:end] = v
         return [buffer[:, :end] for buffer in slot["k"]], slot["v"][:, :end]
+
+    def write(self, layer: int, ks: list, v: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """A decode step's write: one token per row (keys per view, values; (B, 1, H_kv, D)) at
+        the device `position`; returns the whole buffers (attention masks them with key_lengths)."""
+        slot = self.layers[layer]
+        if slot is None or slot["v"].shape[0] != v.shape[0] or slot["v"].dtype != v.dtype:
+            raise ValueError("a decode step needs a cache that a forward of this batch size and dtype filled first "
+                             f"(layer {layer}: {None if slot is None else tuple(slot['v'].shape)} {v.dtype} vs "
+                             f"batch {v.shape[0]})")
+        for buffer, k in zip(slot["k"], ks):
+            buffer.index_copy_(1, self.position, k)
+        slot["v"].index_copy_(1, self.position, v)
+        return slot["k"], slot["v"]
 
 
 def _qk_normalize(x: torch.Tensor, kind: str, norm: nn.Module | None) -> torch.Tensor:
@@ -168,34 +212,54 @@ class Attention(nn.Module):
             return self.lambda_raw.float().clamp(0.0, 1.0)
         return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
 
-    def split_heads(self, x: torch.Tensor, offset: int = 0):
-        """(B, N, C) at positions offset .. offset + N - 1 -> list of q/k views and v, each
-        (B, N, heads, D), with RoPE and QK-norm."""
+    def split_heads(self, x: torch.Tensor, offset: int | torch.Tensor = 0):
+        """(B, N, C) at positions offset .. offset + N - 1 (or a decode step's (1,) device position)
+        -> list of q/k views and v, each (B, N, heads, D), with RoPE and QK-norm."""
         b, n, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        sizes = [q_dim, kv_dim] * self.views + [kv_dim]
-        parts = self.qkv(x).split(sizes, dim=-1)
-        qs = [p.view(b, n, self.n_head, self.head_dim) for p in parts[0:-1:2]]
-        ks = [p.view(b, n, self.n_kv_head, self.head_dim) for p in parts[1:-1:2]]
-        v = parts[-1].view(b, n, self.n_kv_head, self.head_dim)
+        h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.qkv(x)
+        if isinstance(offset, torch.Tensor) and self.qk_norm != "rms":
+            # a decode step (host-bound: fewer ops count): every q and k head at once, since the
+            # per-head norm and RoPE act on each head alike and the views lie side by side, q then k
+            v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
+            heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
+            heads = self.rope(_qk_normalize(heads, self.qk_norm, None), offset).to(v.dtype)
+            views = heads.split([h, h_kv] * self.views, dim=2)
+            return list(views[0::2]), list(views[1::2]), v
+        parts = qkv.split([q_dim, kv_dim] * self.views + [kv_dim], dim=-1)
+        qs = [p.view(b, n, h, d) for p in parts[0:-1:2]]
+        ks = [p.view(b, n, h_kv, d) for p in parts[1:-1:2]]
+        v = parts[-1].view(b, n, h_kv, d)
         # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
         qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm), offset).to(v.dtype) for q in qs]
         ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm), offset).to(v.dtype) for k in ks]
         return qs, ks, v
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,
+                decode: bool = False) -> torch.Tensor:
+        """decode: one token per row against the whole static `cache` at its device position, the
+        attention masked by the cache's device key lengths (GPT.decode_step); else with a cache the
+        tokens continue it at its host length."""
         b, n, _ = x.shape
-        qs, ks, v = self.split_heads(x, cache.length if cache is not None else 0)
-        if cache is not None:
-            ks, v = cache.append(self.layer_index, ks, v)
+        key_lengths = None
+        if decode:
+            qs, ks, v = self.split_heads(x, cache.position)
+            ks, v = cache.write(self.layer_index, ks, v)
+            key_lengths = cache.key_lengths
+        else:
+            qs, ks, v = self.split_heads(x, cache.length if cache is not None else 0)
+            if cache is not None:
+                ks, v = cache.append(self.layer_index, ks, v)
         extra = {}
         if self.views == 2:
             extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
         # the kernels draw a fresh dropout seed per call from torch's generator of the device
         dropout_p = self.attn_dropout if self.training else 0.0
         # new queries against a longer cache align bottom-right (attn.AttentionCall picks their backend)
-        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p, **extra)
+        y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
+                        key_lengths=key_lengths, **extra)
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":
@@ -233,8 +297,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, segment_ids=None, segment_bounds=None, cache=None):
-        x = x + self.drop(self.attn(self.norm1(x), segment_ids, segment_bounds, cache))
+    def forward(self, x, segment_ids=None, segment_bounds=None, cache=None, decode=False):
+        x = x + self.drop(self.attn(self.norm1(x), segment_ids, segment_bounds, cache, decode))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -281,11 +345,38 @@ class GPT(nn.Module):
             if not torch.compiler.is_compiling():  # the check syncs with the device
                 attn.masks.validate_segment_ids(segment_ids, *idx.shape)
             bounds = attn.segment_bounds(segment_ids)
+        if cache is not None and cache.length + idx.shape[1] > cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; {cache.length + idx.shape[1]} requested "
+                             "(reset it first)")
         for block in self.blocks:
             x = block(x, segment_ids, bounds, cache)
         if cache is not None:
-            cache.length += idx.shape[1]
+            cache.set_length(cache.length + idx.shape[1])
         return self.output(x, targets)
+
+    def decode_step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, 1, vocab) of one new token per row, idx (B, 1), against a static `cache` that a
+        forward filled: the token's position, where its keys go and the key lengths attention reads
+        are the cache's device tensors, which the step advances by one. The host's `cache.length`
+        is the caller's to advance (`DecodeStep` does); nothing here reads it, so the step can be
+        captured once as a CUDA graph and replayed for every token. Inference only (under
+        torch.no_grad(), as `generate` runs it): the attention's key_lengths path has no backward."""
+        if idx.ndim != 2 or idx.shape[1] != 1:
+            raise ValueError(f"decode_step takes one token per row, idx of shape (B, 1), got {tuple(idx.shape)}")
+        if cache.key_lengths is None:
+            raise ValueError("a decode step needs a cache that a forward filled first (e.g. with the prompt)")
+        if cache.capacity > self.cfg.context:  # RoPE's tables end at the context
+            raise ValueError(f"a decode step serves caches of at most the context ({self.cfg.context} positions), "
+                             f"got capacity {cache.capacity}")
+        if cache.key_lengths.shape[0] != idx.shape[0]:
+            raise ValueError(f"a decode step needs a cache that a forward of this batch size filled: idx has batch "
+                             f"{idx.shape[0]}, the cache {cache.key_lengths.shape[0]}")
+        cache.key_lengths.add_(1)  # the new token is one of the keys its query sees
+        x = self.embed_drop(self.embed(idx))
+        for block in self.blocks:
+            x = block(x, cache=cache, decode=True)
+        cache.position.add_(1)
+        return self.output(x)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of the training context's length."""
@@ -329,14 +420,20 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 kv_cache: bool = True, generator: torch.Generator | None = None, stop_token: int | None = None):
+                 kv_cache: bool = True, generator: torch.Generator | None = None, stop_token: int | None = None,
+                 graph: bool | None = None, capture: Callable | None = None):
         """Sample continuations of idx (B, N), attending to at most the training context.
 
         Without `kv_cache` every token re-encodes the last `context` tokens. With it (default) the
-        model encodes the prompt once and then one token per step against the cache; both give the
-        same tokens while prompt and continuation fit the context. Once the cache is full it is
-        re-filled with the last 3/4 of the context (positions restart at 0, as the uncached path's
-        cropped window does), so a long generation re-encodes 3/4 context every context/4 tokens.
+        model encodes the prompt once (eagerly) and then one token per step against a static cache
+        (`decode_step`); both give the same tokens while prompt and continuation fit the context.
+        Once the cache is full it is re-filled eagerly with the last 3/4 of the context (positions
+        restart at 0, as the uncached path's cropped window does), so a long generation re-encodes
+        3/4 context every context/4 tokens; the decode steps then go on in the same buffers.
+        `graph`: the decode step captured once as a CUDA graph and replayed per token (`DecodeStep`;
+        capture and replays run in the caller's autocast context); None (default) = on CUDA only,
+        False = eager steps (the same static-cache code). `capture` replaces
+        models.captured_step.capture_cuda_graph (tests pass a CPU stand-in with a graph's semantics).
         Sampling draws from `generator` (torch's default generator when None).
         With `stop_token` (e.g. the end-of-text id), a row that has sampled it is done: its later
         positions hold stop_token, and generation ends once every row is done (one host sync per
@@ -344,6 +441,12 @@ class GPT(nn.Module):
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if graph not in (None, True, False):
+            raise ValueError(f"graph must be True, False or None (auto: CUDA only), got {graph!r}")
+        if graph is None:
+            graph = idx.is_cuda
+        if graph and not idx.is_cuda and capture is None:
+            raise ValueError(f"graph=True captures a CUDA graph; idx is on {idx.device} (use graph=False or None)")
         context = self.cfg.context
         done = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device) if stop_token is not None else None
 
@@ -364,17 +467,72 @@ class GPT(nn.Module):
             return idx
         cache = self.new_cache()
         logits = self(idx[:, -context:], cache=cache)[:, -1, :]
-        for step in range(max_new_tokens):
+        step = DecodeStep(self, cache, graph=graph, capture=capture or capture_cuda_graph)
+        for i in range(max_new_tokens):
+            # the logits may be the graph's static output: sampled here, before the next replay
             nxt = _sample_next(logits.float(), temperature, top_k, generator)
             idx, finished = append(idx, nxt)
-            if finished or step == max_new_tokens - 1:
+            if finished or i == max_new_tokens - 1:
                 break
             if cache.length == context:
                 cache.reset()
                 logits = self(idx[:, -max(1, context - context // 4):], cache=cache)[:, -1, :]
             else:
-                logits = self(idx[:, -1:], cache=cache)[:, -1, :]
+                logits = step(idx[:, -1:])
         return idx
+
+
+class DecodeStep:
+    """`GPT.decode_step` of one model, static cache and batch, called per token: tokens (B, 1) ->
+    logits (B, vocab), advancing the cache (device counters and host `length`) by one.
+
+    graph=False runs the step eagerly. graph=True captures it at the first call with `capture`
+    (models.captured_step.capture_cuda_graph: one warm-up run on a side stream, for compilation,
+    autotuning and the libraries' lazy set-up, then the capture, which records without running)
+    and replays it from then on: the token is copied into a static input buffer, and the logits
+    land in a static output that the next replay overwrites. The warm-up's writes are undone
+    before the capture (the counters reset to the length at capture time; the keys it wrote are
+    written again by the first replay). The cache's buffers must stay the ones captured: refills
+    of the same batch and dtype write into them (`KVCache`), anything else is refused."""
+
+    def __init__(self, model: GPT, cache: KVCache, graph: bool, capture: Callable = capture_cuda_graph):
+        self.model, self.cache, self.graph, self.capture = model, cache, graph, capture
+        self._replay: Callable[[], None] | None = None
+        self._tokens: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._buffers: list | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self._replay is not None
+
+    def _step(self) -> torch.Tensor:
+        return self.model.decode_step(self._tokens, self.cache)[:, -1, :]
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if cache.length >= cache.capacity:
+            raise ValueError(f"KV cache holds {cache.capacity} positions; {cache.length + 1} requested (reset it first)")
+        if not self.graph:
+            logits = self.model.decode_step(tokens, cache)[:, -1, :]
+        else:
+            buffers = [slot["v"] for slot in cache.layers]
+            if self._replay is None:
+                self._tokens, self._buffers = tokens.clone(), buffers
+                length = cache.length
+                self._replay, self._logits = self.capture(self._step, lambda: cache.set_length(length))
+            else:
+                if tokens.shape != self._tokens.shape:
+                    raise ValueError(f"a captured decode step replays tokens of shape {tuple(self._tokens.shape)}, "
+                                     f"got {tuple(tokens.shape)}")
+                if any(a is not b for a, b in zip(buffers, self._buffers)):
+                    raise ValueError("the KV cache was reallocated after the decode step was captured "
+                                     "(another batch size or dtype): capture a new DecodeStep")
+                self._tokens.copy_(tokens)
+            self._replay()
+            logits = self._logits
+        cache.length += 1
+        return logits
 
 
 def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,

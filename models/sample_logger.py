@@ -59,8 +59,10 @@ class ValidationSamples(L.Callback):
         model.eval()
         try:
             with torch.no_grad(), eager_mode(), trainer.precision_plugin.forward_context():
+                # eager decode steps: a CUDA-graph capture (which synchronizes and empties the
+                # allocator's cache) does not pay for a few samples inside a training run
                 out = model.generate(prompts, self.max_new_tokens, temperature=TEMPERATURE, top_k=TOP_K,
-                                     generator=generator)
+                                     generator=generator, graph=False)
         except RuntimeError as error:  # finite weights, non-finite logits (an overflow): samples are optional
             if "probability tensor contains" not in str(error):
                 raise

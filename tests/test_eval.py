@@ -422,6 +422,11 @@ def test_generate_command_with_and_without_the_kv_cache_gives_the_same_greedy_te
     assert texts["true"] == texts["false"]
     with pytest.raises(ValueError, match="kv_cache must be true or false"):
         generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "kv_cache=3"))
+    # eager decode steps (the CUDA-graph option off) give the same text
+    assert generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "max_new_tokens=10",
+                                          "temperature=0", "cuda_graph=false")) == texts["true"]
+    with pytest.raises(ValueError, match="cuda_graph must be true, false or null"):
+        generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "cuda_graph=3"))
 
 
 def test_wandb_logs_into_the_runs_group_offline(trained_run, monkeypatch):

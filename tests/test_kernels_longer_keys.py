@@ -219,3 +219,210 @@ def test_cached_greedy_generation_on_the_kernels_equals_uncached(monkeypatch, na
         cache = model.new_cache()
         ref = [model(cached[:, :6], cache=cache)] + [model(cached[:, t:t + 1], cache=cache) for t in range(6, 16)]
     torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(ref, dim=1), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ per-row key lengths (static cache)
+
+# (variant, mask, Q, capacity KV, GQA group, per-row lengths, forced splits): lengths equal to the
+# capacity, odd, equal to Q, below Q (causal: the first queries see nothing; full: all filled keys),
+# zero; one-pass ("0") and split forwards, a split count leaving whole ranges past a row's length
+KEY_LENGTH_CASES = [
+    ("softmax", "causal", 1, 45, 2, (45, 17), "3"),
+    ("softcap_tanh", "window", 4, 40, 1, (23, 4), "0"),
+    ("softcap_softsign", "full", 3, 37, 4, (2, 37), "2"),
+    ("alsc", "causal", 5, 48, 2, (3, 31), "3"),
+    ("threshold", "window", 2, 45, 2, (45, 9), "4"),
+    ("threshold", "full", 1, 33, 1, (0, 20), "2"),
+    ("diff_threshold", "causal", 16, 47, 1, (30, 47), "2"),
+    ("diff_threshold", "full", 3, 40, 2, (1, 40), "0"),
+]
+
+
+def key_length_inputs(name, n, kv, group, lengths, seed, temperature=False, h_kv=2, d=16):
+    """make_inputs with the cache slots past each row's length set to NaN (a slot the call reads
+    into its output fails the comparison) and the lengths as the (B,) int32 tensor."""
+    x = make_inputs(name, len(lengths), n, kv, h_kv * group, h_kv, d, seed, temperature)
+    for key in ("k", "v", "k2"):
+        if key in x:
+            for row, length in enumerate(lengths):
+                x[key][row, length:] = float("nan")
+    return x, torch.tensor(lengths, dtype=torch.int32)
+
+
+def forward_with_lengths(name, mask, x, lengths, backend, dtype):
+    spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+    t = {key: v.detach().to(device=DEVICE, dtype=torch.float32 if key == "lam" and dtype != torch.float64
+                            and dtype != torch.float32 else dtype) for key, v in x.items()}
+    q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
+    with torch.no_grad():
+        return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend=backend,
+                              key_lengths=lengths.to(DEVICE), **t)
+
+
+def check_key_lengths(name, mask, n, kv, group, lengths, dtype=torch.float32, seed=0):
+    """backend='triton' with key_lengths within the DESIGN.md rule of the float64 reference; the
+    reference equal to itself on each row's sliced cache [:length] (where length >= Q), and the
+    kernels within the rule there too (the Q <= KV path). Returns the kernels' output."""
+    x, lens = key_length_inputs(name, n, kv, group, lengths, seed, temperature=name in ("softcap_tanh", "alsc"))
+    ref64 = forward_with_lengths(name, mask, x, lens, "reference", torch.float64)
+    same = forward_with_lengths(name, mask, x, lens, "reference", dtype)
+    fused = forward_with_lengths(name, mask, x, lens, "triton", dtype)
+    allowance = FLOORS[dtype] * max(1.0, ref64.abs().max().item())
+    assert_within_reference_error("out", fused, same, ref64, floor=allowance)
+    for row, length in enumerate(lengths):
+        if length < n:
+            continue
+        sliced = {key: (t[row:row + 1, :length] if key in ("k", "v", "k2") else t if key == "lam" else t[row:row + 1])
+                  for key, t in x.items()}
+        plain = forward_with_lengths(name, mask, sliced, torch.tensor([length], dtype=torch.int32), "reference",
+                                     torch.float64)
+        spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+        s = {key: t.to(DEVICE) for key, t in sliced.items()}
+        q, k, v = s.pop("q"), s.pop("k"), s.pop("v")
+        unsliced_ref = attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend="reference", **s)
+        torch.testing.assert_close(ref64[row:row + 1], unsliced_ref, rtol=0, atol=1e-12)
+        torch.testing.assert_close(plain, unsliced_ref, rtol=0, atol=1e-12)
+        s = {key: t.to(dtype if key != "lam" or dtype == torch.float32 else torch.float32) for key, t in s.items()}
+        with torch.no_grad():
+            on_slice = attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), spec, causal=mask.causal,
+                                      window=mask.window, backend="triton", **s)
+        torch.testing.assert_close(fused[row:row + 1], on_slice, rtol=0, atol=4 * allowance + 1e-6)
+    return fused
+
+
+@pytest.mark.parametrize("name,mask,n,kv,group,lengths,splits", KEY_LENGTH_CASES,
+                         ids=[f"{c[0]}-{c[1]}-Q{c[2]}-KV{c[3]}-L{'_'.join(map(str, c[5]))}-S{c[6]}"
+                              for c in KEY_LENGTH_CASES])
+def test_key_lengths_match_the_reference(nan_poison, monkeypatch, name, mask, n, kv, group, lengths, splits):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    counter = _SplitCounter(monkeypatch)
+    scale = KV_SCALE if splits != "0" else 1
+    lengths = tuple(min(length * scale, kv * scale) if length > n else length for length in lengths)
+    out = check_key_lengths(name, MASKS[mask], n, kv * scale, group, lengths, seed=n + kv)
+    assert counter.calls >= int(splits not in ("0", "1"))
+    for row, length in enumerate(lengths):  # queries at negative positions see nothing under a causal mask
+        if MASKS[mask].is_causal and length < n:
+            assert torch.equal(out[row, :n - length], torch.zeros_like(out[row, :n - length]))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter mishandles bf16: checked on the GPU only")
+@pytest.mark.parametrize("name,mask,n,kv,group,lengths,splits", KEY_LENGTH_CASES,
+                         ids=[f"{c[0]}-{c[1]}-bf16" for c in KEY_LENGTH_CASES])
+def test_bf16_key_lengths_match_the_reference(nan_poison, monkeypatch, name, mask, n, kv, group, lengths, splits):
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    lengths = tuple(min(length * KV_SCALE, kv * KV_SCALE) if length > n else length for length in lengths)
+    check_key_lengths(name, MASKS[mask], n, kv * KV_SCALE, group, lengths, torch.bfloat16, seed=n * kv)
+
+
+def test_key_lengths_launches_do_not_depend_on_the_values(monkeypatch):
+    """A key_lengths call launches the same kernels with the same grid and scalars whatever the
+    lengths hold (the values are read on the device): it can be captured once and replayed."""
+    from attn.kernels.runtime import Kernel
+
+    launches = []
+    real_run = Kernel.run
+
+    def recording_run(self, cfg, grid, tensors, scalars, meta):
+        launches.append((self.name, cfg, grid, scalars, tuple(meta.items())))
+        return real_run(self, cfg, grid, tensors, scalars, meta)
+
+    monkeypatch.setattr(Kernel, "run", recording_run)
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, "3")
+    for name in ("softmax", "diff_threshold"):
+        x, _ = key_length_inputs(name, 1, 40, 2, (40, 40), seed=7)
+        per_call = []
+        for lengths in ((40, 3), (1, 26)):
+            launches.clear()
+            forward_with_lengths(name, MASKS["causal"], x, torch.tensor(lengths, dtype=torch.int32), "triton",
+                                 torch.float32)
+            per_call.append(list(launches))
+        assert per_call[0] == per_call[1] and len(per_call[0]) >= 1
+
+
+def test_key_lengths_are_checked():
+    spec = attn.get_variant("softmax").make_spec()
+    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 9, 2, 16)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=r"key_lengths must be a \(B,\) = \(2,\) int32 tensor"):
+            attn.attention(q, k, k, spec, key_lengths=lens.long(), backend=backend)
+        with pytest.raises(ValueError, match=r"key_lengths must be a \(B,\) = \(2,\) int32 tensor"):
+            attn.attention(q, k, k, spec, key_lengths=lens[:1], backend=backend)
+        with pytest.raises(ValueError, match=r"key_lengths values must lie in \[0, KV\] = \[0, 9\]"):
+            attn.attention(q, k, k, spec, key_lengths=torch.tensor([3, 10], dtype=torch.int32), backend=backend)
+        with pytest.raises(ValueError, match="key_lengths is for inference: dropout_p must be 0"):
+            attn.attention(q, k, k, spec, key_lengths=lens, dropout_p=0.1, backend=backend)
+        with pytest.raises(ValueError, match="key_lengths is forward-only"):
+            attn.attention(q.requires_grad_(), k, k, spec, key_lengths=lens, backend=backend)
+        q = q.detach()
+        with pytest.raises(ValueError, match="key_lengths is forward-only"):
+            attn.AttentionCall(spec, backend=backend)(q, k, k.clone().requires_grad_(), key_lengths=lens)
+        with torch.no_grad():  # grad mode off: inputs that require grad are fine
+            attn.attention(q.clone().requires_grad_(), k, k, spec, key_lengths=lens, backend=backend)
+    ids = torch.ones(2, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match="key_lengths cannot be combined with segment_ids"):
+        attn.attention(k, k, k, spec, key_lengths=lens, segment_ids=ids)
+    with pytest.raises(ValueError, match="key_lengths cannot be combined with segment_ids"):
+        sf.fused_attention(k, k, k, spec, MaskSpec(), ids, key_lengths=lens)
+    threshold = attn.get_variant("threshold").make_spec()
+    with pytest.raises(ValueError, match="key_lengths cannot be combined with segment_ids"):
+        tf.fused_attention(k, k, k, threshold, MaskSpec(), ids, key_lengths=lens)
+    # backend='sdpa' sends key_lengths calls to the reference
+    out = attn.attention(q, k, k, spec, key_lengths=lens, backend="sdpa")
+    torch.testing.assert_close(out, attn.attention(q, k, k, spec, key_lengths=lens, backend="reference"))
+
+
+def test_key_lengths_custom_ops_and_compile():
+    """The custom ops take key_lengths (opcheck: fake, schema, dispatch), and a compiled call
+    (fullgraph, through the ops) equals the eager one."""
+    x, lens = key_length_inputs("diff_threshold", 2, 40, 2, (40, 13), seed=9)
+    t = {key: v.float().to(DEVICE) for key, v in x.items()}
+    lens = lens.to(DEVICE)
+    torch.library.opcheck(tf.threshold_attention_op, (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], None,
+                                                      0.2, 1.5, True, 0, 0.0, None, lens))
+    q, k, v = (make_inputs("alsc", 2, 2, 40, 4, 2, 16, seed=3)[key].float().to(DEVICE) for key in ("q", "k", "v"))
+    torch.library.opcheck(sf.softmax_family_fwd, (q, k, v, None, None, sf.CAP_IDS["alsc"], 2.0, 0.5, 0.25, True, 7,
+                                                  0.0, None, lens))
+    spec = attn.get_variant("alsc").make_spec(**VARIANTS["alsc"])
+
+    def call(q, k, v, lens):
+        return attn.AttentionCall(spec, causal=True, backend="triton")(q, k, v, key_lengths=lens)
+
+    with torch.no_grad():
+        eager = call(q, k, v, lens)
+        compiled = torch.compile(call, fullgraph=True)(q, k, v, lens)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,window,splits", [("alsc", 6, "2"), ("diff_threshold", None, "3")])
+def test_captured_generation_on_the_kernels_equals_eager_steps(monkeypatch, name, window, splits):
+    """The decode step on the fused kernels (key_lengths, the split-key forward where forced),
+    captured once and replayed: a real CUDA graph under bf16 autocast on a GPU, the stand-in
+    (tests/test_kv_cache.py) in fp32 under the interpreter. Same tokens and step logits (values and
+    dtypes) as the eager decode steps, and on the GPU the same tokens as uncached decoding in fp32."""
+    from models.captured_step import capture_cuda_graph
+    from models.gpt import DecodeStep
+    from test_kv_cache import EagerCapture
+
+    monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    model = tiny_triton_gpt(name, window)
+    prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cuda = DEVICE.type == "cuda"
+    capture = capture_cuda_graph if cuda else EagerCapture()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), autocast:
+        logits = []
+        for graph in (True, False):
+            cache = model.new_cache()
+            model(prompt, cache=cache)
+            step = DecodeStep(model, cache, graph=graph, capture=capture)
+            logits.append([step(prompt[:, t:t + 1]).clone() for t in range(4)])
+        for a, b in zip(*logits):
+            assert a.dtype == b.dtype == (torch.bfloat16 if cuda else torch.float32)
+            assert torch.equal(a, b)
+        graphed = model.generate(prompt, 18, temperature=0, graph=True, capture=capture)  # past the context (20)
+        assert torch.equal(graphed, model.generate(prompt, 18, temperature=0, graph=False))
+    if cuda:
+        with torch.no_grad():
+            assert torch.equal(model.generate(prompt, 15, temperature=0),
+                               model.generate(prompt, 15, temperature=0, kv_cache=False))

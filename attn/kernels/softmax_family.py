@@ -47,6 +47,7 @@ from attn.kernels.env import interpreting
 from attn.kernels.runtime import Kernel, TileConfig, decode_splits, traced
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
+from attn.validation import check_key_lengths
 
 CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
 LOG2E = 1.4426950408889634
@@ -241,7 +242,7 @@ def _candidates(kind: str, n: int) -> list[TileConfig]:
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, TEMP, BOUNDS, SEED,
+    Q, K, V, O, LSE, TEMP, BOUNDS, SEED, LENS,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -251,11 +252,13 @@ def _fwd_kernel(
     qk_scale, out_scale, cap_value, alsc_a, alsc_g, fixed_max, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr,
+    FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr, HAS_LENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Query rows [m0, m0 + BLOCK_M) of one (batch, head). Query row i sits at key position
     i + kv_len - q_len (bottom-right alignment); every mask and tile range works on positions.
+    HAS_LENS: kv_len is the capacity of a static cache and the row's own key count is LENS[b]
+    (int32, clamped to [0, kv_len]); keys at or past it do not exist (loads masked, never seen).
     SPLIT_KV (flash-decoding): program_id(2) = s takes only keys [s split_len, (s+1) split_len)
     and writes its normalized partial output at O + s stride_os and its lse2 at
     LSE + s (B H q_len) (+inf where the split holds no visible key); `_combine_splits_kernel`
@@ -267,6 +270,8 @@ def _fwd_kernel(
     b = bh // H
     h = bh % H
     hk = h // GROUP
+    if HAS_LENS:
+        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
     pos_offset = kv_len - q_len
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
@@ -690,7 +695,10 @@ def _check(q, k, v):
         raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
 
 
-def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None):
+def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
+              key_lengths=None):
+    """(out, lse2); with `key_lengths` (B,) int32 the launches (grid, splits, configs) depend on the
+    capacity k.shape[1] only, and the kernels read each row's length on the device."""
     _check(q, k, v)
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
@@ -709,20 +717,21 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     # shift by the diagonal logit instead of a running max: p = exp2(z - z_ii) lies in
     # [2^-2B, 2^2B], B = c log2e, and l <= KV 2^2B; bf16/fp32 keep that range (fp16 p would
     # not), with 2^18 headroom in fp32 for |v| in acc = sum p v
-    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16 and splits == 1
+    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16 and splits == 1 and key_lengths is None
                  and 2.0 * float(cap_value) * LOG2E + math.log2(max(kv_len, 2)) <= 108.0
                  and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
-                DROPOUT=dropout_p > 0.0)
+                DROPOUT=dropout_p > 0.0, HAS_LENS=key_lengths is not None)
+    lens = key_lengths if key_lengths is not None else lse  # dummy pointer without HAS_LENS, never read
     if splits > 1:
         _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
-                          window)
+                          window, lens)
         return out, lse
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, *st,
                h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
-    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg), scalars,
+    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg, lens), scalars,
                 {**meta, "SPLIT_KV": False}, _candidates("fwd", n),
                 (q.dtype, _n_bucket(n), _n_bucket(kv_len), *meta.values()))
     return out, lse
@@ -735,11 +744,13 @@ def _decode_config() -> TileConfig:
 
 
 def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
-                      window):
+                      window, lens):
     """Flash-decoding: `splits` programs per query block, each over one contiguous key range
     (whole key tiles), writing a normalized partial output and its lse2 (fp32); then one merge
     kernel weighs the partials by 2^(lse_s - max lse) into `out` and `lse`, the same (out, lse)
-    the one-pass forward gives (the backward reads them as usual)."""
+    the one-pass forward gives (the backward reads them as usual). With per-row key lengths
+    (meta HAS_LENS) the ranges cover the capacity; a range wholly past a row's length sees no key,
+    writes lse2 = +inf, and the merge weighs it 0."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     cfg = _decode_config()
@@ -751,7 +762,7 @@ def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_s
     scalars = (*q.stride(), *k.stride(), *v.stride(), *po.stride(), part_out.stride(0), *st,
                h, h // h_kv, n, kv_len, window, split_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
-    _FWD.launch(lambda c: (_cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse),
+    _FWD.launch(lambda c: (_cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse, lens),
                 scalars, {**meta, "SPLIT_KV": True}, [cfg], ())
     _COMBINE.launch(lambda c: (_cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
                     (*po.stride(), part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
@@ -819,14 +830,18 @@ def softmax_family_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
     temperature: Optional[torch.Tensor], cap: int, cap_value: float, knee: float, sm_scale: float,
     causal: bool, window: int, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    key_lengths: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B,N,H,D) and lse2 (B,H,N) fp32 (base-2 logsumexp of z log2 e before dropout; +inf for
-    empty rows). dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,))."""
-    return _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed)
+    empty rows). dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,)).
+    key_lengths (B,) int32: per-row filled lengths of a static cache (forward only, no backward)."""
+    return _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed,
+                     key_lengths)
 
 
 @softmax_family_fwd.register_fake
-def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None):
+def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
+      key_lengths=None):
     bsz, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((bsz, h, n), dtype=torch.float32)
 
@@ -854,8 +869,9 @@ def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee,
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, *dropout = inputs
-    dropout_p, seed = tuple(dropout) + (0.0, None)[len(dropout):]  # the op's defaults when left out
+    q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, *rest = inputs
+    # the op's defaults when left out; key_lengths calls are forward only (fused_attention checks)
+    dropout_p, seed, _ = tuple(rest) + (0.0, None, None)[len(rest):]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, bounds, temperature, seed)
     ctx.params = (cap, cap_value, knee, sm_scale, causal, window, dropout_p)
@@ -874,7 +890,7 @@ def _gradients(ctx, grad_out, backward):
 
 def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv, dt = _gradients(ctx, grad_out, softmax_family_bwd)
-    return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None, None
 
 
 softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -902,7 +918,8 @@ class _EagerSoftmaxFamily(torch.autograd.Function):
 
 
 def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
-                    *, bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
+                    *, bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
+                    key_lengths: Optional[torch.Tensor] = None):
     """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
     KV >= N keys, aligned bottom-right (query i at key position i + KV - N, attn/masks.py); a call
@@ -910,10 +927,15 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     across programs (flash-decoding, `_split_kv_forward`). Segment ids need KV == N.
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller (a model
     with many layers); computed here from segment_ids when not given. `dropout_p` > 0 drops the
-    probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py)."""
+    probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py).
+    `key_lengths` (B,) int32: k / v are a static cache, row b's keys are [0, key_lengths[b])
+    (`attn.attention`); forward only."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
     _check(q, k, v)
+    if key_lengths is not None:
+        check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
+                          tensors=(v, temperature))
     if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
         raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
                          f"{k.shape[1]} keys")
@@ -924,6 +946,10 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
             dropout_seed if dropout_p > 0.0 else None)
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
+    if key_lengths is not None:  # forward only: no autograd node
+        if traced(q, k, v, temperature):
+            return softmax_family_fwd(*args, key_lengths)[0]
+        return _fwd_impl(*args, key_lengths)[0]
     if traced(q, k, v, temperature):
         return softmax_family_fwd(*args)[0]
     return _EagerSoftmaxFamily.apply(*args)

@@ -59,6 +59,7 @@ from attn.kernels.runtime import Kernel, TileConfig, decode_splits, pinned_index
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
+from attn.validation import check_key_lengths
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -280,7 +281,7 @@ _RUNTIME_SCALARS = ["q_len", "kv_len", "num_heads", "group", "window", "N_BUCKET
 
 @triton.jit(do_not_specialize=_RUNTIME_SCALARS + ["split_len"])
 def _fwd_kernel(
-    Q, K, V, Q2, K2, LAM, BOUNDS, OUT, SEED,
+    Q, K, V, Q2, K2, LAM, BOUNDS, OUT, SEED, LENS,
     sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
     sq2b, sq2n, sq2h, sq2d, sk2b, sk2n, sk2h, sk2d, slam,
     sob, son, soh, sod, sos,
@@ -288,12 +289,16 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    SPLIT_KV: tl.constexpr, HAS_LENS: tl.constexpr,
 ):
     """Query rows [m0, m0 + BLOCK_M) of one (batch, head); query row i sits at key position
     i + kv_len - q_len (bottom-right alignment), and masks, tile ranges and n_i work on positions.
     SPLIT_KV (flash-decoding): program_id(2) = s takes only keys [s split_len, (s+1) split_len)
-    and writes its partial sum at OUT + s sos (fp32); the launcher sums the splits."""
+    and writes its partial sum at OUT + s sos (fp32); the launcher sums the splits (a split
+    that sees no key writes zeros).
+    HAS_LENS: kv_len is the capacity of a static cache and the row's own key count is LENS[b]
+    (int32, clamped to [0, kv_len]); keys at or past it do not exist (loads masked, never seen,
+    not counted in n_i)."""
     # heaviest query blocks (most visible keys under causal masks) start first
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -304,6 +309,8 @@ def _fwd_kernel(
     b64 = b.to(tl.int64)
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
+    if HAS_LENS:
+        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
 
     pos_offset = kv_len - q_len
     m0 = pid_m * BLOCK_M
@@ -724,7 +731,7 @@ INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros"
 # mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
 _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
             "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
-_TENSOR_ARGS = {"fwd": 9, "dq": 11, "dkdv": 13}  # each kernel's leading pointer parameters
+_TENSOR_ARGS = {"fwd": 10, "dq": 11, "dkdv": 13}  # each kernel's leading pointer parameters
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
@@ -806,7 +813,10 @@ def _check_kernel_operands(q: torch.Tensor) -> None:
         raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
 
 
-def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
+def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None,
+                  key_lengths=None):
+    """The forward's output; with `key_lengths` (B,) int32 the launches (grid, splits, configs)
+    depend on the capacity k.shape[1] only, and the kernel reads each row's length on the device."""
     bsz, n, heads, d = q.shape
     kv_len = k.shape[1]
     group = heads // k.shape[2]
@@ -814,7 +824,9 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
     if n == 0 or bsz == 0:
         return out
     differential = q2 is not None
-    meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0}
+    meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0,
+            "HAS_LENS": key_lengths is not None}
+    lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
     operands = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                 bounds if bounds is not None else q)
     scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), _n_bucket(kv_len),
@@ -824,18 +836,19 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
         splits = decode_splits(n, kv_len, bsz * heads, _decode_config().block_n, q.device)
     if splits > 1:
         # flash-decoding: each split sums its key range into fp32 partials; nothing to rescale
-        # (no row max, no normalizer), so merging is a plain sum
+        # (no row max, no normalizer), so merging is a plain sum (a split past a row's key length
+        # adds its zeros)
         cfg = _decode_config()
         split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
         splits = _cdiv(kv_len, split_len)
         part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
         scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
         _KERNELS["fwd"].launch(lambda c: (_cdiv(n, c.block_m), bsz * heads, splits),
-                               (*operands, part, q), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
+                               (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
                                                       part.stride(0), *scalars),
                                {**meta, "SPLIT_KV": True}, [cfg], ())
         return part.sum(dim=0).to(q.dtype)
-    args = (*operands, out, seed_operand(dropout_p, seed, q),
+    args = (*operands, out, seed_operand(dropout_p, seed, q), lens,
             *_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars)
     _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args, {**meta, "SPLIT_KV": False},
             (_n_bucket(n), _n_bucket(kv_len)), q.dtype)
@@ -937,15 +950,16 @@ def threshold_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2: Optional[torch.Tensor], k2: Optional[torch.Tensor], lam: Optional[torch.Tensor],
     bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
-    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None, key_lengths: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused threshold(-differential) attention forward; q2/k2/lam None -> plain threshold.
-    dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,))."""
-    return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
+    dropout_p > 0: weights dropped with the mask of `seed` (int64 (1,)).
+    key_lengths (B,) int32: per-row filled lengths of a static cache (forward only, no backward)."""
+    return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed, key_lengths)
 
 
 @threshold_attention_op.register_fake
-def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
+def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
     return q.new_empty(q.shape)
 
 
@@ -982,14 +996,15 @@ def _(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *dropout = inputs
-    dropout_p, seed = tuple(dropout) + (0.0, None)[len(dropout):]  # the op's defaults when left out
+    q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *rest = inputs
+    # the op's defaults when left out; key_lengths calls are forward only (fused_attention checks)
+    dropout_p, seed, _ = tuple(rest) + (0.0, None, None)[len(rest):]
     ctx.save_for_backward(q, k, v, q2, k2, lam, bounds, seed)
     ctx.scalars = (beta, power, causal, window, dropout_p)
     ctx.differential = q2 is not None
 
 
-_NO_GRADS = (None,) * 7  # bounds, beta, power, causal, window, dropout_p, seed
+_NO_GRADS = (None,) * 7  # bounds, beta, power, causal, window, dropout_p, seed (the op adds key_lengths)
 
 
 def _backward(ctx, dout):
@@ -997,9 +1012,9 @@ def _backward(ctx, dout):
     if ctx.differential:
         dq, dk, dv, dq2, dk2, dlam = diff_threshold_attention_backward_op(dout, q, k, v, q2, k2, lam, bounds,
                                                                           *ctx.scalars, seed)
-        return dq, dk, dv, dq2, dk2, dlam, *_NO_GRADS
+        return dq, dk, dv, dq2, dk2, dlam, *_NO_GRADS, None
     dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
-    return dq, dk, dv, None, None, None, *_NO_GRADS
+    return dq, dk, dv, None, None, None, *_NO_GRADS, None
 
 
 threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -1050,7 +1065,8 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
 
 def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
                     q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
-                    dropout_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    dropout_seed: Optional[torch.Tensor] = None,
+                    key_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
     KV >= N keys, aligned bottom-right (query i at key position i + KV - N, attn/masks.py; n_i counts
@@ -1062,14 +1078,22 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller.
     `dropout_p` > 0 drops the (combined) weights with the mask of `dropout_seed` (int64 tensor (1,),
     attn/dropout.py).
+    `key_lengths` (B,) int32: k / v (and k2) are a static cache, row b's keys are
+    [0, key_lengths[b]) (`attn.attention`); forward only.
     """
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
+    if key_lengths is not None:
+        check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
+                          tensors=(v, q2, k2, lam))
     q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam,
                                                                      bounds)
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
+    if key_lengths is not None:  # forward only: no autograd node
+        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop, key_lengths)
+        return threshold_attention_op(*args) if traced(q, k, v, q2, k2, lam) else _forward_impl(*args)
     if traced(q, k, v, q2, k2, lam):
         return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
     return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
