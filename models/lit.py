@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import asdict
@@ -57,6 +58,22 @@ def gpt_config_from_dict(model: dict) -> GPTConfig:
     model = dict(model)
     model["attn"] = AttnConfig(**model.get("attn", {}))
     return GPTConfig(**model)
+
+
+def schedule_function(factor) -> functools.partial:
+    """The learning-rate factor, a function of the step (models/schedules.py), from the partial Hydra
+    instantiated: as a plain functools.partial of the same target and arguments. Hydra's partial
+    re-checks its target policy on every call (0.1-0.3 ms of host time; LambdaLR calls it once per
+    parameter group every step); the target was checked when it was instantiated, and the factor
+    is checked here to be a number (the only thing LambdaLR does with it)."""
+    if not isinstance(factor, functools.partial):
+        raise ValueError(f"the scheduler config must give a function of the step (`_partial_: true`), got {factor!r}")
+    plain = functools.partial(factor.func, *factor.args, **factor.keywords)
+    first = plain(0)
+    if isinstance(first, bool) or not isinstance(first, (int, float)):
+        raise ValueError(f"the scheduler's {getattr(factor.func, '__name__', factor.func)!r} must return a number "
+                         f"(the factor on the learning rate), got {first!r} at step 0")
+    return plain
 
 
 class LitGPT(L.LightningModule):
@@ -277,7 +294,7 @@ class LitGPT(L.LightningModule):
             chosen["fused"] = (torch.cuda.is_available() and str(self.trainer.precision) != "16-mixed") or None
         groups = self.param_groups(hidden_matrix_group=getattr(make_optimizer.func, "takes_hidden_matrix_group", False))
         opt = make_optimizer(groups, **chosen)
-        lr_factor = instantiate(self.scheduler_cfg, _convert_="all")  # a function of the step (models/schedules.py)
+        lr_factor = schedule_function(instantiate(self.scheduler_cfg, _convert_="all"))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import platform
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -35,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_train import git_commit  # noqa: E402
 
 
 def build(model: str, variant: str, vocab: int, backend: str, device: torch.device) -> GPT:
@@ -116,10 +118,7 @@ def main() -> int:
                          f" same tokens as eager {row['graph_same_tokens']})")
             rows.append(row)
             print(f"{line}  eager same tokens as uncached within the context {row['same_tokens']}", flush=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = git_commit()
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": args.device,
             "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "commit": commit or "unknown", "backend": args.backend,

@@ -341,15 +341,16 @@ def test_key_lengths_launches_do_not_depend_on_the_values(monkeypatch):
 
 def test_key_lengths_are_checked():
     spec = attn.get_variant("softmax").make_spec()
-    q, k = torch.randn(2, 1, 2, 16), torch.randn(2, 9, 2, 16)
-    lens = torch.tensor([3, 9], dtype=torch.int32)
+    q, k = torch.randn(2, 1, 2, 16, device=DEVICE), torch.randn(2, 9, 2, 16, device=DEVICE)
+    lens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
     for backend in ("reference", "triton"):
         with pytest.raises(ValueError, match=r"key_lengths must be a \(B,\) = \(2,\) int32 tensor"):
             attn.attention(q, k, k, spec, key_lengths=lens.long(), backend=backend)
         with pytest.raises(ValueError, match=r"key_lengths must be a \(B,\) = \(2,\) int32 tensor"):
             attn.attention(q, k, k, spec, key_lengths=lens[:1], backend=backend)
         with pytest.raises(ValueError, match=r"key_lengths values must lie in \[0, KV\] = \[0, 9\]"):
-            attn.attention(q, k, k, spec, key_lengths=torch.tensor([3, 10], dtype=torch.int32), backend=backend)
+            attn.attention(q, k, k, spec, key_lengths=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE),
+                           backend=backend)
         with pytest.raises(ValueError, match="key_lengths is for inference: dropout_p must be 0"):
             attn.attention(q, k, k, spec, key_lengths=lens, dropout_p=0.1, backend=backend)
         with pytest.raises(ValueError, match="key_lengths is forward-only"):
@@ -359,7 +360,7 @@ def test_key_lengths_are_checked():
             attn.AttentionCall(spec, backend=backend)(q, k, k.clone().requires_grad_(), key_lengths=lens)
         with torch.no_grad():  # grad mode off: inputs that require grad are fine
             attn.attention(q.clone().requires_grad_(), k, k, spec, key_lengths=lens, backend=backend)
-    ids = torch.ones(2, 9, dtype=torch.long)
+    ids = torch.ones(2, 9, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="key_lengths cannot be combined with segment_ids"):
         attn.attention(k, k, k, spec, key_lengths=lens, segment_ids=ids)
     with pytest.raises(ValueError, match="key_lengths cannot be combined with segment_ids"):

@@ -323,3 +323,28 @@ def test_eager_mode_runs_compiled_functions_eagerly_by_default():
     with eager_mode(False):
         double(torch.ones(3))
     assert counter.frame_count == 1  # compiled only outside eager mode
+
+
+def test_the_scheduler_is_a_plain_function_of_the_step_with_the_configured_values():
+    """configure_optimizers' LambdaLR gets a plain functools.partial of the configured schedule (Hydra's
+    own partial re-checks its target policy on every call, every step), with the same values."""
+    import functools
+
+    from hydra.utils import instantiate
+
+    from models.lit import schedule_function
+    from models.schedules import warmup_cosine
+
+    node = {"_target_": "models.schedules.warmup_cosine", "_partial_": True, "warmup_steps": 10, "max_steps": 100,
+            "min_lr_ratio": 0.1}
+    lit = LitGPT(model=TINY, optimizer={"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 1.0}, scheduler=node)
+    lit.trainer = SimpleNamespace(precision="32-true")
+    sched = lit.configure_optimizers()["lr_scheduler"]["scheduler"]
+    factor = sched.lr_lambdas[0]
+    assert type(factor) is functools.partial and factor.func is warmup_cosine
+    hydra_factor = instantiate(node)
+    assert [factor(s) for s in (0, 9, 10, 55, 100, 150)] == [hydra_factor(s) for s in (0, 9, 10, 55, 100, 150)]
+    with pytest.raises(ValueError, match="must give a function of the step"):
+        schedule_function(lambda step: 1.0)
+    with pytest.raises(ValueError, match="must return a number"):
+        schedule_function(functools.partial(lambda step, x: x, x="fast"))
