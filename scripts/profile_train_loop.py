@@ -87,7 +87,7 @@ class StepTrace(L.Callback):
 
 
 class PythonProfile(L.Callback):
-    """cProfile over training steps [first, stop): Python functions by own time, per step, printed."""
+    """cProfile over training steps [first, stop): Python functions by own and by cumulative time, printed."""
 
     def __init__(self, first: int, stop: int):
         self.first, self.stop = first, stop
@@ -101,11 +101,12 @@ class PythonProfile(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.profile is not None and trainer.global_step == self.stop:
             self.profile.disable()
-            text = io.StringIO()
-            pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(40)
-            print(f"\n# Python functions by own time over training steps [{self.first}, {self.stop}) "
-                  f"({self.stop - self.first} steps; cProfile slows the host)\n")
-            print(text.getvalue())
+            for order, what in (("tottime", "own time"), ("cumulative", "time including their callees")):
+                text = io.StringIO()
+                pstats.Stats(self.profile, stream=text).sort_stats(order).print_stats(40)
+                print(f"\n# Python functions by {what} over training steps [{self.first}, {self.stop}) "
+                      f"({self.stop - self.first} steps; cProfile slows the host)\n")
+                print(text.getvalue())
             self.profile = None
 
 
