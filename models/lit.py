@@ -134,7 +134,7 @@ class LitGPT(L.LightningModule):
         self.flops_per_token = self.model.flops_per_token()
         self.throughput = {"tokens": 0, "seconds": 0.0}  # steady state: after warm-up, outside validation
         # (global step, StepScalars, the parameters in the order of its per-parameter norms) of the
-        # step's gradients: computed once per step (grad_norm) or by the captured step
+        # step's gradients: computed once per step (current_step_scalars) or by the captured step
         self._step_scalars: tuple[int, StepScalars, list] | None = None
         self._scalar_params: list = []  # the parameters of the captured step's per-parameter norms
         # (layer names, norms) of train/grad_norm/<layer>, on steps whose logs are written
@@ -312,9 +312,9 @@ class LitGPT(L.LightningModule):
         log (the per-parameter norms in one multi-tensor kernel, then a few scalar ops:
         models/step_scalars.py). The norm is non-finite when any gradient is, or when the sum of
         squares overflows fp32 (a gradient of 1e19: clipping by it would zero the update, so such a
-        step counts as non-finite too). On steps whose
-        logs are written (and with log_grad_norm_per_layer), the per-layer norms too, from the same
-        per-parameter norms: a few more small kernels, no host sync."""
+        step counts as non-finite too). On steps whose logs are written (and with
+        log_grad_norm_per_layer), the per-layer norms too, from the same per-parameter norms: a few
+        more small kernels, no host sync."""
         step = self.global_step
         if self._step_scalars is None or self._step_scalars[0] != step:
             with_grad = [p for p in self.parameters() if p.grad is not None]
