@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import attn
 from data.tokenizers import Tokenizer, tokenizer_from_record, tokenizer_record
 from models.attention_monitor import AttentionRowMonitor
-from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
-from models.config_checks import check_config, cuda_graphs_enabled
+from training.checkpoint_io import AtomicCheckpointIO, load_checkpoint
+from training.config_checks import check_config, cuda_graphs_enabled
 from models.guards import MaxLogitMonitor, NonFiniteGuard
 from models.run_files import (
     PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, ResumedCSVLogger, RunDirectoryLock,

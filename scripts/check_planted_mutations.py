@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("attn", "data", "eval", "models")
+PACKAGES = ("attn", "data", "eval", "models", "training")
 
 NUMERICS = "tests/test_training_numerics.py"
 RELIABILITY = "tests/test_reliability.py"

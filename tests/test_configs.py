@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from models.config_checks import check_config
+from training.config_checks import check_config
 from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
 
 GROUPS = ["attn", "model", "data", "data/tokenizer", "trainer", "logger", "optimizer", "scheduler", "callbacks",

@@ -7,7 +7,7 @@ import warnings
 import pytest
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
-import models.ddp_strategy as ddp_strategy
+import training.ddp_strategy as ddp_strategy
 from models.quiet_logs import IGNORED_WARNINGS, silence_third_party_notices
 
 NOISE = ("💡 Tip", "anonymous setting has no effect", "LeafSpec", "`IterableDataset` has `__len__`", "Total FLOPs")
