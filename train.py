@@ -27,18 +27,20 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
 from data.tokenizers import Tokenizer, tokenizer_from_record, tokenizer_record
-from models.attention_monitor import AttentionRowMonitor
-from training.checkpoint_io import AtomicCheckpointIO, load_checkpoint
-from training.config_checks import check_config, cuda_graphs_enabled
-from models.guards import MaxLogitMonitor, NonFiniteGuard
-from models.run_files import (
-    PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, ResumedCSVLogger, RunDirectoryLock,
-    checkpoint_run_dir, is_global_rank_zero, move_file_logs,
-)
 from models.lit import LitGPT
 from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
 from models.run_label import run_label
-from models.sample_logger import ValidationSamples
+from training.callbacks.attention_monitor import AttentionRowMonitor
+from training.callbacks.checkpoints import (
+    PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, WandbRunIdInCheckpoint,
+)
+from training.callbacks.max_logit import MaxLogitMonitor
+from training.callbacks.nonfinite_guard import NonFiniteGuard
+from training.callbacks.validate_at_last_step import ValidateAtLastStep
+from training.callbacks.validation_samples import ValidationSamples
+from training.checkpoint_io import AtomicCheckpointIO, load_checkpoint
+from training.config_checks import check_config, cuda_graphs_enabled
+from training.run_files import ResumedCSVLogger, RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs
 
 log = logging.getLogger("attnlab.train")
 
@@ -147,29 +149,6 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
             )
         ))
     return loggers
-
-
-class WandbRunIdInCheckpoint(L.Callback):
-    """A resumed run continues the same wandb run."""
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        for lg in trainer.loggers:
-            if lg.__class__.__name__ == "WandbLogger":
-                checkpoint["wandb_run_id"] = lg.experiment.id
-
-
-class ValidateAtLastStep(L.Callback):
-    """Validate inside fit after the last step, whatever val_every is: the run's final numbers
-    and checkpoint ranking include it, and no trainer.validate() follows fit (which fails under
-    multi-GPU FSDP: Lightning does not re-wrap the root, issue Lightning-AI/pytorch-lightning#19015)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        # Lightning validates on a stop request, and writes logs on it. Requested at the start of
-        # the last step's last micro-batch, so that its training_step already sees a log step
-        # (models.lit.writes_logs) and the last log row holds the last step's values.
-        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
-        if last_step and not trainer.fit_loop._should_accumulate():
-            trainer.should_stop = True
 
 
 def finish_wandb(loggers) -> None:

@@ -9,7 +9,7 @@ Reads, per run directory (as train.py and the eval commands write them):
                                              (and peak_memory_bytes / wandb_group when recorded)
   csv/metrics.csv                            val/loss over training, train/tokens_per_s, and at each
                                              validation the row diagnostics val/attn/* and val/lambda/*
-                                             (models/attention_monitor.py) when logged
+                                             (training/callbacks/attention_monitor.py) when logged
   checkpoints/<ckpt>.perplexity-<split>.json eval.perplexity at each context length
   checkpoints/<ckpt>.attention-<split>.json  eval.attention_stats summary
 
@@ -183,7 +183,7 @@ def _float(value: str | None) -> float | None:
     return x if math.isfinite(x) else None
 
 
-# row diagnostics logged at each validation (models/attention_monitor.py): mean over layers
+# row diagnostics logged at each validation (training/callbacks/attention_monitor.py): mean over layers
 ROW_METRICS = (("zero_fraction", "exact-zero fraction of visible weights"), ("empty_rows", "empty-row fraction"),
                ("surviving_keys", "surviving keys per row"), ("sink_mass", "sink mass (first token)"))
 

@@ -259,7 +259,7 @@ MUTATIONS = [
         (f"{MODEL}::test_differential_lambda_is_learned",),
     ),
     Mutation(
-        "monitor-max-over-heads", "models/attention_monitor.py",
+        "monitor-max-over-heads", "training/callbacks/attention_monitor.py",
         "layer_means.append(sum(values) / len(values))",
         "layer_means.append(max(values))",
         "the validation-time attention statistics take the largest head instead of the mean",

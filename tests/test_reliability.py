@@ -27,7 +27,7 @@ import attn
 from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
 from training.checkpoint_io import atomic_torch_save, load_checkpoint
-from models.guards import NonFiniteError
+from training.callbacks.nonfinite_guard import NonFiniteError
 from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
@@ -639,14 +639,14 @@ def test_strategies_that_shard_gradients_are_recognized():
 
     import lightning as L
 
-    from models.guards import _shards_gradients
+    from training.sharding import shards_gradients
 
-    assert not _shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
-    assert _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
-    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
+    assert not shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert not shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
     from training.ddp_strategy import CurrentStreamDDPStrategy  # trainer=ddp's
 
-    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=CurrentStreamDDPStrategy()))
+    assert not shards_gradients(SimpleNamespace(world_size=2, strategy=CurrentStreamDDPStrategy()))
 
 
 def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
@@ -658,7 +658,7 @@ def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
 
     import lightning as L
 
-    from models.guards import call_with_whole_params
+    from training.sharding import call_with_whole_params
 
     class Lit(L.LightningModule):
         def probe(self, x, scale=1):

@@ -1,7 +1,6 @@
-"""What a training run writes and holds besides the model: its directory (a lock against a second
-live run; a resume continues in the directory of its checkpoint), one last.ckpt that is always the
-newest, a checkpoint at SIGTERM, and a CSV log that a resume in the same directory extends instead
-of replacing (docs/reliability.md)."""
+"""A training run's directory and files besides its checkpoints: a lock against a second live run,
+the checkpoint's run directory that a resume continues in, and a CSV log that a resume in the same
+directory extends instead of replacing (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 class ResumedCSVLogger(L.pytorch.loggers.CSVLogger):
@@ -70,53 +68,6 @@ class RunDirectoryLock:
 def is_global_rank_zero() -> bool:
     """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-
-
-class LastCheckpointEveryNSteps(L.Callback):
-    """Refreshes `path` (checkpoints/last.ckpt, which the validation's ModelCheckpoint also writes)
-    every `every` optimizer steps, except at validation steps: there the validation's own write
-    follows, and a write before it would make a kill during that validation lose it on resume.
-    One last.ckpt, always the newest (two ModelCheckpoints saving "last" would make one last-v1.ckpt)."""
-
-    def __init__(self, path: Path, every: int, val_every: int):
-        self.path, self.every, self.val_every = path, every, val_every
-        self._saved_step = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step  # optimizer steps: micro-batches of one step see the same value
-        if step % self.every or step % self.val_every == 0 or step == self._saved_step:
-            return
-        if step == trainer.max_steps:  # the last step validates (ValidateAtLastStep), which writes it
-            return
-        trainer.save_checkpoint(str(self.path))
-        self._saved_step = step
-
-
-# exit status of a run stopped by SIGTERM after its checkpoint (128 + SIGTERM, as a shell reports it)
-PREEMPTED_EXIT_CODE = 143
-
-
-class CheckpointOnSigterm(L.Callback):
-    """SIGTERM (SLURM preemption, scancel, a container stop): Lightning finishes the current training
-    step and stops; this writes `path` (checkpoints/last.ckpt) at that step boundary, so
-    `ckpt_path=<it>` resumes from there, and train.py exits with status 143."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.saved_step: int | None = None
-        self._checkpointed_step: int | None = None  # the step of the latest checkpoint written
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self._checkpointed_step = trainer.global_step
-
-    def on_exception(self, trainer, pl_module, exception):
-        if isinstance(exception, SIGTERMException):
-            # a signal during the step whose validation already checkpointed (last.ckpt included)
-            # keeps that checkpoint: one written from inside the validation's hooks would resume
-            # with the step's loop state half done
-            if not (self._checkpointed_step == trainer.global_step and self.path.is_file()):
-                trainer.save_checkpoint(str(self.path))
-            self.saved_step = trainer.global_step
 
 
 def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:

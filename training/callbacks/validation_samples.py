@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from models.guards import _shards_gradients
+from training.sharding import shards_gradients
 from models.lit import eager_mode
 
 TEMPERATURE, TOP_K = 0.8, 50
@@ -44,7 +44,7 @@ class ValidationSamples(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         prompts, self._prompts = self._prompts, None
         if (prompts is None or not self.num_samples or not self.max_new_tokens or not trainer.is_global_zero
-                or _shards_gradients(trainer)):
+                or shards_gradients(trainer)):
             return
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
         if tokenizer is None:

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from models.attention_diagnostics import HeadStats, layer_weights
-from models.guards import call_with_whole_params
+from training.sharding import call_with_whole_params
 
 LOGGED_METRICS = ("zero_fraction", "empty_rows", "surviving_keys", "sink_mass")
 
