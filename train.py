@@ -30,14 +30,10 @@ from data.tokenizers import Tokenizer, tokenizer_from_record, tokenizer_record
 from models.lit import LitGPT
 from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
 from models.run_label import run_label
-from training.callbacks.attention_monitor import AttentionRowMonitor
-from training.callbacks.checkpoints import (
-    PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, WandbRunIdInCheckpoint,
-)
-from training.callbacks.max_logit import MaxLogitMonitor
+from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE, CheckpointOnSigterm, WandbRunIdInCheckpoint
+from training.callbacks.configured import build_configured_callbacks
 from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
-from training.callbacks.validation_samples import ValidationSamples
 from training.checkpoint_io import AtomicCheckpointIO, load_checkpoint
 from training.config_checks import check_config, cuda_graphs_enabled
 from training.run_files import ResumedCSVLogger, RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs
@@ -184,12 +180,6 @@ def resumed_state(ckpt_path: str | None) -> tuple[str | None, Tokenizer | None]:
     return checkpoint.get("wandb_run_id"), tokenizer
 
 
-def build_configured_callbacks(callbacks_cfg: DictConfig) -> list[L.Callback]:
-    """The callbacks of configs/callbacks/: one per entry with a `_target_`, in the config's order;
-    null entries are left out (check_config refused anything else)."""
-    return [instantiate(node) for node in (callbacks_cfg or {}).values() if node is not None]
-
-
 def devices_per_run(trainer_cfg) -> int:
     """How many devices the trainer config asks for in all (devices x num_nodes; -1 / "auto": every GPU here)."""
     devices = trainer_cfg.get("devices", "auto")
@@ -300,21 +290,11 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
     configured = build_configured_callbacks(cfg.get("callbacks"))  # configs/callbacks/
     checkpointing = next((c for c in configured if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)
+    guard = next((c for c in configured if isinstance(c, NonFiniteGuard)), None)  # None: callbacks.nonfinite_guard=null
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
-    guard = NonFiniteGuard(cfg.train.nonfinite)
-    # built here, not in configs/callbacks/: the run's machinery (train.py reads the guard's count and
-    # the SIGTERM checkpoint; the final validation and a wandb resume depend on the others) and the
-    # callbacks that train.* options switch on (configs/callbacks/default.yaml lists them)
-    callbacks = [*configured, WandbRunIdInCheckpoint(), guard, ValidateAtLastStep(), on_sigterm]
-    if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
-        callbacks.append(LastCheckpointEveryNSteps(output_dir / "checkpoints" / "last.ckpt", cfg.train.ckpt_every_steps,
-                                                   cfg.train.val_every))
-    if cfg.train.log_max_logit:
-        callbacks.append(MaxLogitMonitor())
-    if cfg.train.attention_stats_sequences:
-        callbacks.append(AttentionRowMonitor(cfg.train.attention_stats_sequences))
-    if cfg.train.get("log_samples", 0) and cfg.train.get("sample_tokens", 0):
-        callbacks.append(ValidationSamples(cfg.train.log_samples, cfg.train.sample_tokens, output_dir))
+    # built here, not in configs/callbacks/: the run's machinery (train.py reads the SIGTERM
+    # checkpoint; the final validation and a wandb resume depend on the others)
+    callbacks = [*configured, WandbRunIdInCheckpoint(), ValidateAtLastStep(), on_sigterm]
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)
@@ -373,7 +353,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         "mfu": (model.mean_tokens_per_s() or 0) * model.flops_per_token / (model.peak_tflops * 1e12 * trainer.world_size)
         if model.peak_tflops else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "nonfinite_steps": guard.nonfinite_steps,  # steps skipped for a non-finite loss or gradient
+        # steps skipped for a non-finite loss or gradient (None: no guard, callbacks.nonfinite_guard=null)
+        "nonfinite_steps": guard.nonfinite_steps if guard is not None else None,
         "best_checkpoint": checkpointing.best_model_path if checkpointing is not None else None,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }

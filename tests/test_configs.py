@@ -208,14 +208,37 @@ def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
 
     import train
 
-    cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}"])
+    cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}", "train.ckpt_every_steps=5"])
     built = train.build_configured_callbacks(cfg.callbacks)
     assert len(built) == len(cfg.callbacks) and all(isinstance(c, L.Callback) for c in built)
 
 
+def test_the_train_switches_leave_their_callbacks_out(tmp_path):
+    """train.log_max_logit=false, train.attention_stats_sequences=0, train.log_samples=0 and
+    train.ckpt_every_steps=null (the default) leave their configs/callbacks/ entries out; train.nonfinite
+    reaches the guard."""
+    from training.callbacks.configured import build_configured_callbacks
+
+    def built(*overrides):
+        cfg = compose_cfg([f"paths.output_dir={tmp_path}", *overrides])
+        return {type(c).__name__: c for c in build_configured_callbacks(cfg.callbacks)}
+
+    assert sorted(built()) == ["AttentionHeatmapsAtEnd", "AttentionRowMonitor", "MaxLogitMonitor", "ModelCheckpoint",
+                               "NonFiniteGuard", "ValidationSamples"]
+    assert built("train.nonfinite=stop")["NonFiniteGuard"].policy == "stop"
+    assert built("train.ckpt_every_steps=7")["LastCheckpointEveryNSteps"].every == 7
+    assert sorted(built("train.log_max_logit=false", "train.attention_stats_sequences=0", "train.log_samples=0")) == [
+        "AttentionHeatmapsAtEnd", "ModelCheckpoint", "NonFiniteGuard"]
+    assert "ValidationSamples" not in built("train.sample_tokens=0")
+    assert "NonFiniteGuard" not in built("callbacks.nonfinite_guard=null")
+    with pytest.raises(ValueError, match=r"train\.nonfinite must be one of"):
+        built("train.nonfinite=ignore")
+
+
 def test_early_stopping_adds_to_the_default_callbacks():
     cfg = compose_cfg(["callbacks=[default,early_stopping]", "paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "early_stopping"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "nonfinite_guard", "last_checkpoint_every_n_steps",
+                                 "max_logit", "attention_monitor", "validation_samples", "early_stopping"]
     assert cfg.callbacks.early_stopping.monitor == "val/loss"
 
 

@@ -282,7 +282,8 @@ def test_the_default_callbacks_run_without_early_stopping_and_an_entry_can_be_le
     import train
 
     cfg = compose_cfg(["paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "nonfinite_guard", "last_checkpoint_every_n_steps",
+                                   "max_logit", "attention_monitor", "validation_samples"]
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 4, "train.val_every": 2})
                                     + ["callbacks.model_checkpoint=null"]))

@@ -14,10 +14,12 @@ class LastCheckpointEveryNSteps(L.Callback):
     """Refreshes `path` (checkpoints/last.ckpt, which the validation's ModelCheckpoint also writes)
     every `every` optimizer steps, except at validation steps: there the validation's own write
     follows, and a write before it would make a kill during that validation lose it on resume.
-    One last.ckpt, always the newest (two ModelCheckpoints saving "last" would make one last-v1.ckpt)."""
+    One last.ckpt, always the newest (two ModelCheckpoints saving "last" would make one last-v1.ckpt).
+    `every` null (train.ckpt_every_steps): at validations only; configs/callbacks/ leaves it out."""
 
-    def __init__(self, path: str | Path, every: int, val_every: int):
+    def __init__(self, path: str | Path, every: int | None, val_every: int):
         self.path, self.every, self.val_every = Path(path), every, val_every
+        self.enabled = every is not None
         self._saved_step = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

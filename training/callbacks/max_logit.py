@@ -20,7 +20,8 @@ from training.sharding import call_with_whole_params
 
 
 class MaxLogitMonitor(L.Callback):
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)  # false: configs/callbacks/ leaves the monitor out
         self._max: dict[int, float] = {}
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

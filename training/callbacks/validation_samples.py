@@ -33,6 +33,7 @@ class ValidationSamples(L.Callback):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.num_samples, self.max_new_tokens, self.prompt_tokens = num_samples, max_new_tokens, prompt_tokens
+        self.enabled = bool(num_samples and max_new_tokens)  # false: configs/callbacks/ leaves it out
         self.path = Path(run_dir) / "samples.jsonl"
         self._prompts: torch.Tensor | None = None
 
