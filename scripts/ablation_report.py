@@ -277,7 +277,7 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     if results.get("tokens_per_s") is not None:  # measured by train.py itself, when it records it
         tokens_per_s = float(results["tokens_per_s"])
     return Run(
-        # the label (variant and its own overridden settings, models/run_label.py) when recorded:
+        # the label (variant and its own overridden settings, training/run_label.py) when recorded:
         # a sweep over a variant's parameter gives one row per setting
         path=run_dir, variant=results.get("label") or results["variant"], seed=results.get("seed"), results=results,
         curve=curve, trajectories=trajectories,

@@ -266,7 +266,7 @@ MUTATIONS = [
         ("tests/test_attention_monitor.py::test_logged_row_statistics_match_the_checkpoints_statistics",),
     ),
     Mutation(
-        "run-label-keeps-backend", "models/run_label.py",
+        "run-label-keeps-backend", "training/run_label.py",
         'NOT_A_SETTING = ("attn.backend",)',
         "NOT_A_SETTING = ()",
         "the run label counts the backend as a variant setting",

@@ -206,10 +206,10 @@ def test_every_scheduler_config_builds_a_function_of_the_step(option):
 def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
     import lightning as L
 
-    import train
+    from training.callbacks.configured import build_configured_callbacks
 
     cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}", "train.ckpt_every_steps=5"])
-    built = train.build_configured_callbacks(cfg.callbacks)
+    built = build_configured_callbacks(cfg.callbacks)
     assert len(built) == len(cfg.callbacks) and all(isinstance(c, L.Callback) for c in built)
 
 

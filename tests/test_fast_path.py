@@ -235,7 +235,7 @@ def test_cuda_graphs_auto_turns_on_only_where_they_hold():
     from omegaconf import OmegaConf
 
     from training.config_checks import cuda_graphs_enabled
-    from train import devices_per_run
+    from training.launch import devices_per_run
 
     def train(**kw):
         return OmegaConf.create({"cuda_graphs": "auto", "compile": True, "grad_accum": 1, **kw})

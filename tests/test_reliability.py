@@ -898,13 +898,13 @@ def test_torch_load_only_with_weights_only_true():
 
 
 # resolvers that only format strings (each tested below on hostile input)
-STRING_ONLY_RESOLVERS = {"models/run_label.py"}
+STRING_ONLY_RESOLVERS = {"training/run_label.py"}
 
 
 def test_the_run_label_resolver_only_formats_strings():
     from omegaconf import OmegaConf
 
-    import models.run_label  # noqa: F401  (registers attnlab_label)
+    import training.run_label  # noqa: F401  (registers attnlab_label)
 
     cfg = OmegaConf.create({"d": "attn.params.cap=__import__('os').system('x'),seed=1",
                             "label": "${attnlab_label:softcap_tanh,${d}}"})

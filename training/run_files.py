@@ -1,34 +1,12 @@
-"""A training run's directory and files besides its checkpoints: a lock against a second live run,
-the checkpoint's run directory that a resume continues in, and a CSV log that a resume in the same
-directory extends instead of replacing (docs/reliability.md)."""
+"""A training run's directory: a lock against a second live run, and the checkpoint's run directory
+that a resume continues in, its log files following (docs/reliability.md)."""
 
 from __future__ import annotations
 
-import csv
 import logging
 import os
 from pathlib import Path
 
-import lightning as L
-
-
-class ResumedCSVLogger(L.pytorch.loggers.CSVLogger):
-    """Lightning's CSV logger, except that it keeps the rows of a metrics.csv already in its folder
-    (a run resumed in its own directory; Lightning deletes that file) and appends after them. Steps
-    between the checkpoint and the interruption appear twice; the later rows are the resumed run's."""
-
-    @property
-    @L.pytorch.loggers.logger.rank_zero_experiment
-    def experiment(self):
-        if self._experiment is None:
-            path = Path(self.log_dir) / "metrics.csv"
-            kept = path.read_text() if path.is_file() else None
-            writer = super().experiment  # deletes the file
-            if kept:
-                path.write_text(kept)
-                header = next(csv.reader([kept.splitlines()[0]]))
-                writer.metrics_keys = sorted(header)  # as Lightning writes it: appended rows line up
-        return self._experiment
 
 
 class RunDirectoryLock:
