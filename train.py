@@ -19,208 +19,28 @@ os.environ.setdefault(
 import hydra  # noqa: E402
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
-from data.tokenizers import Tokenizer, tokenizer_from_record, tokenizer_record
-from models.attention_monitor import AttentionRowMonitor
-from models.checkpoint_io import AtomicCheckpointIO, load_checkpoint
-from models.config_checks import check_config, cuda_graphs_enabled
-from models.guards import MaxLogitMonitor, NonFiniteGuard
-from models.run_files import (
-    PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LastCheckpointEveryNSteps, ResumedCSVLogger, RunDirectoryLock,
-    checkpoint_run_dir, is_global_rank_zero, move_file_logs,
-)
+from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
-from models.quiet_logs import silence_third_party_notices, without_wandb_anonymous
-from models.run_label import run_label
-from models.sample_logger import ValidationSamples
+from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE, CheckpointOnSigterm, WandbRunIdInCheckpoint
+from training.callbacks.configured import build_configured_callbacks
+from training.callbacks.nonfinite_guard import NonFiniteGuard
+from training.callbacks.validate_at_last_step import ValidateAtLastStep
+from training.checkpoint_io import AtomicCheckpointIO
+from training.config_checks import check_config, cuda_graphs_enabled
+from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
+from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
+from training.quiet_logs import silence_third_party_notices
+from training.resume import resume_checkpoint, resumed_state
+from training.run_files import RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs
+import training.run_label  # noqa: F401  (registers the attnlab_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
-
-
-# Lightning's ddp launcher starts ranks 1.. by re-running this script with the same argv.
-# Rank 0 records its run directory (and, in a multirun, its job's overrides) in the
-# environment first, so the other ranks write into rank 0's directory (configs/train.yaml
-# reads ATTNLAB_RUN_DIR in hydra.run.dir) and run rank 0's job rather than the whole sweep.
-RUN_DIR_ENV = "ATTNLAB_RUN_DIR"
-JOB_OVERRIDES_ENV = "ATTNLAB_JOB_OVERRIDES"
-
-
-@contextlib.contextmanager
-def run_dir_for_launched_ranks(output_dir: Path):
-    """Sets ATTNLAB_RUN_DIR (and ATTNLAB_JOB_OVERRIDES in a multirun) while training runs.
-    In the process that launches the ranks, it also undoes the launcher's rank variables and
-    process group afterwards, so the next job of a sequential multirun launches its own ranks."""
-    launching = "LOCAL_RANK" not in os.environ  # set: a launched rank, or ranks created by SLURM / torchrun
-    keys = [RUN_DIR_ENV, JOB_OVERRIDES_ENV]
-    if launching:
-        keys += ["LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ[RUN_DIR_ENV] = str(output_dir.resolve())
-    try:
-        hc = HydraConfig.get()
-    except ValueError:  # composed outside @hydra.main (tests): no re-run argv to fix
-        hc = None
-    if hc is not None and hc.mode.name == "MULTIRUN":
-        os.environ[JOB_OVERRIDES_ENV] = json.dumps(list(hc.overrides.task))
-    try:
-        yield
-    finally:  # the next job of a sequential multirun sets its own
-        if launching and torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def launched_rank_argv(argv: list[str]) -> list[str]:
-    """argv for a rank that Lightning's launcher started by re-running a multirun command:
-    rank 0's single job (its overrides, no -m), in rank 0's run directory. Other argv
-    (single runs; processes started by SLURM or torchrun) is returned unchanged."""
-    overrides = os.environ.get(JOB_OVERRIDES_ENV)
-    is_launched_rank = os.environ.get("LOCAL_RANK", "0") != "0" and RUN_DIR_ENV in os.environ
-    if not (is_launched_rank and overrides and ("-m" in argv or "--multirun" in argv)):
-        return argv
-    # keep option flags (-cn NAME, --config-dir=...) and hydra.* settings (Lightning appends some);
-    # drop -m and the sweep's overrides, replaced by the job's own
-    kept, skip_value = [], False
-    for arg in argv[1:]:
-        if skip_value:
-            kept.append(arg)
-            skip_value = False
-        elif arg in ("-m", "--multirun"):
-            continue
-        elif arg.startswith("-"):
-            kept.append(arg)
-            skip_value = "=" not in arg and arg in ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir")
-        elif arg.startswith(("hydra.run.dir=", "hydra.output_subdir=")):
-            continue  # set below
-        elif arg.startswith("hydra."):
-            kept.append(arg)
-        # else: a config override (key=value, ~key, +key=value): the job's own list replaces them
-    run_dir = os.environ[RUN_DIR_ENV]
-    return [argv[0], *kept, *json.loads(overrides), f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
-
-
-def _label(cfg: DictConfig) -> str:
-    """The run's label (models/run_label.py) from the job's command-line overrides."""
-    try:
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:  # composed outside @hydra.main (tests): no command line
-        overrides = []
-    return run_label(cfg.attn.name, overrides)
-
-
-def _group(cfg: DictConfig) -> str:
-    """wandb group: the experiment/group name; in a multirun, one group per sweep."""
-    try:
-        hc = HydraConfig.get()
-    except ValueError:  # composed outside @hydra.main (tests)
-        return cfg.group
-    if hc.mode.name == "MULTIRUN":
-        return f"{cfg.group}-{Path(hc.sweep.dir).name}"
-    return cfg.group
-
-
-def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, resuming: bool):
-    csv_logger = ResumedCSVLogger if resuming else L.pytorch.loggers.CSVLogger
-    loggers = [csv_logger(save_dir=str(output_dir), name="", version="csv")]
-    if cfg.logger.kind == "tensorboard":  # check_config made sure tensorboard is installed
-        loggers.append(L.pytorch.loggers.TensorBoardLogger(save_dir=str(output_dir), name="", version="tensorboard"))
-    if cfg.logger.kind == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        loggers.append(without_wandb_anonymous(
-            WandbLogger(
-                project=cfg.logger.project, entity=cfg.logger.entity, offline=cfg.logger.offline,
-                save_dir=str(output_dir), group=_group(cfg), name=f"{_label(cfg)}-s{cfg.seed}",
-                tags=sorted({cfg.attn.name, _label(cfg), f"seed{cfg.seed}"}),
-                id=resume_run_id, resume="allow" if resume_run_id else None,
-                config=OmegaConf.to_container(cfg, resolve=True),
-            )
-        ))
-    return loggers
-
-
-class WandbRunIdInCheckpoint(L.Callback):
-    """A resumed run continues the same wandb run."""
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        for lg in trainer.loggers:
-            if lg.__class__.__name__ == "WandbLogger":
-                checkpoint["wandb_run_id"] = lg.experiment.id
-
-
-class ValidateAtLastStep(L.Callback):
-    """Validate inside fit after the last step, whatever val_every is: the run's final numbers
-    and checkpoint ranking include it, and no trainer.validate() follows fit (which fails under
-    multi-GPU FSDP: Lightning does not re-wrap the root, issue Lightning-AI/pytorch-lightning#19015)."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        # Lightning validates on a stop request, and writes logs on it. Requested at the start of
-        # the last step's last micro-batch, so that its training_step already sees a log step
-        # (models.lit.writes_logs) and the last log row holds the last step's values.
-        last_step = trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps
-        if last_step and not trainer.fit_loop._should_accumulate():
-            trainer.should_stop = True
-
-
-def finish_wandb(loggers) -> None:
-    """End this job's wandb run: the next job of an in-process multirun must start its own
-    (Lightning's WandbLogger would otherwise reuse the active run)."""
-    for lg in loggers:
-        if lg.__class__.__name__ == "WandbLogger" and lg._experiment is not None:
-            lg.experiment.finish()
-
-
-def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
-    """The checkpoint to resume from: `ckpt_path` itself, or with `ckpt_path=auto` the run
-    directory's own checkpoints/last.ckpt when there is one (a fresh start when not): the same
-    command restarts a preempted run where it stopped (SLURM --requeue, with a fixed hydra.run.dir)."""
-    if ckpt_path != "auto":
-        return ckpt_path
-    last = output_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
-        log.info("ckpt_path=auto: resuming from %s", last)
-        return str(last)
-    log.info("ckpt_path=auto: no %s yet, starting fresh", last)
-    return None
-
-
-def resumed_state(ckpt_path: str | None) -> tuple[str | None, Tokenizer | None]:
-    """(wandb run id, tokenizer) recorded in the checkpoint a run resumes from; (None, None) for a
-    fresh start, None for what a checkpoint does not record."""
-    if not ckpt_path:
-        return None, None
-    checkpoint = load_checkpoint(ckpt_path)
-    record = checkpoint.get("tokenizer")
-    tokenizer = tokenizer_from_record(record, f"checkpoint {ckpt_path}") if record is not None else None
-    return checkpoint.get("wandb_run_id"), tokenizer
-
-
-def build_configured_callbacks(callbacks_cfg: DictConfig) -> list[L.Callback]:
-    """The callbacks of configs/callbacks/: one per entry with a `_target_`, in the config's order;
-    null entries are left out (check_config refused anything else)."""
-    return [instantiate(node) for node in (callbacks_cfg or {}).values() if node is not None]
-
-
-def devices_per_run(trainer_cfg) -> int:
-    """How many devices the trainer config asks for in all (devices x num_nodes; -1 / "auto": every GPU here)."""
-    devices = trainer_cfg.get("devices", "auto")
-    if isinstance(devices, str) and devices != "auto":
-        devices = [d for d in devices.split(",") if d.strip()]
-    if not isinstance(devices, int) and not isinstance(devices, str):
-        devices = len(devices)
-    if devices in (-1, "auto"):
-        devices = max(torch.cuda.device_count(), 1)
-    return int(devices) * int(trainer_cfg.get("num_nodes", 1))
 
 
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict, tokenizer: dict | None = None) -> LitGPT:
@@ -250,21 +70,6 @@ def peak_tflops(configured: float | None) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in KNOWN_PEAK_TFLOPS.items() if k in name), None)
-
-
-def output_dir_chosen() -> bool:
-    """Whether this invocation names its output directory (hydra.run.dir / paths.output_dir on the
-    command line, a multirun's sweep folder, a launched DDP rank); True outside @hydra.main."""
-    if os.environ.get(RUN_DIR_ENV):
-        return True
-    try:
-        hc = HydraConfig.get()
-    except ValueError:
-        return True
-    if hc.mode.name == "MULTIRUN":
-        return True
-    keys = ("hydra.run.dir=", "paths.output_dir=", "+paths.output_dir=", "++paths.output_dir=")
-    return any(o.startswith(keys) for o in [*hc.overrides.task, *hc.overrides.hydra])  # hydra.* land in .hydra
 
 
 def run(cfg: DictConfig) -> dict:
@@ -321,21 +126,11 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     precision = cfg.trainer.precision or ("bf16-mixed" if torch.cuda.is_available() else "32-true")
     configured = build_configured_callbacks(cfg.get("callbacks"))  # configs/callbacks/
     checkpointing = next((c for c in configured if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)
+    guard = next((c for c in configured if isinstance(c, NonFiniteGuard)), None)  # None: callbacks.nonfinite_guard=null
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
-    guard = NonFiniteGuard(cfg.train.nonfinite)
-    # built here, not in configs/callbacks/: the run's machinery (train.py reads the guard's count and
-    # the SIGTERM checkpoint; the final validation and a wandb resume depend on the others) and the
-    # callbacks that train.* options switch on (configs/callbacks/default.yaml lists them)
-    callbacks = [*configured, WandbRunIdInCheckpoint(), guard, ValidateAtLastStep(), on_sigterm]
-    if cfg.train.ckpt_every_steps:  # also refresh last.ckpt every N steps, between validations
-        callbacks.append(LastCheckpointEveryNSteps(output_dir / "checkpoints" / "last.ckpt", cfg.train.ckpt_every_steps,
-                                                   cfg.train.val_every))
-    if cfg.train.log_max_logit:
-        callbacks.append(MaxLogitMonitor())
-    if cfg.train.attention_stats_sequences:
-        callbacks.append(AttentionRowMonitor(cfg.train.attention_stats_sequences))
-    if cfg.train.get("log_samples", 0) and cfg.train.get("sample_tokens", 0):
-        callbacks.append(ValidationSamples(cfg.train.log_samples, cfg.train.sample_tokens, output_dir))
+    # built here, not in configs/callbacks/: the run's machinery (train.py reads the SIGTERM
+    # checkpoint; the final validation and a wandb resume depend on the others)
+    callbacks = [*configured, WandbRunIdInCheckpoint(), ValidateAtLastStep(), on_sigterm]
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)
@@ -379,9 +174,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     nats = final["val/loss"]
     results = {
         "variant": cfg.attn.name,
-        "label": _label(cfg),  # the variant and its own overridden settings
+        "label": run_label_of(cfg),  # the variant and its own overridden settings
         "run_dir": str(output_dir),
-        "wandb_group": _group(cfg),
+        "wandb_group": wandb_group(cfg),
         "seed": cfg.seed,
         "steps": trainer.global_step,
         "tokens": model.tokens_seen,
@@ -394,7 +189,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         "mfu": (model.mean_tokens_per_s() or 0) * model.flops_per_token / (model.peak_tflops * 1e12 * trainer.world_size)
         if model.peak_tflops else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "nonfinite_steps": guard.nonfinite_steps,  # steps skipped for a non-finite loss or gradient
+        # steps skipped for a non-finite loss or gradient (None: no guard, callbacks.nonfinite_guard=null)
+        "nonfinite_steps": guard.nonfinite_steps if guard is not None else None,
         "best_checkpoint": checkpointing.best_model_path if checkpointing is not None else None,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }

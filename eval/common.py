@@ -6,7 +6,7 @@ A `ckpt=` argument may name
     whose best checkpoint is used (`which=last` for the last one), or
   - a folder holding run directories (a multirun sweep), which evaluates every run in it.
 
-Checkpoints are read with `models.checkpoint_io.load_checkpoint` (weights_only=True, never
+Checkpoints are read with `training.checkpoint_io.load_checkpoint` (weights_only=True, never
 unpickling code). A checkpoint that this attnlab cannot rebuild (unknown variant, unknown or
 missing config fields, weights that do not fit the model) is refused with a ValueError that
 names the file and what does not match.
@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import attn
 from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
-from models.checkpoint_io import load_checkpoint
+from training.checkpoint_io import load_checkpoint
 from models.gpt import GPT, GPTConfig
 from models.lit import gpt_config_from_dict
 

@@ -5,8 +5,8 @@ the float-exact weights from the layer's input with `attn.attention_weights` (th
 reference path, which serves every variant: no per-variant code here). `HeadStats` holds the
 running sums; METRICS names each statistic (see eval/attention_stats.py for their definitions).
 `window_starts` picks the fixed sample of windows and `plot_heatmaps` draws one PNG per metric.
-Used by `python -m eval.attention_stats`, the validation-time monitor (models/attention_monitor.py)
-and the end-of-run heatmaps (models/attention_heatmaps.py).
+Used by `python -m eval.attention_stats`, the validation-time monitor (training/callbacks/attention_monitor.py)
+and the end-of-run heatmaps (training/callbacks/attention_heatmaps.py).
 """
 
 from __future__ import annotations

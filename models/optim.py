@@ -31,7 +31,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     # LitGPT.param_groups splits the decayed matrices into the `use_muon` group for this class
     takes_hidden_matrix_group = True
-    check_available = staticmethod(require_muon)  # models/config_checks.py calls it before training
+    check_available = staticmethod(require_muon)  # training/config_checks.py calls it before training
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw",

@@ -9,7 +9,7 @@ Reads, per run directory (as train.py and the eval commands write them):
                                              (and peak_memory_bytes / wandb_group when recorded)
   csv/metrics.csv                            val/loss over training, train/tokens_per_s, and at each
                                              validation the row diagnostics val/attn/* and val/lambda/*
-                                             (models/attention_monitor.py) when logged
+                                             (training/callbacks/attention_monitor.py) when logged
   checkpoints/<ckpt>.perplexity-<split>.json eval.perplexity at each context length
   checkpoints/<ckpt>.attention-<split>.json  eval.attention_stats summary
 
@@ -183,7 +183,7 @@ def _float(value: str | None) -> float | None:
     return x if math.isfinite(x) else None
 
 
-# row diagnostics logged at each validation (models/attention_monitor.py): mean over layers
+# row diagnostics logged at each validation (training/callbacks/attention_monitor.py): mean over layers
 ROW_METRICS = (("zero_fraction", "exact-zero fraction of visible weights"), ("empty_rows", "empty-row fraction"),
                ("surviving_keys", "surviving keys per row"), ("sink_mass", "sink mass (first token)"))
 
@@ -277,7 +277,7 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     if results.get("tokens_per_s") is not None:  # measured by train.py itself, when it records it
         tokens_per_s = float(results["tokens_per_s"])
     return Run(
-        # the label (variant and its own overridden settings, models/run_label.py) when recorded:
+        # the label (variant and its own overridden settings, training/run_label.py) when recorded:
         # a sweep over a variant's parameter gives one row per setting
         path=run_dir, variant=results.get("label") or results["variant"], seed=results.get("seed"), results=results,
         curve=curve, trajectories=trajectories,

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("attn", "data", "eval", "models")
+PACKAGES = ("attn", "data", "eval", "models", "training")
 
 NUMERICS = "tests/test_training_numerics.py"
 RELIABILITY = "tests/test_reliability.py"
@@ -259,14 +259,14 @@ MUTATIONS = [
         (f"{MODEL}::test_differential_lambda_is_learned",),
     ),
     Mutation(
-        "monitor-max-over-heads", "models/attention_monitor.py",
+        "monitor-max-over-heads", "training/callbacks/attention_monitor.py",
         "layer_means.append(sum(values) / len(values))",
         "layer_means.append(max(values))",
         "the validation-time attention statistics take the largest head instead of the mean",
         ("tests/test_attention_monitor.py::test_logged_row_statistics_match_the_checkpoints_statistics",),
     ),
     Mutation(
-        "run-label-keeps-backend", "models/run_label.py",
+        "run-label-keeps-backend", "training/run_label.py",
         'NOT_A_SETTING = ("attn.backend",)',
         "NOT_A_SETTING = ()",
         "the run label counts the backend as a variant setting",

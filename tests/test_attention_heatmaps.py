@@ -1,4 +1,4 @@
-"""The attention heatmaps written and logged at the end of a run (models/attention_heatmaps.py):
+"""The attention heatmaps written and logged at the end of a run (training/callbacks/attention_heatmaps.py):
 PNGs and a JSON in the run directory with the CSV logger, images in wandb's offline run and
 tensorboard, and a warning instead of a failed run when something goes wrong."""
 
@@ -13,7 +13,7 @@ import pytest
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 from models.attention_diagnostics import METRICS
-from models.attention_heatmaps import AttentionHeatmapsAtEnd
+from training.callbacks.attention_heatmaps import AttentionHeatmapsAtEnd
 
 # tiny_overrides switches the heatmaps off (they cost about a second a run): on here, as by default
 SHORT = {"train.max_steps": 2, "train.val_every": 2, "callbacks.attention_heatmaps.windows": 4}
@@ -49,7 +49,7 @@ def test_a_run_ends_with_heatmaps_of_every_metric_in_its_directory(tmp_path):
 def test_the_heatmaps_are_on_by_default_with_four_windows():
     cfg = compose_cfg(["paths.output_dir=/unused"])
     assert cfg.callbacks.attention_heatmaps.windows == 4
-    assert cfg.callbacks.attention_heatmaps._target_ == "models.attention_heatmaps.AttentionHeatmapsAtEnd"
+    assert cfg.callbacks.attention_heatmaps._target_ == "training.callbacks.attention_heatmaps.AttentionHeatmapsAtEnd"
 
 
 @pytest.mark.parametrize("switch", [{"callbacks.attention_heatmaps.windows": 0}, {"callbacks.attention_heatmaps": "null"}])
@@ -64,13 +64,13 @@ def test_the_heatmaps_can_be_switched_off(tmp_path, switch):
 
 
 def test_a_failure_is_a_warning_and_the_run_finishes(tmp_path, monkeypatch, caplog):
-    import models.attention_heatmaps as heatmaps
+    import training.callbacks.attention_heatmaps as heatmaps
 
     def broken(model, batches):
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(heatmaps, "attention_statistics", broken)
-    with caplog.at_level(logging.WARNING, logger="models.attention_heatmaps"):
+    with caplog.at_level(logging.WARNING, logger="training.callbacks.attention_heatmaps"):
         results = run(tmp_path)
     assert results["steps"] == 2 and np.isfinite(results["val_loss"])
     assert "attention heatmaps skipped at step 2: RuntimeError: out of memory" in caplog.text

@@ -1,4 +1,4 @@
-"""The validation-time attention monitor (models/attention_monitor.py): per-layer row statistics
+"""The validation-time attention monitor (training/callbacks/attention_monitor.py): per-layer row statistics
 and lambda logged at each validation equal what eval's attention statistics compute on the same
 sequences from the checkpoint; the official TDA lambda (scalar_clamp) is logged per head."""
 

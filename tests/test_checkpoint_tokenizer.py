@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_record, tokenizer_record
 from eval import common, generate, perplexity
-from models.checkpoint_io import load_checkpoint
+from training.checkpoint_io import load_checkpoint
 from train_helpers import CONFIG_DIR, train_tiny_run, write_corpus
 
 

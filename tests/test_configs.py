@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from models.config_checks import check_config
+from training.config_checks import check_config
 from train_helpers import CONFIG_DIR, compose_cfg, tiny_overrides, write_corpus
 
 GROUPS = ["attn", "model", "data", "data/tokenizer", "trainer", "logger", "optimizer", "scheduler", "callbacks",
@@ -206,16 +206,39 @@ def test_every_scheduler_config_builds_a_function_of_the_step(option):
 def test_every_callbacks_config_builds_its_callbacks(option, tmp_path):
     import lightning as L
 
-    import train
+    from training.callbacks.configured import build_configured_callbacks
 
-    cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}"])
-    built = train.build_configured_callbacks(cfg.callbacks)
+    cfg = compose_cfg([f"callbacks={option}", f"paths.output_dir={tmp_path}", "train.ckpt_every_steps=5"])
+    built = build_configured_callbacks(cfg.callbacks)
     assert len(built) == len(cfg.callbacks) and all(isinstance(c, L.Callback) for c in built)
+
+
+def test_the_train_switches_leave_their_callbacks_out(tmp_path):
+    """train.log_max_logit=false, train.attention_stats_sequences=0, train.log_samples=0 and
+    train.ckpt_every_steps=null (the default) leave their configs/callbacks/ entries out; train.nonfinite
+    reaches the guard."""
+    from training.callbacks.configured import build_configured_callbacks
+
+    def built(*overrides):
+        cfg = compose_cfg([f"paths.output_dir={tmp_path}", *overrides])
+        return {type(c).__name__: c for c in build_configured_callbacks(cfg.callbacks)}
+
+    assert sorted(built()) == ["AttentionHeatmapsAtEnd", "AttentionRowMonitor", "MaxLogitMonitor", "ModelCheckpoint",
+                               "NonFiniteGuard", "ValidationSamples"]
+    assert built("train.nonfinite=stop")["NonFiniteGuard"].policy == "stop"
+    assert built("train.ckpt_every_steps=7")["LastCheckpointEveryNSteps"].every == 7
+    assert sorted(built("train.log_max_logit=false", "train.attention_stats_sequences=0", "train.log_samples=0")) == [
+        "AttentionHeatmapsAtEnd", "ModelCheckpoint", "NonFiniteGuard"]
+    assert "ValidationSamples" not in built("train.sample_tokens=0")
+    assert "NonFiniteGuard" not in built("callbacks.nonfinite_guard=null")
+    with pytest.raises(ValueError, match=r"train\.nonfinite must be one of"):
+        built("train.nonfinite=ignore")
 
 
 def test_early_stopping_adds_to_the_default_callbacks():
     cfg = compose_cfg(["callbacks=[default,early_stopping]", "paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "early_stopping"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "nonfinite_guard", "last_checkpoint_every_n_steps",
+                                 "max_logit", "attention_monitor", "validation_samples", "early_stopping"]
     assert cfg.callbacks.early_stopping.monitor == "val/loss"
 
 

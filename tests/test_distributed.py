@@ -160,7 +160,7 @@ def _compiled_graphs_under_ddp_strategy(split_compiled_graph: bool) -> tuple[int
     import torch
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from models.ddp_strategy import CurrentStreamDDPStrategy
+    from training.ddp_strategy import CurrentStreamDDPStrategy
 
     graphs = []
 

@@ -149,7 +149,7 @@ def test_tampered_or_foreign_export_folders_are_refused(tmp_path):
 
 def test_a_checkpoint_without_a_tokenizer_record_takes_the_data_config(char_run, tmp_path):
     """Checkpoints that predate the record: the run's data config gives the tokenizer."""
-    from models.checkpoint_io import load_checkpoint
+    from training.checkpoint_io import load_checkpoint
 
     run = tmp_path / "old_run"
     (run / "checkpoints").mkdir(parents=True)

@@ -208,7 +208,7 @@ def test_direct_launches_reuse_a_compiled_kernel_only_for_its_own_specialization
 def test_cuda_graphs_need_compile_and_no_gradient_accumulation():
     from hydra import compose, initialize_config_dir
 
-    from models.config_checks import check_config
+    from training.config_checks import check_config
 
     def cfg(*overrides):
         with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -234,8 +234,8 @@ def test_cuda_graphs_auto_turns_on_only_where_they_hold():
     true and false are taken as given (true's own requirements are check_config's)."""
     from omegaconf import OmegaConf
 
-    from models.config_checks import cuda_graphs_enabled
-    from train import devices_per_run
+    from training.config_checks import cuda_graphs_enabled
+    from training.launch import devices_per_run
 
     def train(**kw):
         return OmegaConf.create({"cuda_graphs": "auto", "compile": True, "grad_accum": 1, **kw})

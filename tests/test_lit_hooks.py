@@ -309,7 +309,7 @@ def test_fused_null_picks_the_fused_kernel_on_cuda_except_under_fp16(cuda, preci
 
 
 def test_eager_mode_runs_compiled_functions_eagerly_by_default():
-    """models/sample_logger.py calls eager_mode() with no argument: compiled code must not compile there."""
+    """training/callbacks/validation_samples.py calls eager_mode() with no argument: compiled code must not compile there."""
     from torch._dynamo.testing import CompileCounter
 
     from models.lit import eager_mode

@@ -229,7 +229,7 @@ def test_a_muon_step_with_a_nonfinite_loss_is_skipped(tmp_path, monkeypatch):
     """The non-finite guard's host path drops the step's gradients: neither Muon nor the AdamW part
     moves a weight or its state on the poisoned steps (2 and 4 of 6)."""
     import train
-    from models.checkpoint_io import load_checkpoint
+    from training.checkpoint_io import load_checkpoint
 
     real_build = train.build_model
 
@@ -282,7 +282,8 @@ def test_the_default_callbacks_run_without_early_stopping_and_an_entry_can_be_le
     import train
 
     cfg = compose_cfg(["paths.output_dir=/tmp/x"])
-    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps"]
+    assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "nonfinite_guard", "last_checkpoint_every_n_steps",
+                                   "max_logit", "attention_monitor", "validation_samples"]
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 4, "train.val_every": 2})
                                     + ["callbacks.model_checkpoint=null"]))
@@ -372,7 +373,7 @@ def test_optimizer_scheduler_callback_errors_name_the_field(override, match, tmp
 
 @needs_muon
 def test_muon_under_fsdp_is_refused(tmp_path):
-    from models.config_checks import check_config
+    from training.config_checks import check_config
 
     cfg = compose_cfg(tiny_overrides(tmp_path, tmp_path / "x.txt", trainer="fsdp") + ["optimizer=muon"])
     with pytest.raises(ValueError, match=r"optimizer=models\.optim\.MuonWithAdamW does not run under an FSDP trainer"):

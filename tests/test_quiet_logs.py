@@ -1,4 +1,4 @@
-"""A run's output carries no third-party notices that say nothing about it (models/quiet_logs.py),
+"""A run's output carries no third-party notices that say nothing about it (training/quiet_logs.py),
 and DDP gets its buffer setting under the name the installed torch wants."""
 
 import inspect
@@ -7,8 +7,8 @@ import warnings
 import pytest
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
-import models.ddp_strategy as ddp_strategy
-from models.quiet_logs import IGNORED_WARNINGS, silence_third_party_notices
+import training.ddp_strategy as ddp_strategy
+from training.quiet_logs import IGNORED_WARNINGS, silence_third_party_notices
 
 NOISE = ("💡 Tip", "anonymous setting has no effect", "LeafSpec", "`IterableDataset` has `__len__`", "Total FLOPs")
 

@@ -26,8 +26,8 @@ import torch
 import attn
 from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
-from models.checkpoint_io import atomic_torch_save, load_checkpoint
-from models.guards import NonFiniteError
+from training.checkpoint_io import atomic_torch_save, load_checkpoint
+from training.callbacks.nonfinite_guard import NonFiniteError
 from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
@@ -172,7 +172,7 @@ def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
     last-v1.ckpt), each write newer than the one before, and no every-N write precedes a
     validation at the same step (a kill during that validation would lose it on resume)."""
     import train
-    from models.checkpoint_io import AtomicCheckpointIO
+    from training.checkpoint_io import AtomicCheckpointIO
 
     writes = []
     real_save = AtomicCheckpointIO.save_checkpoint
@@ -302,7 +302,7 @@ def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monk
     are left as they were. Another write error with space to spare passes through unchanged."""
     from collections import namedtuple
 
-    import models.checkpoint_io as checkpoint_io
+    import training.checkpoint_io as checkpoint_io
 
     path = tmp_path / "last.ckpt"
     atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
@@ -639,14 +639,14 @@ def test_strategies_that_shard_gradients_are_recognized():
 
     import lightning as L
 
-    from models.guards import _shards_gradients
+    from training.sharding import shards_gradients
 
-    assert not _shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
-    assert _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
-    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
-    from models.ddp_strategy import CurrentStreamDDPStrategy  # trainer=ddp's
+    assert not shards_gradients(SimpleNamespace(world_size=1, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.FSDPStrategy()))
+    assert not shards_gradients(SimpleNamespace(world_size=2, strategy=L.pytorch.strategies.DDPStrategy()))
+    from training.ddp_strategy import CurrentStreamDDPStrategy  # trainer=ddp's
 
-    assert not _shards_gradients(SimpleNamespace(world_size=2, strategy=CurrentStreamDDPStrategy()))
+    assert not shards_gradients(SimpleNamespace(world_size=2, strategy=CurrentStreamDDPStrategy()))
 
 
 def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
@@ -658,7 +658,7 @@ def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
 
     import lightning as L
 
-    from models.guards import call_with_whole_params
+    from training.sharding import call_with_whole_params
 
     class Lit(L.LightningModule):
         def probe(self, x, scale=1):
@@ -893,18 +893,18 @@ def test_torch_load_only_with_weights_only_true():
                 ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
                 if not ok:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert seen >= 1, "the scan found the loader in models/checkpoint_io.py"
+    assert seen >= 1, "the scan found the loader in training/checkpoint_io.py"
     assert not offenders, offenders
 
 
 # resolvers that only format strings (each tested below on hostile input)
-STRING_ONLY_RESOLVERS = {"models/run_label.py"}
+STRING_ONLY_RESOLVERS = {"training/run_label.py"}
 
 
 def test_the_run_label_resolver_only_formats_strings():
     from omegaconf import OmegaConf
 
-    import models.run_label  # noqa: F401  (registers attnlab_label)
+    import training.run_label  # noqa: F401  (registers attnlab_label)
 
     cfg = OmegaConf.create({"d": "attn.params.cap=__import__('os').system('x'),seed=1",
                             "label": "${attnlab_label:softcap_tanh,${d}}"})

@@ -1,4 +1,4 @@
-"""Validation samples (models/sample_logger.py): written per validation to samples.jsonl and to
+"""Validation samples (training/callbacks/validation_samples.py): written per validation to samples.jsonl and to
 wandb's table, drawn without touching training's random state."""
 
 import json

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.checkpoint_io import load_checkpoint
+from training.checkpoint_io import load_checkpoint
 from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
@@ -198,7 +198,7 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
     assert again["val_loss"] == first["val_loss"] and again["val_bpb"] == first["val_bpb"]
 
     # a checkpoint without the stored validation (older ones): validated again, the same numbers
-    from models.checkpoint_io import atomic_torch_save, load_checkpoint
+    from training.checkpoint_io import atomic_torch_save, load_checkpoint
 
     older = load_checkpoint(first["last_checkpoint"])
     del older["last_validation"]
@@ -210,7 +210,7 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
 
 
 def test_run_labels_name_a_variants_own_settings():
-    from models.run_label import run_label
+    from training.run_label import run_label
 
     assert run_label("softmax", []) == "softmax"
     assert run_label("softcap_tanh", ["attn=softcap_tanh", "attn.params.cap=2", "seed=1", "train.lr=1e-3"]) \
@@ -232,11 +232,11 @@ def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_n
     labels = [json.loads((tmp_path / "sweep" / j / "results.json").read_text())["label"] for j in jobs]
     assert labels == ["softcap_tanh[cap=2]", "softcap_tanh[cap=50]"]
 
-    import train
+    from training import loggers
 
-    monkeypatch.setattr(train, "_label", lambda cfg: "softcap_tanh[cap=2]")
+    monkeypatch.setattr(loggers, "run_label_of", lambda cfg: "softcap_tanh[cap=2]")
     cfg = compose_cfg(tiny_overrides(tmp_path, corpus, **{"logger": "wandb", "attn": "softcap_tanh"}))
-    wandb_logger = next(lg for lg in train.build_loggers(cfg, tmp_path / "w", None, resuming=False)
+    wandb_logger = next(lg for lg in loggers.build_loggers(cfg, tmp_path / "w", None, resuming=False)
                         if lg.__class__.__name__ == "WandbLogger")
     assert wandb_logger._wandb_init["name"] == "softcap_tanh[cap=2]-s0"
     assert set(wandb_logger._wandb_init["tags"]) == {"softcap_tanh", "softcap_tanh[cap=2]", "seed0"}

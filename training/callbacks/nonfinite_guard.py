@@ -1,4 +1,4 @@
-"""Training guards: non-finite loss / gradients (skip or stop) and the max attention logit.
+"""The non-finite guard: a step with a non-finite loss or gradient is skipped, or stops the run.
 
 NonFiniteGuard (train.nonfinite: skip | stop | off)
     After backward and before gradient clipping and the optimizer step (Lightning's
@@ -15,25 +15,16 @@ NonFiniteGuard (train.nonfinite: skip | stop | off)
       output went non-finite (found by re-running the batch's forward with hooks, only then).
     Under precision=16-mixed the GradScaler already skips steps with inf/NaN (scaled) gradients
     and lowers the scale; the guard then leaves gradients to it and only checks the loss.
-
-MaxLogitMonitor (train.log_max_logit: true)
-    At the first validation batch, the largest scaled score s*q.k (before any cap) over the
-    visible (causal, windowed) positions of each softmax-family layer, as
-    `val/max_logit/layer{i}`. Computed in fp32 from the layer's own q/k projection in a forward
-    pre-hook: one extra QK^T per layer per validation, nothing during training.
 """
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 import torch
 
-import attn
-from models.attention_diagnostics import per_head_scores
 from models.lit import writes_logs
 from models.step_scalars import nonfinite_found
+from training.sharding import call_with_whole_params, shards_gradients
 
 POLICIES = ("skip", "stop", "off")
 
@@ -44,28 +35,6 @@ class NonFiniteError(FloatingPointError):
 
 def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
-
-
-def _shards_gradients(trainer) -> bool:
-    """Whether ranks hold different gradients (FSDP, DeepSpeed, ...): all but replicated DDP."""
-    if trainer.world_size <= 1:
-        return False
-    strategy = trainer.strategy
-    replicated = (isinstance(strategy, L.pytorch.strategies.DDPStrategy)
-                  and not isinstance(strategy, L.pytorch.strategies.DeepSpeedStrategy))
-    return not replicated
-
-
-def call_with_whole_params(trainer, pl_module, method: str, *args, **kwargs):
-    """pl_module.<method>(...) where every parameter is whole. Under a sharding strategy (FSDP)
-    the root's parameters are gathered only inside the wrapper's forward, so the call goes through
-    it, as Lightning runs its own steps; a collective, so every rank must make the same call.
-    Elsewhere a direct call: the parameters are whole, and the call stays off the wrapper's
-    forward bookkeeping (DDP's reducer; its buffer broadcast, where enabled)."""
-    wrapper = trainer.strategy.model
-    if not _shards_gradients(trainer) or wrapper is None or wrapper is pl_module:
-        return getattr(pl_module, method)(*args, **kwargs)
-    return trainer.strategy._forward_redirection(wrapper, pl_module, method, *args, **kwargs)
 
 
 class NonFiniteGuard(L.Callback):
@@ -104,7 +73,7 @@ class NonFiniteGuard(L.Callback):
         # under the scaler only the loss is ours to check
         found = nonfinite_found(loss, loss) if scaler_handles_grads else pl_module.nonfinite_flag(loss)
         skipped_if_skipped = self._skipped + found
-        if _shards_gradients(trainer) and torch.distributed.is_initialized():
+        if shards_gradients(trainer) and torch.distributed.is_initialized():
             # each rank checked only its own gradient shard: agree before skipping. (DDP needs
             # none: a non-finite value on one rank reaches every rank's all-reduced gradients,
             # and a non-finite loss gives non-finite gradients; it saves a collective per step.)
@@ -181,46 +150,3 @@ class NonFiniteGuard(L.Callback):
 
     def load_state_dict(self, state_dict):
         self._skipped = int(state_dict.get("nonfinite_steps", 0))
-
-
-class MaxLogitMonitor(L.Callback):
-    def __init__(self):
-        self._max: dict[int, float] = {}
-
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        if batch_idx != 0 or trainer.sanity_checking:
-            return
-        handles = [
-            block.attn.register_forward_pre_hook(self._hook(i))
-            for i, block in enumerate(pl_module.model.blocks) if block.attn.spec.family == "softmax"
-        ]
-        if not handles:
-            return
-        try:
-            # eager: hooks do not fire inside compiled graphs. The precision plugin's context
-            # (autocast), as in the training step: under FSDP mixed precision the weights are bf16
-            # and a plain fp32 forward would fail. Every rank runs this (batch 0 of each).
-            with trainer.precision_plugin.forward_context():
-                call_with_whole_params(trainer, pl_module, "_loss", batch, eager=True)
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _hook(self, index: int):
-        def pre_hook(layer, args):
-            x = args[0]
-            with torch.autocast(device_type=x.device.type, enabled=False):
-                # the projection runs in its weights' dtype (bf16 under FSDP mixed precision,
-                # fp32 otherwise); the scores in fp32
-                qs, ks, _ = layer.split_heads(x.to(layer.qkv.weight.dtype))
-                qs, ks = [q.float() for q in qs], [k.float() for k in ks]
-                scores = per_head_scores(qs[0], ks[0]) * layer.spec.scale(qs[0].shape[-1])
-                visible = attn.dense_mask(attn.MaskSpec(causal=True, window=layer.window), x.shape[1], device=x.device)
-                self._max[index] = scores.masked_fill(~visible[:, None], -math.inf).amax().item()
-
-        return pre_hook
-
-    def on_validation_epoch_end(self, trainer, pl_module):
-        for i, value in sorted(self._max.items()):
-            pl_module.log(f"val/max_logit/layer{i}", value, sync_dist=True, reduce_fx="max")
-        self._max = {}

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 
 from models.attention_diagnostics import HeadStats, layer_weights
-from models.guards import call_with_whole_params
+from training.sharding import call_with_whole_params
 
 LOGGED_METRICS = ("zero_fraction", "empty_rows", "surviving_keys", "sink_mass")
 
@@ -28,6 +28,7 @@ class AttentionRowMonitor(L.Callback):
         if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 0:
             raise ValueError(f"train.attention_stats_sequences must be an int >= 0, got {sequences!r}")
         self.sequences = sequences
+        self.enabled = sequences > 0  # false: configs/callbacks/ leaves the monitor out
         self._per_layer: list[dict] = []
         self._lambdas: list[list[float] | None] = []
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from models.attention_diagnostics import METRICS, attention_statistics, plot_heatmaps, window_starts
-from models.guards import _shards_gradients
+from training.sharding import shards_gradients
 from models.lit import eager_mode
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class AttentionHeatmapsAtEnd(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.written = []
-        if not self.windows or not trainer.is_global_zero or _shards_gradients(trainer):
+        if not self.windows or not trainer.is_global_zero or shards_gradients(trainer):
             return
         try:
             self.written = self._write(trainer, pl_module)

@@ -20,7 +20,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from models.guards import _shards_gradients
+from training.sharding import shards_gradients
 from models.lit import eager_mode
 
 TEMPERATURE, TOP_K = 0.8, 50
@@ -33,6 +33,7 @@ class ValidationSamples(L.Callback):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.num_samples, self.max_new_tokens, self.prompt_tokens = num_samples, max_new_tokens, prompt_tokens
+        self.enabled = bool(num_samples and max_new_tokens)  # false: configs/callbacks/ leaves it out
         self.path = Path(run_dir) / "samples.jsonl"
         self._prompts: torch.Tensor | None = None
 
@@ -44,7 +45,7 @@ class ValidationSamples(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         prompts, self._prompts = self._prompts, None
         if (prompts is None or not self.num_samples or not self.max_new_tokens or not trainer.is_global_zero
-                or _shards_gradients(trainer)):
+                or shards_gradients(trainer)):
             return
         tokenizer = getattr(trainer.datamodule, "tokenizer", None)
         if tokenizer is None:

@@ -1,0 +1,1 @@
+"""The training callbacks, one module each; configs/callbacks/ builds them."""

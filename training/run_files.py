@@ -1,0 +1,78 @@
+"""A training run's directory: a lock against a second live run, and the checkpoint's run directory
+that a resume continues in, its log files following (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+
+
+class RunDirectoryLock:
+    """An exclusive lock on <run dir>/.run.lock for the run's lifetime: a second live run given the
+    same directory stops at once, naming the holder, instead of mixing checkpoints and logs (or
+    crashing mid-run). Released by the OS when the holding process ends, however it ends."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".run.lock"
+        self._handle = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # non-POSIX: no lock
+            return self
+        self._handle = open(self.path, "a+")
+        try:
+            fcntl.flock(self._handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._handle.seek(0)
+            holder = self._handle.read().strip() or "unknown"
+            self._handle.close()
+            raise ValueError(f"run directory {self.path.parent} is in use by another live run (pid {holder}); "
+                             "give this run another hydra.run.dir, or wait for that one to end") from None
+        self._handle.seek(0)
+        self._handle.truncate()
+        self._handle.write(str(os.getpid()))
+        self._handle.flush()
+        return self
+
+    def __exit__(self, *exc):
+        if self._handle is not None:
+            self._handle.close()  # closing releases the lock
+
+
+def is_global_rank_zero() -> bool:
+    """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/<name>.ckpt beside the run's
+    results.json or csv/ log), else None."""
+    if not ckpt_path or ckpt_path == "auto":
+        return None
+    path = Path(ckpt_path)
+    run = path.parent.parent
+    if path.is_file() and path.parent.name == "checkpoints" and ((run / "results.json").is_file() or (run / "csv").is_dir()):
+        return run.resolve()
+    return None
+
+
+def move_file_logs(old_dir: Path, new_dir: Path) -> list[Path]:
+    """Re-point the root logger's file handlers that write into `old_dir` (Hydra's <job>.log) to the
+    file of the same name in `new_dir`, appending; returns the new files."""
+    moved = []
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == old_dir.resolve():
+            target = new_dir / Path(handler.baseFilename).name
+            replacement = logging.FileHandler(target, mode="a", encoding=handler.encoding)
+            replacement.setLevel(handler.level)
+            replacement.setFormatter(handler.formatter)
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(replacement)
+            moved.append(target)
+    return moved
