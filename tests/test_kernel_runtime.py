@@ -66,23 +66,23 @@ THRESHOLD_DEFAULT = [(64, 64, 4, 2)]
 
 
 def softmax_candidates(kind, n):
-    return sf._candidates(kind, n)
+    return sf.CONFIG_TABLE.candidates(kind, n=n)
 
 
 def threshold_candidates(kind, head_dim, differential, views):
-    return tf._candidates(kind, head_dim, differential, views)
+    return tf.CONFIG_TABLE.candidates(kind, head_dim, differential, views)
 
 
 def softmax_bucket(n):
-    return sf._n_bucket(n)
+    return runtime.n_bucket(n, sf.N_BUCKET_CAP)
 
 
 def threshold_bucket(n):
-    return tf._n_bucket(n)
+    return runtime.n_bucket(n)
 
 
 def decode_config():
-    return sf._decode_config(), tf._decode_config()
+    return [runtime.decode_config()] * 2  # both families' split-key forwards
 
 
 @pytest.mark.parametrize("n", [1, 17, 63, 64, 65, 200, 4096, 100000])

@@ -1,12 +1,16 @@
 """The launch runtime both kernel families share: tile configs, tuning or pinning, direct launches.
 
-A family module holds its kernels' math and their candidate tile configs. `Kernel.launch` picks a
-config per tuning key and starts the compiled kernel with as little host work as possible, because
-at training shapes a call's host work can exceed its GPU time:
+A family module holds its kernels' math and the data of its `ConfigTable` (candidate tile configs
+per kernel and variant, the interpreter's tiles). The table gives a launch its candidates and
+`Kernel.launch` picks one per tuning key and starts the compiled kernel with as little host work as
+possible, because at training shapes a call's host work can exceed its GPU time:
 
-* config: the interpreter's (CPU tests); a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate,
-  or `ATTNLAB_KERNEL_CONFIG=i`: the i-th); otherwise the fastest candidate, timed once per key at
-  its first launch and remembered (one dict lookup per launch after that).
+* candidates: under the interpreter (CPU tests) one small config per kernel; on a GPU the table's
+  list for the kernel and variant (the first is the pinned default), or one untimed config for
+  launches of few rows where the table names one. Tuning keys bucket lengths with `n_bucket`.
+* config: a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate, or `ATTNLAB_KERNEL_CONFIG=i`:
+  the i-th); otherwise the fastest candidate, timed once per key at its first launch and
+  remembered (one dict lookup per launch after that).
 * launch: the compiled kernel of one specialization (Triton specializes on integer values, pointer
   alignment and dtypes, so those form the key) is remembered after its first launch through
   Triton's JIT; later launches call its launcher directly, skipping the JIT's argument binding and
@@ -28,6 +32,9 @@ from attn.kernels.env import autotune_pinned, interpreting
 
 CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
 DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
+# "BM,BN": the interpreter's tiles of a table built with env_blocks=True (query-block kernels BM x BN,
+# key-block kernels BN x BM)
+INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
 # the split-key (flash-decoding) forward serves calls with at most this many queries
 DECODE_MAX_QUERIES = 16
@@ -50,6 +57,69 @@ class TileConfig:
 
     def __str__(self) -> str:
         return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
+
+
+def cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv goes through the JIT's call machinery (~5 us per call)
+    return -(-a // b)
+
+
+def n_bucket(n: int, cap: int | None = None) -> int:
+    """A length as tuning keys hold it: the next power of two, at least 64, at most `cap` if given."""
+    bucket = max(64, 1 << (max(n, 1) - 1).bit_length())
+    return bucket if cap is None else min(bucket, cap)
+
+
+class ConfigTable:
+    """One family's candidate tile configs, per kernel kind (a family's names: "fwd", "dq", ...).
+
+    gpu: {(kind, *variant): [TileConfig, ...]}, the first the pinned default; `default` serves a
+    (kind, *variant) without an entry. small: {kind: TileConfig}, the one untimed config of a launch
+    of at most `small_n` rows (kinds without one always take their list). interpreter: {kind: (BLOCK_M,
+    BLOCK_N)}, the one config under TRITON_INTERPRET=1 (4 warps, 1 stage; tests may change the dict);
+    with env_blocks, ATTNLAB_INTERPRET_BLOCKS="BM,BN" overrides it: (BM, BN) for every kind, (BN, BM)
+    for those in `key_block_kinds`."""
+
+    def __init__(self, gpu: dict[tuple, list[TileConfig]], interpreter: dict[str, tuple[int, int]], *,
+                 default: list[TileConfig] | None = None, small: dict[str, TileConfig] | None = None,
+                 small_n: int = 64, env_blocks: bool = False, key_block_kinds: tuple[str, ...] = ()):
+        self.gpu = gpu
+        self.interpreter = interpreter
+        self.default = default
+        self.small = small or {}
+        self.small_n = small_n
+        self.env_blocks = env_blocks
+        self.key_block_kinds = key_block_kinds
+
+    def candidates(self, kind: str, *variant, n: int | None = None) -> list[TileConfig]:
+        """The configs a launch of kernel `kind` may use; n: the rows its tuning key counts."""
+        if interpreting():
+            bm, bn = self.interpreter_blocks(kind)
+            return [TileConfig(bm, bn, 4, 1)]
+        if n is not None and n <= self.small_n and kind in self.small:
+            return [self.small[kind]]
+        configs = self.gpu.get((kind, *variant), self.default)
+        if configs is None:
+            raise KeyError(f"no tile configs for {(kind, *variant)}")
+        return configs
+
+    def interpreter_blocks(self, kind: str) -> tuple[int, int]:
+        raw = os.environ.get(INTERPRET_BLOCKS_ENV) if self.env_blocks else None
+        if raw is None:
+            return self.interpreter[kind]
+        bm, bn = (int(x) for x in raw.split(","))
+        return (bn, bm) if kind in self.key_block_kinds else (bm, bn)
+
+
+def decode_config() -> TileConfig:
+    """Tiles of the split-key (flash-decoding) forwards: 16 query rows (a decode step's few queries;
+    the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
+    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
+
+
+def tuned_configs(kernels) -> dict[str, str]:
+    """The configs tuning chose so far for `kernels`, readable (for benchmark reports)."""
+    return {f"{kern.name} {key}": str(cfg) for kern in kernels for key, cfg in kern.tuned.items()}
 
 
 def pinned_index() -> int | None:

@@ -55,7 +55,9 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, decode_splits, pinned_index, traced
+from attn.kernels.runtime import (ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits, n_bucket,
+                                  pinned_index, traced)
+from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -694,10 +696,6 @@ def _zero_count_kernel(
 # ----------------------------------------------------------------------------------------
 
 
-def _cfg(block_m, block_n, warps, stages):
-    return TileConfig(block_m, block_n, warps, stages)
-
-
 # GPU candidates per (kernel, head dim, differential, views); the first is the pinned
 # default. BLOCK_M: query rows, BLOCK_N: key rows of a tile. Chosen from the sm_90
 # compiler's resource report (<= 255 registers without spills, <= 227 KiB shared memory):
@@ -705,66 +703,49 @@ def _cfg(block_m, block_n, warps, stages):
 # differential form, views 0), hence its short query tiles. views 1 / 2: the split
 # differential dk/dv (dk, dv / dk2 + d-lambda), see _dkdv_diff.
 GPU_CONFIGS = {
-    ("fwd", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 128, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2)],
-    ("fwd", 64, False, 0): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3)],
-    ("dq", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 128, True, 0): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 3)],
-    ("dq", 64, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dkdv", 128, False, 0): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
-    ("dkdv", 128, True, 0): [_cfg(16, 64, 8, 3), _cfg(32, 64, 8, 2)],
-    ("dkdv", 128, True, 1): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 3)],
-    ("dkdv", 128, True, 2): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
-    ("dkdv", 64, False, 0): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
-    ("dkdv", 64, True, 0): [_cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dkdv", 64, True, 1): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
-    ("dkdv", 64, True, 2): [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3)],
+    ("fwd", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
+    ("fwd", 128, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2)],
+    ("fwd", 64, False, 0): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)],
+    ("fwd", 64, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3)],
+    ("dq", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 128, True, 0): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 3)],
+    ("dq", 64, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 64, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dkdv", 128, False, 0): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
+    ("dkdv", 128, True, 0): [TileConfig(16, 64, 8, 3), TileConfig(32, 64, 8, 2)],
+    ("dkdv", 128, True, 1): [TileConfig(32, 128, 8, 2), TileConfig(16, 128, 8, 3)],
+    ("dkdv", 128, True, 2): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
+    ("dkdv", 64, False, 0): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 64, True, 0): [TileConfig(32, 128, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dkdv", 64, True, 1): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 64, True, 2): [TileConfig(64, 128, 8, 3), TileConfig(64, 64, 4, 3)],
 }
-_DEFAULT_CONFIGS = [_cfg(64, 64, 4, 2)]  # head dims without a tuned table (16, 32)
+_DEFAULT_CONFIGS = [TileConfig(64, 64, 4, 2)]  # head dims without a tuned table (16, 32)
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
 # unmasked split; tests may override this table
 INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros": (16, 16)}
+CONFIG_TABLE = ConfigTable(GPU_CONFIGS, INTERPRETER_CONFIG, default=_DEFAULT_CONFIGS)
 
 # Tuning is keyed on dtype, bucketed N and every constexpr (head dim, mask kind, variant, power
 # mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
 _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
             "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
-_TENSOR_ARGS = {"fwd": 10, "dq": 11, "dkdv": 13}  # each kernel's leading pointer parameters
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain Python: triton.cdiv goes through the JIT's call machinery (~5 us per call)
-    return -(-a // b)
-
-
-def _n_bucket(n: int) -> int:
-    return max(64, 1 << (n - 1).bit_length())
-
-
-def _candidates(kind: str, head_dim: int, differential: bool, views: int = 0) -> list[TileConfig]:
-    if interpreting():
-        bm, bn = INTERPRETER_CONFIG[kind]
-        return [TileConfig(bm, bn, 4, 1)]
-    return GPU_CONFIGS.get((kind, head_dim, differential, views), _DEFAULT_CONFIGS)
-
-
-def _launch(kind: str, grid, args, meta: dict, n_bucket, dtype, views: int = 0) -> None:
-    """Launch kernel `kind` with its interpreter / pinned / tuned config (attn/kernels/runtime.py);
-    grid maps a TileConfig to the launch grid."""
+def _launch(kind: str, grid, tensors: tuple, scalars: tuple, meta: dict, buckets: tuple, dtype, views: int = 0):
+    """Kernel `kind` with the runtime's config for its variant (head dim, differential, dk/dv views);
+    tuning keys: dtype, the (query, key) length buckets and every constexpr."""
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
-    configs = _candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
-    split = _TENSOR_ARGS[kind]
-    _KERNELS[kind].launch(grid, args[:split], args[split:], meta, configs, (dtype, n_bucket, *meta.values()))
+    configs = CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
+    _KERNELS[kind].launch(grid, tensors, scalars, meta, configs, (dtype, buckets, *meta.values()))
 
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    out = {f"{kern.name} {key}": str(cfg) for kern in _KERNELS.values() for key, cfg in kern.tuned.items()}
+    out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     return out
 
@@ -829,36 +810,30 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
     lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
     operands = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                 bounds if bounds is not None else q)
-    scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), _n_bucket(kv_len),
+    scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), n_bucket(kv_len),
                float(dropout_p))
     splits = 1
     if bounds is None and dropout_p == 0.0:
-        splits = decode_splits(n, kv_len, bsz * heads, _decode_config().block_n, q.device)
+        splits = decode_splits(n, kv_len, bsz * heads, decode_config().block_n, q.device)
     if splits > 1:
         # flash-decoding: each split sums its key range into fp32 partials; nothing to rescale
         # (no row max, no normalizer), so merging is a plain sum (a split past a row's key length
         # adds its zeros)
-        cfg = _decode_config()
-        split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
-        splits = _cdiv(kv_len, split_len)
+        cfg = decode_config()
+        split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+        splits = cdiv(kv_len, split_len)
         part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
         scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
-        _KERNELS["fwd"].launch(lambda c: (_cdiv(n, c.block_m), bsz * heads, splits),
+        _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
                                (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
                                                       part.stride(0), *scalars),
                                {**meta, "SPLIT_KV": True}, [cfg], ())
         return part.sum(dim=0).to(q.dtype)
-    args = (*operands, out, seed_operand(dropout_p, seed, q), lens,
-            *_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars)
-    _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args, {**meta, "SPLIT_KV": False},
-            (_n_bucket(n), _n_bucket(kv_len)), q.dtype)
+    _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
+            (*operands, out, seed_operand(dropout_p, seed, q), lens),
+            (*_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars), {**meta, "SPLIT_KV": False},
+            (n_bucket(n), n_bucket(kv_len)), q.dtype)
     return out
-
-
-def _decode_config() -> TileConfig:
-    """Tiles of the split-key forward: 16 query rows (a decode step's few queries; the smallest
-    tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
-    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
 
 
 def _dkdv_diff(dkdv, key) -> None:
@@ -904,7 +879,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
     dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
     dq2 = torch.empty_like(dq) if differential else None
     dk2 = torch.empty_like(dk) if differential else None
-    dlam_slots = _cdiv(max(kv_len, 1), _DLAM_SLOT)
+    dlam_slots = cdiv(max(kv_len, 1), _DLAM_SLOT)
     dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
     if n > 0 and bsz > 0:
         common = _common_args(q, k, v, q2, k2, lam)
@@ -912,19 +887,18 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         seed_arg = seed_operand(dropout_p, seed, q)
-        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(kv_len))
-        buckets = (_n_bucket(n), _n_bucket(kv_len))
-        _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
-                (*ops, dout, dq, dq2 if differential else dq, seed_arg, *common, *dout.stride(), *scalars,
-                 float(dropout_p)),
-                meta, buckets, q.dtype)
-        dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg,
-                     *common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
+        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), n_bucket(kv_len))
+        buckets = (n_bucket(n), n_bucket(kv_len))
+        _launch("dq", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
+                (*ops, dout, dq, dq2 if differential else dq, seed_arg),
+                (*common, *dout.stride(), *scalars, float(dropout_p)), meta, buckets, q.dtype)
+        dkdv_tensors = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg)
+        dkdv_scalars = (*common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
         dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
 
         def dkdv(views):
-            _launch("dkdv", lambda cfg: (_cdiv(kv_len, cfg.block_n), bsz * kv_heads),
-                    dkdv_args, dkdv_meta, buckets, q.dtype, views)
+            _launch("dkdv", lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads),
+                    dkdv_tensors, dkdv_scalars, dkdv_meta, buckets, q.dtype, views)
 
         if differential:
             _dkdv_diff(dkdv, (d, q.dtype, buckets, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
@@ -1120,7 +1094,7 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
         warps = 4
     else:
         block_m, block_n, warps = 64, 64, 4
-    n_blocks = _cdiv(n, block_m)
+    n_blocks = cdiv(n, block_m)
     zeros = torch.empty((bsz, heads, n_blocks), device=q.device, dtype=torch.int32)
     with torch.no_grad():
         _zero_count_kernel[(n_blocks, bsz * heads)](
