@@ -49,11 +49,11 @@ from attn.kernels.runtime import (ConfigTable, Kernel, TileConfig, cdiv, decode_
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
-from attn.validation import check_key_lengths
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths
 
 CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 # tuning keys' length buckets stop here (the best tiles stop changing past 8K)
 N_BUCKET_CAP = 16384
 
@@ -669,22 +669,11 @@ def _flags(q: torch.Tensor):
     return fast, prec
 
 
-def _check(q, k, v):
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS} for the softmax-family kernels, got {d}")
-    if k.shape[1] < q.shape[1]:
-        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
-                         f"for {q.shape[1]} queries")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
-
-
 def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
               key_lengths=None):
     """(out, lse2); with `key_lengths` (B,) int32 the launches (grid, splits, configs) depend on the
-    capacity k.shape[1] only, and the kernels read each row's length on the device."""
-    _check(q, k, v)
+    capacity k.shape[1] only, and the kernels read each row's length on the device. The operands
+    are those `fused_attention` checked."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
@@ -911,7 +900,7 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     (`attn.attention`); forward only."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
-    _check(q, k, v)
+    check_kernel_inputs(q, k, kernels="the softmax-family kernels")
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
                           tensors=(v, temperature))

@@ -61,10 +61,9 @@ from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
 from attn.specs import ThresholdFamilySpec
-from attn.validation import check_key_lengths
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 # d-lambda partial sums are laid out per MIN_BLOCK keys, so every block size fills the
 # whole buffer (see _dkdv_kernel) and autotuning trials leave no stale partials behind
 _DLAM_SLOT = 16
@@ -784,16 +783,6 @@ def _tau_scale(beta: float, head_dim: int) -> float:
     return beta * math.sqrt(2.0 / head_dim)
 
 
-def _check_kernel_operands(q: torch.Tensor) -> None:
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"q: head dim D must be one of {SUPPORTED_HEAD_DIMS} for the threshold Triton kernels, got {d}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
-
-
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None,
                   key_lengths=None):
     """The forward's output; with `key_lengths` (B,) int32 the launches (grid, splits, configs)
@@ -1021,10 +1010,7 @@ class _EagerThresholdAttention(torch.autograd.Function):
 def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
-    _check_kernel_operands(q)
-    if k.shape[1] < q.shape[1]:
-        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
-                         f"for {q.shape[1]} queries")
+    check_kernel_inputs(q, k, kernels="the threshold-family kernels")
     if spec.differential and (q2 is None or k2 is None or lam is None):
         raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
     if not spec.differential:
