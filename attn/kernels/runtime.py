@@ -139,6 +139,48 @@ def traced(*tensors) -> bool:
     return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
 
 
+class AutogradOp:
+    """A family's differentiable fused attention in its two forms, which run the same impls and so give
+    the same numbers: `op`, the torch custom op (its fake registered by the family, its autograd here)
+    that traced calls go through, and `eager`, an autograd.Function named `name` over the impls, for
+    eager calls (see `traced`).
+
+    forward(*args): the op's impl. setup_context(ctx, inputs, output): saves what backward needs, in
+    both forms. backward(ctx, grad_out, ops): one gradient per op input (the eager form's inputs stop
+    before the op's last defaults; autograd drops their Nones), from the gradient of the first output,
+    through the family's backward custom ops (ops=True, traced) or their impls (ops=False, eager).
+    result(output): the public value of an output (default: the output itself).
+    """
+
+    def __init__(self, op, forward, setup_context, backward, name: str, result=None):
+        self.op = op
+        self.forward = forward
+        self.result = result if result is not None else (lambda output: output)
+        op.register_autograd(lambda ctx, grad_out, *_: backward(ctx, grad_out, True), setup_context=setup_context)
+        keep = self.result
+
+        def eager_forward(ctx, *args):
+            output = forward(*args)
+            setup_context(ctx, args, output)
+            return keep(output)
+
+        def eager_backward(ctx, grad_out):
+            return backward(ctx, grad_out, False)
+
+        self.eager = type(name, (torch.autograd.Function,), {"forward": staticmethod(eager_forward),
+                                                              "backward": staticmethod(eager_backward)})
+
+    def __call__(self, args: tuple, watched: tuple):
+        """The public result, differentiable: through the op when a tensor of `watched` is traced."""
+        if traced(*watched):
+            return self.result(self.op(*args))
+        return self.eager.apply(*args)
+
+    def inference(self, args: tuple, watched: tuple):
+        """The public result without an autograd node (forward-only calls)."""
+        return self.result(self.op(*args) if traced(*watched) else self.forward(*args))
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

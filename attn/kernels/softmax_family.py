@@ -28,7 +28,8 @@ O holds the dropped weights.
 
 Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch
 custom ops with fake implementations (`attnlab::softmax_family_fwd/_bwd`) -> autograd
-via `torch.library.register_autograd` -> `fused_attention`, the public function the
+registered by `runtime.AutogradOp` (which also gives eager calls an autograd.Function over the
+same impls) -> `fused_attention`, the public function the
 registry points at. This module never imports `attn.reference`.
 """
 
@@ -44,8 +45,8 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import (ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits, n_bucket,
-                                  traced)
+from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+                                  n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
 from attn.masks import MaskSpec, segment_bounds
@@ -845,41 +846,22 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (cap, cap_value, knee, sm_scale, causal, window, dropout_p)
 
 
-def _gradients(ctx, grad_out, backward):
-    """(dq, dk, dv, d-temperature or None) from the saved tensors, through `backward` (the op or its impl)."""
+def _backward(ctx, grad_out, ops):
+    """The op's input gradients: dq, dk, dv, d-temperature (None unless asked for), through the
+    backward op (ops) or its impl."""
     q, k, v, out, lse, bounds, temperature, seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     need_dt = temperature is not None and ctx.needs_input_grad[4]
+    backward = softmax_family_bwd if ops else _bwd_impl
     dq, dk, dv, dt = backward(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt, *ctx.params,
                               seed)
-    return dq, dk, dv, (dt if need_dt else None)
+    return dq, dk, dv, None, (dt if need_dt else None), None, None, None, None, None, None, None, None, None
 
 
-def _backward(ctx, grad_out, grad_lse):
-    dq, dk, dv, dt = _gradients(ctx, grad_out, softmax_family_bwd)
-    return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None, None
-
-
-softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerSoftmaxFamily(torch.autograd.Function):
-    """The custom ops' forward / backward without the dispatcher's Python custom-op layer, for eager
-    calls (see runtime.traced); the same impls, so the same numbers."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0,
-                seed=None):
-        args = (q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed)
-        out, lse = _fwd_impl(*args)
-        _setup_context(ctx, args, (out, lse))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        dq, dk, dv, dt = _gradients(ctx, grad_out, _bwd_impl)
-        return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None
+# traced calls: the custom ops; eager calls: the same impls without the dispatcher's Python layer
+_ATTENTION = AutogradOp(softmax_family_fwd, _fwd_impl, _setup_context, _backward, "_EagerSoftmaxFamily",
+                        result=lambda output: output[0])
 
 
 # ------------------------------------------------------------------------- public
@@ -915,12 +897,8 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     if key_lengths is not None:  # forward only: no autograd node
-        if traced(q, k, v, temperature):
-            return softmax_family_fwd(*args, key_lengths)[0]
-        return _fwd_impl(*args, key_lengths)[0]
-    if traced(q, k, v, temperature):
-        return softmax_family_fwd(*args)[0]
-    return _EagerSoftmaxFamily.apply(*args)
+        return _ATTENTION.inference((*args, key_lengths), (q, k, v, temperature))
+    return _ATTENTION(args, (q, k, v, temperature))
 
 
 __all__ = ["fused_attention", "softmax_family_fwd", "softmax_family_bwd", "CAP_IDS", "tuned_configs"]

@@ -55,8 +55,8 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import (ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits, n_bucket,
-                                  pinned_index, traced)
+from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+                                  n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
 from attn.masks import MaskSpec, segment_bounds, visible_key_counts
@@ -967,44 +967,29 @@ def _setup_context(ctx, inputs, output):
     ctx.differential = q2 is not None
 
 
-_NO_GRADS = (None,) * 7  # bounds, beta, power, causal, window, dropout_p, seed (the op adds key_lengths)
+_NO_GRADS = (None,) * 8  # bounds, beta, power, causal, window, dropout_p, seed, key_lengths
 
 
-def _backward(ctx, dout):
+def _backward(ctx, dout, ops):
+    """The op's input gradients (q2, k2, lam: None without the second view), through the backward
+    ops (ops) or their impl."""
     q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
     if ctx.differential:
-        dq, dk, dv, dq2, dk2, dlam = diff_threshold_attention_backward_op(dout, q, k, v, q2, k2, lam, bounds,
-                                                                          *ctx.scalars, seed)
-        return dq, dk, dv, dq2, dk2, dlam, *_NO_GRADS, None
-    dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
-    return dq, dk, dv, None, None, None, *_NO_GRADS, None
+        backward = diff_threshold_attention_backward_op if ops else _backward_impl
+        return (*backward(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars, seed), *_NO_GRADS)
+    if ops:
+        dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
+    else:
+        dq, dk, dv = _backward_impl(dout, q, k, v, None, None, None, bounds, *ctx.scalars, seed)
+    return dq, dk, dv, None, None, None, *_NO_GRADS
 
 
-threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerThresholdAttention(torch.autograd.Function):
-    """The custom op's forward / backward without the dispatcher's Python custom-op layer.
-
-    Eager calls take this path: it runs the same `_forward_impl` / `_backward_impl` and
-    saves ~0.2 ms of host time per forward + backward, which is most of a step at small
-    sizes. Anything traced (torch.compile, export, fake or subclass tensors) goes through
-    `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
-        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
-        _setup_context(ctx, args, None)
-        return _forward_impl(*args)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
-        grads = _backward_impl(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars, seed)
-        if not ctx.differential:
-            grads = (*grads, None, None, None)
-        return (*grads, *_NO_GRADS)
+# Eager calls take `_EagerThresholdAttention`: the same `_forward_impl` / `_backward_impl` without the
+# dispatcher's Python custom-op layer (~0.2 ms of host time per forward + backward, most of a step at
+# small sizes). Anything traced (torch.compile, export, fake or subclass tensors) goes through
+# `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
+_ATTENTION = AutogradOp(threshold_attention_op, _forward_impl, _setup_context, _backward, "_EagerThresholdAttention")
+_EagerThresholdAttention = _ATTENTION.eager
 
 
 def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
@@ -1051,12 +1036,10 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
+    args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
     if key_lengths is not None:  # forward only: no autograd node
-        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop, key_lengths)
-        return threshold_attention_op(*args) if traced(q, k, v, q2, k2, lam) else _forward_impl(*args)
-    if traced(q, k, v, q2, k2, lam):
-        return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
-    return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
+        return _ATTENTION.inference((*args, key_lengths), (q, k, v, q2, k2, lam))
+    return _ATTENTION(args, (q, k, v, q2, k2, lam))
 
 
 def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
