@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attn.masks import validate_segment_ids
+from attn.masks import segment_bounds, validate_segment_ids
 from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
@@ -88,6 +88,17 @@ def check_kernel_inputs(q, k=None, *, kernels: str = "backend='triton'") -> None
     if k is not None and k.shape[1] < q.shape[1]:
         raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
                          f"for {q.shape[1]} queries")
+
+
+def kernel_segment_bounds(q, k, segment_ids=None, bounds=None):
+    """The per-row segment bounds a fused-kernel call uses: `bounds`, else `segment_bounds(segment_ids)`,
+    else None; segment ids need queries and keys of one length."""
+    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
+        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
+                         f"{k.shape[1]} keys")
+    if bounds is None and segment_ids is not None:
+        bounds = segment_bounds(segment_ids)
+    return bounds
 
 
 def check_key_lengths(key_lengths, q, k, *, segment_ids=None, bounds=None, dropout_p: float = 0.0,

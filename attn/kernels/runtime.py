@@ -111,6 +111,12 @@ class ConfigTable:
         return (bn, bm) if kind in self.key_block_kinds else (bm, bn)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernels' tl.dot input precision: IEEE products for fp32 inputs (no tf32, so tests against
+    the float64 reference are meaningful); 16-bit inputs go to the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def decode_config() -> TileConfig:
     """Tiles of the split-key (flash-decoding) forwards: 16 query rows (a decode step's few queries;
     the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""

@@ -46,11 +46,11 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  n_bucket)
+                                  dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
-from attn.masks import MaskSpec, segment_bounds
-from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths
+from attn.masks import MaskSpec
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
 
 CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
 LOG2E = 1.4426950408889634
@@ -666,7 +666,7 @@ def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
 
 def _flags(q: torch.Tensor):
     fast = q.is_cuda and q.dtype != torch.float32 and not interpreting()
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = dot_precision(q.dtype)
     return fast, prec
 
 
@@ -886,11 +886,7 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
                           tensors=(v, temperature))
-    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
-        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
-                         f"{k.shape[1]} keys")
-    if bounds is None and segment_ids is not None:
-        bounds = segment_bounds(segment_ids)
+    bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
     args = (q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
             float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0), float(dropout_p),
             dropout_seed if dropout_p > 0.0 else None)

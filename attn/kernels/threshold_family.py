@@ -56,12 +56,12 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  n_bucket, pinned_index)
+                                  dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
-from attn.masks import MaskSpec, segment_bounds, visible_key_counts
+from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
-from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
 
 SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 # d-lambda partial sums are laid out per MIN_BLOCK keys, so every block size fills the
@@ -775,7 +775,7 @@ def _meta(q, k, power, causal, window, bounds, differential):
         HAS_WINDOW=window > 0,
         HAS_SEG=bounds is not None,
         DIFF=differential,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC=dot_precision(q.dtype),
     )
 
 
@@ -1000,11 +1000,7 @@ def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, 
         raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
     if not spec.differential:
         q2 = k2 = lam = None
-    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
-        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
-                         f"{k.shape[1]} keys")
-    if bounds is None and segment_ids is not None:
-        bounds = segment_bounds(segment_ids)
+    bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
     return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
 
 
