@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from attn.masks import validate_segment_ids
+from attn.masks import segment_bounds, validate_segment_ids
 from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -76,13 +77,28 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         raise ValueError(f"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got {type(spec).__name__}")
 
 
-def check_kernel_inputs(q) -> None:
-    """Limits of the fused kernels (the reference takes anything)."""
+def check_kernel_inputs(q, k=None, *, kernels: str = "backend='triton'") -> None:
+    """Limits of the fused kernels of both families (the reference takes anything): head dim and
+    dtype, and with k, at least as many keys as queries. `kernels` names them in the message."""
     d = q.shape[-1]
     if d not in KERNEL_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {KERNEL_HEAD_DIMS} for backend='triton', got {d}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for backend='triton', got {q.dtype}")
+        raise ValueError(f"head dim D must be one of {KERNEL_HEAD_DIMS} for {kernels}, got {d}")
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for {kernels}, got {q.dtype}")
+    if k is not None and k.shape[1] < q.shape[1]:
+        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
+                         f"for {q.shape[1]} queries")
+
+
+def kernel_segment_bounds(q, k, segment_ids=None, bounds=None):
+    """The per-row segment bounds a fused-kernel call uses: `bounds`, else `segment_bounds(segment_ids)`,
+    else None; segment ids need queries and keys of one length."""
+    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
+        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
+                         f"{k.shape[1]} keys")
+    if bounds is None and segment_ids is not None:
+        bounds = segment_bounds(segment_ids)
+    return bounds
 
 
 def check_key_lengths(key_lengths, q, k, *, segment_ids=None, bounds=None, dropout_p: float = 0.0,

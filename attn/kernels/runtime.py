@@ -1,12 +1,16 @@
 """The launch runtime both kernel families share: tile configs, tuning or pinning, direct launches.
 
-A family module holds its kernels' math and their candidate tile configs. `Kernel.launch` picks a
-config per tuning key and starts the compiled kernel with as little host work as possible, because
-at training shapes a call's host work can exceed its GPU time:
+A family module holds its kernels' math and the data of its `ConfigTable` (candidate tile configs
+per kernel and variant, the interpreter's tiles). The table gives a launch its candidates and
+`Kernel.launch` picks one per tuning key and starts the compiled kernel with as little host work as
+possible, because at training shapes a call's host work can exceed its GPU time:
 
-* config: the interpreter's (CPU tests); a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate,
-  or `ATTNLAB_KERNEL_CONFIG=i`: the i-th); otherwise the fastest candidate, timed once per key at
-  its first launch and remembered (one dict lookup per launch after that).
+* candidates: under the interpreter (CPU tests) one small config per kernel; on a GPU the table's
+  list for the kernel and variant (the first is the pinned default), or one untimed config for
+  launches of few rows where the table names one. Tuning keys bucket lengths with `n_bucket`.
+* config: a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate, or `ATTNLAB_KERNEL_CONFIG=i`:
+  the i-th); otherwise the fastest candidate, timed once per key at its first launch and
+  remembered (one dict lookup per launch after that).
 * launch: the compiled kernel of one specialization (Triton specializes on integer values, pointer
   alignment and dtypes, so those form the key) is remembered after its first launch through
   Triton's JIT; later launches call its launcher directly, skipping the JIT's argument binding and
@@ -28,6 +32,9 @@ from attn.kernels.env import autotune_pinned, interpreting
 
 CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
 DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
+# "BM,BN": the interpreter's tiles of a table built with env_blocks=True (query-block kernels BM x BN,
+# key-block kernels BN x BM)
+INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
 # the split-key (flash-decoding) forward serves calls with at most this many queries
 DECODE_MAX_QUERIES = 16
@@ -52,6 +59,75 @@ class TileConfig:
         return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
 
 
+def cdiv(a: int, b: int) -> int:
+    # plain Python: triton.cdiv goes through the JIT's call machinery (~5 us per call)
+    return -(-a // b)
+
+
+def n_bucket(n: int, cap: int | None = None) -> int:
+    """A length as tuning keys hold it: the next power of two, at least 64, at most `cap` if given."""
+    bucket = max(64, 1 << (max(n, 1) - 1).bit_length())
+    return bucket if cap is None else min(bucket, cap)
+
+
+class ConfigTable:
+    """One family's candidate tile configs, per kernel kind (a family's names: "fwd", "dq", ...).
+
+    gpu: {(kind, *variant): [TileConfig, ...]}, the first the pinned default; `default` serves a
+    (kind, *variant) without an entry. small: {kind: TileConfig}, the one untimed config of a launch
+    of at most `small_n` rows (kinds without one always take their list). interpreter: {kind: (BLOCK_M,
+    BLOCK_N)}, the one config under TRITON_INTERPRET=1 (4 warps, 1 stage; tests may change the dict);
+    with env_blocks, ATTNLAB_INTERPRET_BLOCKS="BM,BN" overrides it: (BM, BN) for every kind, (BN, BM)
+    for those in `key_block_kinds`."""
+
+    def __init__(self, gpu: dict[tuple, list[TileConfig]], interpreter: dict[str, tuple[int, int]], *,
+                 default: list[TileConfig] | None = None, small: dict[str, TileConfig] | None = None,
+                 small_n: int = 64, env_blocks: bool = False, key_block_kinds: tuple[str, ...] = ()):
+        self.gpu = gpu
+        self.interpreter = interpreter
+        self.default = default
+        self.small = small or {}
+        self.small_n = small_n
+        self.env_blocks = env_blocks
+        self.key_block_kinds = key_block_kinds
+
+    def candidates(self, kind: str, *variant, n: int | None = None) -> list[TileConfig]:
+        """The configs a launch of kernel `kind` may use; n: the rows its tuning key counts."""
+        if interpreting():
+            bm, bn = self.interpreter_blocks(kind)
+            return [TileConfig(bm, bn, 4, 1)]
+        if n is not None and n <= self.small_n and kind in self.small:
+            return [self.small[kind]]
+        configs = self.gpu.get((kind, *variant), self.default)
+        if configs is None:
+            raise KeyError(f"no tile configs for {(kind, *variant)}")
+        return configs
+
+    def interpreter_blocks(self, kind: str) -> tuple[int, int]:
+        raw = os.environ.get(INTERPRET_BLOCKS_ENV) if self.env_blocks else None
+        if raw is None:
+            return self.interpreter[kind]
+        bm, bn = (int(x) for x in raw.split(","))
+        return (bn, bm) if kind in self.key_block_kinds else (bm, bn)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The kernels' tl.dot input precision: IEEE products for fp32 inputs (no tf32, so tests against
+    the float64 reference are meaningful); 16-bit inputs go to the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_config() -> TileConfig:
+    """Tiles of the split-key (flash-decoding) forwards: 16 query rows (a decode step's few queries;
+    the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
+    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
+
+
+def tuned_configs(kernels) -> dict[str, str]:
+    """The configs tuning chose so far for `kernels`, readable (for benchmark reports)."""
+    return {f"{kern.name} {key}": str(cfg) for kern in kernels for key, cfg in kern.tuned.items()}
+
+
 def pinned_index() -> int | None:
     """The candidate every kernel runs without timing, or None (tune)."""
     raw = os.environ.get(CONFIG_ENV)
@@ -67,6 +143,48 @@ def traced(*tensors) -> bool:
     go through the families' custom ops (fake and autograd registered); eager calls through their
     autograd Functions, which skip the dispatcher's Python custom-op layer (~0.1 ms per fwd+bwd)."""
     return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+
+
+class AutogradOp:
+    """A family's differentiable fused attention in its two forms, which run the same impls and so give
+    the same numbers: `op`, the torch custom op (its fake registered by the family, its autograd here)
+    that traced calls go through, and `eager`, an autograd.Function named `name` over the impls, for
+    eager calls (see `traced`).
+
+    forward(*args): the op's impl. setup_context(ctx, inputs, output): saves what backward needs, in
+    both forms. backward(ctx, grad_out, ops): one gradient per op input (the eager form's inputs stop
+    before the op's last defaults; autograd drops their Nones), from the gradient of the first output,
+    through the family's backward custom ops (ops=True, traced) or their impls (ops=False, eager).
+    result(output): the public value of an output (default: the output itself).
+    """
+
+    def __init__(self, op, forward, setup_context, backward, name: str, result=None):
+        self.op = op
+        self.forward = forward
+        self.result = result if result is not None else (lambda output: output)
+        op.register_autograd(lambda ctx, grad_out, *_: backward(ctx, grad_out, True), setup_context=setup_context)
+        keep = self.result
+
+        def eager_forward(ctx, *args):
+            output = forward(*args)
+            setup_context(ctx, args, output)
+            return keep(output)
+
+        def eager_backward(ctx, grad_out):
+            return backward(ctx, grad_out, False)
+
+        self.eager = type(name, (torch.autograd.Function,), {"forward": staticmethod(eager_forward),
+                                                              "backward": staticmethod(eager_backward)})
+
+    def __call__(self, args: tuple, watched: tuple):
+        """The public result, differentiable: through the op when a tensor of `watched` is traced."""
+        if traced(*watched):
+            return self.result(self.op(*args))
+        return self.eager.apply(*args)
+
+    def inference(self, args: tuple, watched: tuple):
+        """The public result without an autograd node (forward-only calls)."""
+        return self.result(self.op(*args) if traced(*watched) else self.forward(*args))
 
 
 @functools.lru_cache(maxsize=None)

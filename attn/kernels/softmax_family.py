@@ -28,7 +28,8 @@ O holds the dropped weights.
 
 Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch
 custom ops with fake implementations (`attnlab::softmax_family_fwd/_bwd`) -> autograd
-via `torch.library.register_autograd` -> `fused_attention`, the public function the
+registered by `runtime.AutogradOp` (which also gives eager calls an autograd.Function over the
+same impls) -> `fused_attention`, the public function the
 registry points at. This module never imports `attn.reference`.
 """
 
@@ -44,21 +45,18 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, decode_splits, traced
+from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+                                  dot_precision, n_bucket)
+from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
-from attn.masks import MaskSpec, segment_bounds
-from attn.validation import check_key_lengths
+from attn.masks import MaskSpec
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
 
 CAP_IDS = {"none": 0, "tanh": 1, "soft_sign": 2, "alsc": 3}
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-
-
-def _interpreter_blocks(kind: str) -> tuple[int, int]:
-    """Tiles under TRITON_INTERPRET=1 (CPU tests): BLOCK_M != BLOCK_N so that query and key
-    tiles never line up; ATTNLAB_INTERPRET_BLOCKS="BM,BN" overrides (fwd/dq; dk/dv swaps)."""
-    bm, bn = (int(x) for x in os.environ.get("ATTNLAB_INTERPRET_BLOCKS", "64,32").split(","))
-    return (bn, bm) if kind == "kv" else (bm, bn)
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
+# tuning keys' length buckets stop here (the best tiles stop changing past 8K)
+N_BUCKET_CAP = 16384
 
 
 # --------------------------------------------------------------------------- caps
@@ -220,24 +218,20 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         return acc, l_i, m_new
 
 
-# GPU candidates (the first is the pinned default); N <= 64 runs the small-tile one untimed
+# GPU candidates (the first is the pinned default), one list per kernel whatever the head dim and
+# cap; N <= 64 runs one untimed: the forward its small-tile one, the backward kernels their first
 FWD_CONFIGS = [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 128, 8, 3),
                TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)]
 DKDV_CONFIGS = [TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3),
                 TileConfig(64, 128, 8, 3)]
 DQ_CONFIGS = [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3),
               TileConfig(128, 64, 8, 3)]
-
-
-def _candidates(kind: str, n: int) -> list[TileConfig]:
-    """Tile configs a launch may use: the interpreter's one, or the GPU list (one for tiny N)."""
-    if interpreting():
-        bm, bn = _interpreter_blocks(kind)
-        return [TileConfig(bm, bn, 4, 1)]
-    if kind == "fwd":
-        return [FWD_CONFIGS[-1]] if n <= 64 else FWD_CONFIGS
-    configs = DKDV_CONFIGS if kind == "kv" else DQ_CONFIGS
-    return configs[:1] if n <= 64 else configs
+# kinds: "fwd" and "q" (query-block programs), "kv" (key-block programs). Interpreter tiles have
+# BLOCK_M != BLOCK_N so that query and key tiles never line up (ATTNLAB_INTERPRET_BLOCKS overrides)
+CONFIG_TABLE = ConfigTable({("fwd",): FWD_CONFIGS, ("kv",): DKDV_CONFIGS, ("q",): DQ_CONFIGS},
+                           {"fwd": (64, 32), "q": (64, 32), "kv": (32, 64)},
+                           small={"fwd": FWD_CONFIGS[-1], "kv": DKDV_CONFIGS[0], "q": DQ_CONFIGS[0]},
+                           env_blocks=True, key_block_kinds=("kv",))
 
 
 @triton.jit
@@ -657,14 +651,6 @@ _COMBINE = Kernel(_combine_splits_kernel, "softmax_family_combine_splits")
 _PREPROCESS_CONFIG = [TileConfig(64, 64, 4, 2)]  # BLOCK_M rows per program (BLOCK_N unused)
 
 
-def _n_bucket(n: int) -> int:
-    """Tuning key for N: powers of two, capped (the best tiles stop changing past 8K)."""
-    return min(max(64, 1 << (max(n, 1) - 1).bit_length()), 16384)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
     """(qk_scale, out_scale (log2 units, times t), grad_scale (dx = grad_scale * sum), F scale, a, g)."""
@@ -680,26 +666,15 @@ def _scalars(cap: int, cap_value: float, knee: float, sm_scale: float):
 
 def _flags(q: torch.Tensor):
     fast = q.is_cuda and q.dtype != torch.float32 and not interpreting()
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = dot_precision(q.dtype)
     return fast, prec
-
-
-def _check(q, k, v):
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D must be one of {SUPPORTED_HEAD_DIMS} for the softmax-family kernels, got {d}")
-    if k.shape[1] < q.shape[1]:
-        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
-                         f"for {q.shape[1]} queries")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q.dtype must be float16, bfloat16 or float32 for the softmax-family kernels, got {q.dtype}")
 
 
 def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
               key_lengths=None):
     """(out, lse2); with `key_lengths` (B,) int32 the launches (grid, splits, configs) depend on the
-    capacity k.shape[1] only, and the kernels read each row's length on the device."""
-    _check(q, k, v)
+    capacity k.shape[1] only, and the kernels read each row's length on the device. The operands
+    are those `fused_attention` checked."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
@@ -712,7 +687,7 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     seed_arg = seed_operand(dropout_p, seed, lse)
     splits = 1
     if bounds is None and dropout_p == 0.0:
-        splits = decode_splits(n, kv_len, bsz * h, _decode_config().block_n, q.device)
+        splits = decode_splits(n, kv_len, bsz * h, decode_config().block_n, q.device)
     # a cap bounds |z| by c (log2 units: c log2e); without a temperature the forward can then
     # shift by the diagonal logit instead of a running max: p = exp2(z - z_ii) lies in
     # [2^-2B, 2^2B], B = c log2e, and l <= KV 2^2B; bf16/fp32 keep that range (fp16 p would
@@ -731,16 +706,10 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, *st,
                h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
-    _FWD.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg, lens), scalars,
-                {**meta, "SPLIT_KV": False}, _candidates("fwd", n),
-                (q.dtype, _n_bucket(n), _n_bucket(kv_len), *meta.values()))
+    _FWD.launch(lambda cfg: (cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg, lens), scalars,
+                {**meta, "SPLIT_KV": False}, CONFIG_TABLE.candidates("fwd", n=n),
+                (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values()))
     return out, lse
-
-
-def _decode_config() -> TileConfig:
-    """Tiles of the split-key forward: 16 query rows (a decode step's few queries; the smallest
-    tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
-    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
 
 
 def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
@@ -753,18 +722,18 @@ def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_s
     writes lse2 = +inf, and the merge weighs it 0."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = _decode_config()
-    split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
-    splits = _cdiv(kv_len, split_len)
+    cfg = decode_config()
+    split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+    splits = cdiv(kv_len, split_len)
     part_out = torch.empty((splits, bsz, n, h, d), device=q.device, dtype=torch.float32)
     part_lse = torch.empty((splits, bsz, h, n), device=q.device, dtype=torch.float32)
     po = part_out[0]
     scalars = (*q.stride(), *k.stride(), *v.stride(), *po.stride(), part_out.stride(0), *st,
                h, h // h_kv, n, kv_len, window, split_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
-    _FWD.launch(lambda c: (_cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse, lens),
+    _FWD.launch(lambda c: (cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse, lens),
                 scalars, {**meta, "SPLIT_KV": True}, [cfg], ())
-    _COMBINE.launch(lambda c: (_cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
+    _COMBINE.launch(lambda c: (cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
                     (*po.stride(), part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
                     [TileConfig(16, 16, 4, 1)], ())
 
@@ -777,7 +746,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     qk_scale, out_scale, grad_scale, f_scale, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
     fast, prec = _flags(q)
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    _PREPROCESS.launch(lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
+    _PREPROCESS.launch(lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
                        (out, do, delta), (*out.stride(), *do.stride(), h, n), {"HEAD_DIM": d},
                        _PREPROCESS_CONFIG, ())
     dq = torch.empty_like(q)
@@ -788,28 +757,28 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     temp = temperature if has_temp else lse
     st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
     bnd = bounds if bounds is not None else lse
-    nb = (_n_bucket(n), _n_bucket(kv_len))
+    nb = (n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP))
     mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     seed_arg = seed_operand(dropout_p, seed, lse)
     _DKDV.launch(
-        lambda cfg: (_cdiv(kv_len, cfg.block_n), bsz * h_kv),
+        lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * h_kv),
         (q, k, v, do, dk, dv, lse, delta, temp, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
          h, h_kv, group, n, kv_len, window,
          qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        kv_meta, _candidates("kv", kv_len), (q.dtype, *nb, group, *kv_meta.values()))
+        kv_meta, CONFIG_TABLE.candidates("kv", n=kv_len), (q.dtype, *nb, group, *kv_meta.values()))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
     q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     _DQ.launch(
-        lambda cfg: (_cdiv(n, cfg.block_m), bsz * h),
+        lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
         (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
          h, group, n, kv_len, window,
          qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        q_meta, _candidates("q", n), (q.dtype, *nb, *q_meta.values()))
+        q_meta, CONFIG_TABLE.candidates("q", n=n), (q.dtype, *nb, *q_meta.values()))
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
     else:
@@ -819,7 +788,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    return {f"{kern.name} {key}": str(cfg) for kern in (_FWD, _DKDV, _DQ) for key, cfg in kern.tuned.items()}
+    return _tuned_configs((_FWD, _DKDV, _DQ))
 
 
 # --------------------------------------------------------------------- custom ops
@@ -877,41 +846,22 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (cap, cap_value, knee, sm_scale, causal, window, dropout_p)
 
 
-def _gradients(ctx, grad_out, backward):
-    """(dq, dk, dv, d-temperature or None) from the saved tensors, through `backward` (the op or its impl)."""
+def _backward(ctx, grad_out, ops):
+    """The op's input gradients: dq, dk, dv, d-temperature (None unless asked for), through the
+    backward op (ops) or its impl."""
     q, k, v, out, lse, bounds, temperature, seed = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     need_dt = temperature is not None and ctx.needs_input_grad[4]
+    backward = softmax_family_bwd if ops else _bwd_impl
     dq, dk, dv, dt = backward(grad_out.contiguous(), q, k, v, out, lse, bounds, temperature, need_dt, *ctx.params,
                               seed)
-    return dq, dk, dv, (dt if need_dt else None)
+    return dq, dk, dv, None, (dt if need_dt else None), None, None, None, None, None, None, None, None, None
 
 
-def _backward(ctx, grad_out, grad_lse):
-    dq, dk, dv, dt = _gradients(ctx, grad_out, softmax_family_bwd)
-    return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None, None
-
-
-softmax_family_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerSoftmaxFamily(torch.autograd.Function):
-    """The custom ops' forward / backward without the dispatcher's Python custom-op layer, for eager
-    calls (see runtime.traced); the same impls, so the same numbers."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0,
-                seed=None):
-        args = (q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p, seed)
-        out, lse = _fwd_impl(*args)
-        _setup_context(ctx, args, (out, lse))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        dq, dk, dv, dt = _gradients(ctx, grad_out, _bwd_impl)
-        return dq, dk, dv, None, dt, None, None, None, None, None, None, None, None
+# traced calls: the custom ops; eager calls: the same impls without the dispatcher's Python layer
+_ATTENTION = AutogradOp(softmax_family_fwd, _fwd_impl, _setup_context, _backward, "_EagerSoftmaxFamily",
+                        result=lambda output: output[0])
 
 
 # ------------------------------------------------------------------------- public
@@ -932,27 +882,19 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     (`attn.attention`); forward only."""
     if q2 is not None or k2 is not None or lam is not None:
         raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
-    _check(q, k, v)
+    check_kernel_inputs(q, k, kernels="the softmax-family kernels")
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
                           tensors=(v, temperature))
-    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
-        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
-                         f"{k.shape[1]} keys")
-    if bounds is None and segment_ids is not None:
-        bounds = segment_bounds(segment_ids)
+    bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
     args = (q, k, v, bounds, temperature, CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee),
             float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0), float(dropout_p),
             dropout_seed if dropout_p > 0.0 else None)
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     if key_lengths is not None:  # forward only: no autograd node
-        if traced(q, k, v, temperature):
-            return softmax_family_fwd(*args, key_lengths)[0]
-        return _fwd_impl(*args, key_lengths)[0]
-    if traced(q, k, v, temperature):
-        return softmax_family_fwd(*args)[0]
-    return _EagerSoftmaxFamily.apply(*args)
+        return _ATTENTION.inference((*args, key_lengths), (q, k, v, temperature))
+    return _ATTENTION(args, (q, k, v, temperature))
 
 
 __all__ = ["fused_attention", "softmax_family_fwd", "softmax_family_bwd", "CAP_IDS", "tuned_configs"]

@@ -55,14 +55,15 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, decode_splits, pinned_index, traced
+from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+                                  dot_precision, n_bucket, pinned_index)
+from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
-from attn.masks import MaskSpec, segment_bounds, visible_key_counts
+from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
-from attn.validation import check_key_lengths
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 # d-lambda partial sums are laid out per MIN_BLOCK keys, so every block size fills the
 # whole buffer (see _dkdv_kernel) and autotuning trials leave no stale partials behind
 _DLAM_SLOT = 16
@@ -694,10 +695,6 @@ def _zero_count_kernel(
 # ----------------------------------------------------------------------------------------
 
 
-def _cfg(block_m, block_n, warps, stages):
-    return TileConfig(block_m, block_n, warps, stages)
-
-
 # GPU candidates per (kernel, head dim, differential, views); the first is the pinned
 # default. BLOCK_M: query rows, BLOCK_N: key rows of a tile. Chosen from the sm_90
 # compiler's resource report (<= 255 registers without spills, <= 227 KiB shared memory):
@@ -705,66 +702,49 @@ def _cfg(block_m, block_n, warps, stages):
 # differential form, views 0), hence its short query tiles. views 1 / 2: the split
 # differential dk/dv (dk, dv / dk2 + d-lambda), see _dkdv_diff.
 GPU_CONFIGS = {
-    ("fwd", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 128, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2)],
-    ("fwd", 64, False, 0): [_cfg(128, 64, 4, 3), _cfg(128, 128, 8, 3)],
-    ("fwd", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(128, 64, 4, 3)],
-    ("dq", 128, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 128, True, 0): [_cfg(128, 64, 8, 2), _cfg(64, 64, 8, 3)],
-    ("dq", 64, False, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dq", 64, True, 0): [_cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dkdv", 128, False, 0): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
-    ("dkdv", 128, True, 0): [_cfg(16, 64, 8, 3), _cfg(32, 64, 8, 2)],
-    ("dkdv", 128, True, 1): [_cfg(32, 128, 8, 2), _cfg(16, 128, 8, 3)],
-    ("dkdv", 128, True, 2): [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3)],
-    ("dkdv", 64, False, 0): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
-    ("dkdv", 64, True, 0): [_cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3)],
-    ("dkdv", 64, True, 1): [_cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3)],
-    ("dkdv", 64, True, 2): [_cfg(64, 128, 8, 3), _cfg(64, 64, 4, 3)],
+    ("fwd", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
+    ("fwd", 128, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2)],
+    ("fwd", 64, False, 0): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)],
+    ("fwd", 64, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 4, 3)],
+    ("dq", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 128, True, 0): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 3)],
+    ("dq", 64, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 64, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dkdv", 128, False, 0): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
+    ("dkdv", 128, True, 0): [TileConfig(16, 64, 8, 3), TileConfig(32, 64, 8, 2)],
+    ("dkdv", 128, True, 1): [TileConfig(32, 128, 8, 2), TileConfig(16, 128, 8, 3)],
+    ("dkdv", 128, True, 2): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
+    ("dkdv", 64, False, 0): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 64, True, 0): [TileConfig(32, 128, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dkdv", 64, True, 1): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 64, True, 2): [TileConfig(64, 128, 8, 3), TileConfig(64, 64, 4, 3)],
 }
-_DEFAULT_CONFIGS = [_cfg(64, 64, 4, 2)]  # head dims without a tuned table (16, 32)
+_DEFAULT_CONFIGS = [TileConfig(64, 64, 4, 2)]  # head dims without a tuned table (16, 32)
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked /
 # unmasked split; tests may override this table
 INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16), "zeros": (16, 16)}
+CONFIG_TABLE = ConfigTable(GPU_CONFIGS, INTERPRETER_CONFIG, default=_DEFAULT_CONFIGS)
 
 # Tuning is keyed on dtype, bucketed N and every constexpr (head dim, mask kind, variant, power
 # mode); the batch, head counts and exact N are not in the key (attn/kernels/runtime.py).
 _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel, "threshold_dq"),
             "dkdv": Kernel(_dkdv_kernel, "threshold_dkdv")}
-_TENSOR_ARGS = {"fwd": 10, "dq": 11, "dkdv": 13}  # each kernel's leading pointer parameters
 # fused (one launch) or split (two launches) differential dk/dv, measured per key
 _dkdv_diff_form: dict[tuple, str] = {}
 
 
-def _cdiv(a: int, b: int) -> int:
-    # plain Python: triton.cdiv goes through the JIT's call machinery (~5 us per call)
-    return -(-a // b)
-
-
-def _n_bucket(n: int) -> int:
-    return max(64, 1 << (n - 1).bit_length())
-
-
-def _candidates(kind: str, head_dim: int, differential: bool, views: int = 0) -> list[TileConfig]:
-    if interpreting():
-        bm, bn = INTERPRETER_CONFIG[kind]
-        return [TileConfig(bm, bn, 4, 1)]
-    return GPU_CONFIGS.get((kind, head_dim, differential, views), _DEFAULT_CONFIGS)
-
-
-def _launch(kind: str, grid, args, meta: dict, n_bucket, dtype, views: int = 0) -> None:
-    """Launch kernel `kind` with its interpreter / pinned / tuned config (attn/kernels/runtime.py);
-    grid maps a TileConfig to the launch grid."""
+def _launch(kind: str, grid, tensors: tuple, scalars: tuple, meta: dict, buckets: tuple, dtype, views: int = 0):
+    """Kernel `kind` with the runtime's config for its variant (head dim, differential, dk/dv views);
+    tuning keys: dtype, the (query, key) length buckets and every constexpr."""
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
-    configs = _candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
-    split = _TENSOR_ARGS[kind]
-    _KERNELS[kind].launch(grid, args[:split], args[split:], meta, configs, (dtype, n_bucket, *meta.values()))
+    configs = CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
+    _KERNELS[kind].launch(grid, tensors, scalars, meta, configs, (dtype, buckets, *meta.values()))
 
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    out = {f"{kern.name} {key}": str(cfg) for kern in _KERNELS.values() for key, cfg in kern.tuned.items()}
+    out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     return out
 
@@ -795,22 +775,12 @@ def _meta(q, k, power, causal, window, bounds, differential):
         HAS_WINDOW=window > 0,
         HAS_SEG=bounds is not None,
         DIFF=differential,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC=dot_precision(q.dtype),
     )
 
 
 def _tau_scale(beta: float, head_dim: int) -> float:
     return beta * math.sqrt(2.0 / head_dim)
-
-
-def _check_kernel_operands(q: torch.Tensor) -> None:
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"q: head dim D must be one of {SUPPORTED_HEAD_DIMS} for the threshold Triton kernels, got {d}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q: dtype must be one of {SUPPORTED_DTYPES} for the threshold Triton kernels, got {q.dtype}")
 
 
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None,
@@ -829,36 +799,30 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
     lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
     operands = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                 bounds if bounds is not None else q)
-    scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), _n_bucket(kv_len),
+    scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), n_bucket(kv_len),
                float(dropout_p))
     splits = 1
     if bounds is None and dropout_p == 0.0:
-        splits = decode_splits(n, kv_len, bsz * heads, _decode_config().block_n, q.device)
+        splits = decode_splits(n, kv_len, bsz * heads, decode_config().block_n, q.device)
     if splits > 1:
         # flash-decoding: each split sums its key range into fp32 partials; nothing to rescale
         # (no row max, no normalizer), so merging is a plain sum (a split past a row's key length
         # adds its zeros)
-        cfg = _decode_config()
-        split_len = _cdiv(_cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
-        splits = _cdiv(kv_len, split_len)
+        cfg = decode_config()
+        split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+        splits = cdiv(kv_len, split_len)
         part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
         scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
-        _KERNELS["fwd"].launch(lambda c: (_cdiv(n, c.block_m), bsz * heads, splits),
+        _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
                                (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
                                                       part.stride(0), *scalars),
                                {**meta, "SPLIT_KV": True}, [cfg], ())
         return part.sum(dim=0).to(q.dtype)
-    args = (*operands, out, seed_operand(dropout_p, seed, q), lens,
-            *_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars)
-    _launch("fwd", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads), args, {**meta, "SPLIT_KV": False},
-            (_n_bucket(n), _n_bucket(kv_len)), q.dtype)
+    _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
+            (*operands, out, seed_operand(dropout_p, seed, q), lens),
+            (*_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars), {**meta, "SPLIT_KV": False},
+            (n_bucket(n), n_bucket(kv_len)), q.dtype)
     return out
-
-
-def _decode_config() -> TileConfig:
-    """Tiles of the split-key forward: 16 query rows (a decode step's few queries; the smallest
-    tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
-    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
 
 
 def _dkdv_diff(dkdv, key) -> None:
@@ -904,7 +868,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
     dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
     dq2 = torch.empty_like(dq) if differential else None
     dk2 = torch.empty_like(dk) if differential else None
-    dlam_slots = _cdiv(max(kv_len, 1), _DLAM_SLOT)
+    dlam_slots = cdiv(max(kv_len, 1), _DLAM_SLOT)
     dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
     if n > 0 and bsz > 0:
         common = _common_args(q, k, v, q2, k2, lam)
@@ -912,19 +876,18 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
         ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
                bounds if bounds is not None else q)
         seed_arg = seed_operand(dropout_p, seed, q)
-        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), _n_bucket(kv_len))
-        buckets = (_n_bucket(n), _n_bucket(kv_len))
-        _launch("dq", lambda cfg: (_cdiv(n, cfg.block_m), bsz * heads),
-                (*ops, dout, dq, dq2 if differential else dq, seed_arg, *common, *dout.stride(), *scalars,
-                 float(dropout_p)),
-                meta, buckets, q.dtype)
-        dkdv_args = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg,
-                     *common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
+        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), n_bucket(kv_len))
+        buckets = (n_bucket(n), n_bucket(kv_len))
+        _launch("dq", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
+                (*ops, dout, dq, dq2 if differential else dq, seed_arg),
+                (*common, *dout.stride(), *scalars, float(dropout_p)), meta, buckets, q.dtype)
+        dkdv_tensors = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg)
+        dkdv_scalars = (*common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
         dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
 
         def dkdv(views):
-            _launch("dkdv", lambda cfg: (_cdiv(kv_len, cfg.block_n), bsz * kv_heads),
-                    dkdv_args, dkdv_meta, buckets, q.dtype, views)
+            _launch("dkdv", lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads),
+                    dkdv_tensors, dkdv_scalars, dkdv_meta, buckets, q.dtype, views)
 
         if differential:
             _dkdv_diff(dkdv, (d, q.dtype, buckets, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
@@ -1004,62 +967,40 @@ def _setup_context(ctx, inputs, output):
     ctx.differential = q2 is not None
 
 
-_NO_GRADS = (None,) * 7  # bounds, beta, power, causal, window, dropout_p, seed (the op adds key_lengths)
+_NO_GRADS = (None,) * 8  # bounds, beta, power, causal, window, dropout_p, seed, key_lengths
 
 
-def _backward(ctx, dout):
+def _backward(ctx, dout, ops):
+    """The op's input gradients (q2, k2, lam: None without the second view), through the backward
+    ops (ops) or their impl."""
     q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
     if ctx.differential:
-        dq, dk, dv, dq2, dk2, dlam = diff_threshold_attention_backward_op(dout, q, k, v, q2, k2, lam, bounds,
-                                                                          *ctx.scalars, seed)
-        return dq, dk, dv, dq2, dk2, dlam, *_NO_GRADS, None
-    dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
-    return dq, dk, dv, None, None, None, *_NO_GRADS, None
+        backward = diff_threshold_attention_backward_op if ops else _backward_impl
+        return (*backward(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars, seed), *_NO_GRADS)
+    if ops:
+        dq, dk, dv = threshold_attention_backward_op(dout, q, k, v, bounds, *ctx.scalars, seed)
+    else:
+        dq, dk, dv = _backward_impl(dout, q, k, v, None, None, None, bounds, *ctx.scalars, seed)
+    return dq, dk, dv, None, None, None, *_NO_GRADS
 
 
-threshold_attention_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerThresholdAttention(torch.autograd.Function):
-    """The custom op's forward / backward without the dispatcher's Python custom-op layer.
-
-    Eager calls take this path: it runs the same `_forward_impl` / `_backward_impl` and
-    saves ~0.2 ms of host time per forward + backward, which is most of a step at small
-    sizes. Anything traced (torch.compile, export, fake or subclass tensors) goes through
-    `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
-        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
-        _setup_context(ctx, args, None)
-        return _forward_impl(*args)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, q2, k2, lam, bounds, seed = ctx.saved_tensors
-        grads = _backward_impl(dout, q, k, v, q2, k2, lam, bounds, *ctx.scalars, seed)
-        if not ctx.differential:
-            grads = (*grads, None, None, None)
-        return (*grads, *_NO_GRADS)
+# Eager calls take `_EagerThresholdAttention`: the same `_forward_impl` / `_backward_impl` without the
+# dispatcher's Python custom-op layer (~0.2 ms of host time per forward + backward, most of a step at
+# small sizes). Anything traced (torch.compile, export, fake or subclass tensors) goes through
+# `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
+_ATTENTION = AutogradOp(threshold_attention_op, _forward_impl, _setup_context, _backward, "_EagerThresholdAttention")
+_EagerThresholdAttention = _ATTENTION.eager
 
 
 def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
-    _check_kernel_operands(q)
-    if k.shape[1] < q.shape[1]:
-        raise ValueError(f"k must hold at least as many keys as q has queries (KV >= N), got {k.shape[1]} keys "
-                         f"for {q.shape[1]} queries")
+    check_kernel_inputs(q, k, kernels="the threshold-family kernels")
     if spec.differential and (q2 is None or k2 is None or lam is None):
         raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
     if not spec.differential:
         q2 = k2 = lam = None
-    if (bounds is not None or segment_ids is not None) and k.shape[1] != q.shape[1]:
-        raise ValueError(f"segment_ids need queries and keys of one length, got {q.shape[1]} queries and "
-                         f"{k.shape[1]} keys")
-    if bounds is None and segment_ids is not None:
-        bounds = segment_bounds(segment_ids)
+    bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
     return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
 
 
@@ -1091,12 +1032,10 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
+    args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
     if key_lengths is not None:  # forward only: no autograd node
-        args = (q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop, key_lengths)
-        return threshold_attention_op(*args) if traced(q, k, v, q2, k2, lam) else _forward_impl(*args)
-    if traced(q, k, v, q2, k2, lam):
-        return threshold_attention_op(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
-    return _EagerThresholdAttention.apply(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, *drop)
+        return _ATTENTION.inference((*args, key_lengths), (q, k, v, q2, k2, lam))
+    return _ATTENTION(args, (q, k, v, q2, k2, lam))
 
 
 def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
@@ -1120,7 +1059,7 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
         warps = 4
     else:
         block_m, block_n, warps = 64, 64, 4
-    n_blocks = _cdiv(n, block_m)
+    n_blocks = cdiv(n, block_m)
     zeros = torch.empty((bsz, heads, n_blocks), device=q.device, dtype=torch.int32)
     with torch.no_grad():
         _zero_count_kernel[(n_blocks, bsz * heads)](
