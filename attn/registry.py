@@ -1,16 +1,15 @@
 """Variant registry: name -> spec builder, model-side defaults and kernel location.
 
-Adding a variant touches this table, its family's reference (attn/reference.py), its
-family's kernel module, one `configs/attn/<name>.yaml` and its tests.
+Adding a variant touches this table, its family's unit (attn/families/<family>.py: reference,
+validation, statistics, lazy kernel), its family's kernel module, one `configs/attn/<name>.yaml` and its tests.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from attn.families import family_of
 from attn.specs import AttentionSpec, SoftmaxFamilySpec, ThresholdFamilySpec
 
 
@@ -49,12 +48,6 @@ def _threshold_family(differential: bool):
     return build
 
 
-# "module:function" of each family's fused implementation, imported lazily
-FAMILY_KERNELS = {
-    "softmax": "attn.kernels.softmax_family:fused_attention",
-    "threshold": "attn.kernels.threshold_family:fused_attention",
-}
-
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -86,9 +79,4 @@ def get_variant(name: str) -> Variant:
 
 def family_kernel(spec: AttentionSpec) -> Callable:
     """The fused implementation serving `spec`'s family (imports Triton lazily)."""
-    module, fn = FAMILY_KERNELS[spec.family].split(":")
-    # sys.modules first: torch.compile traces a dict lookup, but not importlib (graph break)
-    loaded = sys.modules.get(module)
-    if loaded is None:
-        loaded = importlib.import_module(module)
-    return getattr(loaded, fn)
+    return family_of(spec).kernel()

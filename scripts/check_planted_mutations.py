@@ -230,9 +230,9 @@ MUTATIONS = [
          f"{REFERENCE}::test_dense_mask_and_counts_match_loops"),
     ),
     Mutation(
-        "softmax-scale-missing", "attn/reference.py",
-        "_per_query_head_scores(q, k) * spec.scale(d)",
-        "_per_query_head_scores(q, k)",
+        "softmax-scale-missing", "attn/families/softmax.py",
+        "per_query_head_scores(q, k) * spec.scale(d)",
+        "per_query_head_scores(q, k)",
         "reference softmax attention without the 1/sqrt(D) scale",
         (f"{REFERENCE}::test_softmax_family_matches_loops",),
     ),

@@ -1,0 +1,90 @@
+"""The interface every attention family implements, and the pieces its references share.
+
+A family is one unit (DESIGN.md §1): its spec type, the spec-level input checks, the float-exact
+reference weights, the quantities statistics read (raw scores and the logits the weights are a
+function of), whether it has a max logit, the extra per-call tensors it takes, and its fused
+kernel, imported lazily so that the reference path never imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+
+from attn.masks import MaskSpec, dense_mask, length_mask, visible_key_counts
+
+
+def check_tensor(name: str, t, ndim: int, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must have the dtype of q ({dtype}), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
+
+
+def per_query_head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q (B,N,H,D), k (B,KV,Hkv,D) -> q.k (B,H,N,KV); GQA by repeating kv heads."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    return torch.einsum("bihd,bjhd->bhij", q, k)
+
+
+def visibility(q, k, mask: MaskSpec, segment_ids, key_lengths, counts: bool = False):
+    """(visible (B or 1, 1, N, KV) bool, n_i (B or 1, N) float or None unless `counts`): the mask of
+    `dense_mask`, or with per-row `key_lengths` that of `length_mask` (n_i then counts its keys)."""
+    n = q.shape[1]
+    if key_lengths is not None:
+        visible = length_mask(mask, n, key_lengths, k.shape[1])
+        return visible[:, None], visible.sum(dim=-1).float() if counts else None
+    visible = dense_mask(mask, n, segment_ids, device=q.device, kv_len=k.shape[1])
+    n_i = visible_key_counts(mask, n, segment_ids, device=q.device, kv_len=k.shape[1]) if counts else None
+    return visible[:, None], n_i
+
+
+class Family:
+    """One attention family. Subclasses set the class attributes and implement the methods."""
+
+    name: ClassVar[str]
+    spec_type: ClassVar[type]
+    kernel_path: ClassVar[str]  # "module:function" of the fused implementation
+    has_max_logit: ClassVar[bool]  # a pre-softmax logit exists (what the max-logit monitor logs)
+
+    def extra_inputs(self, spec) -> tuple[str, ...]:
+        """Names of the per-call tensors `spec` takes beyond q, k, v (keys of the `extra` mapping)."""
+        raise NotImplementedError
+
+    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
+        """The spec-level checks of `attn.attention`'s inputs (the generic ones ran before)."""
+        raise NotImplementedError
+
+    def reference_weights(self, q, k, spec, mask: MaskSpec, segment_ids=None, key_lengths=None,
+                          extra: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Float-exact weights (B, H, N, KV); `extra` maps `extra_inputs` names to tensors (or None)."""
+        raise NotImplementedError
+
+    def scores(self, spec, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The raw score of the statistics from q.k: before any cap, after the family's scale."""
+        raise NotImplementedError
+
+    def logits(self, spec, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The quantity a row's weights are a function of, from q.k (what `max_logit` reads)."""
+        raise NotImplementedError
+
+    def serves_sdpa(self, spec) -> bool:
+        """Whether torch's scaled_dot_product_attention computes `spec` (backend='sdpa')."""
+        return False
+
+    def kernel(self) -> Callable:
+        """The fused implementation (imports Triton on first use)."""
+        module, fn = self.kernel_path.split(":")
+        # sys.modules first: torch.compile traces a dict lookup, but not importlib (graph break)
+        loaded = sys.modules.get(module)
+        if loaded is None:
+            loaded = importlib.import_module(module)
+        return getattr(loaded, fn)
