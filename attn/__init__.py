@@ -1,5 +1,6 @@
 """attnlab attention: registry, masks, references and fused kernels of every variant."""
 
+from attn.families import FAMILIES, Family, family_of  # noqa: F401
 from attn.masks import MaskSpec, dense_mask, segment_bounds, visible_key_counts  # noqa: F401
 from attn.ops import BACKENDS, AttentionCall, attention, pin_kernel_configs, preload_kernel, resolve_backend
 from attn.reference import attention_weights, exact_zero_fraction, reference_attention

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from attn.dropout import check_dropout_p, draw_seed, seed_tensor
+from attn.families import FAMILIES, family_of
 from attn.kernels.env import PIN_ENV, interpreting
 from attn.masks import MaskSpec
 from attn.reference import reference_attention
 from attn.registry import family_kernel
-from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 from attn.validation import check_attention_inputs, check_kernel_inputs, check_key_length_values, check_key_lengths
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,14 @@ def _load_kernels_where_they_run() -> None:
     call: the kernel modules (and their custom ops) exist before any trace reaches them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if triton_usable(device):
-        for spec in (SoftmaxFamilySpec(), ThresholdFamilySpec()):  # one per FAMILY_KERNELS entry
-            family_kernel(spec)
+        for family in FAMILIES.values():
+            family.kernel()
 
 
 def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature, dropout_p: float = 0.0) -> torch.Tensor:
     """Plain softmax through torch SDPA (flash / cuDNN kernels): causal only, no caps; its dropout
     draws from torch's generator."""
-    if not (isinstance(spec, SoftmaxFamilySpec) and spec.cap == "none"):
+    if not family_of(spec).serves_sdpa(spec):
         raise ValueError("backend='sdpa' serves only attn=softmax (no cap); use 'triton' or 'reference'")
     if temperature is not None or segment_ids is not None or mask.window is not None:
         raise ValueError("backend='sdpa' supports causal or full masks only (no window, segment_ids, temperature)")
@@ -208,8 +208,7 @@ class AttentionCall:
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
-        if not isinstance(spec, (SoftmaxFamilySpec, ThresholdFamilySpec)):
-            raise ValueError(f"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got {type(spec).__name__}")
+        family_of(spec)  # a ValueError for anything but a family's spec
         if backend not in BACKENDS:
             raise ValueError(f"attn.backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(causal, bool):

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from attn.families import family_of
+from attn.families.base import check_tensor
 from attn.masks import segment_bounds, validate_segment_ids
-from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_tensor(name: str, t, ndim: int, dtype: torch.dtype, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must have the dtype of q ({dtype}), got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on the device of q ({device}), got {t.device}")
 
 
 def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q2, k2, lam) -> None:
@@ -32,7 +22,7 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
     if n < 1 or d < 1 or h < 1 or b < 1:
         raise ValueError(f"q must have B, N, H, D >= 1 (at least one query of a head dim >= 1), got shape {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, 4, q.dtype, q.device)
+        check_tensor(name, t, 4, q.dtype, q.device)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != b or k.shape[1] < n or k.shape[3] != d:
@@ -45,36 +35,7 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if segment_ids is not None and not torch.compiler.is_compiling():
         validate_segment_ids(segment_ids, b, n)
-    if isinstance(spec, SoftmaxFamilySpec):
-        if temperature is not None:
-            if not isinstance(temperature, torch.Tensor):
-                raise ValueError(f"temperature must be a torch.Tensor, got {type(temperature).__name__}")
-            if not temperature.dtype.is_floating_point:
-                raise ValueError(f"temperature must be a floating tensor, got dtype {temperature.dtype}")
-            _check_tensor("temperature", temperature, 2, temperature.dtype, q.device)
-            if tuple(temperature.shape) != (b, n):
-                raise ValueError(f"temperature must have shape (B, N) = ({b}, {n}), got {tuple(temperature.shape)}")
-        if any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
-    elif isinstance(spec, ThresholdFamilySpec):
-        if temperature is not None:
-            raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
-        if spec.differential:
-            if q2 is None or k2 is None or lam is None:
-                raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
-            _check_tensor("q2", q2, 4, q.dtype, q.device)
-            _check_tensor("k2", k2, 4, q.dtype, q.device)
-            if q2.shape != q.shape or k2.shape != k.shape:
-                raise ValueError(
-                    f"q2/k2 must match q/k shapes {tuple(q.shape)}/{tuple(k.shape)}, "
-                    f"got {tuple(q2.shape)}/{tuple(k2.shape)}"
-                )
-            if not isinstance(lam, torch.Tensor) or tuple(lam.shape) != (h,):
-                raise ValueError(f"lam must be a tensor of shape (H,) = ({h},), got {getattr(lam, 'shape', lam)}")
-        elif any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
-    else:
-        raise ValueError(f"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got {type(spec).__name__}")
+    family_of(spec).validate(spec, q, k, temperature=temperature, q2=q2, k2=k2, lam=lam)
 
 
 def check_kernel_inputs(q, k=None, *, kernels: str = "backend='triton'") -> None:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 import attn
-from attn.caps import apply_cap
 
 # metric -> (how per-layer/head values aggregate into the model summary, plot title, table header)
 METRICS = {
@@ -34,15 +33,14 @@ METRICS = {
 
 
 def family_logits(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The per-family quantity a row's weights are a function of: z = cap(s q.k) for the softmax
-    family, the score q.k itself for the threshold family (compared with tau)."""
-    if spec.family == "softmax":
-        return apply_cap(scores * spec.scale(head_dim), spec.cap, spec.cap_value, spec.knee)
-    return scores
+    """The quantity a row's weights are a function of, from q.k: the family's `logits`
+    (z = cap(s q.k) for the softmax family, q.k itself for the threshold family)."""
+    return attn.family_of(spec).logits(spec, scores, head_dim)
 
 
 def raw_scores(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return scores * spec.scale(head_dim) if spec.family == "softmax" else scores
+    """The raw score before any cap, from q.k: the family's `scores`."""
+    return attn.family_of(spec).scores(spec, scores, head_dim)
 
 
 def per_head_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 MaxLogitMonitor (train.log_max_logit: true)
     At the first validation batch, the largest scaled score s*q.k (before any cap) over the
-    visible (causal, windowed) positions of each softmax-family layer, as
+    visible (causal, windowed) positions of each layer whose family has a max logit
+    (`attn.family_of(spec).has_max_logit`: the softmax family), as
     `val/max_logit/layer{i}`. Computed in fp32 from the layer's own q/k projection in a forward
     pre-hook: one extra QK^T per layer per validation, nothing during training.
 """
@@ -29,7 +30,7 @@ class MaxLogitMonitor(L.Callback):
             return
         handles = [
             block.attn.register_forward_pre_hook(self._hook(i))
-            for i, block in enumerate(pl_module.model.blocks) if block.attn.spec.family == "softmax"
+            for i, block in enumerate(pl_module.model.blocks) if attn.family_of(block.attn.spec).has_max_logit
         ]
         if not handles:
             return
@@ -51,7 +52,8 @@ class MaxLogitMonitor(L.Callback):
                 # fp32 otherwise); the scores in fp32
                 qs, ks, _ = layer.split_heads(x.to(layer.qkv.weight.dtype))
                 qs, ks = [q.float() for q in qs], [k.float() for k in ks]
-                scores = per_head_scores(qs[0], ks[0]) * layer.spec.scale(qs[0].shape[-1])
+                family = attn.family_of(layer.spec)
+                scores = family.scores(layer.spec, per_head_scores(qs[0], ks[0]), qs[0].shape[-1])
                 visible = attn.dense_mask(attn.MaskSpec(causal=True, window=layer.window), x.shape[1], device=x.device)
                 self._max[index] = scores.masked_fill(~visible[:, None], -math.inf).amax().item()
 
