@@ -98,6 +98,7 @@ class CapturedStep:
             self._static = (x.clone(), y.clone())
             self._replay, self._outputs = self.capture(self._forward_backward, self._drop_grads)
             self._grads = [p.grad for p in self.params]
+            self._unpack(self._outputs)  # the tail's static tensors: the same object after every replay
         else:
             if x.shape != self._static[0].shape or y.shape != self._static[1].shape:
                 raise ValueError(f"train.cuda_graphs=step replays one batch shape, captured "
@@ -111,4 +112,4 @@ class CapturedStep:
         for p, grad in zip(self.params, self._grads):
             p.grad = grad
         # a replay overwrites the static loss; the step's own value stays (the tail is read within the step)
-        return self._unpack(self._outputs).clone()
+        return self._outputs[0].clone()

@@ -234,6 +234,23 @@ def _segments(b, n):
     return ids
 
 
+def _call_options(named: dict, b, n, kv, seg, p, lens, seed: int) -> dict:
+    """The fused_attention keyword options of a case (segment bounds, dropout, key lengths); the
+    tensors they hold are added to `named`, so the recorded launches name them."""
+    extra = {}
+    if seg:
+        named["segment_ids"] = _segments(b, n)
+        named["bounds"] = segment_bounds(named["segment_ids"])
+        extra["bounds"] = named["bounds"]
+    if p > 0:
+        named["seed"] = torch.tensor([seed], dtype=torch.int64)
+        extra.update(dropout_p=p, dropout_seed=named["seed"])
+    if lens:
+        named["key_lengths"] = torch.tensor([kv - 5, kv // 2][:b], dtype=torch.int32)
+        extra["key_lengths"] = named["key_lengths"]
+    return extra
+
+
 SOFTMAX_CASES = {
     # name: (spec, B, N, KV, H, H_kv, D, dtype, mask, segments, temperature, dropout, decode splits, lens)
     "softmax-causal-small": (SoftmaxFamilySpec(), 2, 17, 17, 4, 2, 16, torch.float32, MaskSpec(causal=True),
@@ -268,19 +285,9 @@ def test_softmax_family_launches(case, monkeypatch):
         monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
     gen = torch.Generator().manual_seed(1)
     named = _qkv(b, n, kv, h, h_kv, d, dtype, gen)
-    extra = {}
-    if seg:
-        named["segment_ids"] = _segments(b, n)
-        named["bounds"] = segment_bounds(named["segment_ids"])
-        extra["bounds"] = named["bounds"]
     if temp:
         named["temperature"] = (torch.rand(b, n, generator=gen) + 0.5).to(dtype)
-    if p > 0:
-        named["seed"] = torch.tensor([1234], dtype=torch.int64)
-        extra.update(dropout_p=p, dropout_seed=named["seed"])
-    if lens:
-        named["key_lengths"] = torch.tensor([kv - 5, kv // 2][:b], dtype=torch.int32)
-        extra["key_lengths"] = named["key_lengths"]
+    extra = _call_options(named, b, n, kv, seg, p, lens, seed=1234)
     rec = _recording(monkeypatch, named)
     leaves = [named[x] for x in ("q", "k", "v", "temperature") if x in named]
     with torch.set_grad_enabled(not lens):
@@ -334,17 +341,7 @@ def test_threshold_family_launches(case, monkeypatch):
         monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
     gen = torch.Generator().manual_seed(2)
     named = _qkv(b, n, kv, h, h_kv, d, dtype, gen, second_view=spec.differential)
-    extra = {}
-    if seg:
-        named["segment_ids"] = _segments(b, n)
-        named["bounds"] = segment_bounds(named["segment_ids"])
-        extra["bounds"] = named["bounds"]
-    if p > 0:
-        named["seed"] = torch.tensor([99], dtype=torch.int64)
-        extra.update(dropout_p=p, dropout_seed=named["seed"])
-    if lens:
-        named["key_lengths"] = torch.tensor([kv - 5, kv // 2][:b], dtype=torch.int32)
-        extra["key_lengths"] = named["key_lengths"]
+    extra = _call_options(named, b, n, kv, seg, p, lens, seed=99)
     rec = _recording(monkeypatch, named)
     views = [named.get(x) for x in ("q2", "k2", "lam")]
     leaves = [t for t in (named["q"], named["k"], named["v"], *views) if t is not None]
