@@ -110,14 +110,27 @@ def time_steps(step, steps: int) -> tuple[float, torch.Tensor]:
     return (time.perf_counter() - t0) / steps, loss
 
 
+def traced_timeline(step, steps: int = 10) -> str:
+    """The GPU timeline of `steps` more steps under torch.profiler (profile_train_loop.gpu_timeline)."""
+    from profile_train_loop import gpu_timeline
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    return gpu_timeline(prof, steps)
+
+
 def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float,
-               loss_in_graph: bool = True, cuda_graphs: bool = False):
+               loss_in_graph: bool = True, cuda_graphs: bool = False, trace: bool = False):
     model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph, cuda_graphs)
     cfg = model.cfg
     warm_up(step)
     frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     dt, loss = time_steps(step, steps)
     recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
+    if trace:
+        print(f"[{variant}, plain loop, CUDA graphs {cuda_graphs}]" + traced_timeline(step), flush=True)
     tps = batch * cfg.context / dt
     return {
         "variant": variant, "backend": backend, "ms_per_step": dt * 1e3, "tokens_per_s": tps,
@@ -223,6 +236,8 @@ def main():
     ap.add_argument("--train-py-steps", type=int, default=80)
     ap.add_argument("--train-py-overrides", nargs="*", default=[], help="extra Hydra overrides for train.py")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each plain-loop case's GPU timeline over 10 more steps (busy vs wall, top kernels)")
     args = ap.parse_args()
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
     model_cfg["vocab_size"] = args.vocab
@@ -237,7 +252,8 @@ def main():
         for graphs in modes:
             try:
                 rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops,
-                                       loss_in_graph=not args.loss_outside_graph, cuda_graphs=graphs))
+                                       loss_in_graph=not args.loss_outside_graph, cuda_graphs=graphs,
+                                       trace=args.trace))
             except Exception as e:  # report and continue: one failing variant must not hide the others
                 rows.append({"variant": variant, "backend": backend, "cuda_graphs": graphs,
                              "error": f"{type(e).__name__}: {e}"[:300]})

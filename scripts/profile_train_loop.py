@@ -12,7 +12,10 @@ timings work on any device.
 
 --trace-steps A:B also records steps [A, B) with torch.profiler and prints the host's ops by
 their own (self) time: a host that waits for the GPU shows it as a long CUDA runtime call
-(cudaMemcpyAsync, cudaStreamSynchronize, ...); --trace-out writes the Chrome trace.
+(cudaMemcpyAsync, cudaStreamSynchronize, ...); then the GPU's timeline (`gpu_timeline`): busy
+time per step against wall time per step, and the kernels by total time. Busy close to wall means
+the step is GPU-bound (extra GPU work is the cost); busy well under wall means the GPU waits for
+the host. --trace-out writes the Chrome trace.
 --python-steps A:B runs cProfile over steps [A, B) and prints the Python functions by own time:
 where the training loop's host time goes, ours and Lightning's.
 """
@@ -23,7 +26,9 @@ import argparse
 import collections
 import cProfile
 import io
+import json
 import pstats
+import tempfile
 import runpy
 import sys
 import traceback
@@ -58,6 +63,39 @@ def steady_state_table(durations: dict[str, list[float]], skip: int) -> str:
     return "\n".join(lines)
 
 
+GPU_EVENT_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_timeline(profile: torch.profiler.profile, steps: int, top: int = 15) -> str:
+    """The GPU's side of a torch.profiler recording of `steps` steps: busy time (the union of its
+    kernel and copy intervals) against the wall time from the first GPU event to the last, per
+    step, and the kernels by total time. Read from the Chrome trace (its format is stable across
+    torch versions)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        profile.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_KINDS]
+    if not events:
+        return "\n# GPU timeline: no GPU events recorded\n"
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end = 0.0, spans[0][0]
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    wall = end - spans[0][0]
+    totals: collections.Counter[str] = collections.Counter()
+    counts: collections.Counter[str] = collections.Counter()
+    for e in events:
+        totals[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    lines = [f"\n# GPU timeline over {steps} steps: wall {wall / steps / 1e3:.3f} ms/step, GPU busy "
+             f"{busy / steps / 1e3:.3f} ms/step ({100 * busy / wall:.1f}%), {len(events) / steps:.0f} GPU events/step\n",
+             "| kernel | per step | us/step | share of busy |", "| --- | ---: | ---: | ---: |"]
+    for name, total in totals.most_common(top):
+        lines.append(f"| {name[:100]} | {counts[name] / steps:.1f} | {total / steps:.1f} | {100 * total / busy:.1f}% |")
+    return "\n".join(lines)
+
+
 class StepTrace(L.Callback):
     """torch.profiler over training steps [first, stop): the host's ops by self time, printed."""
 
@@ -81,6 +119,8 @@ class StepTrace(L.Callback):
             steps = self.stop - self.first
             print(f"\n# host ops by self time over training steps [{self.first}, {self.stop}) ({steps} steps)\n")
             print(self.profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            if torch.cuda.is_available():
+                print(gpu_timeline(self.profile, steps))
             if self.trace_out:
                 self.profile.export_chrome_trace(self.trace_out)
             self.profile = None
