@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import time
 from dataclasses import asdict
 
 import lightning as L
@@ -14,6 +13,7 @@ from hydra.utils import instantiate
 
 from models.captured_step import CapturedStep
 from models.gpt import GPT, AttnConfig, GPTConfig
+from models.log_step_metrics import LogStepMetrics, StreamClock
 from models.step_scalars import StepScalars, nonfinite_found, step_scalars
 
 
@@ -28,6 +28,13 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return total / torch.distributed.get_world_size()
 
 
+def logger_step(trainer) -> int:
+    """The step index Lightning writes the current batch's logs at (its count of batches that
+    stepped, which validation logs use too); the global step for a trainer without a fit loop."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return getattr(epoch_loop, "_batches_that_stepped", trainer.global_step)
+
+
 def writes_logs(trainer) -> bool:
     """Whether Lightning writes logs after the current batch: a log step (its own condition), and
     that step's last micro-batch under gradient accumulation."""
@@ -35,6 +42,7 @@ def writes_logs(trainer) -> bool:
 
 
 COMPILE_UNITS = ("model", "block")
+PROGRESS_BAR_METRICS = ("train/loss", "train/tokens_per_s", "train/mfu")
 WARMUP_STEPS = 5  # throughput windows starting earlier hold compilation and autotuning; not in the mean
 
 
@@ -127,6 +135,7 @@ class LitGPT(L.LightningModule):
         self.bytes_per_token = bytes_per_token or {}
         self._val_sums = None
         self._window = None  # the throughput window being timed (see on_train_batch_end)
+        self.log_step_metrics = LogStepMetrics()  # a log step's values on their way to the host
         self._loss_to_log = None  # the loss of a step whose logs are written, logged at its batch end
         self.tokens_seen = 0
         self.last_validation: dict = {}  # {"step", "val/loss"} of the latest validation (not sanity)
@@ -181,54 +190,76 @@ class LitGPT(L.LightningModule):
             optimizer.zero_grad()
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # Only the steps whose logs are written log anything, after one device sync (the clock's),
-        # and always as CPU tensors: self.log puts a Python number on the device by a blocking
-        # copy, and Lightning reads every progress-bar value back (.item()) after every batch,
-        # a host sync per step if the value lives on the GPU. A per-step sync stops the host from
-        # queueing the next step's kernels ahead of the GPU.
-        # Throughput: over the batches between two log writes, timed between batch ends (the
-        # optimizer step included).
+        # Only the steps whose logs are written log anything, and they only gather their values
+        # (models/log_step_metrics.py): the next batch end writes them, once the device has
+        # finished the log step, so the host never waits for the queue to empty. A value read on
+        # the host at the log step itself would idle the GPU while the logs are written.
+        # Throughput: over the batches between two log steps, timed on the device's stream
+        # between batch ends (the optimizer step included).
+        self._write_log_step()
         first_batch = self._window is None
         if first_batch:
-            self._window = {"start": self._clock(), "tokens": 0, "first_step": self.global_step}
+            self._window = {"start": self._stream_clock().stamp(), "tokens": 0, "first_step": self.global_step}
         else:
             self._window["tokens"] += batch[0].numel() * self.trainer.world_size
         if not writes_logs(self.trainer):
             return
+        metrics = self.log_step_metrics
         # the mean over ranks (a collective, on every rank's same steps) is the global batch's
         # loss for equal per-rank batches; under accumulation, of the step's last micro-batch
-        loss = mean_over_ranks(self._loss_to_log)
-        now = self._clock()
-        self.log("train/loss", loss.cpu(), prog_bar=True)
-        self.log("train/tokens", torch.tensor(float(self.tokens_seen)))
-        self.log("train/lr", torch.tensor(float(self.optimizers().param_groups[0]["lr"])))
+        metrics.add("train/loss", mean_over_ranks(self._loss_to_log))
+        metrics.add("train/tokens", float(self.tokens_seen))
+        metrics.add("train/lr", float(self.optimizers().param_groups[0]["lr"]))
         if self._step_scalars is not None and not hasattr(self.trainer.strategy.model, "clip_grad_norm_"):
             # the latest step's gradient norm before clipping (under FSDP only this rank's shard's: not logged)
-            self.log("train/grad_norm", self._step_scalars[1].norm.float().cpu())
-        if self._layer_grad_norms is not None:  # one device-to-host copy for all layers
+            metrics.add("train/grad_norm", self._step_scalars[1].norm)
+        if self._layer_grad_norms is not None:
             names, norms = self._layer_grad_norms
-            for name, value in zip(names, norms.cpu()):
-                self.log(f"train/grad_norm/{name}", value)
+            for name, value in zip(names, norms.unbind()):
+                metrics.add(f"train/grad_norm/{name}", value)
             self._layer_grad_norms = None
-        if self.device.type == "cuda":
-            self.log("train/peak_mem_gb", torch.tensor(torch.cuda.max_memory_allocated(self.device) / 2**30))
-        if first_batch:  # no batch in the window yet
-            return
-        seconds = now - self._window["start"]
-        tps = self._window["tokens"] / seconds
-        self.log("train/tokens_per_s", torch.tensor(tps), prog_bar=True)
-        if self.peak_tflops:
-            mfu = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
-            self.log("train/mfu", torch.tensor(mfu), prog_bar=True)
-        if self._window["first_step"] >= WARMUP_STEPS:  # steady state: compile and autotune are done
-            self.throughput["tokens"] += self._window["tokens"]
-            self.throughput["seconds"] += seconds
-        self._window = {"start": now, "tokens": 0, "first_step": self.global_step}
+        if self.device.type == "cuda":  # the allocator's counter: a host number, no sync
+            metrics.add("train/peak_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30)
+        window = None
+        if not first_batch:  # no batch in the first window yet
+            end = self._stream_clock().stamp()
+            window = {**self._window, "end": end}
+            self._window = {"start": end, "tokens": 0, "first_step": self.global_step}
+        metrics.seal(logger_step(self.trainer), window=window)
 
-    def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _stream_clock(self) -> StreamClock:
+        return StreamClock(self.device)
+
+    def on_train_end(self):
+        self._write_log_step(progress_bar=False)  # the last log step (self.log is closed here)
+
+    def _write_log_step(self, progress_bar: bool = True) -> None:
+        """Write the sealed log step's values, with its throughput window, at its own step index."""
+        sealed = self.log_step_metrics.take()
+        if sealed is None:
+            return
+        values = LogStepMetrics.values(sealed)
+        window = sealed.context["window"]
+        if window is not None:
+            seconds = StreamClock.seconds(window["start"], window["end"])
+            tps = window["tokens"] / seconds
+            values["train/tokens_per_s"] = tps
+            if self.peak_tflops:
+                values["train/mfu"] = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.trainer.world_size)
+            if window["first_step"] >= WARMUP_STEPS:  # steady state: compile and autotune are done
+                self.throughput["tokens"] += window["tokens"]
+                self.throughput["seconds"] += seconds
+        self._write_train_metrics(values, sealed.step, progress_bar)
+
+    def _write_train_metrics(self, values: dict[str, float], step: int, progress_bar: bool) -> None:
+        """To every logger at `step` (what Lightning's own writes add: the epoch), and the
+        progress bar's values through self.log (logger=False: the bar and callback_metrics)."""
+        for logger in self.trainer.loggers:
+            logger.log_metrics({**values, "epoch": self.current_epoch}, step=step)
+        if progress_bar:
+            for name in PROGRESS_BAR_METRICS:
+                if name in values:
+                    self.log(name, torch.tensor(values[name]), prog_bar=True, logger=False)
 
     def mean_tokens_per_s(self) -> float | None:
         t = self.throughput

@@ -21,10 +21,24 @@ TINY = {"vocab_size": 32, "context": 8, "n_layer": 1, "n_head": 2, "n_kv_head": 
 
 def attached(lit: LitGPT, **trainer) -> list[tuple[str, float]]:
     """Attach a stand-in trainer (global_step, sanity_checking, ...) and record self.log's calls."""
-    lit._trainer = SimpleNamespace(**{"global_step": 7, "sanity_checking": False, **trainer})
+    lit._trainer = SimpleNamespace(**{"global_step": 7, "sanity_checking": False, "current_epoch": 0,
+                                      "loggers": [], **trainer})
     logged = []
     lit.log = lambda name, value, **kw: logged.append((name, float(value)))
     return logged
+
+
+class RecordingLogger:
+    """A logger that keeps each write: (global step when written, step index, metrics)."""
+
+    def __init__(self, lit):
+        self.lit, self.writes = lit, []
+
+    def log_metrics(self, metrics, step):
+        self.writes.append((self.lit._trainer.global_step, step, dict(metrics)))
+
+    def by_step(self) -> dict[int, dict[str, float]]:
+        return {step: metrics for _, step, metrics in self.writes}
 
 
 def validate(lit: LitGPT, batches, gathered=None) -> dict[str, float]:
@@ -181,74 +195,106 @@ def test_compile_wraps_the_chosen_unit_with_the_chosen_mode(unit, cuda_graphs, m
     assert "forward_fn" not in dict(lit.named_children())  # out of the module tree: each weight saved once
 
 
-def test_on_a_cuda_device_the_clock_syncs_and_peak_memory_is_logged_in_gib(monkeypatch):
+class FakeEvent:
+    """torch.cuda.Event on CPU: a stamp whose elapsed time is the difference of given times."""
+
+    times = iter(())
+
+    def __init__(self, enable_timing=False):
+        self.time = None
+
+    def record(self):
+        self.time = next(FakeEvent.times)
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.time - self.time) * 1e3
+
+
+def test_on_a_cuda_device_nothing_syncs_and_peak_memory_is_logged_in_gib(monkeypatch):
     """The GPU-only branches of the batch end, on CPU: a module that reports a CUDA device, with
-    torch.cuda's memory counter and synchronize stood in for."""
+    torch.cuda's memory counter, synchronize and events stood in for. The throughput clock is a
+    CUDA event; no batch end synchronizes the device."""
     lit = LitGPT(model=TINY)
-    logged = attached(lit, world_size=1, _logger_connector=SimpleNamespace(should_update_logs=True),
-                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False),
-                      strategy=SimpleNamespace(model=torch.nn.Identity()))
+    logger = RecordingLogger(lit)
+    attached(lit, world_size=1, _logger_connector=SimpleNamespace(should_update_logs=True), loggers=[logger],
+             fit_loop=SimpleNamespace(_should_accumulate=lambda: False), strategy=SimpleNamespace(model=torch.nn.Identity()))
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30 + 2**29)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.times = iter([1.0, 3.0])
     monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.25}]))
     lit._device = torch.device("cuda", 0)
-    lit._loss_to_log = torch.tensor(2.0)
     batch = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
-    lit.on_train_batch_end(None, batch, 0)
-    assert dict(logged)["train/peak_mem_gb"] == 3.5
-    assert dict(logged)["train/lr"] == 0.25 and dict(logged)["train/loss"] == 2.0
-    # the clock syncs the device each time it is read: the window's start, and the log write
-    assert synced == [torch.device("cuda", 0)] * 2
-    for step, other in enumerate(("cpu", "mps"), start=1):  # other devices: no CUDA call
-        lit._device = torch.device(other)
-        del logged[:]
+    for step in (0, 1):
+        lit._trainer.global_step = step
+        lit._loss_to_log = torch.tensor(2.0 + step)
         lit.on_train_batch_end(None, batch, step)
-        assert "train/peak_mem_gb" not in dict(logged) and len(synced) == 2
+    lit.on_train_end()
+    logged = logger.by_step()
+    assert logged[0]["train/peak_mem_gb"] == 3.5
+    assert logged[0]["train/lr"] == 0.25 and logged[0]["train/loss"] == 2.0 and logged[1]["train/loss"] == 3.0
+    assert logged[1]["train/tokens_per_s"] == 16 / 2.0  # one batch between the stamps at 1.0 and 3.0
+    assert synced == []
+    for step, other in enumerate(("cpu", "mps"), start=2):  # other devices: no CUDA call
+        lit._device = torch.device(other)
+        lit._trainer.global_step = step
+        lit._window = None  # a window does not span devices
+        lit.on_train_batch_end(None, batch, step)
+        lit.on_train_end()
+        assert "train/peak_mem_gb" not in logger.by_step()[step] and synced == []
 
 
 def logging_trainer(lit, world_size, steps_that_write, fsdp=False):
-    """A stand-in trainer whose log writes happen on `steps_that_write` (global steps)."""
+    """A stand-in trainer whose log writes happen on `steps_that_write` (global steps); returns
+    (the recording logger, self.log's calls, a function that moves the trainer to a step)."""
     connector = SimpleNamespace(should_update_logs=False)
     wrapped = SimpleNamespace(clip_grad_norm_=lambda *a: None) if fsdp else torch.nn.Identity()
+    logger = RecordingLogger(lit)
     logged = attached(lit, world_size=world_size, _logger_connector=connector, strategy=SimpleNamespace(model=wrapped),
-                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False))
+                      fit_loop=SimpleNamespace(_should_accumulate=lambda: False), loggers=[logger])
 
     def at(step):
         lit._trainer.global_step = step
         connector.should_update_logs = step in steps_that_write
-    return logged, at
+    return logger, logged, at
 
 
 def test_tokens_throughput_and_mfu_count_every_rank(monkeypatch):
     """World size 2: each rank's batch is half of the step's tokens. train/tokens, tokens/s and MFU
     (over world size x peak) are of the whole step; windows that start before WARMUP_STEPS are
-    logged but left out of the steady-state mean."""
+    logged but left out of the steady-state mean. A log step's values are written at the next
+    batch end (the last at the end of training), at the log step's own step index."""
     from models.lit import WARMUP_STEPS
 
     assert WARMUP_STEPS == 5
     lit = LitGPT(model=TINY, peak_tflops=2.0)
-    logged, at = logging_trainer(lit, world_size=2, steps_that_write={0, 1, 5, 7, 8})
-    clock = iter([10.0, 10.0, 12.0, 20.0, 22.0, 23.0])  # read at the first batch's start and at each log write
-    monkeypatch.setattr(lit, "_clock", lambda: next(clock))
+    logger, logged, at = logging_trainer(lit, world_size=2, steps_that_write={0, 1, 5, 7, 8})
+    clock = iter([10.0, 12.0, 20.0, 22.0, 23.0])  # stamped at the first batch's end and at each later log step
+    monkeypatch.setattr(lit, "_stream_clock", lambda: SimpleNamespace(stamp=lambda: next(clock)))
     monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.5}]))
     batch = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))  # 16 tokens a rank
-    by_step = {}
     for step in range(9):
         at(step)
-        del logged[:]
         with torch.no_grad():
             lit.training_step(batch, step)
         lit.on_train_batch_end(None, batch, step)
-        by_step[step] = dict(logged)
+    at(9)
+    lit.on_train_end()
     assert lit.tokens_seen == 9 * 32
-    assert [s for s in by_step if by_step[s]] == [0, 1, 5, 7, 8]  # only the steps whose logs are written
-    assert by_step[7]["train/tokens"] == 8 * 32 and by_step[7]["train/lr"] == 0.5
+    by_step = logger.by_step()
+    assert [(written, step) for written, step, _ in logger.writes] == [(1, 0), (2, 1), (6, 5), (8, 7), (9, 8)]
+    assert by_step[7]["train/tokens"] == 8 * 32 and by_step[7]["train/lr"] == 0.5 and by_step[7]["epoch"] == 0
     assert "train/tokens_per_s" not in by_step[0]  # no batch in the first window yet
     rates = {s: by_step[s]["train/tokens_per_s"] for s in (1, 5, 7, 8)}
     assert rates == {1: 32 / 2.0, 5: 4 * 32 / 8.0, 7: 2 * 32 / 2.0, 8: 32 / 1.0}
     for s, tps in rates.items():
         assert by_step[s]["train/mfu"] == pytest.approx(tps * lit.flops_per_token / (2.0e12 * 2), rel=1e-9)
+    # the progress bar gets the loss and rates through self.log, at the batch end that writes them
+    assert ("train/tokens_per_s", 32 / 2.0) in logged and not any(name == "train/lr" for name, _ in logged)
     # steady state: the windows that opened at steps 5 and 7 (>= WARMUP_STEPS)
     assert lit.throughput == {"tokens": 96, "seconds": 3.0} and lit.mean_tokens_per_s() == 32.0
 
@@ -256,19 +302,20 @@ def test_tokens_throughput_and_mfu_count_every_rank(monkeypatch):
 def test_gradient_norms_are_logged_once_and_not_under_sharded_gradients(monkeypatch):
     for fsdp in (False, True):
         lit = LitGPT(model=TINY)
-        logged, at = logging_trainer(lit, world_size=1, steps_that_write={0}, fsdp=fsdp)
+        logger, _, at = logging_trainer(lit, world_size=1, steps_that_write={0}, fsdp=fsdp)
         monkeypatch.setattr(lit, "optimizers", lambda: SimpleNamespace(param_groups=[{"lr": 0.5}]))
         lit._loss_to_log = torch.tensor(1.0)
         lit._step_scalars = (0, StepScalars([], torch.tensor(3.0), None, None), [])
         lit._layer_grad_norms = (["embed", "block0"], torch.tensor([1.0, 2.0]))
         at(0)
         lit.on_train_batch_end(None, (torch.zeros(1, 8, dtype=torch.long),) * 2, 0)
-        norms = {k: v for k, v in logged if k.startswith("train/grad_norm")}
+        assert lit._layer_grad_norms is None  # logged once
+        lit.on_train_end()
+        norms = {k: v for k, v in logger.by_step()[0].items() if k.startswith("train/grad_norm")}
         if fsdp:  # this rank's shard's norm is not the model's: the total is not logged
             assert norms == {"train/grad_norm/embed": 1.0, "train/grad_norm/block0": 2.0}
         else:
             assert norms == {"train/grad_norm": 3.0, "train/grad_norm/embed": 1.0, "train/grad_norm/block0": 2.0}
-        assert lit._layer_grad_norms is None  # logged once
 
 
 def test_optimizer_and_scheduler_configs_must_be_partial_targets():

@@ -102,10 +102,9 @@ class NonFiniteGuard(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._batch = None
         if self.policy != "off" and writes_logs(trainer):  # only steps whose logs are written
-            # a CPU value, as every training log (see LitGPT.on_train_batch_end); this step's logs
-            # are written, which reads the values anyway
-            count = self._skipped.float().cpu() if isinstance(self._skipped, torch.Tensor) else torch.tensor(float(self._skipped))
-            pl_module.log("train/nonfinite_steps", count)
+            # with the step's other logs: read on the host once the device has finished the step
+            # (models/log_step_metrics.py)
+            pl_module.log_step_metrics.add("train/nonfinite_steps", self._skipped)
 
     def _describe(self, trainer, pl_module, bad_param: str | None) -> str:
         step = trainer.global_step
