@@ -35,7 +35,7 @@ if want profile; then
     hydra.run.dir=/tmp/profile_run > $OUT/logs/profile_train_loop.log 2>&1; st profile
 fi
 if want small; then
-  timeout 150 python3 scripts/bench_train.py --model small --vocab 2048 --batch 32 --steps 30 --variants softcap_tanh --cuda-graphs \
+  timeout 200 python3 scripts/bench_train.py --model small --vocab 2048 --batch 32 --steps 30 --variants softcap_tanh --cuda-graphs \
     --no-default --train-py --train-py-steps 100 --out $OUT/bench_train_small > $OUT/logs/bench_train_small.log 2>&1; st small
 fi
 left=$(( 560 - ($(date +%s) - T0) ))
