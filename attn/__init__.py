@@ -5,5 +5,5 @@ from attn.masks import MaskSpec, dense_mask, segment_bounds, visible_key_counts 
 from attn.ops import BACKENDS, AttentionCall, attention, pin_kernel_configs, preload_kernel, resolve_backend
 from attn.reference import attention_weights, exact_zero_fraction, reference_attention
 from attn.registry import VARIANTS, Variant, get_variant, variant_names
-from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
+from attn.specs import SigmoidFamilySpec, SoftmaxFamilySpec, ThresholdFamilySpec
 

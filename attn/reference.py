@@ -12,6 +12,7 @@ import torch
 
 from attn.dropout import apply_dropout, reference_keep_mask
 from attn.families import family_of
+from attn.families.sigmoid import sigmoid_family_weights
 from attn.families.softmax import softmax_family_weights
 from attn.families.threshold import threshold_family_weights, threshold_tau
 from attn.masks import MaskSpec
@@ -68,6 +69,7 @@ def exact_zero_fraction(weights: torch.Tensor, visible: torch.Tensor) -> torch.T
 __all__ = [
     "attention_weights",
     "reference_attention",
+    "sigmoid_family_weights",
     "softmax_family_weights",
     "threshold_family_weights",
     "threshold_tau",

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from attn.families import family_of
-from attn.specs import AttentionSpec, SoftmaxFamilySpec, ThresholdFamilySpec
+from attn.specs import AttentionSpec, SigmoidFamilySpec, SoftmaxFamilySpec, ThresholdFamilySpec
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
-    family: str  # "softmax" | "threshold"
+    family: str  # a key of attn.families.FAMILIES: "softmax" | "threshold" | "sigmoid"
     build: Callable[..., AttentionSpec]
     params: tuple[str, ...]  # config keys accepted by `build`
     qk_norm: bool = False  # model default: L2-normalize q and k
@@ -48,6 +48,10 @@ def _threshold_family(differential: bool):
     return build
 
 
+def _sigmoid_family(bias: float | None = None, sm_scale: float | None = None):
+    return SigmoidFamilySpec(bias=bias, sm_scale=sm_scale)
+
+
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
@@ -62,6 +66,9 @@ VARIANTS: dict[str, Variant] = {
                 qk_norm=True, out_norm=True, summary="w = relu(q.k - tau_i)^p, no softmax"),
         Variant("diff_threshold", "threshold", _threshold_family(True), ("beta", "power"), qk_norm=True, out_norm=True, views=2,
                 summary="w = relu(x1 - tau)^p - lambda_h relu(x2 - tau)^p"),
+        # out_norm: the paper stabilizes the output norm (hybrid-norm); its QK-norm is learned (yaml: rms), not l2
+        Variant("sigmoid", "sigmoid", _sigmoid_family, ("bias", "sm_scale"), out_norm=True,
+                summary="w = sigmoid(s q.k + b_i), b_i = bias or -ln(n_i), no normalization"),
     )
 }
 

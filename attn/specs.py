@@ -52,4 +52,28 @@ class ThresholdFamilySpec:
             raise ValueError(f"attn.beta must be a finite float, got {self.beta!r}")
 
 
-AttentionSpec = SoftmaxFamilySpec | ThresholdFamilySpec
+@dataclass(frozen=True)
+class SigmoidFamilySpec:
+    """sigmoid: w = sigmoid(sm_scale * q.k + b_i), no row normalization; b_i = `bias`, or -ln(n_i) when None."""
+
+    bias: float | None = None  # None: -ln(n_i), n_i the keys query i sees
+    sm_scale: float | None = None  # default D^-1/2
+
+    family = "sigmoid"
+
+    def __post_init__(self):
+        if self.bias is not None and not (
+            isinstance(self.bias, (int, float)) and not isinstance(self.bias, bool) and math.isfinite(self.bias)
+        ):
+            raise ValueError(f"attn.bias must be a finite float or null (-ln(n_i)), got {self.bias!r}")
+        if self.sm_scale is not None and not (
+            isinstance(self.sm_scale, (int, float)) and not isinstance(self.sm_scale, bool)
+            and 0 < self.sm_scale < math.inf
+        ):
+            raise ValueError(f"attn.sm_scale must be > 0 and finite, or null, got {self.sm_scale!r}")
+
+    def scale(self, head_dim: int) -> float:
+        return self.sm_scale if self.sm_scale is not None else head_dim**-0.5
+
+
+AttentionSpec = SoftmaxFamilySpec | ThresholdFamilySpec | SigmoidFamilySpec

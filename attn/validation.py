@@ -39,7 +39,7 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
 
 
 def check_kernel_inputs(q, k=None, *, kernels: str = "backend='triton'") -> None:
-    """Limits of the fused kernels of both families (the reference takes anything): head dim and
+    """Limits of the fused kernels of every family (the reference takes anything): head dim and
     dtype, and with k, at least as many keys as queries. `kernels` names them in the message."""
     d = q.shape[-1]
     if d not in KERNEL_HEAD_DIMS:

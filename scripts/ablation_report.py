@@ -52,7 +52,7 @@ try:
 
     VARIANT_ORDER = list(_variant_names())
 except Exception:  # the report only reads files; it still works without the package importable
-    VARIANT_ORDER = ["softmax", "softcap_tanh", "softcap_softsign", "alsc", "threshold", "diff_threshold"]
+    VARIANT_ORDER = ["softmax", "softcap_tanh", "softcap_softsign", "alsc", "threshold", "diff_threshold", "sigmoid"]
 
 
 # ---------------------------------------------------------------------------- statistics

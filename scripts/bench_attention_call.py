@@ -44,6 +44,7 @@ VARIANTS = [  # (variant, params)
     ("alsc", {"cap": 30.0, "knee": 0.5}),
     ("threshold", {"beta": 1.0, "power": 2.0}),
     ("diff_threshold", {"beta": 1.0, "power": 2.0}),
+    ("sigmoid", {}),
 ]
 
 

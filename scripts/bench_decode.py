@@ -55,6 +55,7 @@ VARIANTS = {
     "alsc": {"cap": 30.0, "knee": 0.5},
     "threshold": {"beta": 1.0, "power": 2.0},
     "diff_threshold": {"beta": 1.0, "power": 2.0},
+    "sigmoid": {},
 }
 
 

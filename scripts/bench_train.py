@@ -46,6 +46,7 @@ CASES = [  # (variant, backend, params)
     ("alsc", "triton", {"cap": 30.0, "knee": 0.5}),
     ("threshold", "triton", {"beta": 1.0, "power": 2.0}),
     ("diff_threshold", "triton", {"beta": 1.0, "power": 2.0}),
+    ("sigmoid", "triton", {}),
 ]
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import attn  # noqa: E402
 
-DEFAULT_VARIANTS = "softmax,softcap_tanh,threshold,diff_threshold"
+DEFAULT_VARIANTS = "softmax,softcap_tanh,threshold,diff_threshold,sigmoid"
 P = 0.3
 SAMPLES = 200
 

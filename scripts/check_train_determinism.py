@@ -41,7 +41,7 @@ def train_once(variant: str, overrides: list[str], run_dir: Path) -> tuple[dict[
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="softmax,softcap_tanh,threshold,diff_threshold")
+    ap.add_argument("--variants", default="softmax,softcap_tanh,threshold,diff_threshold,sigmoid")
     ap.add_argument("--json", default=None, help="write the per-variant verdicts here")
     ap.add_argument("--b-overrides", nargs="*", default=[], help="overrides of the second run only")
     ap.add_argument("--rtol", type=float, default=0.0, help="relative tolerance of the second run's losses")

@@ -17,7 +17,7 @@ from attn.registry import get_variant, variant_names
 from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
 
 B, N, H, H_KV, D = 2, 6, 4, 2, 8
-ALL_VARIANTS = ["softmax", "softcap_tanh", "softcap_softsign", "alsc", "threshold", "diff_threshold"]
+ALL_VARIANTS = ["softmax", "softcap_tanh", "softcap_softsign", "alsc", "threshold", "diff_threshold", "sigmoid"]
 
 
 def inputs(dtype=torch.float32, d=D, h_kv=H_KV, seed=0):
@@ -35,6 +35,7 @@ def diff_extras(q, k):
 SOFTMAX = get_variant("softmax").make_spec()
 THRESHOLD = get_variant("threshold").make_spec()
 DIFF = get_variant("diff_threshold").make_spec()
+SIGMOID = get_variant("sigmoid").make_spec()
 
 
 def call(q, k, v, spec=SOFTMAX, **kw):
@@ -195,15 +196,15 @@ def test_temperature_not_a_tensor():
         call(q, k, v, temperature=2.0)
 
 
-@pytest.mark.parametrize("spec", [THRESHOLD, DIFF], ids=["threshold", "diff_threshold"])
-def test_temperature_refused_for_threshold_variants(spec):
+@pytest.mark.parametrize("spec", [THRESHOLD, DIFF, SIGMOID], ids=["threshold", "diff_threshold", "sigmoid"])
+def test_temperature_refused_outside_the_softmax_family(spec):
     q, k, v = inputs()
-    extra = diff_extras(q, k) if spec.differential else {}
+    extra = diff_extras(q, k) if getattr(spec, "differential", False) else {}
     with pytest.raises(ValueError, match=r"temperature is only defined for the softmax family"):
         call(q, k, v, spec, temperature=torch.ones(B, N), **extra)
 
 
-@pytest.mark.parametrize("spec", [SOFTMAX, THRESHOLD], ids=["softmax", "threshold"])
+@pytest.mark.parametrize("spec", [SOFTMAX, THRESHOLD, SIGMOID], ids=["softmax", "threshold", "sigmoid"])
 @pytest.mark.parametrize("given", ["q2", "k2", "lam"])
 def test_second_view_refused_for_non_differential_variants(spec, given):
     q, k, v = inputs()
@@ -244,7 +245,7 @@ def test_diff_threshold_second_view_errors():
 def test_spec_of_wrong_type():
     q, k, v = inputs()
     for bad in ("softmax", get_variant("softmax"), None):
-        with pytest.raises(ValueError, match=r"spec must be a SoftmaxFamilySpec or ThresholdFamilySpec"):
+        with pytest.raises(ValueError, match=r"spec must be a SoftmaxFamilySpec, ThresholdFamilySpec or SigmoidFamilySpec"):
             call(q, k, v, bad)
 
 
@@ -280,17 +281,19 @@ def test_triton_backend_kernel_limits_under_interpreter(monkeypatch):
 # Registry and spec validation
 # ----------------------------------------------------------------------------------------
 
-def test_registry_lists_the_six_variants_with_their_families():
+def test_registry_lists_the_variants_with_their_families():
     assert variant_names() == ALL_VARIANTS
     families = {name: get_variant(name).family for name in ALL_VARIANTS}
     assert families == {"softmax": "softmax", "softcap_tanh": "softmax", "softcap_softsign": "softmax",
-                        "alsc": "softmax", "threshold": "threshold", "diff_threshold": "threshold"}
+                        "alsc": "softmax", "threshold": "threshold", "diff_threshold": "threshold",
+                        "sigmoid": "sigmoid"}
     for name in ALL_VARIANTS:
         spec = get_variant(name).make_spec()
         assert spec.family == get_variant(name).family
         hash(spec)  # frozen: usable as a kernel specialization key
     assert get_variant("diff_threshold").views == 2 and get_variant("threshold").views == 1
     assert get_variant("threshold").qk_norm and not get_variant("softmax").qk_norm
+    assert not get_variant("sigmoid").qk_norm and get_variant("sigmoid").out_norm
 
 
 def test_make_spec_defaults_follow_the_design():
@@ -304,6 +307,9 @@ def test_make_spec_defaults_follow_the_design():
     t = get_variant("threshold").make_spec()
     assert (t.beta, t.power, t.differential) == (1.0, 2.0, False)
     assert get_variant("diff_threshold").make_spec(beta=0.5, power=1.0) == ThresholdFamilySpec(0.5, 1.0, True)
+    sigmoid = get_variant("sigmoid").make_spec()
+    assert (sigmoid.bias, sigmoid.sm_scale, sigmoid.scale(64)) == (None, None, pytest.approx(1 / 8))
+    assert get_variant("sigmoid").make_spec(bias=-3.0, sm_scale=0.2).scale(64) == 0.2
 
 
 @pytest.mark.parametrize("bad", ["nope", "Softmax", "soft_cap", ""])

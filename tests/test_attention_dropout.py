@@ -14,6 +14,7 @@ from tolerance import assert_within_reference_error
 
 import attn
 from attn.dropout import draw_seed
+from attn.kernels import sigmoid_family as sg
 from attn.kernels import softmax_family as sf
 from attn.kernels import threshold_family as tf
 from attn.kernels.dropout import keep_mask
@@ -196,11 +197,11 @@ def test_kernel_keep_mask_statistics_and_independence():
     assert not torch.equal(keep, keep_mask(100, b, h, n, p, device=DEVICE))
 
 
-FUSED = {"softmax": sf.fused_attention, "threshold": tf.fused_attention}
+FUSED = {"softmax": sf.fused_attention, "threshold": tf.fused_attention, "sigmoid": sg.fused_attention}
 
 
 def family(name):
-    return "threshold" if "threshold" in name else "softmax"
+    return attn.get_variant(name).family
 
 
 def call(fn, spec, mask, seg, **kw):
@@ -242,6 +243,9 @@ KERNEL_CASES = [
     ("diff_threshold", {"beta": -1.0, "power": 1.5}, "window", False, 41, 4, 2, 16, False, torch.float32, 0.4),
     ("diff_threshold", {"beta": -1.0, "power": 1.0}, "causal", True, 1, 2, 2, 16, False, torch.float32, 0.3),
     ("diff_threshold", {"beta": -1.0, "power": 2.0}, "full", False, 23, 2, 1, 16, False, torch.float16, 0.2),
+    ("sigmoid", {}, "causal", True, 31, 2, 1, 16, False, torch.float32, 0.3),
+    ("sigmoid", {"bias": -1.0}, "window", False, 45, 4, 2, 16, False, torch.float32, 0.5),
+    ("sigmoid", {}, "full", False, 23, 2, 2, 16, False, torch.float16, 0.2),
 ]
 if DEVICE.type == "cuda":  # the interpreter mishandles bf16: checked on the GPU only
     KERNEL_CASES += [case[:9] + (torch.bfloat16,) + case[10:] for case in KERNEL_CASES if case[9] == torch.float32]
@@ -276,7 +280,7 @@ def test_kernel_p0_is_bitwise_the_kernel_without_dropout(name):
     assert all(torch.equal(plain[key], zero[key]) for key in plain)
 
 
-@pytest.mark.parametrize("name", ["softmax", "threshold"])
+@pytest.mark.parametrize("name", ["softmax", "threshold", "sigmoid"])
 def test_kernel_same_seed_same_result_other_seed_other_result(name):
     tensors, dout = make_tensors(name, 1, 33, 2, 2, 16, seed=6)
     spec = spec_of(name, **({"beta": -1.0} if name == "threshold" else {}))
@@ -287,7 +291,7 @@ def test_kernel_same_seed_same_result_other_seed_other_result(name):
     assert all(not torch.equal(a[key], c[key]) for key in a)
 
 
-@pytest.mark.parametrize("name", ["softmax", "threshold", "diff_threshold"])
+@pytest.mark.parametrize("name", ["softmax", "threshold", "diff_threshold", "sigmoid"])
 def test_kernel_dropout_statistics(name):
     """The kernels' own dropped weights, read through one-hot values: fraction p dropped, kept ones
     rescaled by 1 / (1 - p), total weight preserved in expectation."""

@@ -16,13 +16,13 @@ def test_every_variant_spec_has_its_registry_family(name):
     family = family_of(variant.make_spec())
     assert family is FAMILIES[variant.family]
     assert family.name == variant.family
-    assert family.has_max_logit == (variant.family == "softmax")
+    assert family.has_max_logit == (variant.family in ("softmax", "sigmoid"))  # a logit s q.k (+ b) exists
     extra = family.extra_inputs(variant.make_spec())
     assert (("q2" in extra) == (variant.views == 2)) and (("temperature" in extra) == (variant.family == "softmax"))
 
 
 def test_family_of_refuses_what_no_family_serves():
-    with pytest.raises(ValueError, match="spec must be a SoftmaxFamilySpec or ThresholdFamilySpec, got dict"):
+    with pytest.raises(ValueError, match="spec must be a SoftmaxFamilySpec, ThresholdFamilySpec or SigmoidFamilySpec, got dict"):
         family_of({})
 
 
@@ -38,6 +38,11 @@ def test_statistics_logits_and_scores_per_family():
     tspec = attn.get_variant("threshold").make_spec()
     assert torch.equal(family_of(tspec).scores(tspec, qk, d), qk)
     assert torch.equal(family_of(tspec).logits(tspec, qk, d), qk)
+    sspec = attn.get_variant("sigmoid").make_spec(bias=-2.0, sm_scale=0.5)
+    assert torch.equal(family_of(sspec).scores(sspec, qk, d), qk * 0.5)
+    assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * 0.5 - 2.0)
+    sspec = attn.get_variant("sigmoid").make_spec()  # bias -ln(n_i): a function of the mask, not of q.k
+    assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * d**-0.5)
 
 
 @pytest.mark.parametrize("name", attn.variant_names())

@@ -81,7 +81,7 @@ def test_attention_call_refuses_a_bad_configuration_at_construction():
     spec = attn.get_variant("softmax").make_spec()
     with pytest.raises(ValueError, match="attn.backend must be one of"):
         attn.AttentionCall(spec, backend="cuda")
-    with pytest.raises(ValueError, match="spec must be a SoftmaxFamilySpec or ThresholdFamilySpec"):
+    with pytest.raises(ValueError, match="spec must be a SoftmaxFamilySpec, ThresholdFamilySpec or SigmoidFamilySpec"):
         attn.AttentionCall("softmax")
     with pytest.raises(ValueError, match="window must be a positive int"):
         attn.AttentionCall(spec, window=0)

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from attn.kernels import runtime
+from attn.kernels import sigmoid_family as sg
 from attn.kernels import softmax_family as sf
 from attn.kernels import threshold_family as tf
 from attn.masks import MaskSpec, segment_bounds
-from attn.specs import SoftmaxFamilySpec, ThresholdFamilySpec
+from attn.specs import SigmoidFamilySpec, SoftmaxFamilySpec, ThresholdFamilySpec
 
 SNAPSHOT = Path(__file__).parent / "kernel_launches.json"
 
@@ -64,6 +65,17 @@ THRESHOLD_GPU = {
 }
 THRESHOLD_DEFAULT = [(64, 64, 4, 2)]
 
+# (kind, head dim) -> candidates; head dims 16 / 32 take the default
+SIGMOID_GPU = {
+    ("fwd", 128): [(128, 64, 8, 3), (128, 128, 8, 3)],
+    ("fwd", 64): [(128, 64, 4, 3), (128, 128, 8, 3)],
+    ("dq", 128): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    ("dq", 64): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    ("dkdv", 128): [(32, 128, 8, 3), (64, 128, 8, 3)],
+    ("dkdv", 64): [(64, 128, 8, 3), (32, 128, 8, 3)],
+}
+SIGMOID_DEFAULT = [(64, 64, 4, 2)]
+
 
 def softmax_candidates(kind, n):
     return sf.CONFIG_TABLE.candidates(kind, n=n)
@@ -105,11 +117,18 @@ def test_threshold_family_candidates(monkeypatch):
                                                                                                 views)
 
 
+def test_sigmoid_family_candidates(monkeypatch):
+    _gpu_mode(monkeypatch)
+    for kind in ("fwd", "dq", "dkdv"):
+        for d in (16, 32, 64, 128):
+            assert _cfgs(sg.CONFIG_TABLE.candidates(kind, d)) == SIGMOID_GPU.get((kind, d), SIGMOID_DEFAULT), (kind, d)
+
+
 def test_interpreter_candidates(monkeypatch):
     """Under the interpreter: one config per kernel (softmax: 64x32, dk/dv 32x64, ATTNLAB_INTERPRET_BLOCKS
     overrides; threshold: tf.INTERPRETER_CONFIG, 16x16), 4 warps, 1 stage."""
     monkeypatch.setattr(runtime, "interpreting", lambda: True)
-    for module in (sf, tf):
+    for module in (sf, tf, sg):
         if hasattr(module, "interpreting"):
             monkeypatch.setattr(module, "interpreting", lambda: True)
     monkeypatch.delenv("ATTNLAB_INTERPRET_BLOCKS", raising=False)
@@ -123,6 +142,8 @@ def test_interpreter_candidates(monkeypatch):
         assert _cfgs(threshold_candidates(kind, 64, True, 1)) == [(16, 16, 4, 1)]
     monkeypatch.setitem(tf.INTERPRETER_CONFIG, "dq", (32, 16))
     assert _cfgs(threshold_candidates("dq", 64, False, 0)) == [(32, 16, 4, 1)]
+    for kind in ("fwd", "dq", "dkdv"):
+        assert _cfgs(sg.CONFIG_TABLE.candidates(kind, 64)) == [(16, 16, 4, 1)]
     assert _cfgs([c for c in decode_config()]) == [(16, 16, 4, 1)] * 2
 
 
@@ -356,6 +377,48 @@ def test_threshold_family_launches(case, monkeypatch):
         with torch.no_grad():
             tf.zero_fraction(named["q"], named["k"], spec, mask, named.get("segment_ids"), *views)
     _compare(f"threshold_family/{case}", rec.launches)
+
+
+SIGMOID_CASES = {
+    # name: (spec, B, N, KV, H, H_kv, D, dtype, mask, segments, dropout, decode splits, lens)
+    "sigmoid-causal-d16": (SigmoidFamilySpec(), 2, 17, 17, 4, 2, 16, torch.float32, MaskSpec(causal=True), False,
+                           0.0, None, False),
+    "sigmoid-bias-full-d64": (SigmoidFamilySpec(bias=-2.0, sm_scale=0.3), 1, 200, 200, 2, 1, 64, torch.float16,
+                              MaskSpec(causal=False), False, 0.0, None, False),
+    "sigmoid-window-d128": (SigmoidFamilySpec(), 2, 130, 130, 4, 4, 128, torch.bfloat16,
+                            MaskSpec(causal=True, window=29), False, 0.0, None, False),
+    "sigmoid-ranker-dropout-d64": (SigmoidFamilySpec(), 2, 96, 96, 4, 2, 64, torch.float16, MaskSpec(causal=True),
+                                   True, 0.2, None, False),
+    "longer-keys": (SigmoidFamilySpec(), 2, 20, 300, 4, 2, 64, torch.float16, MaskSpec(causal=True), False, 0.0,
+                    None, False),
+    "decode-splits": (SigmoidFamilySpec(bias=-1.0), 2, 3, 1000, 4, 2, 128, torch.bfloat16, MaskSpec(causal=True),
+                      False, 0.0, "6", False),
+    "decode-key-lengths": (SigmoidFamilySpec(), 2, 1, 700, 4, 1, 64, torch.float16, MaskSpec(causal=True), False,
+                           0.0, "3", True),
+}
+
+
+@pytest.mark.parametrize("case", list(SIGMOID_CASES))
+def test_sigmoid_family_launches(case, monkeypatch):
+    spec, b, n, kv, h, h_kv, d, dtype, mask, seg, p, splits, lens = SIGMOID_CASES[case]
+    _gpu_mode(monkeypatch)
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    if splits is None:
+        monkeypatch.delenv(runtime.DECODE_SPLITS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
+    gen = torch.Generator().manual_seed(3)
+    named = _qkv(b, n, kv, h, h_kv, d, dtype, gen)
+    extra = _call_options(named, b, n, kv, seg, p, lens, seed=7)
+    rec = _recording(monkeypatch, named)
+    with torch.set_grad_enabled(not lens):
+        for t in (named["q"], named["k"], named["v"]):
+            t.requires_grad_(not lens)
+        out = sg.fused_attention(named["q"], named["k"], named["v"], spec, mask, named.get("segment_ids"), **extra)
+        if not lens:
+            out.float().sum().backward()
+    _compare(f"sigmoid_family/{case}", rec.launches)
 
 
 def _compare(key: str, launches: list) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import attn
 from attn.kernels import runtime
 from attn.kernels import softmax_family as sf
+from attn.kernels import sigmoid_family as sg
 from attn.kernels import threshold_family as tf
 from attn.masks import MaskSpec
 from attn.testing import outputs_and_grads
@@ -24,6 +25,7 @@ VARIANTS = {
     "alsc": {"cap": 2.0, "knee": 0.5},
     "threshold": {"beta": 0.3, "power": 2.0},
     "diff_threshold": {"beta": 0.2, "power": 1.5},
+    "sigmoid": {},
 }
 MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(causal=True, window=7), "full": MaskSpec(causal=False)}
 # absolute allowance (times max(1, |reference|)) for fp32's blockwise-summation noise, as in
@@ -125,13 +127,17 @@ class _SplitCounter:
             return original(*args, **kwargs)
 
         monkeypatch.setattr(sf, "_split_kv_forward", counted)
-        original_launch = tf._KERNELS["fwd"].launch
+        for module in (tf, sg):  # the elementwise families' forwards take SPLIT_KV
+            self._count_split_launches(monkeypatch, module._KERNELS["fwd"])
+
+    def _count_split_launches(self, monkeypatch, kernel):
+        original_launch = kernel.launch
 
         def counted_launch(grid, tensors, scalars, meta, configs, tune_key):
             self.calls += int(meta.get("SPLIT_KV", False))
             return original_launch(grid, tensors, scalars, meta, configs, tune_key)
 
-        monkeypatch.setattr(tf._KERNELS["fwd"], "launch", counted_launch)
+        monkeypatch.setattr(kernel, "launch", counted_launch)
 
 
 # few queries (1..16) against a longer key sequence, keys split into 3 (or as forced) ranges; a
@@ -140,7 +146,8 @@ KV_SCALE = 8 if DEVICE.type == "cuda" else 1
 DECODE = [("softmax", "causal", 1, 45, 2, 3), ("softcap_softsign", "window", 4, 40, 1, 3),
           ("alsc", "full", 16, 48, 2, 2), ("softcap_tanh", "causal", 2, 33, 4, 5),
           ("threshold", "causal", 1, 45, 2, 3), ("threshold", "window", 9, 40, 1, 2),
-          ("diff_threshold", "full", 3, 47, 2, 3), ("diff_threshold", "causal", 16, 37, 1, 4)]
+          ("diff_threshold", "full", 3, 47, 2, 3), ("diff_threshold", "causal", 16, 37, 1, 4),
+          ("sigmoid", "window", 2, 45, 2, 3), ("sigmoid", "full", 16, 40, 1, 2)]
 
 
 @pytest.mark.parametrize("name,mask,n,kv,group,splits", DECODE,
@@ -200,7 +207,8 @@ def tiny_triton_gpt(name, window=None):
 
 
 @pytest.mark.parametrize("name,window,splits", [("softmax", None, "0"), ("alsc", 6, "2"),
-                                                ("diff_threshold", None, "3"), ("threshold", 5, "0")])
+                                                ("diff_threshold", None, "3"), ("threshold", 5, "0"),
+                                                ("sigmoid", 5, "2")])
 def test_cached_greedy_generation_on_the_kernels_equals_uncached(monkeypatch, name, window, splits):
     """Prompt once, then one token per step against the cache, through the fused kernels (the split
     decode forward where forced): the same tokens as re-encoding the window each step, and the same
@@ -235,6 +243,8 @@ KEY_LENGTH_CASES = [
     ("threshold", "full", 1, 33, 1, (0, 20), "2"),
     ("diff_threshold", "causal", 16, 47, 1, (30, 47), "2"),
     ("diff_threshold", "full", 3, 40, 2, (1, 40), "0"),
+    ("sigmoid", "causal", 4, 45, 2, (2, 45), "3"),
+    ("sigmoid", "full", 1, 37, 1, (0, 19), "0"),
 ]
 
 

@@ -16,6 +16,7 @@ VARIANT_PARAMS = {
     "alsc": {"cap": 5.0, "knee": 0.5},
     "threshold": {"beta": 1.0, "power": 2.0},
     "diff_threshold": {"beta": 1.0, "power": 2.0},
+    "sigmoid": {},
 }
 
 
@@ -137,8 +138,10 @@ def test_head_norm_eps_is_configurable_and_runs_in_fp32():
 def test_threshold_variants_default_to_l2_qk_norm_and_head_norm():
     for name in attn.variant_names():
         layer = GPT(tiny(name)).blocks[0].attn
-        expected = attn.get_variant(name).family == "threshold"
-        assert (layer.qk_norm == "l2") == expected and (layer.head_norm is not None) == expected
+        variant = attn.get_variant(name)
+        threshold = variant.family == "threshold"
+        assert (layer.qk_norm == "l2") == threshold == variant.qk_norm
+        assert (layer.head_norm is not None) == variant.out_norm == (threshold or variant.family == "sigmoid")
 
 
 def test_param_count_tied_embedding_and_flops():

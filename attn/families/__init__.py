@@ -8,10 +8,10 @@ instead of branching on it.
 
 from __future__ import annotations
 
-from attn.families import softmax, threshold
+from attn.families import sigmoid, softmax, threshold
 from attn.families.base import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (softmax.FAMILY, threshold.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (softmax.FAMILY, threshold.FAMILY, sigmoid.FAMILY)}
 _BY_SPEC_TYPE: dict[type, Family] = {f.spec_type: f for f in FAMILIES.values()}
 
 
@@ -19,7 +19,8 @@ def family_of(spec) -> Family:
     """The family serving `spec` (a frozen spec of attn/specs.py); a ValueError for anything else."""
     family = _BY_SPEC_TYPE.get(type(spec))
     if family is None:
-        names = " or ".join(f.spec_type.__name__ for f in FAMILIES.values())
+        types = [f.spec_type.__name__ for f in FAMILIES.values()]
+        names = ", ".join(types[:-1]) + " or " + types[-1]
         raise ValueError(f"spec must be a {names}, got {type(spec).__name__}")
     return family
 

@@ -1,4 +1,4 @@
-"""The launch runtime both kernel families share: tile configs, tuning or pinning, direct launches.
+"""The launch runtime every kernel family shares: tile configs, tuning or pinning, direct launches.
 
 A family module holds its kernels' math and the data of its `ConfigTable` (candidate tile configs
 per kernel and variant, the interpreter's tiles). The table gives a launch its candidates and

@@ -58,7 +58,8 @@ from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible, visible_counts
+from attn.kernels.tiles import (full_key_span, full_query_span, key_ranges, load_segment_bounds, masked_tile,
+                                masked_tile_count, query_ranges, tile_visible, visible_counts)
 from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -129,105 +130,6 @@ def _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale,
     """tau_i = beta sqrt(2 ln n_i / D) = tau_scale * sqrt(ln n_i); n_i = 0 (sees nothing) -> 0."""
     n_i = visible_counts(offs_m, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
     return tau_scale * tl.sqrt(tl.log(tl.maximum(n_i, 1.0)))
-
-
-# ----------------------------------------------------------------------------------------
-# tile spans that need no mask
-# ----------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _aligned_span(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
-    """Tiles lo + t*BLOCK lying inside [full_lo, full_hi), as [a, b) with lo <= a <= b <= hi.
-
-    A loop over [lo, hi) in steps of BLOCK is split into [lo, a) masked, [a, b) unmasked
-    and [b, hi) masked; a and b stay on the tile grid that starts at lo.
-    """
-    a = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK) * BLOCK
-    b = lo + (tl.maximum(full_hi - lo, 0) // BLOCK) * BLOCK
-    a = tl.minimum(a, hi)
-    b = tl.minimum(tl.maximum(b, a), hi)
-    return a, b
-
-
-@triton.jit
-def _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
-    """Start and owning range of the t-th boundary tile.
-
-    The boundary tiles of a program are [lo, a) (head), [z, hi) (tail) and [lo2, hi2)
-    (candidates' diagonal), all walked by ONE masked loop: one copy of the loop body
-    instead of three keeps compile time and code size down. Each tile masks keys (or
-    queries) to its own range, so a tile reaching past it counts nothing twice.
-    """
-    n_head = tl.cdiv(a - lo, BLOCK)
-    n_main = n_head + tl.cdiv(hi - z, BLOCK)
-    in_main = t < n_main
-    start = tl.where(t < n_head, lo + t * BLOCK,
-                     tl.where(in_main, z + (t - n_head) * BLOCK, lo2 + (t - n_main) * BLOCK))
-    range_lo = tl.where(in_main, lo, lo2)
-    range_hi = tl.where(in_main, hi, hi2)
-    return start, range_lo, range_hi
-
-
-@triton.jit
-def _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
-    return tl.cdiv(a - lo, BLOCK) + tl.cdiv(hi - z, BLOCK) + tl.cdiv(hi2 - lo2, BLOCK)
-
-
-@triton.jit
-def _segment_union(hs, he, cs, ce):
-    """History plus candidate rows as one span when the two ranges touch, else the history."""
-    adjacent = (he > hs) & (ce > cs) & ((he == cs) | (ce == hs))
-    u_lo = tl.where(adjacent, tl.minimum(hs, cs), hs)
-    u_hi = tl.where(adjacent, tl.maximum(he, ce), he)
-    return u_lo, u_hi
-
-
-@triton.jit
-def _full_key_span(m0, lo, hi, kv_len, window, hs, he, cs, ce,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
-    """Key tiles of [lo, hi) that every valid query row of [m0, m0 + BLOCK_M) sees entirely.
-
-    m0 is the key position of the block's first query row; rows at or past position kv_len are
-    never stored by the forward / dq programs, so they do not constrain the span.
-    """
-    m_last = tl.minimum(m0 + BLOCK_M, kv_len) - 1
-    full_lo = lo
-    full_hi = tl.minimum(hi, kv_len)
-    if CAUSAL:
-        full_hi = tl.minimum(full_hi, m0 + 1)
-    if HAS_WINDOW:
-        full_lo = tl.maximum(full_lo, m_last - window + 1)
-    if HAS_SEG:
-        # key_ranges already keeps keys inside the history; every row must be a history or
-        # candidate row (padding rows see nothing)
-        u_lo, u_hi = _segment_union(hs, he, cs, ce)
-        rows_ok = ((m0 >= hs) & (m_last < he)) | ((m0 >= cs) & (m_last < ce)) | ((m0 >= u_lo) & (m_last < u_hi))
-        full_hi = tl.where(rows_ok, full_hi, full_lo)
-    return _aligned_span(lo, hi, full_lo, full_hi, BLOCK_N)
-
-
-@triton.jit
-def _full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
-    """Query tiles of [lo, hi) (all rows < kv_len) that see every key of [n0, n0 + BLOCK_N)."""
-    full_lo = lo
-    full_hi = tl.minimum(hi, kv_len)
-    if CAUSAL:
-        full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1)
-    if HAS_WINDOW:
-        full_hi = tl.minimum(full_hi, n0 + window)
-    if HAS_SEG:
-        u_lo, u_hi = _segment_union(hs, he, cs, ce)
-        full_lo = tl.maximum(full_lo, u_lo)
-        full_hi = tl.minimum(full_hi, u_hi)
-        keys_in_history = (n0 >= hs) & (n0 + BLOCK_N <= he)
-        full_hi = tl.where(keys_in_history, full_hi, full_lo)
-    # a key block reaching past kv_len stays on the masked path
-    full_hi = tl.where(n0 + BLOCK_N <= kv_len, full_hi, full_lo)
-    return _aligned_span(lo, hi, full_lo, full_hi, BLOCK_M)
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,13 +241,13 @@ def _fwd_kernel(
     if SPLIT_KV:
         lo = tl.maximum(lo, split * split_len)
         hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
-    a, z = _full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                         pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, power,
                         HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-    for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
-        n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+    for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                         pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
                         HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
@@ -443,13 +345,13 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, z = _full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                            pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, power,
                            HEAD_DIM, BLOCK_N, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-    for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
-        n0, key_lo, key_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+    for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         dq, dq2 = _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                            pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
                            HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
@@ -570,7 +472,7 @@ def _dkdv_kernel(
     lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
     hi = tl.maximum(hi, lo)
-    a, z = _full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+    a, z = full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                             CAUSAL, HAS_WINDOW, HAS_SEG)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -593,8 +495,8 @@ def _dkdv_kernel(
                                            offs_n, m0, lo, hi, kv_len, window, hs, he, cs, ce, tau_scale, power,
                                            HEAD_DIM, BLOCK_M, False, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
                                            VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-        for t in range(0, _masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
-            m0, q_lo, q_hi = _masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
+        for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
+            m0, q_lo, q_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
             dk, dv, dk2, dlam = _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
                                            sqn, sqd, sdon, sdod, sq2n, sq2d,
                                            offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, tau_scale, power,

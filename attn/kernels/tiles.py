@@ -139,3 +139,102 @@ def visible_counts(
     else:
         count = hi - lo
     return count.to(tl.float32)
+
+
+# Full-tile spans (tiles every query / key of a block sees entirely, run without mask arithmetic)
+# and the one masked loop over the remaining boundary tiles: the walk of the elementwise-weight
+# kernels (threshold and sigmoid families).
+
+
+@triton.jit
+def aligned_span(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Tiles lo + t*BLOCK lying inside [full_lo, full_hi), as [a, b) with lo <= a <= b <= hi.
+
+    A loop over [lo, hi) in steps of BLOCK is split into [lo, a) masked, [a, b) unmasked
+    and [b, hi) masked; a and b stay on the tile grid that starts at lo.
+    """
+    a = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK) * BLOCK
+    b = lo + (tl.maximum(full_hi - lo, 0) // BLOCK) * BLOCK
+    a = tl.minimum(a, hi)
+    b = tl.minimum(tl.maximum(b, a), hi)
+    return a, b
+
+
+@triton.jit
+def masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
+    """Start and owning range of the t-th boundary tile.
+
+    The boundary tiles of a program are [lo, a) (head), [z, hi) (tail) and [lo2, hi2)
+    (candidates' diagonal), all walked by ONE masked loop: one copy of the loop body
+    instead of three keeps compile time and code size down. Each tile masks keys (or
+    queries) to its own range, so a tile reaching past it counts nothing twice.
+    """
+    n_head = tl.cdiv(a - lo, BLOCK)
+    n_main = n_head + tl.cdiv(hi - z, BLOCK)
+    in_main = t < n_main
+    start = tl.where(t < n_head, lo + t * BLOCK,
+                     tl.where(in_main, z + (t - n_head) * BLOCK, lo2 + (t - n_main) * BLOCK))
+    range_lo = tl.where(in_main, lo, lo2)
+    range_hi = tl.where(in_main, hi, hi2)
+    return start, range_lo, range_hi
+
+
+@triton.jit
+def masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK: tl.constexpr):
+    return tl.cdiv(a - lo, BLOCK) + tl.cdiv(hi - z, BLOCK) + tl.cdiv(hi2 - lo2, BLOCK)
+
+
+@triton.jit
+def segment_union(hs, he, cs, ce):
+    """History plus candidate rows as one span when the two ranges touch, else the history."""
+    adjacent = (he > hs) & (ce > cs) & ((he == cs) | (ce == hs))
+    u_lo = tl.where(adjacent, tl.minimum(hs, cs), hs)
+    u_hi = tl.where(adjacent, tl.maximum(he, ce), he)
+    return u_lo, u_hi
+
+
+@triton.jit
+def full_key_span(m0, lo, hi, kv_len, window, hs, he, cs, ce,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Key tiles of [lo, hi) that every valid query row of [m0, m0 + BLOCK_M) sees entirely.
+
+    m0 is the key position of the block's first query row; rows at or past position kv_len are
+    never stored by the forward / dq programs, so they do not constrain the span.
+    """
+    m_last = tl.minimum(m0 + BLOCK_M, kv_len) - 1
+    full_lo = lo
+    full_hi = tl.minimum(hi, kv_len)
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, m0 + 1)
+    if HAS_WINDOW:
+        full_lo = tl.maximum(full_lo, m_last - window + 1)
+    if HAS_SEG:
+        # key_ranges already keeps keys inside the history; every row must be a history or
+        # candidate row (padding rows see nothing)
+        u_lo, u_hi = segment_union(hs, he, cs, ce)
+        rows_ok = ((m0 >= hs) & (m_last < he)) | ((m0 >= cs) & (m_last < ce)) | ((m0 >= u_lo) & (m_last < u_hi))
+        full_hi = tl.where(rows_ok, full_hi, full_lo)
+    return aligned_span(lo, hi, full_lo, full_hi, BLOCK_N)
+
+
+@triton.jit
+def full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """Query tiles of [lo, hi) (all rows < kv_len) that see every key of [n0, n0 + BLOCK_N)."""
+    full_lo = lo
+    full_hi = tl.minimum(hi, kv_len)
+    if CAUSAL:
+        full_lo = tl.maximum(full_lo, n0 + BLOCK_N - 1)
+    if HAS_WINDOW:
+        full_hi = tl.minimum(full_hi, n0 + window)
+    if HAS_SEG:
+        u_lo, u_hi = segment_union(hs, he, cs, ce)
+        full_lo = tl.maximum(full_lo, u_lo)
+        full_hi = tl.minimum(full_hi, u_hi)
+        keys_in_history = (n0 >= hs) & (n0 + BLOCK_N <= he)
+        full_hi = tl.where(keys_in_history, full_hi, full_lo)
+    # a key block reaching past kv_len stays on the masked path
+    full_hi = tl.where(n0 + BLOCK_N <= kv_len, full_hi, full_lo)
+    return aligned_span(lo, hi, full_lo, full_hi, BLOCK_M)

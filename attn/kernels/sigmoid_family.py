@@ -1,0 +1,563 @@
+"""Fused Triton kernels of the sigmoid family (DESIGN.md §4): forward and exact backward.
+
+    w_ij = sigmoid(z_ij),  z_ij = s q_i.k_j + b_i,  out_i = sum_j w_ij v_j over visible keys j
+    b_i = the spec's bias, or -ln(n_i) (n_i: keys query i sees, `tiles.visible_counts`)
+
+Nothing is normalized, so the forward saves no row statistics and the backward needs no
+preprocessing pass (no logsumexp, no delta):
+
+    dv_j = sum_i w_ij dout_i        dp_ij = dout_i . v_j        dz_ij = dp_ij w_ij (1 - w_ij)
+    dq_i = s sum_j dz_ij k_j        dk_j  = s sum_i dz_ij q_i
+
+The bias is a constant (a config float or a function of the mask): it takes no gradient. The
+kernels work in base 2: z log2(e) = (s log2 e) q.k + b_i log2 e, w = 1 / (1 + 2^-(z log2 e)), which
+is exactly 0 or 1 where 2^x over- or underflows in fp32 (no NaN) and NaN for a NaN score.
+Dropout (attn/dropout.py; the constexpr DROPOUT, compiled out at p = 0): w becomes m w / (1 - p)
+with m the keep mask (attn/kernels/dropout.py, regenerated in the backward); dv uses that weight
+and dp_ij becomes m_ij dp_ij / (1 - p) in dz.
+
+Masks, tile skipping and the full / boundary tile walk come from `attn/kernels/tiles.py`, as in
+the threshold family's kernels: one forward kernel (with the split-key decode form), one dq kernel
+(query-block programs) and one dk/dv kernel (key-block programs looping over the kv head's query
+heads: GQA without repeated K/V or atomics). Inputs are read through their strides in their own
+dtype with fp32 accumulation; fp32 inputs use IEEE fp32 products (no tf32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
+from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+                                  dot_precision, n_bucket)
+from attn.kernels.runtime import tuned_configs as _tuned_configs
+from attn.kernels.tiles import (full_key_span, full_query_span, key_ranges, load_segment_bounds, masked_tile,
+                                masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.masks import MaskSpec
+from attn.specs import SigmoidFamilySpec
+from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
+
+SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
+LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------
+# elementwise pieces
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2,
+              HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """b_i log2(e) per query position (fp32): the spec's bias (bias2 = bias log2 e), or -log2(n_i)
+    (n_i = 0, a row that sees nothing: 0)."""
+    if HAS_BIAS:
+        b = tl.zeros_like(pos_m).to(tl.float32) + bias2
+    else:
+        n_i = visible_counts(pos_m, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+        b = -tl.log2(tl.maximum(n_i, 1.0))
+    return b
+
+
+@triton.jit
+def _sigmoid2(z2):
+    """sigmoid(z) from z2 = z log2(e), in fp32."""
+    return 1.0 / (1.0 + tl.exp2(-z2))
+
+
+# ----------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
+              offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
+              seed, bh, dropout_p, DROPOUT: tl.constexpr):
+    """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_seq = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        w = tl.where(vis, w, 0.0)
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
+        w = tl.where(keep, w * (1.0 / (1.0 - dropout_p)), 0.0)
+    return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
+
+
+# Scalars that vary with the problem size are not specialized on (value 1 / divisibility by 16), so
+# one compiled kernel serves every N, head count, GQA ratio and window.
+_RUNTIME_SCALARS = ["q_len", "kv_len", "num_heads", "group", "window", "N_BUCKET"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS + ["split_len"])
+def _fwd_kernel(
+    Q, K, V, BOUNDS, OUT, SEED, LENS,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sob, son, soh, sod, sos,
+    q_len, kv_len, num_heads, group, window, split_len, qk_scale2, bias2, N_BUCKET, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr, HAS_LENS: tl.constexpr,
+):
+    """Query rows [m0, m0 + BLOCK_M) of one (batch, head); query row i sits at key position
+    i + kv_len - q_len (bottom-right alignment). SPLIT_KV (flash-decoding): program_id(2) = s takes
+    keys [s split_len, (s+1) split_len) and writes its fp32 partial sum at OUT + s sos (the launcher
+    sums them). HAS_LENS: row b's keys are [0, LENS[b]) of a static cache of kv_len slots."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks (causal) first
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
+    if HAS_LENS:
+        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
+
+    pos_offset = kv_len - q_len
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
+    pos_m = offs_m + pos_offset  # their key positions
+    p0 = m0 + pos_offset
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < q_len
+    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk * skh
+    v_base = V + b64 * svb + hk * svh
+    row_bias = _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    if SPLIT_KV:
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    for n0 in range(a, z, BLOCK_N):
+        acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
+                        pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+                        HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+    for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+        acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
+                        pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+                        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+    tl.store(OUT + split * sos + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+             acc.to(OUT.dtype.element_ty), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# backward: dq (query-block programs, the forward's key ranges)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
+             offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
+             seed, bh, dropout_p, DROPOUT: tl.constexpr):
+    """dq += dz . k (the factor s is applied once, at the store)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_seq = offs_n[:, None] < kv_len
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        dp = tl.where(vis, dp, 0.0)
+    if DROPOUT:  # d(m w / (1 - p)) / dw
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    dz = dp * (w * (1.0 - w))
+    return tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PREC)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
+def _dq_kernel(
+    Q, K, V, BOUNDS, DO, DQ, SEED,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sdob, sdon, sdoh, sdod,
+    q_len, kv_len, num_heads, group, window, qk_scale2, bias2, sm_scale, N_BUCKET, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    hk = h // group
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
+
+    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    pos_m = offs_m + pos_offset
+    p0 = m0 + pos_offset
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < q_len
+    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    do = tl.load(DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :] * sdod,
+                 mask=row_ok, other=0.0)
+    k_base = K + b64 * skb + hk * skh
+    v_base = V + b64 * svb + hk * svh
+    row_bias = _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    for n0 in range(a, z, BLOCK_N):
+        dq = _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
+                      pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+                      HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+    for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
+        n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
+        dq = _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
+                      pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
+                      HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+    # dq is a contiguous (B, N, H, D) allocation of the launcher
+    out_offs = b64 * q_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
+    tl.store(DQ + out_offs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# backward: dk, dv (key-block programs over the query ranges)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
+               offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
+               seed, bh, dropout_p, DROPOUT: tl.constexpr):
+    """One query tile at key positions [m0, m0 + BLOCK_M) against this program's keys (q_base and
+    do_base are indexed by key position); MASKED tiles keep queries in [q_lo, q_hi). Tiles are held
+    transposed, (keys, queries), so dk and dv accumulate without transposes (s applied at the store)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    if MASKED:
+        row_ok = offs_m[:, None] < kv_len
+        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
+        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
+    row_bias = _row_bias(offs_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
+    wT = _sigmoid2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale2 + row_bias[None, :])
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
+        visT = tl.trans(vis)
+        dpT = tl.where(visT, dpT, 0.0)
+    dzT = dpT * (wT * (1.0 - wT))
+    if MASKED:
+        wT = tl.where(visT, wT, 0.0)
+    if DROPOUT:  # one keep mask m: dv += (m w / (1 - p))^T do, dp -> m dp / (1 - p)
+        keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], kv_len, dropout_p)
+        wT = tl.where(keepT, wT * (1.0 / (1.0 - dropout_p)), 0.0)
+        dzT = tl.where(keepT, dzT * (1.0 / (1.0 - dropout_p)), 0.0)
+    dv = tl.dot(wT.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dk = tl.dot(dzT.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_RUNTIME_SCALARS)
+def _dkdv_kernel(
+    Q, K, V, BOUNDS, DO, DK, DV, SEED,
+    sqb, sqn, sqh, sqd, skb, skn, skh, skd, svb, svn, svh, svd,
+    sdob, sdon, sdoh, sdod,
+    q_len, kv_len, num_heads, group, window, qk_scale2, bias2, sm_scale, N_BUCKET, dropout_p,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    num_kv_heads = num_heads // group
+    b = bhk // num_kv_heads
+    hk = bhk % num_kv_heads
+    b64 = b.to(tl.int64)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    seed = load_seed(SEED, DROPOUT)
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < kv_len
+    k = tl.load(K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=key_ok, other=0.0)
+    v = tl.load(V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=key_ok, other=0.0)
+
+    # query row i sits at key position i + pos_offset (bottom-right alignment): the loops run over
+    # positions, and the query-indexed pointers are shifted by -pos_offset rows to match
+    pos_offset = kv_len - q_len
+    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
+    hi = tl.maximum(hi, lo)
+    a, z = full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # GQA: this kv head's query heads, one after another (no repeated K/V, no atomics)
+    for h in range(hk * group, hk * group + group):
+        bh = b * num_heads + h
+        q_base = Q + b64 * sqb + h * sqh - pos_offset * sqn
+        do_base = DO + b64 * sdob + h * sdoh - pos_offset * sdon
+        for m0 in range(a, z, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
+                                offs_n, m0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
+                                HEAD_DIM, BLOCK_M, False, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
+                                seed, bh, dropout_p, DROPOUT)
+        for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
+            m0, q_lo, q_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
+                                offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
+                                HEAD_DIM, BLOCK_M, True, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
+                                seed, bh, dropout_p, DROPOUT)
+    # dk / dv are contiguous (B, KV, H_kv, D) allocations of the launcher
+    out_offs = b64 * kv_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
+    tl.store(DK + out_offs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + out_offs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------
+
+
+# GPU candidates per (kernel, head dim); the first is the pinned default. The threshold family's
+# plain-variant tables (same operands and accumulators per tile, attn/kernels/threshold_family.py),
+# not yet measured for these kernels.
+GPU_CONFIGS = {
+    ("fwd", 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
+    ("fwd", 64): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)],
+    ("dq", 128): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 64): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dkdv", 128): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
+    ("dkdv", 64): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+}
+_DEFAULT_CONFIGS = [TileConfig(64, 64, 4, 2)]  # head dims without a table (16, 32)
+# the interpreter (CPU tests): small tiles keep it fast and still exercise the masked / unmasked
+# split; tests may override this table
+INTERPRETER_CONFIG = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
+CONFIG_TABLE = ConfigTable(GPU_CONFIGS, INTERPRETER_CONFIG, default=_DEFAULT_CONFIGS)
+
+# Tuning is keyed on dtype, bucketed lengths and every constexpr (attn/kernels/runtime.py).
+_KERNELS = {"fwd": Kernel(_fwd_kernel, "sigmoid_fwd"), "dq": Kernel(_dq_kernel, "sigmoid_dq"),
+            "dkdv": Kernel(_dkdv_kernel, "sigmoid_dkdv")}
+
+
+def _launch(kind: str, grid, tensors: tuple, scalars: tuple, meta: dict, buckets: tuple, dtype):
+    configs = CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"])
+    _KERNELS[kind].launch(grid, tensors, scalars, meta, configs, (dtype, buckets, *meta.values()))
+
+
+def tuned_configs() -> dict[str, str]:
+    """The configs tuning chose so far, readable (for benchmark reports)."""
+    return _tuned_configs(_KERNELS.values())
+
+
+def _strides(q, k, v):
+    return (*q.stride(), *k.stride(), *v.stride())
+
+
+def _meta(q, bias, causal, window, bounds):
+    return dict(
+        HEAD_DIM=q.shape[-1],
+        HAS_BIAS=bias is not None,
+        CAUSAL=bool(causal or window > 0),
+        HAS_WINDOW=window > 0,
+        HAS_SEG=bounds is not None,
+        DOT_PREC=dot_precision(q.dtype),
+    )
+
+
+def _scales(sm_scale: float, bias: Optional[float]):
+    """(s log2 e, bias log2 e or 0): the kernels' base-2 logit scale and fixed bias."""
+    return sm_scale * LOG2E, (bias * LOG2E if bias is not None else 0.0)
+
+
+def _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
+    """The forward's output; with `key_lengths` (B,) int32 the launches depend on the capacity
+    k.shape[1] only, and the kernel reads each row's length on the device."""
+    bsz, n, heads, d = q.shape
+    kv_len = k.shape[1]
+    group = heads // k.shape[2]
+    out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    if n == 0 or bsz == 0:
+        return out
+    meta = {**_meta(q, bias, causal, window, bounds), "DROPOUT": dropout_p > 0.0, "HAS_LENS": key_lengths is not None}
+    lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
+    operands = (q, k, v, bounds if bounds is not None else q)
+    qk_scale2, bias2 = _scales(sm_scale, bias)
+    scalars = (n, kv_len, heads, group, window, kv_len, qk_scale2, bias2, n_bucket(kv_len), float(dropout_p))
+    splits = 1
+    if bounds is None and dropout_p == 0.0:
+        splits = decode_splits(n, kv_len, bsz * heads, decode_config().block_n, q.device)
+    if splits > 1:
+        # flash-decoding: each split sums its key range into fp32 partials; no row max or normalizer,
+        # so the merge is a plain sum (a split past a row's key length adds its zeros)
+        cfg = decode_config()
+        split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
+        splits = cdiv(kv_len, split_len)
+        part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
+        scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
+        _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
+                               (*operands, part, q, lens),
+                               (*_strides(q, k, v), *part[0].stride(), part.stride(0), *scalars),
+                               {**meta, "SPLIT_KV": True}, [cfg], ())
+        return part.sum(dim=0).to(q.dtype)
+    _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
+            (*operands, out, seed_operand(dropout_p, seed, q), lens),
+            (*_strides(q, k, v), *out.stride(), 0, *scalars), {**meta, "SPLIT_KV": False},
+            (n_bucket(n), n_bucket(kv_len)), q.dtype)
+    return out
+
+
+def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None):
+    bsz, n, heads, d = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dq = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
+    if n == 0 or bsz == 0:
+        return dq, dk.zero_(), dv.zero_()
+    meta = {**_meta(q, bias, causal, window, bounds), "DROPOUT": dropout_p > 0.0}
+    ops = (q, k, v, bounds if bounds is not None else q)
+    seed_arg = seed_operand(dropout_p, seed, q)
+    qk_scale2, bias2 = _scales(sm_scale, bias)
+    scalars = (*_strides(q, k, v), *dout.stride(), n, kv_len, heads, group, window, qk_scale2, bias2,
+               float(sm_scale), n_bucket(kv_len), float(dropout_p))
+    buckets = (n_bucket(n), n_bucket(kv_len))
+    _launch("dq", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads), (*ops, dout, dq, seed_arg), scalars, meta,
+            buckets, q.dtype)
+    _launch("dkdv", lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads), (*ops, dout, dk, dv, seed_arg),
+            scalars, meta, buckets, q.dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------
+# torch custom ops (fakes + autograd) and the public entry point
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("attnlab::sigmoid_attention", mutates_args=())
+def sigmoid_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
+    bias: Optional[float], sm_scale: float, causal: bool, window: int,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None, key_lengths: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused sigmoid attention forward; bias None -> b_i = -ln(n_i). dropout_p > 0: weights dropped
+    with the mask of `seed` (int64 (1,)). key_lengths (B,) int32: per-row filled lengths of a static
+    cache (forward only)."""
+    return _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p, seed, key_lengths)
+
+
+@sigmoid_attention_op.register_fake
+def _(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("attnlab::sigmoid_attention_backward", mutates_args=())
+def sigmoid_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
+    bias: Optional[float], sm_scale: float, causal: bool, window: int,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of sigmoid attention."""
+    return _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p, seed)
+
+
+@sigmoid_attention_backward_op.register_fake
+def _(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bounds, bias, sm_scale, causal, window, *rest = inputs
+    # the op's defaults when left out; key_lengths calls are forward only (fused_attention checks)
+    dropout_p, seed, _ = tuple(rest) + (0.0, None, None)[len(rest):]
+    ctx.save_for_backward(q, k, v, bounds, seed)
+    ctx.scalars = (bias, sm_scale, causal, window, dropout_p)
+
+
+_NO_GRADS = (None,) * 8  # bounds, bias, sm_scale, causal, window, dropout_p, seed, key_lengths
+
+
+def _backward(ctx, dout, ops):
+    q, k, v, bounds, seed = ctx.saved_tensors
+    backward = sigmoid_attention_backward_op if ops else _backward_impl
+    return (*backward(dout, q, k, v, bounds, *ctx.scalars, seed), *_NO_GRADS)
+
+
+# Eager calls take `_EagerSigmoidAttention` (the same impls without the dispatcher's Python custom-op
+# layer); traced calls go through `attnlab::sigmoid_attention` (fake and autograd registered).
+_ATTENTION = AutogradOp(sigmoid_attention_op, _forward_impl, _setup_context, _backward, "_EagerSigmoidAttention")
+_EagerSigmoidAttention = _ATTENTION.eager
+
+
+def fused_attention(q, k, v, spec: SigmoidFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
+                    q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
+                    dropout_seed: Optional[torch.Tensor] = None,
+                    key_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sigmoid attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
+
+    KV >= N keys, aligned bottom-right (query i at key position i + KV - N; n_i counts the keys
+    visible there); a call with at most `runtime.DECODE_MAX_QUERIES` queries against a long key
+    sequence splits the keys across programs (flash-decoding). Segment ids need KV == N.
+    Differentiable in q, k, v; traceable by torch.compile(fullgraph=True) through the
+    `attnlab::sigmoid_attention` custom op. `bounds`: `attn.segment_bounds(segment_ids)` computed
+    once per batch by the caller. `dropout_p` > 0 drops the weights with the mask of `dropout_seed`
+    (int64 tensor (1,), attn/dropout.py). `key_lengths` (B,) int32: k / v are a static cache, row
+    b's keys are [0, key_lengths[b]) (`attn.attention`); forward only.
+    """
+    if not isinstance(spec, SigmoidFamilySpec):
+        raise ValueError(f"spec must be a SigmoidFamilySpec, got {type(spec).__name__}")
+    if temperature is not None:
+        raise ValueError("temperature is only defined for the softmax family; got one for attn=sigmoid")
+    if any(x is not None for x in (q2, k2, lam)):
+        raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
+    check_kernel_inputs(q, k, kernels="the sigmoid-family kernels")
+    if key_lengths is not None:
+        check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
+                          tensors=(v,))
+    bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
+    if dropout_p > 0.0 and dropout_seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
+    bias = float(spec.bias) if spec.bias is not None else None
+    drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
+    args = (q, k, v, bounds, bias, float(spec.scale(q.shape[-1])), bool(mask.is_causal), int(mask.window or 0), *drop)
+    if key_lengths is not None:  # forward only: no autograd node
+        return _ATTENTION.inference((*args, key_lengths), (q, k, v))
+    return _ATTENTION(args, (q, k, v))
+
+
+__all__ = ["fused_attention", "sigmoid_attention_op", "GPU_CONFIGS", "SUPPORTED_HEAD_DIMS"]
