@@ -12,6 +12,7 @@ under a causal mask), backward 2.5x that.
     python scripts/bench_attention.py --only threshold --out gpu_out/bench_threshold
     python scripts/bench_attention.py --only issue15 --prewarm 6 --out gpu_out/issue15
     python scripts/bench_attention.py --only issue15 --dry-run   # CPU: tiny shapes, no timing
+    python scripts/bench_attention.py --only sigmoid --out gpu_out/bench_sigmoid
 
 Writes OUT.json and OUT.md (date, GPU, torch/triton/CUDA versions, commit, the targets table
 and, for softmax-family rows, the fraction of tiles the kernels visit).
@@ -44,6 +45,7 @@ from triton.testing import do_bench  # noqa: E402
 from bench_train import git_commit  # noqa: E402
 
 import attn  # noqa: E402
+from attn.families import family_of  # noqa: E402
 from attn.masks import MaskSpec, dense_mask, segment_bounds, visible_key_counts  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 1000
@@ -57,6 +59,8 @@ except ImportError:  # pragma: no cover
 CAP, KNEE = 30.0, 0.5
 VARIANT_OF_CAP = {"none": "softmax", "tanh": "softcap_tanh", "soft_sign": "softcap_softsign", "alsc": "alsc"}
 _flex = torch.compile(flex_attention, dynamic=False) if flex_attention is not None else None
+# a case names a softmax-family cap (these) or a registry variant (every other case)
+CAP_CASES = tuple(VARIANT_OF_CAP)
 
 
 def score_mod_for(cap: str):
@@ -468,26 +472,31 @@ MET_WORD = {True: "yes", False: "no", None: "info"}
 # ----------------------------------------------------------------------------------------
 
 
-def threshold_inputs(b, h, n, d, h_kv, variant, device, dtype, grad=True):
-    """q, k L2-normalized as the model does, v, and for diff_threshold the second view and lambda."""
+def variant_inputs(b, h, n, d, h_kv, variant, device, dtype, grad=True):
+    """q, k as the model feeds them (L2-normalized where the variant's model default is qk_norm),
+    v, and the family's extra per-call tensors (diff_threshold: the second view and lambda)."""
     torch.manual_seed(0)
+    l2 = attn.get_variant(variant).qk_norm
 
-    def unit(heads):
-        x = F.normalize(torch.randn(b, n, heads, d, device=device, dtype=torch.float32), dim=-1).to(dtype)
-        return x.requires_grad_(grad)
+    def qk(heads):
+        x = torch.randn(b, n, heads, d, device=device, dtype=torch.float32)
+        return (F.normalize(x, dim=-1) if l2 else x).to(dtype).requires_grad_(grad)
 
-    q, k = unit(h), unit(h_kv)
+    q, k = qk(h), qk(h_kv)
     v = torch.randn(b, n, h_kv, d, device=device, dtype=dtype, requires_grad=grad)
+    spec = attn.get_variant(variant).make_spec()
+    extra_names = family_of(spec).extra_inputs(spec)
     second = {}
-    if variant == "diff_threshold":
-        second = {"q2": unit(h), "k2": unit(h_kv),
+    if extra_names:
+        second = {"q2": qk(h), "k2": qk(h_kv),
                   "lam": torch.full((h,), 0.5, device=device, dtype=torch.float32, requires_grad=grad)}
+        assert set(second) == set(extra_names), extra_names
     return q, k, v, second
 
 
-def threshold_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
-    """{name: zero-argument call} for one threshold-family case: ours, and as asked sdpa (plain
-    softmax) and ref_compiled."""
+def variant_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
+    """{name: zero-argument call} for one case of a registry variant outside the cap cases (the
+    threshold and sigmoid families): ours, and as asked sdpa (plain softmax) and ref_compiled."""
     gqa = k.shape[2] != q.shape[2]
     kernel_entry = attn.registry.family_kernel(spec)
     bounds = segment_bounds(ids) if ids is not None else None
@@ -510,19 +519,17 @@ def threshold_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     return impls
 
 
-def run_threshold_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False,
-                       beta=1.0, power=2.0):
-    """One threshold-family case; rows look like run_case's (impls: ours, sdpa, ref_compiled).
-
-    The kernels' speed does not depend on how many weights the threshold zeroes (no
-    data-dependent skipping)."""
+def run_variant_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False, params=None):
+    """One case of a registry variant at its default parameters (or `params`); rows look like
+    run_case's (impls: ours, sdpa, ref_compiled). The threshold kernels' speed does not depend on
+    how many weights the threshold zeroes (no data-dependent skipping)."""
     h_kv = h_kv or h
-    q, k, v, second = threshold_inputs(b, h, n, d, h_kv, variant, "cuda", torch.bfloat16)
-    spec = attn.get_variant(variant).make_spec(beta=beta, power=power)
+    q, k, v, second = variant_inputs(b, h, n, d, h_kv, variant, "cuda", torch.bfloat16)
+    spec = attn.get_variant(variant).make_spec(**(params or {}))
     flops = useful_flops(b, h, n, d, mask, ids)
-    row = {"name": name, "variant": variant, "B": b, "H": h, "H_kv": h_kv, "N": n, "D": d, "beta": beta,
-           "power": power, "mask": mask_name(mask, ids), "fwd_gflop": flops / 1e9}
-    time_impls(name, threshold_impls(q, k, v, second, spec, mask, ids, sdpa=sdpa, ref=ref), flops, row)
+    row = {"name": name, "variant": variant, "B": b, "H": h, "H_kv": h_kv, "N": n, "D": d, "params": params or {},
+           "mask": mask_name(mask, ids), "fwd_gflop": flops / 1e9}
+    time_impls(name, variant_impls(q, k, v, second, spec, mask, ids, sdpa=sdpa, ref=ref), flops, row)
     torch.cuda.empty_cache()
     return row
 
@@ -565,6 +572,36 @@ def threshold_targets(rows):
                         ratio(r["ref_compiled"], r["ours"], "fwdbwd_ms"), 1.0))
             res.append((f"{r['variant']}: fwd+bwd peak memory, reference / ours (> 1x)",
                         ratio(r["ref_compiled"], r["ours"], "peak_gib_fwdbwd"), 1.0))
+    return judged(res)
+
+
+# ----------------------------------------------------------------------------------------
+# sigmoid attention (issue 18): its kernels against SDPA's plain softmax; `--only sigmoid`
+# ----------------------------------------------------------------------------------------
+
+
+def sigmoid_cases(device="cuda"):
+    """(name, b, h, n, d, variant, mask, extra) like cases(); bf16 when run."""
+    main = (4, 16, 4096, 128)
+    causal = MaskSpec(causal=True)
+    return [("main sigmoid causal", *main, "sigmoid", causal, {"sdpa": True}),
+            ("small sigmoid causal", 8, 16, 1024, 64, "sigmoid", causal, {"sdpa": True}),
+            ("gqa 16:4 sigmoid causal", *main, "sigmoid", causal, {"h_kv": 4, "sdpa": True}),
+            ("window 1024 sigmoid", *main, "sigmoid", MaskSpec(causal=True, window=1024), {})]
+
+
+def sigmoid_targets(rows):
+    by = {r["name"]: r for r in rows}
+    res = []
+    r = by.get("main sigmoid causal")
+    if r and "ours" in r and "sdpa" in r:  # SDPA's time / ours: above 1 when ours is faster
+        res.append(("sigmoid: fwd speed vs SDPA softmax (>= 1.0x)", ratio(r["sdpa"], r["ours"], "fwd_ms"), 1.0))
+        res.append(("sigmoid: fwd+bwd speed vs SDPA softmax (>= 0.85x)", ratio(r["sdpa"], r["ours"], "fwdbwd_ms"), 0.85))
+    for name in ("small sigmoid causal", "gqa 16:4 sigmoid causal"):
+        r = by.get(name)
+        if r and "ours" in r and "sdpa" in r:
+            for key, what in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd")):
+                res.append((f"{name}: {what} speed vs SDPA softmax", ratio(r["sdpa"], r["ours"], key), None))
     return judged(res)
 
 
@@ -675,10 +712,10 @@ def dry_check(case, atol=1e-4) -> dict:
     name, b, h, n, d, cap, mask, extra = case
     h_kv, ids = extra.get("h_kv") or h, extra.get("ids")
     res = {"name": name, "shape": (b, h, h_kv, n, d), "mask": mask_name(mask, ids)}
-    if cap in THRESHOLD_VARIANTS:
-        q, k, v, second = threshold_inputs(b, h, n, d, h_kv, cap, "cpu", torch.float32, grad=False)
-        spec = attn.get_variant(cap).make_spec()
-        impls = threshold_impls(q, k, v, second, spec, mask, ids, sdpa=extra.get("sdpa", False))
+    if cap not in CAP_CASES:
+        q, k, v, second = variant_inputs(b, h, n, d, h_kv, cap, "cpu", torch.float32, grad=False)
+        spec = attn.get_variant(cap).make_spec(**extra.get("params", {}))
+        impls = variant_impls(q, k, v, second, spec, mask, ids, sdpa=extra.get("sdpa", False))
         same = {"ours"}
     else:
         q, k, v = random_qkv(b, h, n, d, h_kv, "cpu", torch.float32, grad=False)
@@ -714,7 +751,7 @@ def dry_run(suite_cases) -> list[dict]:
     for case in suite_cases:
         r = dry_check(tiny_case(case))
         name, b, h, n, d, cap, mask, extra = case
-        if cap not in THRESHOLD_VARIANTS:
+        if cap in CAP_CASES:
             pinned = {"softmax_family_fwd": FWD_CONFIGS[0], "softmax_family_dkdv": DKDV_CONFIGS[0],
                       "softmax_family_dq": DQ_CONFIGS[0]}
             r["tiles"] = tile_report(mask, n, extra.get("ids"), pinned)
@@ -731,7 +768,7 @@ def dry_run(suite_cases) -> list[dict]:
     return results
 
 
-SUITES = ["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main", "issue15"]
+SUITES = ["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main", "issue15", "sigmoid"]
 
 
 def suite(only, device="cuda"):
@@ -740,6 +777,8 @@ def suite(only, device="cuda"):
         return threshold_cases(only, device), threshold_targets, "Threshold-family attention benchmark"
     if only == "issue15":
         return issue15_cases(device), issue15_targets, "Attention kernels benchmark: issue 15 targets"
+    if only == "sigmoid":
+        return sigmoid_cases(device), sigmoid_targets, "Sigmoid attention benchmark"
     return cases(only, device), targets, "Softmax-family attention benchmark"
 
 
@@ -795,7 +834,7 @@ def main():
         if wanted and not any(w in name for w in wanted):
             continue
         t_case = time.perf_counter()
-        runner = run_threshold_case if cap in THRESHOLD_VARIANTS else run_case
+        runner = run_case if cap in CAP_CASES else run_variant_case
         rows.append(runner(name, b, h, n, d, cap, mask, **extra))
         rows[-1]["case_s"] = round(time.perf_counter() - t_case, 1)  # compile, tuning and timing
         print(f"  {name}: {rows[-1]['case_s']} s (run {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -809,12 +848,12 @@ def main():
 
 
 def warm_only(some_cases):
-    """Each case once, as run_case / run_threshold_case build it (compiles and tunes), without timing."""
+    """Each case once, as run_case / run_variant_case build it (compiles and tunes), without timing."""
     global do_bench
     do_bench = lambda fn, **kw: (fn(), 1.0)[1]  # noqa: E731  (bench(): its warm-up calls, then one call)
     for name, b, h, n, d, cap, mask, extra in some_cases:
         t = time.perf_counter()
-        (run_threshold_case if cap in THRESHOLD_VARIANTS else run_case)(name, b, h, n, d, cap, mask, **extra)
+        (run_case if cap in CAP_CASES else run_variant_case)(name, b, h, n, d, cap, mask, **extra)
         print(f"warmed {name}: {time.perf_counter() - t:.0f} s", flush=True)
 
 

@@ -132,6 +132,29 @@ def test_issue15_dry_run():
     assert by["full N=4096 tanh"]["tiles"]["fwd"]["visited"] == 1.0
 
 
+def test_sigmoid_suite_runs_the_sigmoid_kernels_against_the_reference():
+    """Every sigmoid case builds through the registry (no threshold parameters, the model's inputs:
+    no L2 norm) and its output matches the float64 reference at a tiny shape; SDPA's rows are the
+    yardstick, not the same function, so they are not compared."""
+    cases = ba.sigmoid_cases("cpu")
+    assert {c[5] for c in cases} == {"sigmoid"}
+    results = ba.dry_run(cases)
+    assert [r["name"] for r in results] == [c[0] for c in cases]
+    for r in results:
+        assert r["ok"] and set(r["errors"]) == {"ours"}, r
+    q, k, _, second = ba.variant_inputs(1, 2, 16, 8, 2, "sigmoid", "cpu", torch.float32, grad=False)
+    assert second == {} and q.norm(dim=-1).std() > 0  # not unit vectors
+
+
+def test_variant_targets_judge_sigmoid_against_sdpa():
+    rows = [_row("main sigmoid causal", ours=(1.0, 4.0), sdpa=(1.2, 3.0))]
+    by = {t["target"]: t for t in ba.sigmoid_targets(rows)}
+    fwd = by["sigmoid: fwd speed vs SDPA softmax (>= 1.0x)"]
+    both = by["sigmoid: fwd+bwd speed vs SDPA softmax (>= 0.85x)"]
+    assert fwd["value"] == pytest.approx(1.2) and fwd["met"] is True
+    assert both["value"] == pytest.approx(0.75) and both["met"] is False
+
+
 def _row(name, **impls):
     return {"name": name, **{k: {"fwd_ms": f, "fwdbwd_ms": fb} for k, (f, fb) in impls.items()}}
 
