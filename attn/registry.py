@@ -1,4 +1,5 @@
-"""Variant registry: name -> spec builder, model-side defaults and kernel location.
+"""Variant registry: name -> the family's spec type, the spec fields the variant fixes, its config
+keys and its model-side defaults. Parameter defaults are declared once, in the spec dataclasses.
 
 Adding a variant touches this table, its family's unit (attn/families/<family>.py: reference,
 validation, statistics, lazy kernel), its family's kernel module, one `configs/attn/<name>.yaml` and its tests.
@@ -6,8 +7,8 @@ validation, statistics, lazy kernel), its family's kernel module, one `configs/a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
 
 from attn.families import family_of
 from attn.specs import AttentionSpec, SigmoidFamilySpec, SoftmaxFamilySpec, ThresholdFamilySpec
@@ -15,15 +16,33 @@ from attn.specs import AttentionSpec, SigmoidFamilySpec, SoftmaxFamilySpec, Thre
 
 @dataclass(frozen=True)
 class Variant:
+    """A named variant: its family's spec type, the spec fields the variant fixes, the config keys
+    it takes (spec fields, some under a config name), and its model-side defaults. Parameter
+    defaults live in the spec dataclass only (attn/specs.py); `default(key)` reads them."""
+
     name: str
-    family: str  # a key of attn.families.FAMILIES: "softmax" | "threshold" | "sigmoid"
-    build: Callable[..., AttentionSpec]
-    params: tuple[str, ...]  # config keys accepted by `build`
+    spec_type: type
+    params: tuple[str, ...]  # config keys accepted by `make_spec`
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # spec fields the variant sets (cap method, ...)
+    renamed: Mapping[str, str] = field(default_factory=dict)  # config key -> spec field, where they differ
     qk_norm: bool = False  # model default: L2-normalize q and k
     out_norm: bool = False  # model default: per-head RMSNorm of the attention output
     views: int = 1  # 2 for differential variants (second q/k projection, learnable lambda)
     summary: str = ""
-    defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """The name of the family serving the variant (attn/families/)."""
+        return family_of(self.make_spec()).name
+
+    def spec_field(self, key: str) -> str:
+        return self.renamed.get(key, key)
+
+    def default(self, key: str) -> Any:
+        """The spec's default of config key `key` (what `make_spec` uses when the key is not given)."""
+        if key not in self.params:
+            raise ValueError(f"attn={self.name} does not take {key!r}; allowed parameters: {list(self.params)}")
+        return next(f.default for f in fields(self.spec_type) if f.name == self.spec_field(key))
 
     def make_spec(self, **params) -> AttentionSpec:
         unknown = sorted(set(params) - set(self.params))
@@ -31,43 +50,25 @@ class Variant:
             raise ValueError(
                 f"attn={self.name} does not take {unknown}; allowed parameters: {list(self.params)}"
             )
-        return self.build(**{**self.defaults, **params})
-
-
-def _softmax_family(method: str):
-    def build(cap: float = 30.0, knee: float = 0.5, sm_scale: float | None = None):
-        return SoftmaxFamilySpec(cap=method, cap_value=cap, knee=knee, sm_scale=sm_scale)
-
-    return build
-
-
-def _threshold_family(differential: bool):
-    def build(beta: float = 1.0, power: float = 2.0):
-        return ThresholdFamilySpec(beta=beta, power=power, differential=differential)
-
-    return build
-
-
-def _sigmoid_family(bias: float | None = None, sm_scale: float | None = None):
-    return SigmoidFamilySpec(bias=bias, sm_scale=sm_scale)
+        return self.spec_type(**self.fixed, **{self.spec_field(k): v for k, v in params.items()})
 
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        Variant("softmax", "softmax", _softmax_family("none"), ("sm_scale",),
-                summary="z = t * s q.k"),
-        Variant("softcap_tanh", "softmax", _softmax_family("tanh"), ("cap", "sm_scale"),
-                summary="z = t * c tanh(s q.k / c)"),
-        Variant("softcap_softsign", "softmax", _softmax_family("soft_sign"), ("cap", "sm_scale"), summary="z = t * y / (1 + |y|/c), y = s q.k"),
-        Variant("alsc", "softmax", _softmax_family("alsc"), ("cap", "knee", "sm_scale"),
-                summary="identity on [-kc, kc], tanh-shaped to the cap c beyond"),
-        Variant("threshold", "threshold", _threshold_family(False), ("beta", "power"),
+        Variant("softmax", SoftmaxFamilySpec, ("sm_scale",), fixed={"cap": "none"}, summary="z = t * s q.k"),
+        Variant("softcap_tanh", SoftmaxFamilySpec, ("cap", "sm_scale"), fixed={"cap": "tanh"},
+                renamed={"cap": "cap_value"}, summary="z = t * c tanh(s q.k / c)"),
+        Variant("softcap_softsign", SoftmaxFamilySpec, ("cap", "sm_scale"), fixed={"cap": "soft_sign"},
+                renamed={"cap": "cap_value"}, summary="z = t * y / (1 + |y|/c), y = s q.k"),
+        Variant("alsc", SoftmaxFamilySpec, ("cap", "knee", "sm_scale"), fixed={"cap": "alsc"},
+                renamed={"cap": "cap_value"}, summary="identity on [-kc, kc], tanh-shaped to the cap c beyond"),
+        Variant("threshold", ThresholdFamilySpec, ("beta", "power"), fixed={"differential": False},
                 qk_norm=True, out_norm=True, summary="w = relu(q.k - tau_i)^p, no softmax"),
-        Variant("diff_threshold", "threshold", _threshold_family(True), ("beta", "power"), qk_norm=True, out_norm=True, views=2,
-                summary="w = relu(x1 - tau)^p - lambda_h relu(x2 - tau)^p"),
+        Variant("diff_threshold", ThresholdFamilySpec, ("beta", "power"), fixed={"differential": True},
+                qk_norm=True, out_norm=True, views=2, summary="w = relu(x1 - tau)^p - lambda_h relu(x2 - tau)^p"),
         # out_norm: the paper stabilizes the output norm (hybrid-norm); its QK-norm is learned (yaml: rms), not l2
-        Variant("sigmoid", "sigmoid", _sigmoid_family, ("bias", "sm_scale"), out_norm=True,
+        Variant("sigmoid", SigmoidFamilySpec, ("bias", "sm_scale"), out_norm=True,
                 summary="w = sigmoid(s q.k + b_i), b_i = bias or -ln(n_i), no normalization"),
     )
 }

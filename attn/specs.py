@@ -17,8 +17,6 @@ class SoftmaxFamilySpec:
     knee: float = 0.5  # ALSC kappa in [0, 1)
     sm_scale: float | None = None  # default D^-1/2
 
-    family = "softmax"
-
     def __post_init__(self):
         if self.cap not in CAP_METHODS:
             raise ValueError(f"attn.cap must be one of {CAP_METHODS}, got {self.cap!r}")
@@ -43,8 +41,6 @@ class ThresholdFamilySpec:
     power: float = 2.0  # p > 0
     differential: bool = False
 
-    family = "threshold"
-
     def __post_init__(self):
         if not (isinstance(self.power, (int, float)) and self.power > 0 and math.isfinite(self.power)):
             raise ValueError(f"attn.power (p) must be a finite float > 0, got {self.power!r}")
@@ -58,8 +54,6 @@ class SigmoidFamilySpec:
 
     bias: float | None = None  # None: -ln(n_i), n_i the keys query i sees
     sm_scale: float | None = None  # default D^-1/2
-
-    family = "sigmoid"
 
     def __post_init__(self):
         if self.bias is not None and not (

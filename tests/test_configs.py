@@ -302,3 +302,20 @@ def test_two_runs_started_in_the_same_second_get_their_own_directories(monkeypat
     (run_a, sweep_a), (run_b, sweep_b) = dirs
     assert run_a != run_b and sweep_a != sweep_b, dirs
     assert run_a.endswith("_softmax_s0") and run_a[:-len("_softmax_s0")][-7] == "-"  # ..._HH-MM-SS-ffffff
+
+
+@pytest.mark.parametrize("variant", sorted(p.stem for p in (Path(CONFIG_DIR) / "attn").glob("*.yaml")))
+def test_attn_configs_list_every_parameter_at_the_spec_default(variant, tmp_path):
+    """The spec dataclass declares each parameter's default (attn/specs.py); a variant's config
+    lists the variant's parameters (overridable without `+`, and logged with the run) at those
+    defaults, every one whose default is a value (a null default, as sm_scale's D^-1/2, may be
+    left out), so a config and `make_spec()` build the same spec."""
+    import attn
+
+    v = attn.get_variant(variant)
+    params = OmegaConf.to_container(compose_cfg(tiny_overrides(tmp_path, write_corpus(tmp_path / "c.txt"),
+                                                               attn=variant)).attn.params)
+    assert set(params) <= set(v.params)
+    assert params == {key: v.default(key) for key in params}
+    assert all(v.default(key) is None for key in set(v.params) - set(params))
+    assert v.make_spec(**params) == v.make_spec()
