@@ -2,8 +2,8 @@
 
 Reading a device value on the host (`.cpu()`, `.item()`) waits for every queued kernel. On a log
 step that wait empties the GPU's queue, and the GPU then idles for as long as the host takes to
-write the logs and queue the next step (measured on an H200 at model `small`: about 7 ms per log
-step, 0.7 ms per step at one log step in ten). So a log step only gathers its values: device
+write the logs and queue the next step (docs/results/captured_step/, third round, measures it).
+So a log step only gathers its values: device
 scalars are stacked and copied to pinned host memory without blocking, and a CUDA event is
 recorded behind them (`LogStepMetrics.seal`). The next batch end, when the host has queued the
 next step, waits for that event (the end of the log step's kernels, not of the queue) and writes
@@ -93,10 +93,6 @@ class LogStepMetrics:
             host = torch.zeros(0)
         self._sealed = SealedLogStep(step, names, host, numbers, ready, context)
         self._values = {}
-
-    @property
-    def pending(self) -> bool:
-        return self._sealed is not None
 
     def take(self) -> SealedLogStep | None:
         """The sealed step with its host values filled (waits for its own kernels only), or None."""

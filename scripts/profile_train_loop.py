@@ -73,7 +73,7 @@ def gpu_timeline(profile: torch.profiler.profile, steps: int, top: int = 15) -> 
     torch versions)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         profile.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"]
+        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"]
                   if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_KINDS]
     if not events:
         return "\n# GPU timeline: no GPU events recorded\n"

@@ -395,3 +395,26 @@ def test_the_scheduler_is_a_plain_function_of_the_step_with_the_configured_value
         schedule_function(lambda step: 1.0)
     with pytest.raises(ValueError, match="must return a number"):
         schedule_function(functools.partial(lambda step, x: x, x="fast"))
+
+
+def test_log_step_metrics_hand_over_each_sealed_step_once():
+    """Tensors and numbers of a log step come back as floats, keyed by name, with the step index
+    and context given at seal; a step must be taken before the next is sealed."""
+    from models.log_step_metrics import LogStepMetrics
+
+    metrics = LogStepMetrics()
+    assert metrics.take() is None
+    metrics.add("a", torch.tensor([2.5]))
+    metrics.add("b", 3)
+    metrics.add("c", torch.tensor(7, dtype=torch.int64))
+    with pytest.raises(ValueError, match="one element"):
+        metrics.add("d", torch.zeros(2))
+    metrics.seal(11, window=None)
+    with pytest.raises(RuntimeError, match="not taken"):
+        metrics.seal(12)
+    sealed = metrics.take()
+    assert sealed.step == 11 and sealed.context == {"window": None}
+    assert LogStepMetrics.values(sealed) == {"a": 2.5, "b": 3.0, "c": 7.0}
+    assert metrics.take() is None
+    metrics.seal(12)  # nothing added: an empty step
+    assert LogStepMetrics.values(metrics.take()) == {}
