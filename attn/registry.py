@@ -25,7 +25,7 @@ class Variant:
     params: tuple[str, ...]  # config keys accepted by `make_spec`
     fixed: Mapping[str, Any] = field(default_factory=dict)  # spec fields the variant sets (cap method, ...)
     renamed: Mapping[str, str] = field(default_factory=dict)  # config key -> spec field, where they differ
-    qk_norm: bool = False  # model default: L2-normalize q and k
+    qk_norm: str = "none"  # model default for q and k: none | l2 (unit vectors) | rms (a learned RMSNorm)
     out_norm: bool = False  # model default: per-head RMSNorm of the attention output
     views: int = 1  # 2 for differential variants (second q/k projection, learnable lambda)
     summary: str = ""
@@ -64,11 +64,12 @@ VARIANTS: dict[str, Variant] = {
         Variant("alsc", SoftmaxFamilySpec, ("cap", "knee", "sm_scale"), fixed={"cap": "alsc"},
                 renamed={"cap": "cap_value"}, summary="identity on [-kc, kc], tanh-shaped to the cap c beyond"),
         Variant("threshold", ThresholdFamilySpec, ("beta", "power"), fixed={"differential": False},
-                qk_norm=True, out_norm=True, summary="w = relu(q.k - tau_i)^p, no softmax"),
+                qk_norm="l2", out_norm=True, summary="w = relu(q.k - tau_i)^p, no softmax"),
         Variant("diff_threshold", ThresholdFamilySpec, ("beta", "power"), fixed={"differential": True},
-                qk_norm=True, out_norm=True, views=2, summary="w = relu(x1 - tau)^p - lambda_h relu(x2 - tau)^p"),
-        # out_norm: the paper stabilizes the output norm (hybrid-norm); its QK-norm is learned (yaml: rms), not l2
-        Variant("sigmoid", SigmoidFamilySpec, ("bias", "sm_scale"), out_norm=True,
+                qk_norm="l2", out_norm=True, views=2, summary="w = relu(x1 - tau)^p - lambda_h relu(x2 - tau)^p"),
+        # the paper's stabilizers: a learned QK-norm (rms: l2 would bound s q.k by s) and a normalized
+        # output (its hybrid-norm; here the per-head output RMSNorm)
+        Variant("sigmoid", SigmoidFamilySpec, ("bias", "sm_scale"), qk_norm="rms", out_norm=True,
                 summary="w = sigmoid(s q.k + b_i), b_i = bias or -ln(n_i), no normalization"),
     )
 }

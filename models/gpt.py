@@ -30,7 +30,7 @@ class AttnConfig:
     name: str = "softmax"
     backend: str = "auto"
     params: dict = field(default_factory=dict)  # the variant's spec parameters (cap, knee, beta, ...)
-    qk_norm: str | None = None  # None: the variant's default (l2 for threshold variants)
+    qk_norm: str | None = None  # None: the variant's default (attn/registry.py: l2 for threshold, rms for sigmoid)
     out_norm: bool | None = None  # None: the variant's default (on for threshold variants)
     out_norm_eps: float = 1e-5  # the per-head output RMSNorm's eps (the norm runs in fp32)
     # differential lambda: reparam (Differential Transformer, per head), clamp (per head, in [0, 1]),
@@ -180,7 +180,7 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
         self.attn_dropout = cfg.attn_dropout
-        self.qk_norm = acfg.qk_norm or ("l2" if self.variant.qk_norm else "none")
+        self.qk_norm = acfg.qk_norm or self.variant.qk_norm
         self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
         # one fused projection: views x (q, k) and a single v

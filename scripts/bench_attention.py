@@ -476,7 +476,7 @@ def variant_inputs(b, h, n, d, h_kv, variant, device, dtype, grad=True):
     """q, k as the model feeds them (L2-normalized where the variant's model default is qk_norm),
     v, and the family's extra per-call tensors (diff_threshold: the second view and lambda)."""
     torch.manual_seed(0)
-    l2 = attn.get_variant(variant).qk_norm
+    l2 = attn.get_variant(variant).qk_norm == "l2"
 
     def qk(heads):
         x = torch.randn(b, n, heads, d, device=device, dtype=torch.float32)

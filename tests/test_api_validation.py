@@ -293,8 +293,8 @@ def test_registry_lists_the_variants_with_their_families():
         assert family_of(spec).name == get_variant(name).family
         hash(spec)  # frozen: usable as a kernel specialization key
     assert get_variant("diff_threshold").views == 2 and get_variant("threshold").views == 1
-    assert get_variant("threshold").qk_norm and not get_variant("softmax").qk_norm
-    assert not get_variant("sigmoid").qk_norm and get_variant("sigmoid").out_norm
+    assert get_variant("threshold").qk_norm == "l2" and get_variant("softmax").qk_norm == "none"
+    assert get_variant("sigmoid").qk_norm == "rms" and get_variant("sigmoid").out_norm
 
 
 def test_make_spec_defaults_follow_the_design():

@@ -135,12 +135,12 @@ def test_head_norm_eps_is_configurable_and_runs_in_fp32():
                       attn=AttnConfig(name="threshold", out_norm_eps=0)))
 
 
-def test_threshold_variants_default_to_l2_qk_norm_and_head_norm():
+def test_variants_default_qk_norm_and_head_norm_from_the_registry():
     for name in attn.variant_names():
         layer = GPT(tiny(name)).blocks[0].attn
         variant = attn.get_variant(name)
         threshold = variant.family == "threshold"
-        assert (layer.qk_norm == "l2") == threshold == variant.qk_norm
+        assert layer.qk_norm == variant.qk_norm == ("l2" if threshold else "rms" if variant.family == "sigmoid" else "none")
         assert (layer.head_norm is not None) == variant.out_norm == (threshold or variant.family == "sigmoid")
 
 
