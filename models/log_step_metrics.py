@@ -2,7 +2,7 @@
 
 Reading a device value on the host (`.cpu()`, `.item()`) waits for every queued kernel. On a log
 step that wait empties the GPU's queue, and the GPU then idles for as long as the host takes to
-write the logs and queue the next step (docs/results/captured_step/, third round, measures it).
+write the logs and queue the next step (measured in docs/results/captured_step/).
 So a log step only gathers its values: device
 scalars are stacked and copied to pinned host memory without blocking, and a CUDA event is
 recorded behind them (`LogStepMetrics.seal`). The next batch end, when the host has queued the
