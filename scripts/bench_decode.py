@@ -11,6 +11,12 @@ for a single query row is the same mask (PyTorch's is_causal aligns top-left). T
 `triton.testing.do_bench` medians after warm-up (autotuning and compilation happen there); GB/s
 counts reading K and V once (the memory a decode step must move). Every case is prepared and run
 once untimed before the first is timed (the first timed case of a process otherwise ran ~2x slow).
+Two timings per call: eager (do_bench: the call's host work included, as a Python loop calling it
+feels it; a 4K-key step is ~70 us of GPU work, the size of one call's host work) and graph
+(`do_bench_cudagraph`: calls captured in one CUDA graph and replayed, the GPU time alone, as
+`GPT.generate`'s captured decode step runs them). The cases are timed --rounds times, each round in
+a rotated order (round r starts at case r), and each row reports the median over rounds, so no
+case is always first or always after the same neighbour.
 
 Generation: the configs/model/gpt2_small.yaml model, random weights, bf16 autocast, greedy, best of
 --repeats, cached and uncached interleaved; backend 'triton' (our kernels, the cached path's decode
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
 from bench_train import git_commit  # noqa: E402
 
@@ -106,18 +113,27 @@ def warm_up(case: dict) -> None:
             do_bench(fn, warmup=25, rep=50, return_mode="median")
 
 
-def bench_decode_step(case: dict) -> dict:
-    name, batch, heads, cache, head_dim, dtype = (case[key] for key in ("name", "batch", "heads", "cache",
-                                                                        "head_dim", "dtype"))
-    splits, ours, sdpa, kv_bytes = case["splits"], case["ours"], case["sdpa"], case["kv_bytes"]
+def time_decode_step(case: dict) -> dict:
+    """One timing of a case: eager (do_bench) and graph-replayed (do_bench_cudagraph) ms, ours and SDPA."""
     with torch.no_grad():
-        ms = do_bench(ours, warmup=25, rep=100, return_mode="median")
-        sdpa_ms = do_bench(sdpa, warmup=25, rep=100, return_mode="median")
-    row = {"variant": name, "batch": batch, "heads": heads, "cache": cache, "head_dim": head_dim,
-           "dtype": str(dtype).removeprefix("torch."), "splits": splits, "ms": ms, "sdpa_ms": sdpa_ms,
-           "vs_sdpa": sdpa_ms / ms, "gb_per_s": kv_bytes / ms / 1e6}
-    print(f"{name:17} cache {cache:6}  ours {ms * 1e3:8.1f} us  sdpa {sdpa_ms * 1e3:8.1f} us  "
-          f"({row['vs_sdpa']:.2f}x sdpa, {row['gb_per_s']:.0f} GB/s, {splits} splits)", flush=True)
+        return {"ms": do_bench(case["ours"], warmup=25, rep=100, return_mode="median"),
+                "sdpa_ms": do_bench(case["sdpa"], warmup=25, rep=100, return_mode="median"),
+                "graph_ms": do_bench_cudagraph(case["ours"], rep=50, return_mode="median"),
+                "sdpa_graph_ms": do_bench_cudagraph(case["sdpa"], rep=50, return_mode="median")}
+
+
+def decode_step_row(case: dict, timings: list[dict]) -> dict:
+    """A case's row: the median over rounds of each timing, the per-round values beside them."""
+    med = {key: statistics.median(t[key] for t in timings) for key in timings[0]}
+    row = {"variant": case["name"], "batch": case["batch"], "heads": case["heads"], "cache": case["cache"],
+           "head_dim": case["head_dim"], "dtype": str(case["dtype"]).removeprefix("torch."), "splits": case["splits"],
+           **med, "vs_sdpa": med["sdpa_ms"] / med["ms"], "graph_vs_sdpa": med["sdpa_graph_ms"] / med["graph_ms"],
+           "gb_per_s": case["kv_bytes"] / med["ms"] / 1e6, "graph_gb_per_s": case["kv_bytes"] / med["graph_ms"] / 1e6,
+           "rounds": timings}
+    print(f"{row['variant']:17} cache {row['cache']:6}  eager: ours {med['ms'] * 1e3:7.1f} us  sdpa "
+          f"{med['sdpa_ms'] * 1e3:7.1f} us ({row['vs_sdpa']:.2f}x)  graph: ours {med['graph_ms'] * 1e3:7.1f} us  sdpa "
+          f"{med['sdpa_graph_ms'] * 1e3:7.1f} us ({row['graph_vs_sdpa']:.2f}x, {row['graph_gb_per_s']:.0f} GB/s)  "
+          f"{row['splits']} splits", flush=True)
     return row
 
 
@@ -158,11 +174,16 @@ def markdown(meta: dict, steps: list, gens: list) -> str:
              f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
              f"commit {meta['commit']}", "",
              "## One decode step (Q = 1 against the cache, causal; SDPA is_causal=False on the same cache)", "",
-             "| variant | B | H | D | cache | dtype | splits | ours (us) | SDPA (us) | SDPA / ours | K,V GB/s |",
-             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "Eager: one call as a Python loop makes it (host work included). Graph: the calls replayed from "
+             "one CUDA graph (GPU time alone, as the captured decode step of `GPT.generate`). Medians over "
+             "rounds of rotated case order; SDPA / ours > 1 means ours is faster.", "",
+             "| variant | B | H | D | cache | dtype | splits | eager ours (us) | eager SDPA (us) | eager SDPA / ours | "
+             "graph ours (us) | graph SDPA (us) | graph SDPA / ours | graph K,V GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['variant']} | {r['batch']} | {r['heads']} | {r['head_dim']} | {r['cache']} | {r['dtype']} | "
               f"{r['splits']} | {r['ms'] * 1e3:.1f} | {r['sdpa_ms'] * 1e3:.1f} | {r['vs_sdpa']:.2f} | "
-              f"{r['gb_per_s']:.0f} |" for r in steps]
+              f"{r['graph_ms'] * 1e3:.1f} | {r['sdpa_graph_ms'] * 1e3:.1f} | {r['graph_vs_sdpa']:.2f} | "
+              f"{r['graph_gb_per_s']:.0f} |" for r in steps]
     if gens:
         lines += ["", "## Greedy generation, GPT-2-small-sized model (random weights, bf16 autocast, batch 1)", "",
                   "| variant | backend | params | prompt | new tokens | uncached tok/s | cached tok/s | speed-up | "
@@ -185,6 +206,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="timings of every decode case, each round in a rotated order")
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--generate-variants", default="softmax,threshold", help="comma list for the generation rows")
     ap.add_argument("--skip-generate", action="store_true")
@@ -208,9 +230,14 @@ def main() -> int:
              for cache in (int(c) for c in args.caches.split(",")) for name in args.variants.split(",")]
     for case in cases:
         warm_up(case)
-    for case in cases:
-        steps.append(bench_decode_step(case))
-        write()
+    timings = [[] for _ in cases]
+    for r in range(args.rounds):
+        for i in [(r + j) % len(cases) for j in range(len(cases))]:  # round r starts at case r
+            timings[i].append(time_decode_step(cases[i]))
+        print(f"round {r + 1} of {args.rounds} timed", flush=True)
+    for case, times in zip(cases, timings):
+        steps.append(decode_step_row(case, times))
+    write()
     if not args.skip_generate:
         for name in args.generate_variants.split(","):
             for backend in ("triton", "sdpa") if name == "softmax" else ("triton",):

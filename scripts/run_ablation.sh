@@ -132,6 +132,7 @@ device() {
         "${extra[@]}" ${!own:-} >"$log/train_$tag.log" 2>&1 \
         || echo "[$tag] training ended early (exit $?), see logs/train_$tag.log"
     fi
+    echo "[$tag] trained at +$(( $(date +%s) - deadline + budget ))s"
     local runs
     runs=$(runs_of "$sweep" "$v" "$seed")
     if [ -z "$runs" ]; then echo "[$tag] no finished run"; return; fi
@@ -153,8 +154,10 @@ device() {
     done
   done
   wait || true
+  echo "every run trained and evaluated at +$(( $(date +%s) - deadline + budget ))s"
   $PYTHON scripts/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \
     || echo "report failed, see logs/report.log"
+  echo "ablation wall time (runs, evaluations, report): $(( $(date +%s) - deadline + budget ))s" | tee -a "$sweep/environment.txt"
   pack "$out" "$sweep"
   cp "$sweep/environment.txt" "$out/"
   [ -f "$sweep/report/report.md" ] && cp "$sweep/report/report.md" "$out/"
