@@ -137,6 +137,47 @@ def decode_step_row(case: dict, timings: list[dict]) -> dict:
     return row
 
 
+def sweep_decode_configs(cases: list[dict], configs: list[tuple[int, int, int]], splits: list[int]) -> list[dict]:
+    """Graph-replayed time of every case under each decode tile config (BLOCK_N, warps, stages) and
+    split count (0: the heuristic's): what `runtime.decode_config` and `runtime.decode_splits` choose."""
+    import os
+
+    from attn.kernels import sigmoid_family, softmax_family, threshold_family
+
+    modules = (softmax_family, threshold_family, sigmoid_family)
+    default = runtime.decode_config
+    rows = []
+    try:
+        for block_n, warps, stages in configs:
+            cfg = runtime.TileConfig(16, block_n, warps, stages)
+            for module in modules:
+                module.decode_config = lambda cfg=cfg: cfg
+            for split in splits:
+                if split:
+                    os.environ[runtime.DECODE_SPLITS_ENV] = str(split)
+                else:
+                    os.environ.pop(runtime.DECODE_SPLITS_ENV, None)
+                for case in cases:
+                    with torch.no_grad():
+                        try:
+                            case["ours"]()
+                            ms = do_bench_cudagraph(case["ours"], rep=50, return_mode="median")
+                        except Exception as e:  # a config that does not fit: report and go on
+                            print(f"{case['name']} {cfg} splits {split}: {type(e).__name__}", flush=True)
+                            continue
+                    rows.append({"variant": case["name"], "cache": case["cache"], "block_n": block_n, "warps": warps,
+                                 "stages": stages, "splits": split or "auto", "graph_ms": ms,
+                                 "gb_per_s": case["kv_bytes"] / ms / 1e6})
+                    print(f"sweep {case['name']:15} cache {case['cache']:6} BLOCK_N {block_n:3} warps {warps} stages "
+                          f"{stages} splits {split or 'auto':>4}: {ms * 1e3:7.1f} us ({rows[-1]['gb_per_s']:.0f} GB/s)",
+                          flush=True)
+    finally:
+        for module in modules:
+            module.decode_config = default
+        os.environ.pop(runtime.DECODE_SPLITS_ENV, None)
+    return rows
+
+
 def bench_generation(variant: str, backend: str, new_tokens: int, prompt_len: int, repeats: int, vocab: int) -> dict:
     preset = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "model" / "gpt2_small.yaml"))
     torch.manual_seed(0)
@@ -210,6 +251,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--generate-variants", default="softmax,threshold", help="comma list for the generation rows")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--sweep-configs", default="", help="decode tiles to sweep, 'BLOCK_N:warps:stages' comma list "
+                    "(graph time only; the decode-step table then is not timed)")
+    ap.add_argument("--sweep-splits", default="0", help="key splits to sweep, comma list (0: the heuristic's)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
@@ -228,6 +272,11 @@ def main() -> int:
 
     cases = [prepare_decode_step(name, args.batch, args.heads, cache, args.head_dim, torch.bfloat16)
              for cache in (int(c) for c in args.caches.split(",")) for name in args.variants.split(",")]
+    if args.sweep_configs:
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.sweep_configs.split(",")]
+        sweep = sweep_decode_configs(cases, configs, [int(x) for x in args.sweep_splits.split(",")])
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "sweep": sweep}, indent=1))
+        return 0
     for case in cases:
         warm_up(case)
     timings = [[] for _ in cases]
