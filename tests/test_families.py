@@ -17,8 +17,10 @@ def test_every_variant_spec_has_its_registry_family(name):
     assert family is FAMILIES[variant.family]
     assert family.name == variant.family
     assert family.has_max_logit == (variant.family in ("softmax", "sigmoid"))  # a logit s q.k (+ b) exists
-    extra = family.extra_inputs(variant.make_spec())
-    assert (("q2" in extra) == (variant.views == 2)) and (("temperature" in extra) == (variant.family == "softmax"))
+    # a second score view is the differential threshold's extra tensors; the temperature is an argument of its own
+    want = ("q2", "k2", "lam") if variant.views == 2 else ()
+    assert family.extra_inputs(variant.make_spec()) == want
+    assert family.key_aligned_inputs(variant.make_spec()) == (("k2",) if variant.views == 2 else ())
 
 
 def test_family_of_refuses_what_no_family_serves():
@@ -52,7 +54,7 @@ def test_reference_weights_match_the_public_attention_weights(name):
     spec = attn.get_variant(name).make_spec()
     lam = torch.tensor([0.3, 0.7], dtype=torch.float64)
     extra = {"q2": q2, "k2": k2, "lam": lam} if attn.get_variant(name).views == 2 else {}
-    want = attn.attention_weights(q, k, spec, attn.MaskSpec(), **extra)
+    want = attn.attention_weights(q, k, spec, attn.MaskSpec(), extra=extra)
     got = family_of(spec).reference_weights(q, k, spec, attn.MaskSpec(), extra=extra)
     assert torch.equal(got, want) and want.abs().sum() > 0
 

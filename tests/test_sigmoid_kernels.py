@@ -215,8 +215,9 @@ def test_rejects_unsupported_inputs():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="temperature is only defined for the softmax family"):
         sg.fused_attention(q, q, q, spec, MaskSpec(True), None, torch.ones(1, 8))
-    with pytest.raises(ValueError, match="q2, k2 and lam are only for differential variants"):
-        sg.fused_attention(q, q, q, spec, MaskSpec(True), q2=q)
+    with pytest.raises(ValueError, match=r"extra has an unexpected key 'q2': the allowed keys for SigmoidFamilySpec"
+                                         r"\(.*\) are none"):
+        sg.fused_attention(q, q, q, spec, MaskSpec(True), extra={"q2": q})
     with pytest.raises(ValueError, match="dtype"):
         sg.fused_attention(q.double(), q.double(), q.double(), spec, MaskSpec(True))
     with pytest.raises(ValueError, match="spec must be a SigmoidFamilySpec, got ThresholdFamilySpec"):

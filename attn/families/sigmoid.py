@@ -42,13 +42,14 @@ class SigmoidFamily(Family):
     def extra_inputs(self, spec) -> tuple[str, ...]:
         return ()
 
-    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
+    def validate(self, spec, q, k, *, temperature, extra) -> None:
+        self.checked_extra(spec, extra)
         if temperature is not None:
             raise ValueError("temperature is only defined for the softmax family; got one for attn=sigmoid")
-        if any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
 
-    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, extra=None):
+    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, *, temperature=None,
+                          extra=None):
+        self.checked_extra(spec, extra)
         return sigmoid_family_weights(q, k, spec, mask, segment_ids, key_lengths)
 
     def scores(self, spec, qk, head_dim):
