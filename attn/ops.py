@@ -100,6 +100,12 @@ def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature, drop
     return out.transpose(1, 2)
 
 
+def extra_values(extra) -> tuple:
+    """The tensors of an `extra` mapping (none for None or a non-mapping, which the family's
+    `checked_extra` then refuses by name)."""
+    return tuple(extra.values()) if isinstance(extra, Mapping) else ()
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,7 +164,7 @@ def attention(
     mask = MaskSpec(causal=causal, window=window)
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
-                          tensors=(v, temperature, *(extra or {}).values()))
+                          tensors=(v, temperature, *extra_values(extra)))
         if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
             check_key_length_values(key_lengths, k.shape[1])
         backend = longer_keys_backend(backend)
@@ -228,7 +234,7 @@ class AttentionCall:
         backend = resolve_backend(backend, q.device)
         if key_lengths is not None:
             check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
-                              tensors=(v, temperature, *(extra or {}).values()))
+                              tensors=(v, temperature, *extra_values(extra)))
         if backend == "triton":
             kernel = family_kernel(self.spec)
             seed = draw_seed(q.device) if dropout_p > 0.0 else None
