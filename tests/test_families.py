@@ -43,8 +43,14 @@ def test_statistics_logits_and_scores_per_family():
     sspec = attn.get_variant("sigmoid").make_spec(bias=-2.0, sm_scale=0.5)
     assert torch.equal(family_of(sspec).scores(sspec, qk, d), qk * 0.5)
     assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * 0.5 - 2.0)
-    sspec = attn.get_variant("sigmoid").make_spec()  # bias -ln(n_i): a function of the mask, not of q.k
-    assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * d**-0.5)
+    # n_visible (the keys a query sees) changes nothing where the logits do not depend on it
+    four = torch.tensor(4.0, dtype=torch.float64)
+    for s in (spec, tspec, sspec):
+        assert torch.equal(family_of(s).logits(s, qk, d, n_visible=four), family_of(s).logits(s, qk, d))
+    sspec = attn.get_variant("sigmoid").make_spec()  # bias null: b_i = -ln(n_i), from the keys query i sees
+    assert torch.equal(family_of(sspec).logits(sspec, qk, d, n_visible=four), qk * d**-0.5 - torch.log(four))
+    with pytest.raises(ValueError, match=r"n_visible .* is required for the logits of attn=sigmoid with bias null"):
+        family_of(sspec).logits(sspec, qk, d)
 
 
 @pytest.mark.parametrize("name", attn.variant_names())

@@ -101,8 +101,13 @@ class Family:
         """The raw score of the statistics from q.k: before any cap, after the family's scale."""
         raise NotImplementedError
 
-    def logits(self, spec, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """The quantity a row's weights are a function of, from q.k (what `max_logit` reads)."""
+    def logits(self, spec, qk: torch.Tensor, head_dim: int, n_visible: torch.Tensor | None = None) -> torch.Tensor:
+        """The quantity a row's weights are a function of, from q.k (what `max_logit` reads).
+
+        `n_visible`: the number of keys each query sees (`attn.visible_key_counts`), shaped like qk
+        without its last (key) axis or broadcastable to that, e.g. (B, 1, N) for qk (B, H, N, KV).
+        A family whose logits depend on it (sigmoid with a null bias: b_i = -ln(n_i)) raises a
+        ValueError without it; the others ignore it."""
         raise NotImplementedError
 
     def serves_sdpa(self, spec) -> bool:

@@ -55,11 +55,15 @@ class SigmoidFamily(Family):
     def scores(self, spec, qk, head_dim):
         return qk * spec.scale(head_dim)
 
-    def logits(self, spec, qk, head_dim):
-        # s q.k + bias; with bias null the row's -ln(n_i) depends on the mask, which q.k alone does
-        # not carry, so the logit is then s q.k (every row's weights are a function of it)
+    def logits(self, spec, qk, head_dim, n_visible=None):
+        # y + b_i with y = s q.k: the argument of the sigmoid, as `sigmoid_family_weights` forms it
         z = qk * spec.scale(head_dim)
-        return z if spec.bias is None else z + spec.bias
+        if spec.bias is not None:
+            return z + spec.bias
+        if n_visible is None:
+            raise ValueError("n_visible (the keys each query sees, attn.visible_key_counts) is required for the "
+                             "logits of attn=sigmoid with bias null: b_i = -ln(n_i)")
+        return z + sigmoid_bias(n_visible.to(z.dtype))[..., None]
 
 
 FAMILY = SigmoidFamily()

@@ -60,7 +60,7 @@ class SoftmaxFamily(Family):
     def scores(self, spec, qk, head_dim):
         return qk * spec.scale(head_dim)
 
-    def logits(self, spec, qk, head_dim):
+    def logits(self, spec, qk, head_dim, n_visible=None):
         return apply_cap(qk * spec.scale(head_dim), spec.cap, spec.cap_value, spec.knee)
 
     def serves_sdpa(self, spec) -> bool:

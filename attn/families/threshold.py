@@ -87,7 +87,7 @@ class ThresholdFamily(Family):
     def scores(self, spec, qk, head_dim):
         return qk  # no sm_scale: x = q.k, compared with tau
 
-    def logits(self, spec, qk, head_dim):
+    def logits(self, spec, qk, head_dim, n_visible=None):
         return qk
 
 
