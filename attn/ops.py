@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,12 @@ def sdpa_attention(q, k, v, spec, mask: MaskSpec, segment_ids, temperature, drop
     return out.transpose(1, 2)
 
 
+def extra_values(extra) -> tuple:
+    """The tensors of an `extra` mapping (none for None or a non-mapping, which the family's
+    `checked_extra` then refuses by name)."""
+    return tuple(extra.values()) if isinstance(extra, Mapping) else ()
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -109,9 +116,7 @@ def attention(
     window: int | None = None,
     segment_ids: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
-    q2: torch.Tensor | None = None,
-    k2: torch.Tensor | None = None,
-    lam: torch.Tensor | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
     backend: str = "auto",
     dropout_p: float = 0.0,
     dropout_seed: int | torch.Tensor | None = None,
@@ -126,9 +131,11 @@ def attention(
     KV == N (the kernels where Triton runs).
 
     `spec` is the variant's frozen config (`attn.get_variant(name).make_spec(...)`).
-    Softmax family: optional per-query `temperature` (B, N). Differential threshold:
-    second view `q2`, `k2` and per-head `lam` (H,). Every argument is validated on every call
-    (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
+    Softmax family: optional per-query `temperature` (B, N). `extra`: the family's extra per-call
+    tensors, a mapping whose keys are exactly `attn.family_of(spec).extra_inputs(spec)` (None or
+    empty where it names none; the differential threshold's are the second view 'q2' (B,N,H,D),
+    'k2' (B,KV,H_kv,D) and the per-head lambda 'lam' (H,)). Every argument is validated on every
+    call (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
 
     `dropout_p` in [0, 1) drops attention weights (attn/dropout.py), whatever the module's mode:
     pass 0 at evaluation. `dropout_seed` (int or one-element integer tensor) fixes the mask: the
@@ -151,14 +158,13 @@ def attention(
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    check_attention_inputs(
-        q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature, q2=q2, k2=k2, lam=lam
-    )
+    check_attention_inputs(q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature,
+                           extra=extra)
     dropout_p = check_dropout_p(dropout_p)
     mask = MaskSpec(causal=causal, window=window)
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
-                          tensors=(v, temperature, q2, k2, lam))
+                          tensors=(v, temperature, *extra_values(extra)))
         if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
             check_key_length_values(key_lengths, k.shape[1])
         backend = longer_keys_backend(backend)
@@ -169,7 +175,7 @@ def attention(
         backend = longer_keys_backend(backend)
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
-        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
+        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, extra=extra,
                                    dropout_p=dropout_p, dropout_seed=dropout_seed, key_lengths=key_lengths)
     if backend == "sdpa":
         if dropout_seed is not None:
@@ -179,7 +185,7 @@ def attention(
     seed = None
     if dropout_p > 0.0:
         seed = draw_seed(q.device) if dropout_seed is None else seed_tensor(dropout_seed, q.device)
-    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, q2, k2, lam,
+    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, extra=extra,
                                dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
 
 
@@ -204,7 +210,8 @@ class AttentionCall:
     k / v may hold more positions than q (a decode step, bottom-right aligned): the backend for
     those calls is `longer_keys_backend`'s. `key_lengths` (B,) int32: per-row filled lengths of a
     static KV cache, as in `attention` (forward only; values are not checked, the backends clamp
-    them to [0, KV]); its calls also take `longer_keys_backend`'s backend.
+    them to [0, KV]); its calls also take `longer_keys_backend`'s backend. `extra` is the family's
+    mapping of extra per-call tensors, as in `attention` (its keys are checked: a few dict lookups).
     """
 
     def __init__(self, spec, *, causal: bool = True, window: int | None = None, backend: str = "auto"):
@@ -217,7 +224,7 @@ class AttentionCall:
         self.mask = MaskSpec(causal=causal, window=window)
         preload_kernel(spec, backend)
 
-    def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, q2=None, k2=None, lam=None,
+    def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, extra=None,
                  dropout_p: float = 0.0, key_lengths=None):
         # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
         if k.shape[1] == q.shape[1] and key_lengths is None:
@@ -227,15 +234,16 @@ class AttentionCall:
         backend = resolve_backend(backend, q.device)
         if key_lengths is not None:
             check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
-                              tensors=(v, temperature, q2, k2, lam))
+                              tensors=(v, temperature, *extra_values(extra)))
         if backend == "triton":
             kernel = family_kernel(self.spec)
             seed = draw_seed(q.device) if dropout_p > 0.0 else None
-            return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam, bounds=bounds,
+            return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, extra=extra, bounds=bounds,
                           dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
         if backend == "reference":
-            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, q2, k2, lam,
+            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, extra=extra,
                                        dropout_p=dropout_p, key_lengths=key_lengths)
+        family_of(self.spec).checked_extra(self.spec, extra)
         return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, dropout_p)
 
 

@@ -118,11 +118,13 @@ def nonfinite_cases(name: str, device: torch.device, dtype: torch.dtype) -> list
 
 
 def nonfinite_pattern(spec, tensors: dict, backend: str) -> tuple[torch.Tensor, bool]:
-    """(where the causal attention output is NaN, whether every gradient is finite) on `backend`."""
+    """(where the causal attention output is NaN, whether every gradient is finite) on `backend`;
+    `tensors` holds q, k, v, an optional temperature and the family's extra tensors by name."""
     import attn
 
     leaves = {key: value.clone().requires_grad_() for key, value in tensors.items()}
-    rest = {key: value for key, value in leaves.items() if key not in ("q", "k", "v")}
-    out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True, backend=backend, **rest)
+    extra = {name: leaves[name] for name in attn.family_of(spec).extra_inputs(spec)}
+    out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True, backend=backend,
+                         temperature=leaves.get("temperature"), extra=extra)
     out.backward(torch.ones_like(out))
     return torch.isnan(out.detach()).cpu(), all(bool(torch.isfinite(x.grad).all()) for x in leaves.values())

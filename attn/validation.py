@@ -13,7 +13,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q2, k2, lam) -> None:
+def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, extra) -> None:
     if not isinstance(q, torch.Tensor) or q.ndim != 4:
         raise ValueError(f"q must be a (B, N, H, D) tensor, got {getattr(q, 'shape', type(q).__name__)}")
     if q.dtype not in FLOAT_DTYPES:
@@ -35,7 +35,7 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, q
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if segment_ids is not None and not torch.compiler.is_compiling():
         validate_segment_ids(segment_ids, b, n)
-    family_of(spec).validate(spec, q, k, temperature=temperature, q2=q2, k2=k2, lam=lam)
+    family_of(spec).validate(spec, q, k, temperature=temperature, extra=extra)
 
 
 def check_kernel_inputs(q, k=None, *, kernels: str = "backend='triton'") -> None:

@@ -18,7 +18,8 @@ layer and head:
   entropy          mean over rows i >= 1 of the entropy (nats) of |w_i.| / sum |w_i.|,
                    for the softmax family the softmax entropy
   max_logit        largest pre-softmax logit z (after the cap) for the softmax family; for
-                   the threshold family the largest score q.k (compared with tau)
+                   sigmoid the largest argument s q.k + b_i of the sigmoid; for the threshold
+                   family the largest score q.k (compared with tau)
   max_score        largest raw score before any cap: s q.k (softmax family), q.k (threshold)
 
 Output: <checkpoint stem>.attention-<split>.json beside the checkpoint, PNG heatmaps

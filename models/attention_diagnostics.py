@@ -27,15 +27,16 @@ METRICS = {
     "surviving_share": ("mean", "mean share of visible keys kept", "kept"),
     "sink_mass": ("mean", "sink mass (|w| share of the first token)", "sink"),
     "entropy": ("mean", "row entropy of |w| (nats)", "entropy"),
-    "max_logit": ("max", "max logit z (softmax) / max q.k (threshold)", "max z"),
+    "max_logit": ("max", "max logit z (softmax, sigmoid) / max q.k (threshold)", "max z"),
     "max_score": ("max", "max raw score before any cap", "max s"),
 }
 
 
-def family_logits(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The quantity a row's weights are a function of, from q.k: the family's `logits`
-    (z = cap(s q.k) for the softmax family, q.k itself for the threshold family)."""
-    return attn.family_of(spec).logits(spec, scores, head_dim)
+def family_logits(spec, scores: torch.Tensor, head_dim: int, n_visible: torch.Tensor) -> torch.Tensor:
+    """The quantity a row's weights are a function of, from q.k (B, H, N, KV) and the keys each query
+    sees, n_visible (B or 1, 1, N): the family's `logits` (z = cap(s q.k) for the softmax family, q.k
+    itself for the threshold family, s q.k + b_i for sigmoid)."""
+    return attn.family_of(spec).logits(spec, scores, head_dim, n_visible)
 
 
 def raw_scores(spec, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -112,21 +113,19 @@ class HeadStats:
 def layer_weights(layer, x: torch.Tensor):
     """Float-exact weights, logits and raw scores of one attention layer for its input x (B, N, C).
 
-    Only generic layer properties are used: its spec, its number of score views (a second q/k
-    view and lambda for differential variants), its window.
+    Only generic layer properties are used: its spec, its score views, its family's extra tensors
+    (`extra_tensors`: a second q/k view and lambda for differential variants), its window.
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
         # the projection in its weights' dtype (bf16 under FSDP mixed precision), the rest in fp32
         qs, ks, _ = layer.split_heads(x.to(layer.qkv.weight.dtype))
         qs, ks = [q.float() for q in qs], [k.float() for k in ks]
         mask = attn.MaskSpec(causal=True, window=layer.window)
-        extra = {}
-        if layer.views == 2:
-            extra = dict(q2=qs[1], k2=ks[1], lam=layer.differential_lambda().float())
-        weights = attn.attention_weights(qs[0], ks[0], layer.spec, mask, **extra)
+        weights = attn.attention_weights(qs[0], ks[0], layer.spec, mask, extra=layer.extra_tensors(qs, ks))
         views = [per_head_scores(q, k) for q, k in zip(qs, ks)]
         head_dim = qs[0].shape[-1]
-        logits = torch.stack([family_logits(layer.spec, s, head_dim) for s in views]).amax(0)
+        n_visible = attn.visible_key_counts(mask, x.shape[1], device=x.device)[:, None]
+        logits = torch.stack([family_logits(layer.spec, s, head_dim, n_visible) for s in views]).amax(0)
         scores = torch.stack([raw_scores(layer.spec, s, head_dim) for s in views]).amax(0)
         visible = attn.dense_mask(mask, x.shape[1], device=x.device)
     return weights, visible, logits, scores

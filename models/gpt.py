@@ -179,6 +179,8 @@ class Attention(nn.Module):
         self.attend = attn.AttentionCall(self.spec, causal=True, window=self.window, backend=self.backend)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
+        # the names of the family's extra per-call tensors (attn.attention's `extra` mapping)
+        self.extra_names = attn.family_of(self.spec).extra_inputs(self.spec)
         self.attn_dropout = cfg.attn_dropout
         self.qk_norm = acfg.qk_norm or self.variant.qk_norm
         self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
@@ -211,6 +213,15 @@ class Attention(nn.Module):
         if self.lambda_mode == "clamp":
             return self.lambda_raw.float().clamp(0.0, 1.0)
         return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
+
+    def extra_tensors(self, qs: list, ks: list) -> dict[str, torch.Tensor]:
+        """The family's extra per-call tensors of this layer by name (`Family.extra_inputs`), from the
+        q/k views of `split_heads`: the second view's 'q2', 'k2' and the per-head lambda 'lam' (in
+        q's dtype) of a differential variant; empty for every other variant."""
+        if not self.extra_names:
+            return {}
+        produced = {"q2": qs[1], "k2": ks[1], "lam": self.differential_lambda().to(qs[0].dtype)}
+        return {name: produced[name] for name in self.extra_names}
 
     def split_heads(self, x: torch.Tensor, offset: int | torch.Tensor = 0):
         """(B, N, C) at positions offset .. offset + N - 1 (or a decode step's (1,) device position)
@@ -252,14 +263,11 @@ class Attention(nn.Module):
             qs, ks, v = self.split_heads(x, cache.length if cache is not None else 0)
             if cache is not None:
                 ks, v = cache.append(self.layer_index, ks, v)
-        extra = {}
-        if self.views == 2:
-            extra = dict(q2=qs[1], k2=ks[1], lam=self.differential_lambda().to(qs[0].dtype))
         # the kernels draw a fresh dropout seed per call from torch's generator of the device
         dropout_p = self.attn_dropout if self.training else 0.0
         # new queries against a longer cache align bottom-right (attn.AttentionCall picks their backend)
         y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
-                        key_lengths=key_lengths, **extra)
+                        key_lengths=key_lengths, extra=self.extra_tensors(qs, ks))
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
         if self.views == 2 and self.lambda_mode == "reparam":

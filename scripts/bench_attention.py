@@ -500,12 +500,10 @@ def variant_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     gqa = k.shape[2] != q.shape[2]
     kernel_entry = attn.registry.family_kernel(spec)
     bounds = segment_bounds(ids) if ids is not None else None
-    q2, k2, lam = second.get("q2"), second.get("k2"), second.get("lam")
-
     def ours():
         # the kernel entry attn.attention dispatches to, with the segment bounds computed once: its
         # input validation syncs with the device to check segment ids (~1 ms per call)
-        return kernel_entry(q, k, v, spec, mask, None, None, q2, k2, lam, bounds=bounds)
+        return kernel_entry(q, k, v, spec, mask, None, None, extra=second, bounds=bounds)
 
     impls = {"ours": ours}
     if sdpa:
@@ -515,7 +513,7 @@ def variant_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     if ref:
         from attn.reference import reference_attention
         ref_c = torch.compile(reference_attention)
-        impls["ref_compiled"] = lambda: ref_c(q, k, v, spec, mask, ids, None, q2, k2, lam)
+        impls["ref_compiled"] = lambda: ref_c(q, k, v, spec, mask, ids, None, extra=second)
     return impls
 
 
@@ -726,8 +724,7 @@ def dry_check(case, atol=1e-4) -> dict:
         impls = softmax_impls(q, k, v, cap, mask, ids, sdpa=extra.get("sdpa", False), flex=flex, compiled=False)
         same = {"ours", "flex"} | ({"sdpa"} if cap == "none" and mask.window is None else set())
     f64 = {key: t.double() for key, t in second.items()}
-    want = reference_attention(q.double(), k.double(), v.double(), spec, mask, ids, None,
-                               f64.get("q2"), f64.get("k2"), f64.get("lam"))
+    want = reference_attention(q.double(), k.double(), v.double(), spec, mask, ids, None, extra=f64)
     res["errors"] = {}
     for key, fn in impls.items():
         with torch.no_grad(), warnings.catch_warnings():

@@ -67,7 +67,7 @@ def inputs(variant: str, b: int, h: int, n: int, d: int):
 
 
 def fwd_bwd(fn, q, k, v, extra, do):
-    out = fn(q, k, v, **extra)
+    out = fn(q, k, v, extra=extra)
     out.backward(do)
 
 
@@ -121,8 +121,8 @@ def attention_fn(spec, backend: str, public: bool = False):
     if not public:
         return attn.AttentionCall(spec, causal=True, backend=backend)
 
-    def fn(q, k, v, **extra):
-        return attn.attention(q, k, v, spec, causal=True, backend=backend, **extra)
+    def fn(q, k, v, extra=None):
+        return attn.attention(q, k, v, spec, causal=True, backend=backend, extra=extra)
 
     return fn
 

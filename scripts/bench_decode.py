@@ -88,7 +88,7 @@ def prepare_decode_step(name: str, batch: int, heads: int, cache: int, head_dim:
     splits = runtime.decode_splits(1, cache, batch * heads, 64, q.device)
 
     def ours():
-        return attn.attention(q, k, v, spec, causal=True, backend="triton", **x)
+        return attn.attention(q, k, v, spec, causal=True, backend="triton", extra=x)
 
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

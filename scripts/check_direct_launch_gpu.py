@@ -52,11 +52,14 @@ def make_inputs(variant, mask, gen, b=2, n=333, h=4, h_kv=2, d=64):
 def outputs_and_grads(spec, mask, x, ids, dtype, backend):
     opts = {k: v for k, v in MASKS[mask].items() if k != "ranker"}
     q, k, v = (x[n].detach().to(dtype).requires_grad_() for n in ("q", "k", "v"))
-    extra = {n: x[n].detach().to(dtype).requires_grad_() for n in ("q2", "k2", "lam", "temperature") if n in x}
-    out = attn.attention(q, k, v, spec, segment_ids=ids, backend=backend, **opts, **extra)
+    extra = {n: x[n].detach().to(dtype).requires_grad_() for n in ("q2", "k2", "lam") if n in x}
+    temperature = x["temperature"].detach().to(dtype).requires_grad_() if "temperature" in x else None
+    out = attn.attention(q, k, v, spec, segment_ids=ids, backend=backend, temperature=temperature, extra=extra,
+                         **opts)
     out.backward(x["do"].to(dtype))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            **{f"d{n}": t.grad for n, t in extra.items()}}
+            **{f"d{n}": t.grad for n, t in extra.items()},
+            **({"dtemperature": temperature.grad} if temperature is not None else {})}
 
 
 def main():

@@ -44,8 +44,11 @@ def check(name: str, mode: str) -> tuple[bool, str]:
     spec = attn.get_variant(name).make_spec(**({"beta": -1.0} if "threshold" in name else {}))
     x = inputs(name)
 
+    def attend(q, k, v, dropout_p, **extra):
+        return attn.attention(q, k, v, spec, causal=True, dropout_p=dropout_p, extra=extra)
+
     def forward(**tensors):
-        return attn.attention(spec=spec, causal=True, dropout_p=P, **tensors)
+        return attend(dropout_p=P, **tensors)
 
     forward = {"eager": forward, "compile": torch.compile(forward, fullgraph=True),
                "cuda_graphs": torch.compile(forward, fullgraph=True, mode="reduce-overhead")}[mode]
@@ -61,7 +64,7 @@ def check(name: str, mode: str) -> tuple[bool, str]:
         calls.append((out.clone(), grad.clone()))  # graph outputs are overwritten by the next replay
     differ = all(not torch.equal(calls[i][j], calls[i + 1][j]) for i in range(2) for j in range(2))
     with torch.no_grad():
-        plain = attn.attention(spec=spec, causal=True, **{key: t.detach() for key, t in x.items()}).float()
+        plain = attend(dropout_p=0.0, **{key: t.detach() for key, t in x.items()}).float()
     total = torch.zeros_like(plain)
     square = torch.zeros_like(plain)
     for _ in range(SAMPLES):

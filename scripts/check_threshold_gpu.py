@@ -109,11 +109,11 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
         return {k_: t.to(torch.float32 if k_ == "lam" and dtype != torch.float64 else dtype).requires_grad_()
                 for k_, t in tensors.items()}
 
-    def reference(q, k, v, q2=None, k2=None, lam=None):
-        return reference_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
+    def reference(q, k, v, **extra):
+        return reference_attention(q, k, v, spec, mask, seg, None, extra=extra)
 
-    def fused(q, k, v, q2=None, k2=None, lam=None):
-        return tf.fused_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
+    def fused(q, k, v, **extra):
+        return tf.fused_attention(q, k, v, spec, mask, seg, None, extra=extra)
 
     # config None: the autotuner's choices. Else tile config `config`, and both forms of the
     # differential dk/dv kernel: split with config 0, fused with config 1
@@ -165,7 +165,8 @@ def warm_variant(d, mask_name, differential, config, dkdv_form="split"):
     if differential:
         extra = {"q2": unit(h), "k2": unit(h), "lam": torch.full((h,), 0.5, device=dev, requires_grad=True)}
     with environment({"ATTNLAB_KERNEL_CONFIG": str(config), "ATTNLAB_DIFF_DKDV": dkdv_form}):
-        out = attn.attention(q, k, v, spec, causal=causal, window=window, segment_ids=ids, backend="triton", **extra)
+        out = attn.attention(q, k, v, spec, causal=causal, window=window, segment_ids=ids, backend="triton",
+                             extra=extra)
         out.backward(torch.randn_like(out))
     return "ok"
 
@@ -216,8 +217,8 @@ def determinism(log):
     runs = []
     for _ in range(3):
         leaves = {k: t.clone().requires_grad_() for k, t in {**x, "lam": lam}.items()}
-        out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True, q2=leaves["q2"],
-                             k2=leaves["k2"], lam=leaves["lam"], backend="triton")
+        out = attn.attention(leaves["q"], leaves["k"], leaves["v"], spec, causal=True,
+                             extra={"q2": leaves["q2"], "k2": leaves["k2"], "lam": leaves["lam"]}, backend="triton")
         runs.append(torch.autograd.grad(out, list(leaves.values()), dout))
     same = all(torch.equal(a, c) for run in runs[1:] for a, c in zip(runs[0], run))
     log(f"  gradients bitwise identical over 3 runs (dq, dk, dv, dq2, dk2, dlam): {same}")
@@ -243,7 +244,7 @@ def compile_check(log):
             heads = lambda t: F.normalize(t.unflatten(-1, (4, 64)).float(), dim=-1).to(t.dtype)  # noqa: E731
             extra = {"q2": heads(parts[3]), "k2": heads(parts[4]), "lam": lam} if spec.differential else {}
             out = attn.attention(heads(parts[0]), heads(parts[1]), parts[2].unflatten(-1, (4, 64)), spec,
-                                 causal=True, backend="triton", **extra)
+                                 causal=True, backend="triton", extra=extra)
             return out.float().square().mean()
 
         outs = []
@@ -281,8 +282,8 @@ def profile(ba, log):
         do = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
 
         def step():
-            out = entry(x["q"], x["k"], x["v"], spec, attn.MaskSpec(True), None, None, x.get("q2"), x.get("k2"),
-                        x.get("lam"))
+            out = entry(x["q"], x["k"], x["v"], spec, attn.MaskSpec(True), None, None,
+                        extra={name: x[name] for name in ("q2", "k2", "lam") if name in x})
             out.backward(do)
 
         for _ in range(3):

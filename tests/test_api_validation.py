@@ -56,14 +56,13 @@ def test_reference_backend_returns_reference_values(name):
     kw = dict(segment_ids=seg, window=4)
     extra = diff_extras(q, k) if name == "diff_threshold" else {}
     temperature = torch.rand(B, N, dtype=torch.float64) + 0.5 if family_of(spec).name == "softmax" else None
-    out = call(q, k, v, spec, temperature=temperature, **kw, **extra)
-    want = reference_attention(q, k, v, spec, MaskSpec(causal=True, window=4), seg, temperature,
-                               extra.get("q2"), extra.get("k2"), extra.get("lam"))
+    out = call(q, k, v, spec, temperature=temperature, extra=extra, **kw)
+    want = reference_attention(q, k, v, spec, MaskSpec(causal=True, window=4), seg, temperature, extra=extra)
     assert out.shape == (B, N, H, D) and out.dtype == torch.float64
     assert torch.equal(out, want)
     assert torch.all(out[seg == 0] == 0)
     # the mask arguments are passed through: without them the answer changes
-    assert not torch.allclose(out, call(q, k, v, spec, temperature=temperature, **extra))
+    assert not torch.allclose(out, call(q, k, v, spec, temperature=temperature, extra=extra))
 
 
 def test_auto_backend_on_cpu_is_reference_and_says_so_once(caplog, monkeypatch):
@@ -202,7 +201,7 @@ def test_temperature_refused_outside_the_softmax_family(spec):
     q, k, v = inputs()
     extra = diff_extras(q, k) if getattr(spec, "differential", False) else {}
     with pytest.raises(ValueError, match=r"temperature is only defined for the softmax family"):
-        call(q, k, v, spec, temperature=torch.ones(B, N), **extra)
+        call(q, k, v, spec, temperature=torch.ones(B, N), extra=extra)
 
 
 @pytest.mark.parametrize("spec", [SOFTMAX, THRESHOLD, SIGMOID], ids=["softmax", "threshold", "sigmoid"])
@@ -210,18 +209,20 @@ def test_temperature_refused_outside_the_softmax_family(spec):
 def test_second_view_refused_for_non_differential_variants(spec, given):
     q, k, v = inputs()
     extra = {given: diff_extras(q, k)[given]}
-    with pytest.raises(ValueError, match=r"q2, k2 and lam are only for differential variants"):
-        call(q, k, v, spec, **extra)
+    with pytest.raises(ValueError, match=rf"extra has an unexpected key '{given}': the allowed keys for "
+                                         rf"{type(spec).__name__}\(.*\) are none \(this spec takes no extra tensors\)"):
+        call(q, k, v, spec, extra=extra)
 
 
 @pytest.mark.parametrize("missing", ["q2", "k2", "lam"])
 def test_diff_threshold_needs_q2_k2_lam(missing):
     q, k, v = inputs()
     extra = diff_extras(q, k)
-    call(q, k, v, DIFF, **extra)  # accepted when complete
+    call(q, k, v, DIFF, extra=extra)  # accepted when complete
     del extra[missing]
-    with pytest.raises(ValueError, match=r"diff_threshold needs q2, k2 \(second view\) and lam \(per-head lambda\)"):
-        call(q, k, v, DIFF, **extra)
+    with pytest.raises(ValueError, match=rf"extra is missing the key '{missing}': ThresholdFamilySpec\(.*"
+                                         r"differential=True\) needs the keys 'q2', 'k2', 'lam'"):
+        call(q, k, v, DIFF, extra=extra)
 
 
 def test_diff_threshold_second_view_errors():
@@ -240,7 +241,7 @@ def test_diff_threshold_second_view_errors():
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
-            call(q, k, v, DIFF, **{**ok, **change})
+            call(q, k, v, DIFF, extra={**ok, **change})
 
 
 def test_spec_of_wrong_type():

@@ -106,14 +106,15 @@ def test_reference_dropout_statistics(name, p):
     mask = MaskSpec(causal=True)
     rest = {key: t for key, t in tensors.items() if key not in ("q", "k", "v")}
     torch.manual_seed(0)
-    out = reference_attention(tensors["q"], tensors["k"], tensors["v"], spec, mask, **_positional(rest), dropout_p=p)
-    w = attention_weights(tensors["q"], tensors["k"], spec, mask, **_positional(rest))
+    out = reference_attention(tensors["q"], tensors["k"], tensors["v"], spec, mask, **_by_keyword(rest), dropout_p=p)
+    w = attention_weights(tensors["q"], tensors["k"], spec, mask, **_by_keyword(rest))
     assert_dropout_statistics(w, dropped_weights(out), dense_mask(mask, n, None)[:, None], p)
 
 
-def _positional(rest):
-    """The reference's optional per-call tensors by keyword."""
-    return {key: rest[key] for key in ("temperature", "q2", "k2", "lam") if key in rest}
+def _by_keyword(rest):
+    """The reference's optional per-call tensors by keyword: the temperature and the family's `extra`."""
+    return {"temperature": rest.get("temperature"),
+            "extra": {key: rest[key] for key in ("q2", "k2", "lam") if key in rest}}
 
 
 def test_reference_dropout_of_diff_threshold_drops_the_combined_weight():
@@ -124,9 +125,9 @@ def test_reference_dropout_of_diff_threshold_drops_the_combined_weight():
     mask = MaskSpec(causal=True)
     keep = torch.rand(b, h, n, n, generator=torch.Generator().manual_seed(1)) >= p
     extra = {key: tensors[key] for key in ("q2", "k2", "lam")}
-    out = reference_attention(tensors["q"], tensors["k"], one_hot_values(b, n, 1), spec, mask, **extra,
+    out = reference_attention(tensors["q"], tensors["k"], one_hot_values(b, n, 1), spec, mask, extra=extra,
                               dropout_p=p, dropout_mask=keep)
-    w = attention_weights(tensors["q"], tensors["k"], spec, mask, **extra)
+    w = attention_weights(tensors["q"], tensors["k"], spec, mask, extra=extra)
     torch.testing.assert_close(dropped_weights(out), torch.where(keep, w / (1 - p), torch.zeros_like(w)),
                                rtol=1e-12, atol=1e-14)
 
@@ -205,8 +206,8 @@ def family(name):
 
 
 def call(fn, spec, mask, seg, **kw):
-    def run(q, k, v, temperature=None, q2=None, k2=None, lam=None):
-        return fn(q, k, v, spec, mask, seg, temperature, q2, k2, lam, **kw)
+    def run(q, k, v, temperature=None, **extra):
+        return fn(q, k, v, spec, mask, seg, temperature, extra=extra, **kw)
     return run
 
 
@@ -302,8 +303,8 @@ def test_kernel_dropout_statistics(name):
     extra = {key: tensors[key].to(DEVICE, torch.float32) for key in ("q2", "k2", "lam") if key in tensors}
     v = one_hot_values(b, n, h_kv).to(DEVICE, torch.float32)
     out = attn.attention(tensors["q"].to(DEVICE, torch.float32), tensors["k"].to(DEVICE, torch.float32), v, spec,
-                         causal=True, backend="triton", dropout_p=p, dropout_seed=123, **extra).cpu()
-    w = attention_weights(tensors["q"], tensors["k"], spec, mask, **{key: tensors[key] for key in extra})
+                         causal=True, backend="triton", dropout_p=p, dropout_seed=123, extra=extra).cpu()
+    w = attention_weights(tensors["q"], tensors["k"], spec, mask, extra={key: tensors[key] for key in extra})
     assert_dropout_statistics(w, dropped_weights(out), dense_mask(mask, n, None)[:, None], p)
 
 

@@ -297,6 +297,24 @@ def test_threshold_attention_with_zero_scores_is_all_zero():
     assert stats["summary"]["sink_mass"] is None  # undefined without any nonzero row
 
 
+def test_sigmoid_statistics_logits_are_the_argument_of_its_sigmoid():
+    """With bias null the statistics' logits carry b_i = -ln(n_i): the sigmoid of a layer's logits is
+    its weights on every visible pair, so max_logit reads s q.k + b_i."""
+    model = tiny_gpt("sigmoid")
+    assert model.blocks[0].attn.spec.bias is None
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = model.embed(ids)
+        for block in model.blocks:
+            weights, visible, logits, scores = attention_diagnostics.layer_weights(block.attn, block.norm1(x))
+            vis = visible[:, None].expand_as(weights)
+            torch.testing.assert_close(torch.sigmoid(logits)[vis], weights[vis], rtol=1e-6, atol=1e-7)
+            n_visible = vis.sum(-1, keepdim=True).double()
+            torch.testing.assert_close(logits[vis].double(), (scores - torch.log(n_visible))[vis].double(),
+                                       rtol=1e-6, atol=1e-6)
+            x = block(x)
+
+
 def direct_zero_fraction(model, ids):
     """Direct count from the reference weights, layer by layer (no hooks)."""
     fractions = []
@@ -306,7 +324,7 @@ def direct_zero_fraction(model, ids):
             layer = block.attn
             qs, ks, _ = layer.split_heads(block.norm1(x))
             extra = dict(q2=qs[1], k2=ks[1], lam=layer.differential_lambda()) if layer.views == 2 else {}
-            w = attn.attention_weights(qs[0], ks[0], layer.spec, attn.MaskSpec(causal=True), **extra)
+            w = attn.attention_weights(qs[0], ks[0], layer.spec, attn.MaskSpec(causal=True), extra=extra)
             visible = torch.ones(ids.shape[1], ids.shape[1]).tril().bool()
             zeros = ((w == 0) & visible).sum(dim=(0, 2, 3)).double()
             fractions.append((zeros / (visible.sum() * ids.shape[0])).tolist())

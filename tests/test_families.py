@@ -17,8 +17,10 @@ def test_every_variant_spec_has_its_registry_family(name):
     assert family is FAMILIES[variant.family]
     assert family.name == variant.family
     assert family.has_max_logit == (variant.family in ("softmax", "sigmoid"))  # a logit s q.k (+ b) exists
-    extra = family.extra_inputs(variant.make_spec())
-    assert (("q2" in extra) == (variant.views == 2)) and (("temperature" in extra) == (variant.family == "softmax"))
+    # a second score view is the differential threshold's extra tensors; the temperature is an argument of its own
+    want = ("q2", "k2", "lam") if variant.views == 2 else ()
+    assert family.extra_inputs(variant.make_spec()) == want
+    assert family.key_aligned_inputs(variant.make_spec()) == (("k2",) if variant.views == 2 else ())
 
 
 def test_family_of_refuses_what_no_family_serves():
@@ -41,8 +43,14 @@ def test_statistics_logits_and_scores_per_family():
     sspec = attn.get_variant("sigmoid").make_spec(bias=-2.0, sm_scale=0.5)
     assert torch.equal(family_of(sspec).scores(sspec, qk, d), qk * 0.5)
     assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * 0.5 - 2.0)
-    sspec = attn.get_variant("sigmoid").make_spec()  # bias -ln(n_i): a function of the mask, not of q.k
-    assert torch.equal(family_of(sspec).logits(sspec, qk, d), qk * d**-0.5)
+    # n_visible (the keys a query sees) changes nothing where the logits do not depend on it
+    four = torch.tensor(4.0, dtype=torch.float64)
+    for s in (spec, tspec, sspec):
+        assert torch.equal(family_of(s).logits(s, qk, d, n_visible=four), family_of(s).logits(s, qk, d))
+    sspec = attn.get_variant("sigmoid").make_spec()  # bias null: b_i = -ln(n_i), from the keys query i sees
+    assert torch.equal(family_of(sspec).logits(sspec, qk, d, n_visible=four), qk * d**-0.5 - torch.log(four))
+    with pytest.raises(ValueError, match=r"n_visible .* is required for the logits of attn=sigmoid with bias null"):
+        family_of(sspec).logits(sspec, qk, d)
 
 
 @pytest.mark.parametrize("name", attn.variant_names())
@@ -52,7 +60,7 @@ def test_reference_weights_match_the_public_attention_weights(name):
     spec = attn.get_variant(name).make_spec()
     lam = torch.tensor([0.3, 0.7], dtype=torch.float64)
     extra = {"q2": q2, "k2": k2, "lam": lam} if attn.get_variant(name).views == 2 else {}
-    want = attn.attention_weights(q, k, spec, attn.MaskSpec(), **extra)
+    want = attn.attention_weights(q, k, spec, attn.MaskSpec(), extra=extra)
     got = family_of(spec).reference_weights(q, k, spec, attn.MaskSpec(), extra=extra)
     assert torch.equal(got, want) and want.abs().sum() > 0
 

@@ -63,13 +63,13 @@ def test_attention_call_computes_what_the_public_attention_computes(name, backen
     bounds = attn.segment_bounds(ids)
 
     def public(t):
-        rest = {k: v for k, v in t.items() if k not in ("q", "k", "v")}
+        extra = {k: v for k, v in t.items() if k not in ("q", "k", "v")}
         return attn.attention(t["q"], t["k"], t["v"], spec, causal=True, window=20, segment_ids=ids,
-                              backend=backend, **rest)
+                              backend=backend, extra=extra)
 
     def fast(t):
-        rest = {k: v for k, v in t.items() if k not in ("q", "k", "v")}
-        return call(t["q"], t["k"], t["v"], segment_ids=ids, bounds=bounds, **rest)
+        extra = {k: v for k, v in t.items() if k not in ("q", "k", "v")}
+        return call(t["q"], t["k"], t["v"], segment_ids=ids, bounds=bounds, extra=extra)
 
     want, got = _outputs_and_grads(public, x, dout), _outputs_and_grads(fast, x, dout)
     assert torch.isfinite(want[0]).all() and want[0].abs().sum() > 0

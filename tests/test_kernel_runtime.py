@@ -258,18 +258,18 @@ def _segments(b, n):
 def _call_options(named: dict, b, n, kv, seg, p, lens, seed: int) -> dict:
     """The fused_attention keyword options of a case (segment bounds, dropout, key lengths); the
     tensors they hold are added to `named`, so the recorded launches name them."""
-    extra = {}
+    options = {}
     if seg:
         named["segment_ids"] = _segments(b, n)
         named["bounds"] = segment_bounds(named["segment_ids"])
-        extra["bounds"] = named["bounds"]
+        options["bounds"] = named["bounds"]
     if p > 0:
         named["seed"] = torch.tensor([seed], dtype=torch.int64)
-        extra.update(dropout_p=p, dropout_seed=named["seed"])
+        options.update(dropout_p=p, dropout_seed=named["seed"])
     if lens:
         named["key_lengths"] = torch.tensor([kv - 5, kv // 2][:b], dtype=torch.int32)
-        extra["key_lengths"] = named["key_lengths"]
-    return extra
+        options["key_lengths"] = named["key_lengths"]
+    return options
 
 
 SOFTMAX_CASES = {
@@ -308,14 +308,14 @@ def test_softmax_family_launches(case, monkeypatch):
     named = _qkv(b, n, kv, h, h_kv, d, dtype, gen)
     if temp:
         named["temperature"] = (torch.rand(b, n, generator=gen) + 0.5).to(dtype)
-    extra = _call_options(named, b, n, kv, seg, p, lens, seed=1234)
+    options = _call_options(named, b, n, kv, seg, p, lens, seed=1234)
     rec = _recording(monkeypatch, named)
     leaves = [named[x] for x in ("q", "k", "v", "temperature") if x in named]
     with torch.set_grad_enabled(not lens):
         for t in leaves:
             t.requires_grad_(not lens)
         out = sf.fused_attention(named["q"], named["k"], named["v"], spec, mask, named.get("segment_ids"),
-                                 named.get("temperature"), **extra)
+                                 named.get("temperature"), **options)
         if not lens:
             out.float().sum().backward()
     _compare(f"softmax_family/{case}", rec.launches)
@@ -362,20 +362,20 @@ def test_threshold_family_launches(case, monkeypatch):
         monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
     gen = torch.Generator().manual_seed(2)
     named = _qkv(b, n, kv, h, h_kv, d, dtype, gen, second_view=spec.differential)
-    extra = _call_options(named, b, n, kv, seg, p, lens, seed=99)
+    options = _call_options(named, b, n, kv, seg, p, lens, seed=99)
     rec = _recording(monkeypatch, named)
-    views = [named.get(x) for x in ("q2", "k2", "lam")]
-    leaves = [t for t in (named["q"], named["k"], named["v"], *views) if t is not None]
+    extra = {x: named[x] for x in ("q2", "k2", "lam") if x in named}
+    leaves = [named["q"], named["k"], named["v"], *extra.values()]
     with torch.set_grad_enabled(not lens):
         for t in leaves:
             t.requires_grad_(not lens)
         out = tf.fused_attention(named["q"], named["k"], named["v"], spec, mask, named.get("segment_ids"), None,
-                                 *views, **extra)
+                                 extra=extra, **options)
         if not lens:
             out.float().sum().backward()
     if n == kv and not lens:
         with torch.no_grad():
-            tf.zero_fraction(named["q"], named["k"], spec, mask, named.get("segment_ids"), *views)
+            tf.zero_fraction(named["q"], named["k"], spec, mask, named.get("segment_ids"), extra=extra)
     _compare(f"threshold_family/{case}", rec.launches)
 
 
@@ -410,12 +410,12 @@ def test_sigmoid_family_launches(case, monkeypatch):
         monkeypatch.setenv(runtime.DECODE_SPLITS_ENV, splits)
     gen = torch.Generator().manual_seed(3)
     named = _qkv(b, n, kv, h, h_kv, d, dtype, gen)
-    extra = _call_options(named, b, n, kv, seg, p, lens, seed=7)
+    options = _call_options(named, b, n, kv, seg, p, lens, seed=7)
     rec = _recording(monkeypatch, named)
     with torch.set_grad_enabled(not lens):
         for t in (named["q"], named["k"], named["v"]):
             t.requires_grad_(not lens)
-        out = sg.fused_attention(named["q"], named["k"], named["v"], spec, mask, named.get("segment_ids"), **extra)
+        out = sg.fused_attention(named["q"], named["k"], named["v"], spec, mask, named.get("segment_ids"), **options)
         if not lens:
             out.float().sum().backward()
     _compare(f"sigmoid_family/{case}", rec.launches)

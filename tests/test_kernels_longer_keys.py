@@ -53,6 +53,12 @@ def make_inputs(name, b, n, kv, h, h_kv, d, seed, temperature=False):
     return x
 
 
+def call_options(tensors: dict) -> dict:
+    """attn.attention's keywords for the tensors beyond q, k, v: the temperature and the family's `extra`."""
+    rest = dict(tensors)
+    return {"temperature": rest.pop("temperature", None), "extra": rest}
+
+
 def leaves(x, dtype):
     """Leaf copies in dtype on DEVICE (lam stays fp32 for low-precision runs, as a model keeps it)."""
     low = dtype in (torch.float16, torch.bfloat16)
@@ -68,8 +74,9 @@ def check(name, mask, n, kv, group, dtype=torch.float32, *, temperature=False, b
                        dtype=torch.float64).to(DEVICE)
 
     def run(backend, dt):
-        def fn(q, k, v, **extra):
-            return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend=backend, **extra)
+        def fn(q, k, v, **rest):
+            return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend=backend,
+                                  **call_options(rest))
         return outputs_and_grads(fn, leaves(x, dt), dout)
 
     ref64, same, fused = run("reference", torch.float64), run("reference", dtype), run("triton", dtype)
@@ -266,7 +273,7 @@ def forward_with_lengths(name, mask, x, lengths, backend, dtype):
     q, k, v = t.pop("q"), t.pop("k"), t.pop("v")
     with torch.no_grad():
         return attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend=backend,
-                              key_lengths=lengths.to(DEVICE), **t)
+                              key_lengths=lengths.to(DEVICE), **call_options(t))
 
 
 def check_key_lengths(name, mask, n, kv, group, lengths, dtype=torch.float32, seed=0):
@@ -289,13 +296,14 @@ def check_key_lengths(name, mask, n, kv, group, lengths, dtype=torch.float32, se
         spec = attn.get_variant(name).make_spec(**VARIANTS[name])
         s = {key: t.to(DEVICE) for key, t in sliced.items()}
         q, k, v = s.pop("q"), s.pop("k"), s.pop("v")
-        unsliced_ref = attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend="reference", **s)
+        unsliced_ref = attn.attention(q, k, v, spec, causal=mask.causal, window=mask.window, backend="reference",
+                                      **call_options(s))
         torch.testing.assert_close(ref64[row:row + 1], unsliced_ref, rtol=0, atol=1e-12)
         torch.testing.assert_close(plain, unsliced_ref, rtol=0, atol=1e-12)
         s = {key: t.to(dtype if key != "lam" or dtype == torch.float32 else torch.float32) for key, t in s.items()}
         with torch.no_grad():
             on_slice = attn.attention(q.to(dtype), k.to(dtype), v.to(dtype), spec, causal=mask.causal,
-                                      window=mask.window, backend="triton", **s)
+                                      window=mask.window, backend="triton", **call_options(s))
         torch.testing.assert_close(fused[row:row + 1], on_slice, rtol=0, atol=4 * allowance + 1e-6)
     return fused
 

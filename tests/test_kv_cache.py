@@ -35,14 +35,17 @@ def test_the_last_queries_against_all_keys_are_the_last_rows_of_full_attention(n
     b, kv, h, h_kv, d = 2, 13, 4, 2, 8
     x = make_inputs(name, b, kv, kv, h, h_kv, d, seed=kv, temperature=name in ("softcap_tanh", "alsc"))
     spec = attn.get_variant(name).make_spec(**VARIANTS[name])
+    extra = {key: x[key] for key in ("q2", "k2", "lam") if key in x}
     full = reference_attention(x["q"], x["k"], x["v"], spec, MASKS[mask], temperature=x.get("temperature"),
-                               q2=x.get("q2"), k2=x.get("k2"), lam=x.get("lam"))
+                               extra=extra)
     for q_len in (1, 4, kv):
         rows = slice(kv - q_len, kv)
-        extra = {key: x[key][:, rows] for key in ("q2", "temperature") if key in x}
-        extra.update({key: x[key] for key in ("k2", "lam") if key in x})
+        # the queries' rows of the per-query tensors (q2, temperature); keys and lambda whole
+        rows_extra = {key: t[:, rows] if key == "q2" else t for key, t in extra.items()}
+        temperature = x["temperature"][:, rows] if "temperature" in x else None
         part = attn.attention(x["q"][:, rows], x["k"], x["v"], spec, causal=MASKS[mask].causal,
-                              window=MASKS[mask].window, backend="reference", **extra)
+                              window=MASKS[mask].window, backend="reference", temperature=temperature,
+                              extra=rows_extra)
         torch.testing.assert_close(part, full[:, rows], rtol=0, atol=1e-12)
 
 

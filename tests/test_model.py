@@ -230,7 +230,7 @@ def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
     real = attn.AttentionCall.__call__
 
     def spy(self, q, k, v, **kw):
-        seen.append({t.dtype for t in (q, k, v, kw.get("q2"), kw.get("k2"), kw.get("lam")) if t is not None})
+        seen.append({t.dtype for t in (q, k, v, *(kw.get("extra") or {}).values())})
         return real(self, q, k, v, **kw)
 
     monkeypatch.setattr(attn.AttentionCall, "__call__", spy)

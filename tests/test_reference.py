@@ -187,11 +187,16 @@ def make_inputs(case, b, n, h, h_kv, d, gen, *, temperature=False, logit_scale=3
     return q, k, v, extra
 
 
+def family_extra(extra: dict) -> dict:
+    """The family's `extra` mapping among make_inputs' tensors: all but the temperature."""
+    return {key: t for key, t in extra.items() if key != "temperature"}
+
+
 def run_both(case, q, k, v, extra, *, causal=True, window=None, seg=None):
     family, spec_kwargs, loop_kwargs = VARIANTS[case]
     spec = get_variant(registry_name(case)).make_spec(**spec_kwargs)
     got = reference_attention(q, k, v, spec, MaskSpec(causal=causal, window=window), seg,
-                              extra.get("temperature"), extra.get("q2"), extra.get("k2"), extra.get("lam"))
+                              extra.get("temperature"), extra=family_extra(extra))
     want = loop_attention(q, k, v, family=family, causal=causal, window=window, seg=seg, **loop_kwargs, **extra)
     return got, want, (SOFTMAX_TOL if family == "softmax" else THRESHOLD_TOL)
 
@@ -548,7 +553,7 @@ def test_fully_masked_rows_zero_output_and_gradient(case, mask):
     for t in leaves:
         t.requires_grad_(True)
     out = reference_attention(q, k, v, spec, MaskSpec(**mask), seg, extra.get("temperature"),
-                              extra.get("q2"), extra.get("k2"), extra.get("lam"))
+                              extra=family_extra(extra))
     assert torch.isfinite(out).all()
     assert torch.all(out[padding] == 0)
     assert out[~padding].abs().sum() > 0
@@ -676,7 +681,8 @@ def test_differential_lambda_gradient_matches_finite_differences_and_closed_form
     g = torch.randn(2, n, h, d, dtype=F64, generator=gen)
 
     def loss(lam_value):
-        return (reference_attention(q, k, v, spec, mask, None, None, extra["q2"], extra["k2"], lam_value) * g).sum()
+        second_view = {"q2": extra["q2"], "k2": extra["k2"], "lam": lam_value}
+        return (reference_attention(q, k, v, spec, mask, None, None, extra=second_view) * g).sum()
 
     assert lam.requires_grad
     loss(lam).backward()
@@ -716,7 +722,7 @@ def test_gradcheck_reference(case):
     def fn(*args):
         kw = dict(zip(names, args))
         return reference_attention(kw["q"], kw["k"], kw["v"], spec, MaskSpec(causal=True), seg,
-                                   kw.get("temperature"), kw.get("q2"), kw.get("k2"), kw.get("lam"))
+                                   kw.get("temperature"), extra=family_extra({x: kw[x] for x in names[3:]}))
 
     if family == "threshold":
         # every visible score stays >= 1e-3 from tau_i, so finite differences never straddle

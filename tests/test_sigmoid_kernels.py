@@ -21,7 +21,7 @@ from tolerance import assert_within_reference_error  # noqa: E402
 import attn  # noqa: E402
 from attn.families import family_of  # noqa: E402
 from attn.kernels import sigmoid_family as sg  # noqa: E402
-from attn.masks import MaskSpec, dense_mask  # noqa: E402
+from attn.masks import MaskSpec, dense_mask, visible_key_counts  # noqa: E402
 from attn.reference import reference_attention, sigmoid_family_weights  # noqa: E402
 from attn.specs import SigmoidFamilySpec  # noqa: E402
 from attn.testing import outputs_and_grads, random_segment_ids  # noqa: E402
@@ -191,18 +191,25 @@ def test_saturated_weights_stay_finite(nan_poison):
     assert all(torch.isfinite(t.grad).all() for t in x.values())
 
 
-def test_weights_are_the_sigmoid_of_the_family_logits():
-    """The family unit's pieces agree: w = sigmoid(logits + b_i) with logits = s q.k (+ a given bias)."""
+@pytest.mark.parametrize("mask,with_seg", [(MaskSpec(causal=True), False), (MaskSpec(causal=True, window=3), True),
+                                           (MaskSpec(causal=False), True)])
+def test_weights_are_the_sigmoid_of_the_family_logits(mask, with_seg):
+    """The family unit's pieces agree: w = sigmoid(logits) over visible keys, with logits = y + b_i,
+    y = s q.k and b_i the given bias or, when null, -ln(n_i) from the keys each query sees."""
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 7, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    q, k = (torch.randn(2, 7, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    seg = torch.tensor([[1, 1, 1, -1, -1, 0, 0], [1, 1, 1, 1, 1, -1, -1]]) if with_seg else None
     qk = torch.einsum("bihd,bjhd->bhij", q, k)
-    mask = MaskSpec(causal=True)
+    n_visible = visible_key_counts(mask, 7, seg)[:, None]  # (B or 1, 1, N) against qk (B, H, N, N)
     for spec in (SigmoidFamilySpec(), SigmoidFamilySpec(bias=-0.5, sm_scale=0.3)):
         fam = family_of(spec)
-        w = sigmoid_family_weights(q, k, spec, mask)
-        row_bias = -torch.log(torch.arange(1, 8, dtype=torch.float64))[:, None] if spec.bias is None else 0.0
-        want = torch.sigmoid(fam.logits(spec, qk, 8) + row_bias).masked_fill(~dense_mask(mask, 7)[:, None], 0.0)
-        torch.testing.assert_close(w, want, atol=1e-12, rtol=0)
+        w = sigmoid_family_weights(q, k, spec, mask, seg)
+        logits = fam.logits(spec, qk, 8, n_visible)
+        if spec.bias is None:  # b_i = -ln(n_i) differs between rows: the logits carry it
+            row_bias = -torch.log(n_visible.double().clamp_min(1.0))[..., None]
+            torch.testing.assert_close(logits, qk * spec.scale(8) + row_bias, atol=0, rtol=0)
+        want = torch.sigmoid(logits).masked_fill(~dense_mask(mask, 7, seg)[:, None], 0.0)
+        assert torch.equal(w, want)
         assert torch.equal(fam.scores(spec, qk, 8), qk * spec.scale(8))
         assert fam.has_max_logit and fam.extra_inputs(spec) == ()
 
@@ -215,8 +222,9 @@ def test_rejects_unsupported_inputs():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="temperature is only defined for the softmax family"):
         sg.fused_attention(q, q, q, spec, MaskSpec(True), None, torch.ones(1, 8))
-    with pytest.raises(ValueError, match="q2, k2 and lam are only for differential variants"):
-        sg.fused_attention(q, q, q, spec, MaskSpec(True), q2=q)
+    with pytest.raises(ValueError, match=r"extra has an unexpected key 'q2': the allowed keys for SigmoidFamilySpec"
+                                         r"\(.*\) are none"):
+        sg.fused_attention(q, q, q, spec, MaskSpec(True), extra={"q2": q})
     with pytest.raises(ValueError, match="dtype"):
         sg.fused_attention(q.double(), q.double(), q.double(), spec, MaskSpec(True))
     with pytest.raises(ValueError, match="spec must be a SigmoidFamilySpec, got ThresholdFamilySpec"):

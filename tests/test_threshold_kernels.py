@@ -68,12 +68,12 @@ def _as(tensors, dtype):
 
 def check_against_reference(spec, mask, seg, tensors, dout, dtype):
     def reference(dt):
-        def fn(q, k, v, q2=None, k2=None, lam=None):
-            return reference_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
+        def fn(q, k, v, **extra):
+            return reference_attention(q, k, v, spec, mask, seg, None, extra=extra)
         return outputs_and_grads(fn, _as(tensors, dt), dout)
 
-    def fused(q, k, v, q2=None, k2=None, lam=None):
-        return tf.fused_attention(q, k, v, spec, mask, seg, None, q2, k2, lam)
+    def fused(q, k, v, **extra):
+        return tf.fused_attention(q, k, v, spec, mask, seg, None, extra=extra)
 
     ref64 = reference(torch.float64)
     same = reference(dtype)
@@ -166,7 +166,7 @@ def test_unknown_dkdv_form_is_named(monkeypatch):
     tensors, dout = make_inputs(1, 8, 2, 1, 16, torch.float32, True, 3)
     x = _as(tensors, torch.float32)
     out = tf.fused_attention(x["q"], x["k"], x["v"], spec, MaskSpec(causal=True), None,
-                             q2=x["q2"], k2=x["k2"], lam=x["lam"])
+                             extra={"q2": x["q2"], "k2": x["k2"], "lam": x["lam"]})
     with pytest.raises(ValueError, match=r"ATTNLAB_DIFF_DKDV must be one of \('fused', 'split'\), got 'Fused'"):
         out.backward(dout.float())
 
@@ -260,7 +260,8 @@ def test_zero_fraction_matches_reference(differential, mask_name, with_seg, nan_
     spec = ThresholdFamilySpec(beta=0.3, power=2.0, differential=differential)
     tensors, _ = make_inputs(batch, n, heads, kv_heads, d, torch.float32, differential, 21)
     x = {name: t.float() for name, t in tensors.items()}
-    got = tf.zero_fraction(x["q"], x["k"], spec, mask, seg, x.get("q2"), x.get("k2"), x.get("lam"))
+    extra = {name: x[name] for name in ("q2", "k2", "lam") if name in x}
+    got = tf.zero_fraction(x["q"], x["k"], spec, mask, seg, extra=extra)
     weights = threshold_family_weights(x["q"], x["k"], spec, mask, seg, x.get("q2"), x.get("k2"), x.get("lam"))
     want = exact_zero_fraction(weights, dense_mask(mask, n, seg)[:, None])
     assert got.shape == (heads,) and got.dtype == torch.float64
@@ -295,8 +296,13 @@ def test_rejects_unsupported_inputs():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="temperature"):
         tf.fused_attention(q, q, q, spec, MaskSpec(True), None, torch.ones(1, 8))
-    with pytest.raises(ValueError, match="q2, k2"):
+    with pytest.raises(ValueError, match="extra is missing the key 'q2'"):
         tf.fused_attention(q, q, q, ThresholdFamilySpec(differential=True), MaskSpec(True))
+    with pytest.raises(ValueError, match=r"extra\['q2'\], extra\['k2'\] \(second view\) and extra\['lam'\]"):
+        tf.fused_attention(q, q, q, ThresholdFamilySpec(differential=True), MaskSpec(True),
+                           extra={"q2": q, "k2": q, "lam": None})
+    with pytest.raises(ValueError, match="extra has an unexpected key 'q2'"):
+        tf.fused_attention(q, q, q, spec, MaskSpec(True), extra={"q2": q})
     with pytest.raises(ValueError, match="dtype"):
         tf.fused_attention(q.double(), q.double(), q.double(), spec, MaskSpec(True))
 
@@ -352,7 +358,7 @@ def test_torch_compile_fullgraph_matches_eager():
         q, k, v, q2, k2 = (x @ proj).split(32, dim=-1)
         heads = lambda t: F.normalize(t.unflatten(-1, (2, 16)), dim=-1)  # noqa: E731
         out = attn.attention(heads(q), heads(k), v.unflatten(-1, (2, 16)), spec, causal=True,
-                             q2=heads(q2), k2=heads(k2), lam=lam, backend="triton")
+                             extra={"q2": heads(q2), "k2": heads(k2), "lam": lam}, backend="triton")
         return out.flatten(-2).square().mean()
 
     results = []

@@ -47,6 +47,10 @@ def visibility(q, k, mask: MaskSpec, segment_ids, key_lengths, counts: bool = Fa
     return visible[:, None], n_i
 
 
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(repr(n) for n in names) if names else "none (this spec takes no extra tensors)"
+
+
 class Family:
     """One attention family. Subclasses set the class attributes and implement the methods."""
 
@@ -56,24 +60,54 @@ class Family:
     has_max_logit: ClassVar[bool]  # a pre-softmax logit exists (what the max-logit monitor logs)
 
     def extra_inputs(self, spec) -> tuple[str, ...]:
-        """Names of the per-call tensors `spec` takes beyond q, k, v (keys of the `extra` mapping)."""
+        """Names of the per-call tensors `spec` takes beyond q, k, v: the keys of the `extra` mapping."""
         raise NotImplementedError
 
-    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
-        """The spec-level checks of `attn.attention`'s inputs (the generic ones ran before)."""
+    def key_aligned_inputs(self, spec) -> tuple[str, ...]:
+        """The names among `extra_inputs(spec)` of tensors laid out like k (B, KV, H_kv, D): a static
+        KV cache holds them, and `key_lengths` hides their unfilled slots as it hides k's."""
+        return ()
+
+    def checked_extra(self, spec, extra: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        """`extra` (None means empty) with exactly the keys `extra_inputs(spec)`; a ValueError naming
+        the unexpected or missing key and the allowed names otherwise. The values are checked by
+        `validate`."""
+        allowed = self.extra_inputs(spec)
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"extra must be a mapping of name to tensor with the keys {_names(allowed)} "
+                             f"for {spec!r}, got {type(extra).__name__}")
+        for key in extra:
+            if key not in allowed:
+                raise ValueError(f"extra has an unexpected key {key!r}: the allowed keys for {spec!r} are "
+                                 f"{_names(allowed)}")
+        for key in allowed:
+            if key not in extra:
+                raise ValueError(f"extra is missing the key {key!r}: {spec!r} needs the keys {_names(allowed)}")
+        return extra
+
+    def validate(self, spec, q, k, *, temperature, extra: Mapping[str, Any]) -> None:
+        """The spec-level checks of `attn.attention`'s inputs (the generic ones ran before): the
+        temperature, and the `extra` mapping's keys (`checked_extra`) and tensors."""
         raise NotImplementedError
 
-    def reference_weights(self, q, k, spec, mask: MaskSpec, segment_ids=None, key_lengths=None,
-                          extra: Mapping[str, Any] | None = None) -> torch.Tensor:
-        """Float-exact weights (B, H, N, KV); `extra` maps `extra_inputs` names to tensors (or None)."""
+    def reference_weights(self, q, k, spec, mask: MaskSpec, segment_ids=None, key_lengths=None, *,
+                          temperature=None, extra: Mapping[str, Any] | None = None) -> torch.Tensor:
+        """Float-exact weights (B, H, N, KV); `extra` maps the `extra_inputs(spec)` names to tensors."""
         raise NotImplementedError
 
     def scores(self, spec, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The raw score of the statistics from q.k: before any cap, after the family's scale."""
         raise NotImplementedError
 
-    def logits(self, spec, qk: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """The quantity a row's weights are a function of, from q.k (what `max_logit` reads)."""
+    def logits(self, spec, qk: torch.Tensor, head_dim: int, n_visible: torch.Tensor | None = None) -> torch.Tensor:
+        """The quantity a row's weights are a function of, from q.k (what `max_logit` reads).
+
+        `n_visible`: the number of keys each query sees (`attn.visible_key_counts`), shaped like qk
+        without its last (key) axis or broadcastable to that, e.g. (B, 1, N) for qk (B, H, N, KV).
+        A family whose logits depend on it (sigmoid with a null bias: b_i = -ln(n_i)) raises a
+        ValueError without it; the others ignore it."""
         raise NotImplementedError
 
     def serves_sdpa(self, spec) -> bool:

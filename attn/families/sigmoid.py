@@ -42,23 +42,28 @@ class SigmoidFamily(Family):
     def extra_inputs(self, spec) -> tuple[str, ...]:
         return ()
 
-    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
+    def validate(self, spec, q, k, *, temperature, extra) -> None:
+        self.checked_extra(spec, extra)
         if temperature is not None:
             raise ValueError("temperature is only defined for the softmax family; got one for attn=sigmoid")
-        if any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
 
-    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, extra=None):
+    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, *, temperature=None,
+                          extra=None):
+        self.checked_extra(spec, extra)
         return sigmoid_family_weights(q, k, spec, mask, segment_ids, key_lengths)
 
     def scores(self, spec, qk, head_dim):
         return qk * spec.scale(head_dim)
 
-    def logits(self, spec, qk, head_dim):
-        # s q.k + bias; with bias null the row's -ln(n_i) depends on the mask, which q.k alone does
-        # not carry, so the logit is then s q.k (every row's weights are a function of it)
+    def logits(self, spec, qk, head_dim, n_visible=None):
+        # y + b_i with y = s q.k: the argument of the sigmoid, as `sigmoid_family_weights` forms it
         z = qk * spec.scale(head_dim)
-        return z if spec.bias is None else z + spec.bias
+        if spec.bias is not None:
+            return z + spec.bias
+        if n_visible is None:
+            raise ValueError("n_visible (the keys each query sees, attn.visible_key_counts) is required for the "
+                             "logits of attn=sigmoid with bias null: b_i = -ln(n_i)")
+        return z + sigmoid_bias(n_visible.to(z.dtype))[..., None]
 
 
 FAMILY = SigmoidFamily()

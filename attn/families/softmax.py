@@ -38,9 +38,10 @@ class SoftmaxFamily(Family):
     has_max_logit = True
 
     def extra_inputs(self, spec) -> tuple[str, ...]:
-        return ("temperature",)
+        return ()  # the per-query temperature is `attn.attention`'s own argument
 
-    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
+    def validate(self, spec, q, k, *, temperature, extra) -> None:
+        self.checked_extra(spec, extra)
         b, n = q.shape[:2]
         if temperature is not None:
             if not isinstance(temperature, torch.Tensor):
@@ -50,17 +51,16 @@ class SoftmaxFamily(Family):
             check_tensor("temperature", temperature, 2, temperature.dtype, q.device)
             if tuple(temperature.shape) != (b, n):
                 raise ValueError(f"temperature must have shape (B, N) = ({b}, {n}), got {tuple(temperature.shape)}")
-        if any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
 
-    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, extra=None):
-        temperature = (extra or {}).get("temperature")
+    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, *, temperature=None,
+                          extra=None):
+        self.checked_extra(spec, extra)
         return softmax_family_weights(q, k, spec, mask, segment_ids, temperature, key_lengths)
 
     def scores(self, spec, qk, head_dim):
         return qk * spec.scale(head_dim)
 
-    def logits(self, spec, qk, head_dim):
+    def logits(self, spec, qk, head_dim, n_visible=None):
         return apply_cap(qk * spec.scale(head_dim), spec.cap, spec.cap_value, spec.knee)
 
     def serves_sdpa(self, spec) -> bool:

@@ -55,15 +55,19 @@ class ThresholdFamily(Family):
     has_max_logit = False  # no softmax: no pre-softmax logit
 
     def extra_inputs(self, spec) -> tuple[str, ...]:
+        # the second view's queries and keys and the per-head lambda (H,)
         return ("q2", "k2", "lam") if spec.differential else ()
 
-    def validate(self, spec, q, k, *, temperature, q2, k2, lam) -> None:
+    def key_aligned_inputs(self, spec) -> tuple[str, ...]:
+        return ("k2",) if spec.differential else ()
+
+    def validate(self, spec, q, k, *, temperature, extra) -> None:
+        extra = self.checked_extra(spec, extra)
         h = q.shape[2]
         if temperature is not None:
             raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
         if spec.differential:
-            if q2 is None or k2 is None or lam is None:
-                raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
+            q2, k2, lam = extra["q2"], extra["k2"], extra["lam"]
             check_tensor("q2", q2, 4, q.dtype, q.device)
             check_tensor("k2", k2, 4, q.dtype, q.device)
             if q2.shape != q.shape or k2.shape != k.shape:
@@ -73,18 +77,17 @@ class ThresholdFamily(Family):
                 )
             if not isinstance(lam, torch.Tensor) or tuple(lam.shape) != (h,):
                 raise ValueError(f"lam must be a tensor of shape (H,) = ({h},), got {getattr(lam, 'shape', lam)}")
-        elif any(x is not None for x in (q2, k2, lam)):
-            raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
 
-    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, extra=None):
-        extra = extra or {}
+    def reference_weights(self, q, k, spec, mask, segment_ids=None, key_lengths=None, *, temperature=None,
+                          extra=None):
+        extra = self.checked_extra(spec, extra)
         return threshold_family_weights(q, k, spec, mask, segment_ids, extra.get("q2"), extra.get("k2"),
                                         extra.get("lam"), key_lengths)
 
     def scores(self, spec, qk, head_dim):
         return qk  # no sm_scale: x = q.k, compared with tau
 
-    def logits(self, spec, qk, head_dim):
+    def logits(self, spec, qk, head_dim, n_visible=None):
         return qk
 
 

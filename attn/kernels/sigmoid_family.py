@@ -37,6 +37,7 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (full_key_span, full_query_span, key_ranges, load_segment_bounds, masked_tile,
                                 masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.families.sigmoid import FAMILY
 from attn.masks import MaskSpec
 from attn.specs import SigmoidFamilySpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -524,8 +525,8 @@ _ATTENTION = AutogradOp(sigmoid_attention_op, _forward_impl, _setup_context, _ba
 _EagerSigmoidAttention = _ATTENTION.eager
 
 
-def fused_attention(q, k, v, spec: SigmoidFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
-                    q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
+def fused_attention(q, k, v, spec: SigmoidFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None, *,
+                    extra=None, bounds=None, dropout_p: float = 0.0,
                     dropout_seed: Optional[torch.Tensor] = None,
                     key_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sigmoid attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
@@ -537,14 +538,14 @@ def fused_attention(q, k, v, spec: SigmoidFamilySpec, mask: MaskSpec, segment_id
     `attnlab::sigmoid_attention` custom op. `bounds`: `attn.segment_bounds(segment_ids)` computed
     once per batch by the caller. `dropout_p` > 0 drops the weights with the mask of `dropout_seed`
     (int64 tensor (1,), attn/dropout.py). `key_lengths` (B,) int32: k / v are a static cache, row
-    b's keys are [0, key_lengths[b]) (`attn.attention`); forward only.
+    b's keys are [0, key_lengths[b]) (`attn.attention`); forward only. `extra`: the family's mapping of
+    extra tensors, empty (or None) for sigmoid attention.
     """
     if not isinstance(spec, SigmoidFamilySpec):
         raise ValueError(f"spec must be a SigmoidFamilySpec, got {type(spec).__name__}")
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for attn=sigmoid")
-    if any(x is not None for x in (q2, k2, lam)):
-        raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
+    FAMILY.checked_extra(spec, extra)
     check_kernel_inputs(q, k, kernels="the sigmoid-family kernels")
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,

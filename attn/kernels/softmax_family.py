@@ -49,6 +49,7 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
+from attn.families.softmax import FAMILY
 from attn.masks import MaskSpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
 
@@ -867,8 +868,8 @@ _ATTENTION = AutogradOp(softmax_family_fwd, _fwd_impl, _setup_context, _backward
 # ------------------------------------------------------------------------- public
 
 
-def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, q2=None, k2=None, lam=None,
-                    *, bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
+def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature=None, *, extra=None,
+                    bounds=None, dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
                     key_lengths: Optional[torch.Tensor] = None):
     """Softmax-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
 
@@ -879,9 +880,9 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
     with many layers); computed here from segment_ids when not given. `dropout_p` > 0 drops the
     probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py).
     `key_lengths` (B,) int32: k / v are a static cache, row b's keys are [0, key_lengths[b])
-    (`attn.attention`); forward only."""
-    if q2 is not None or k2 is not None or lam is not None:
-        raise ValueError("q2, k2 and lam are only for differential variants (attn=diff_threshold)")
+    (`attn.attention`); forward only. `extra`: the family's mapping of extra tensors, empty (or None)
+    for every softmax-family spec."""
+    FAMILY.checked_extra(spec, extra)
     check_kernel_inputs(q, k, kernels="the softmax-family kernels")
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,

@@ -60,6 +60,7 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (full_key_span, full_query_span, key_ranges, load_segment_bounds, masked_tile,
                                 masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.families.threshold import FAMILY
 from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -894,20 +895,25 @@ _ATTENTION = AutogradOp(threshold_attention_op, _forward_impl, _setup_context, _
 _EagerThresholdAttention = _ATTENTION.eager
 
 
-def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
+def _second_view(spec: ThresholdFamilySpec, extra) -> tuple:
+    """(q2, k2, lam) from the family's `extra` mapping (None each without the second view)."""
     if not isinstance(spec, ThresholdFamilySpec):
         raise ValueError(f"spec must be a ThresholdFamilySpec, got {type(spec).__name__}")
+    extra = FAMILY.checked_extra(spec, extra)
+    return tuple(extra.get(name) for name in ("q2", "k2", "lam"))
+
+
+def _op_arguments(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids, q2, k2, lam, bounds=None):
     check_kernel_inputs(q, k, kernels="the threshold-family kernels")
     if spec.differential and (q2 is None or k2 is None or lam is None):
-        raise ValueError("diff_threshold needs q2, k2 (second view) and lam (per-head lambda)")
-    if not spec.differential:
-        q2 = k2 = lam = None
+        raise ValueError("diff_threshold needs tensors for extra['q2'], extra['k2'] (second view) and "
+                         "extra['lam'] (per-head lambda), got None")
     bounds = kernel_segment_bounds(q, k, segment_ids, bounds)
-    return q2, k2, lam, bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
+    return bounds, float(spec.beta), float(spec.power), bool(mask.is_causal), int(mask.window or 0)
 
 
-def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None,
-                    q2=None, k2=None, lam=None, *, bounds=None, dropout_p: float = 0.0,
+def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None, *,
+                    extra=None, bounds=None, dropout_p: float = 0.0,
                     dropout_seed: Optional[torch.Tensor] = None,
                     key_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Threshold-family attention through the fused kernels: q (B,N,H,D), k/v (B,KV,H_kv,D) -> (B,N,H,D).
@@ -916,7 +922,10 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     the keys visible there); a call with at most `runtime.DECODE_MAX_QUERIES` queries against a long
     key sequence splits the keys across programs (flash-decoding). Segment ids need KV == N.
 
-    Differentiable in q, k, v (and q2, k2, lam for spec.differential); traceable by
+    `extra`: the family's mapping of extra tensors, with exactly the keys
+    `FAMILY.extra_inputs(spec)`: for spec.differential the second view 'q2' (B,N,H,D), 'k2'
+    (B,KV,H_kv,D) and the per-head lambda 'lam' (H,); empty (or None) otherwise.
+    Differentiable in q, k, v (and the extra tensors); traceable by
     torch.compile(fullgraph=True) through the `attnlab::threshold_attention` custom op.
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller.
     `dropout_p` > 0 drops the (combined) weights with the mask of `dropout_seed` (int64 tensor (1,),
@@ -926,11 +935,11 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     """
     if temperature is not None:
         raise ValueError("temperature is only defined for the softmax family; got one for a threshold variant")
+    q2, k2, lam = _second_view(spec, extra)
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, bounds=bounds, dropout_p=dropout_p,
                           tensors=(v, q2, k2, lam))
-    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam,
-                                                                     bounds)
+    bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam, bounds)
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed (attn.dropout.draw_seed)")
     drop = (float(dropout_p), dropout_seed if dropout_p > 0.0 else None)
@@ -940,16 +949,17 @@ def fused_attention(q, k, v, spec: ThresholdFamilySpec, mask: MaskSpec, segment_
     return _ATTENTION(args, (q, k, v, q2, k2, lam))
 
 
-def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None,
-                  q2=None, k2=None, lam=None) -> torch.Tensor:
-    """Per head fraction (H,) float64 of visible (i, j) whose weight w_ij is exactly zero.
+def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=None, *, extra=None) -> torch.Tensor:
+    """Per head fraction (H,) float64 of visible (i, j) whose weight w_ij is exactly zero; `extra`
+    as in `fused_attention`.
 
     Counted by a Triton kernel tile by tile (no N x N tensor; same masks and tile skipping
     as the forward). A weight counts as zero when it is zero in the operands' dtype, i.e.
     when it drops out of the w.V product. Matches `attn.reference.exact_zero_fraction` up to
     scores that round across the threshold. No gradient.
     """
-    q2, k2, lam, bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
+    q2, k2, lam = _second_view(spec, extra)
+    bounds, beta, power, causal, window = _op_arguments(q, k, spec, mask, segment_ids, q2, k2, lam)
     bsz, n, heads, d = q.shape
     if k.shape[1] != n:
         raise ValueError(f"zero_fraction needs queries and keys of one length, got {n} queries and {k.shape[1]} keys")
