@@ -36,6 +36,21 @@ def random_segment_ids(
     return ids
 
 
+def random_qkv(draw, generator: torch.Generator, batch: int, n: int, kv: int, heads: int, kv_heads: int, d: int,
+               strided: bool = False) -> dict[str, torch.Tensor]:
+    """float64 q (B, n, H, D) and k (B, kv, H_kv, D) from `draw(*shape)`, v (B, kv, H_kv, D) standard
+    normal from `generator`. strided: q from a packed projection, k and v as views with a non-unit
+    head stride (what the kernels must read through their strides)."""
+    if strided:
+        q = draw(batch, n, 2, heads, d)[:, :, 1]
+        k = draw(batch, kv_heads, kv, d).transpose(1, 2)
+        v = torch.randn(batch, kv, kv_heads, 2 * d, generator=generator, dtype=torch.float64)[..., ::2]
+    else:
+        q, k = draw(batch, n, heads, d), draw(batch, kv, kv_heads, d)
+        v = torch.randn(batch, kv, kv_heads, d, generator=generator, dtype=torch.float64)
+    return {"q": q, "k": k, "v": v}
+
+
 @contextlib.contextmanager
 def nan_poisoned_empty():
     """Inside the block, floating tensors from torch.empty / empty_like start as NaN, so an

@@ -24,7 +24,7 @@ from attn.kernels import sigmoid_family as sg  # noqa: E402
 from attn.masks import MaskSpec, dense_mask, visible_key_counts  # noqa: E402
 from attn.reference import reference_attention, sigmoid_family_weights  # noqa: E402
 from attn.specs import SigmoidFamilySpec  # noqa: E402
-from attn.testing import outputs_and_grads, random_segment_ids  # noqa: E402
+from attn.testing import outputs_and_grads, random_qkv, random_segment_ids  # noqa: E402
 
 # absolute error allowances; fp32's is tight enough that the rule, not the floor, decides
 FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
@@ -40,16 +40,9 @@ def make_inputs(batch, n, heads, kv_heads, d, seed, kv=None, strided=False, spre
     def rand(*shape):
         return spread * torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    if strided:
-        # q from a packed projection, k / v as views with a non-unit head stride
-        q = rand(batch, n, 2, heads, d)[:, :, 1]
-        k = rand(batch, kv_heads, kv, d).transpose(1, 2)
-        v = torch.randn(batch, kv, kv_heads, 2 * d, generator=gen, dtype=torch.float64)[..., ::2]
-    else:
-        q, k = rand(batch, n, heads, d), rand(batch, kv, kv_heads, d)
-        v = torch.randn(batch, kv, kv_heads, d, generator=gen, dtype=torch.float64)
+    tensors = random_qkv(rand, gen, batch, n, kv, heads, kv_heads, d, strided)
     dout = torch.randn(batch, n, heads, d, generator=gen, dtype=torch.float64)
-    return {"q": q, "k": k, "v": v}, dout
+    return tensors, dout
 
 
 def _as(tensors, dtype):

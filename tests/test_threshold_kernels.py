@@ -19,7 +19,7 @@ from tolerance import assert_within_reference_error  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import threshold_family as tf  # noqa: E402
-from attn.testing import outputs_and_grads, random_segment_ids
+from attn.testing import outputs_and_grads, random_qkv, random_segment_ids
 from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
@@ -31,24 +31,13 @@ FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
 BETA = {"dense": -1.0, "sparse": 0.5, "zero": 6.0}
 
 
-
-
-
 def make_inputs(batch, n, heads, kv_heads, d, dtype, differential, seed, strided=False):
     gen = torch.Generator().manual_seed(seed)
 
     def unit(*shape):
         return F.normalize(torch.randn(*shape, generator=gen, dtype=torch.float64), dim=-1)
 
-    if strided:
-        # q from a packed projection, k / v as views with a non-unit head stride
-        q = unit(batch, n, 2, heads, d)[:, :, 1]
-        k = unit(batch, kv_heads, n, d).transpose(1, 2)
-        v = torch.randn(batch, n, kv_heads, 2 * d, generator=gen, dtype=torch.float64)[..., ::2]
-    else:
-        q, k = unit(batch, n, heads, d), unit(batch, n, kv_heads, d)
-        v = torch.randn(batch, n, kv_heads, d, generator=gen, dtype=torch.float64)
-    tensors = {"q": q, "k": k, "v": v}
+    tensors = random_qkv(unit, gen, batch, n, n, heads, kv_heads, d, strided)
     if differential:
         tensors["q2"] = unit(batch, n, heads, d)
         tensors["k2"] = unit(batch, n, kv_heads, d)
