@@ -6,7 +6,7 @@
 Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
-            test_kv_cache.py), check_softmax_family_gpu.py, check_threshold_gpu.py --skip-bench
+            test_kv_cache.py), check_softmax_family_gpu.py, check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, issue15) and one attention
             call at a training shape, eager and compiled (bench_attention_call.py)
@@ -94,8 +94,8 @@ PHASES: dict[str, list[Step]] = {
                              "--junitxml", "{dir}/pytest.xml", *GPU_TESTS), kind="check"),
         Step("softmax_family", 330, (PY, "scripts/check_softmax_family_gpu.py", "--json", "{dir}/check.json"),
              kind="check"),
-        Step("threshold_family", 330, (PY, "scripts/check_threshold_gpu.py", "--skip-bench", "--workers", "6",
-                                       "--out", "{dir}"), kind="check"),
+        Step("threshold_family", 330, (PY, "scripts/check_threshold_gpu.py", "--workers", "6", "--out", "{dir}"),
+             kind="check"),
     ],
     "sanitize": [
         Step("memcheck", 540, ("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
