@@ -8,8 +8,9 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
             test_kv_cache.py), check_softmax_family_gpu.py, check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
-  bench     bench_attention.py suites (main, masks, threshold, sigmoid, issue15) and one attention
-            call at a training shape, eager and compiled (bench_attention_call.py)
+  bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
+            in one process) and one attention call at a training shape, eager and compiled, with its
+            host time (bench_attention_call.py)
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA; two deterministic runs bitwise equal, the captured step bitwise
             the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
@@ -107,8 +108,9 @@ PHASES: dict[str, list[Step]] = {
         Step("threshold", 200, (PY, "scripts/bench_attention.py", "--only", "threshold",
                                 "--out", "{dir}/bench_threshold")),
         Step("sigmoid", 200, (PY, "scripts/bench_attention.py", "--only", "sigmoid", "--out", "{dir}/bench_sigmoid")),
-        Step("issue15", 330, (PY, "scripts/bench_attention.py", "--only", "issue15", "--prewarm", "6",
-                              "--out", "{dir}/bench_issue15")),
+        # every kernel target row in one process: ranker, recommender shapes, caps, windows, GQA, diff_threshold
+        Step("targets", 330, (PY, "scripts/bench_attention.py", "--only", "issue15", "--prewarm", "6",
+                              "--out", "{dir}/bench_targets")),
         Step("call", 150, (PY, "scripts/bench_attention_call.py", "--out", "{dir}/attention_call")),
     ],
     "train": [
