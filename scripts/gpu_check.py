@@ -28,7 +28,7 @@ every GPU (ddp, ablation) run after the others, one at a time.
 
 Bounds: each step has a time limit, and the call has one budget (--budget, default 550 s: the device
 tool allows 600 s per command). No step runs past the budget; one that would start with less than
-60 s left is not started and is named at the end (run it in a next call as PHASE:STEP). Scripts
+60 s left is not started and is named at the end (run it in another call as PHASE:STEP). Scripts
 write their results as they go, so a step cut by its limit keeps what it measured.
 
 Results in --out (default $OUT, else gpu_out/): gpu_check.tar.gz (per step its log and files, plus
