@@ -401,10 +401,9 @@ class GPT(nn.Module):
         """Compile in place, one graph per transformer block plus one for the output (norm, head,
         loss); the embedding stays eager. Each block's backward is its own autograd node, so under
         DDP with buckets smaller than the gradient (not trainer=ddp's 512 MB) each block's
-        gradients are all-reduced while earlier blocks run backward.
-        Measured no faster on 2 H200s than the whole-model graph split by dynamo's DDPOptimizer
-        (docs/results/bench_ddp.md); not measured against trainer=ddp's one graph. Blocks
-        share their compiled code; state-dict keys do not change."""
+        gradients are all-reduced while earlier blocks run backward (not faster than the
+        whole-model graph on NVLinked GPUs: docs/results/bench_ddp.md). Blocks share their
+        compiled code; state-dict keys do not change."""
         for block in self.blocks:
             block.compile(fullgraph=True, **compile_kwargs)
         self.output = torch.compile(self.output, fullgraph=True, **compile_kwargs)  # shadows the method

@@ -3,7 +3,8 @@ both families against the float64 reference fed the kernels' own mask
 (`attn.kernels.dropout.keep_mask`), by the DESIGN.md §6 rule, for out and every gradient.
 
 The kernel tests (`-k kernel`) run on the GPU where there is one (natively, bf16 cases added) and
-under TRITON_INTERPRET=1 (tests/conftest.py) elsewhere."""
+under TRITON_INTERPRET=1 (tests/conftest.py) elsewhere; on the GPU only: fresh, unbiased masks
+eager, under torch.compile and under CUDA graphs."""
 
 import math
 
@@ -307,6 +308,64 @@ def test_kernel_dropout_statistics(name):
     w = attention_weights(tensors["q"], tensors["k"], spec, mask, extra={key: tensors[key] for key in extra})
     assert_dropout_statistics(w, dropped_weights(out), dense_mask(mask, n, None)[:, None], p)
 
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="torch.compile and CUDA graphs of the kernels: GPU only")
+@pytest.mark.parametrize("mode", ["eager", "compile", "cuda_graphs"])
+@pytest.mark.parametrize("name", ["softmax", "softcap_tanh", "threshold", "diff_threshold", "sigmoid"])
+def test_kernel_dropout_is_fresh_per_call_and_unbiased_eager_compiled_and_graph_replayed(name, mode, monkeypatch):
+    """Eager, under torch.compile and under CUDA graphs (mode="reduce-overhead"), bf16: 3 calls on the
+    same inputs give 3 different outputs and gradients, and the mean of 200 calls' outputs is the
+    output without dropout within 5 standard errors (a mask frozen by compilation or graph capture
+    fails both)."""
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    torch.compiler.reset()
+    p, samples, (b, n, h, d) = 0.3, 200, (2, 128, 4, 64)
+    spec = spec_of(name, **({"beta": -1.0} if "threshold" in name else {}))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    x = {"q": rand(b, n, h, d), "k": rand(b, n, h, d), "v": rand(b, n, h, d)}
+    if "threshold" in name:
+        x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
+    if name == "diff_threshold":
+        x["q2"], x["k2"] = F.normalize(rand(b, n, h, d), dim=-1), F.normalize(rand(b, n, h, d), dim=-1)
+        x["lam"] = torch.full((h,), 0.3, device=DEVICE)
+    x = {key: t.to(torch.bfloat16 if key != "lam" else torch.float32).requires_grad_() for key, t in x.items()}
+
+    def attend(q, k, v, dropout_p, **extra):
+        return attn.attention(q, k, v, spec, causal=True, dropout_p=dropout_p, extra=extra)
+
+    def forward(**tensors):
+        return attend(dropout_p=p, **tensors)
+
+    forward = {"eager": forward, "compile": torch.compile(forward, fullgraph=True),
+               "cuda_graphs": torch.compile(forward, fullgraph=True, mode="reduce-overhead")}[mode]
+
+    def fn(**tensors):  # the compiled forward and its compiled backward (torch.compile's AOT autograd)
+        out = forward(**tensors)
+        grad_q, = torch.autograd.grad(out.float().square().sum(), [tensors["q"]])
+        return out.detach().float(), grad_q.float()
+
+    calls = []
+    for _ in range(3):
+        out, grad = fn(**x)
+        calls.append((out.clone(), grad.clone()))  # graph outputs are overwritten by the next replay
+    assert all(not torch.equal(calls[i][j], calls[i + 1][j]) for i in range(2) for j in range(2))
+    with torch.no_grad():
+        plain = attend(dropout_p=0.0, **{key: t.detach() for key, t in x.items()}).float()
+    total, square = torch.zeros_like(plain), torch.zeros_like(plain)
+    for _ in range(samples):
+        out = fn(**x)[0]
+        total += out
+        square += out.square()
+    mean = total / samples
+    stderr = ((square / samples - mean.square()).clamp_min(0) / samples).sqrt()
+    # the bf16 rounding of one output (about 2^-8 relative) also separates the mean from plain
+    z = ((mean - plain).abs() / (stderr + plain.abs() * 2**-8 + 1e-6)).flatten()
+    assert torch.quantile(z, 0.99) < 5.0, f"mean of {samples} calls vs no dropout: z99 {torch.quantile(z, 0.99):.2f}"
 
 def test_public_attention_draws_kernel_seeds_from_torch_generator():
     tensors, _ = make_tensors("softmax", 1, 20, 2, 2, 16, seed=1)

@@ -991,7 +991,7 @@ def test_paths_are_reported_and_nothing_is_written_outside_run_and_cache(tmp_pat
 def test_nonfinite_inputs_propagate_in_the_kernels_as_in_the_reference(name, monkeypatch):
     """A NaN query row, a NaN key or a non-finite temperature gives NaN exactly where the reference
     gives NaN (the kernels turned them into zeros: the non-finite guard never saw them), and
-    non-finite gradients whenever the reference's are. (scripts/check_nonfinite_gpu.py: the same on a GPU.)"""
+    non-finite gradients whenever the reference's are. (tests/test_gpu.py: the same on a GPU, bf16 too.)"""
     from attn.testing import nonfinite_cases, nonfinite_pattern
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -21,17 +21,17 @@ def ddp_buffer_kwargs(kwargs: dict) -> dict:
 
 
 class CurrentStreamDDPStrategy(L.pytorch.strategies.DDPStrategy):
-    """Lightning's DDPStrategy with two changes, both faster in the measurements of
-    docs/results/bench_ddp.md (scripts/bench_ddp_raw.py, GPT-2 small, compiled, 2x H200):
+    """Lightning's DDPStrategy with two changes (measurements: docs/results/bench_ddp.md):
 
     - DDP is built on the current stream. Lightning builds it inside a fresh side stream; DDP's
       constructor creates the parameters' gradient-accumulation nodes there, so every backward then
       accumulates gradients on that stream and synchronizes it with the backward's.
     - `split_compiled_graph=False` (the default) turns off dynamo's DDPOptimizer, which cuts the
       compiled model into a graph per gradient bucket so that each bucket's all-reduce overlaps the
-      rest of the backward. On NVLinked H200s the overlap costs more than it hides: the NCCL kernels
-      hold SMs while they wait for the other rank, and the backward's matmuls slow down. The setting
-      is dynamo's global `optimize_ddp`, set while the strategy is set up and restored at teardown.
+      rest of the backward. Where GPUs share a fast link (NVLink) the overlap costs more than it
+      hides: NCCL kernels hold SMs while they wait for the other rank, and the backward's matmuls
+      slow down. The setting is dynamo's global `optimize_ddp`, set while the strategy is set up and
+      restored at teardown.
     """
 
     def __init__(self, *args, split_compiled_graph: bool = False, **kwargs):

@@ -355,7 +355,7 @@ def _dkdv_kernel(
 
 # GPU candidates per (kernel, head dim); the first is the pinned default. The threshold family's
 # plain-variant tables (same operands and accumulators per tile, attn/kernels/threshold_family.py),
-# not yet measured for these kernels.
+# not tuned for sigmoid.
 GPU_CONFIGS = {
     ("fwd", 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
     ("fwd", 64): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)],

@@ -36,8 +36,7 @@ h // (H / H_kv); the dk/dv program of a kv head loops over its query heads, so n
 repeated in memory and nothing is accumulated atomically.
 
 The differential dk/dv runs fused (one launch, three accumulators) or split (dk + dv, then
-dk2 + d-lambda); the autotuner measures both per key (on an H200 at D = 128 the split form
-wins). Diagnostics: `zero_fraction` counts exact zeros of w per head in a kernel (no N x N
+dk2 + d-lambda); the autotuner times both per key and keeps the faster. Diagnostics: `zero_fraction` counts exact zeros of w per head in a kernel (no N x N
 tensor). Knobs for tests and GPU sweeps: ATTNLAB_AUTOTUNE=0 pins tile configs
 (ATTNLAB_KERNEL_CONFIG=i picks the i-th candidate), ATTNLAB_DIFF_DKDV=fused|split pins
 the dk/dv form. Measurements: docs/results/bench_threshold.md.

@@ -7,8 +7,7 @@ It marks as SKIPPED (never run, never counted in the score):
 1. the mutants that can only change text: inside type annotations of a module with
    `from __future__ import annotations` (an annotation there is a string nobody evaluates:
    `dict | None` -> `dict & None` changes nothing), and inside f-strings (what a message or a
-   log key says, not what the code does; the data/sampling.py run found all 13 of its
-   error-message mutants equivalent);
+   log key says, not what the code does: equivalent mutants for a score of behaviour);
 2. with `[cosmic-ray.filters.sample] fraction = F, seed = S` in the config, all but a seeded random
    fraction F of the mutants still pending: for a module whose full run does not fit the time
    (each mutant imports torch and Lightning, ~6 s, before its tests run). The same seed and
