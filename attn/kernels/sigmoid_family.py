@@ -35,8 +35,8 @@ from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import (full_key_span, full_query_span, key_ranges, load_segment_bounds, masked_tile,
-                                masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.kernels.tiles import (full_key_span_all_rows, full_query_span_all_rows, key_ranges, load_segment_bounds,
+                                masked_tile, masked_tile_count, query_ranges, tile_visible, visible_counts)
 from attn.families.sigmoid import FAMILY
 from attn.masks import MaskSpec
 from attn.specs import SigmoidFamilySpec
@@ -149,7 +149,8 @@ def _fwd_kernel(
     if SPLIT_KV:
         lo = tl.maximum(lo, split * split_len)
         hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
-    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_key_span_all_rows(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+                                  CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
                         pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
@@ -232,7 +233,8 @@ def _dq_kernel(
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, z = full_key_span(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_key_span_all_rows(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+                                  CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
         dq = _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
                       pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
@@ -323,7 +325,8 @@ def _dkdv_kernel(
     lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
     hi = tl.maximum(hi, lo)
-    a, z = full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, z = full_query_span_all_rows(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
+                                    CAUSAL, HAS_WINDOW, HAS_SEG)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     # GQA: this kv head's query heads, one after another (no repeated K/V, no atomics)

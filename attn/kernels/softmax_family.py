@@ -48,7 +48,8 @@ from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges, tile_visible
+from attn.kernels.tiles import (full_key_span_ignoring_padding, full_query_span_ignoring_padding, key_ranges,
+                                load_segment_bounds, query_ranges, tile_visible)
 from attn.families.softmax import FAMILY
 from attn.masks import MaskSpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -115,56 +116,7 @@ def _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.con
     return g, d
 
 
-# ----------------------------------------------------------------- tile splitting
-
-
-@triton.jit
-def _split_key_range(lo, hi, m0, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Tiles start at lo, lo+BN, ...; [a, b) are the ones every query row of the block sees
-    (no mask needed); [lo, a) and [b, hi) need the mask."""
-    s_min = lo
-    s_max = hi  # a full tile ends at or before s_max
-    if CAUSAL:
-        s_max = tl.minimum(s_max, m0 + 1)
-    if HAS_WINDOW:
-        s_min = tl.maximum(s_min, m0 + BLOCK_M - window)
-    n_pre = tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_N)
-    n_all = tl.cdiv(hi - lo, BLOCK_N)
-    n_pre = tl.minimum(n_pre, n_all)
-    a = lo + n_pre * BLOCK_N
-    n_full = tl.maximum(s_max - a, 0) // BLOCK_N
-    n_full = tl.minimum(n_full, n_all - n_pre)
-    b = a + n_full * BLOCK_N
-    return a, b
-
-
-@triton.jit
-def _split_query_range(lo, hi, n0, kv_len, window, hs, he, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
-    """Mirror of _split_key_range for a key block [n0, n0+BN): query tiles [a, b) see every key
-    of the block (rows that see nothing have lse = +inf, so they add exactly 0)."""
-    s_min = lo
-    s_max = hi
-    if CAUSAL:
-        s_min = tl.maximum(s_min, n0 + BLOCK_N - 1)
-    if HAS_WINDOW:
-        s_max = tl.minimum(s_max, n0 + window)
-    keys_ok = n0 + BLOCK_N <= kv_len
-    if HAS_SEG:
-        keys_ok = keys_ok & (n0 >= hs) & (n0 + BLOCK_N <= he)
-    n_all = tl.cdiv(hi - lo, BLOCK_M)
-    n_pre = tl.minimum(tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_M), n_all)
-    a = lo + n_pre * BLOCK_M
-    n_full = tl.minimum(tl.maximum(s_max - a, 0) // BLOCK_M, n_all - n_pre)
-    n_full = tl.where(keys_ok, n_full, 0)
-    b = a + n_full * BLOCK_M
-    return a, b
-
-
 # ------------------------------------------------------------------------ forward
-
-
 
 
 @triton.jit
@@ -305,7 +257,7 @@ def _fwd_kernel(
     if SPLIT_KV:
         lo = tl.maximum(lo, split * split_len)
         hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
-    a, bnd = _split_key_range(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
@@ -495,7 +447,8 @@ def _dkdv_kernel(
     lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
     lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
     hi = tl.maximum(hi, lo)
-    a, bnd = _split_query_range(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    a, bnd = full_query_span_ignoring_padding(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL,
+                                              HAS_WINDOW, HAS_SEG)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
         bh = b * H + h
@@ -616,7 +569,7 @@ def _dq_kernel(
 
     p0 = m0 + pos_offset  # key position of the block's first row
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    a, bnd = _split_key_range(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
         dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
                           kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,

@@ -141,9 +141,14 @@ def visible_counts(
     return count.to(tl.float32)
 
 
-# Full-tile spans (tiles every query / key of a block sees entirely, run without mask arithmetic)
-# and the one masked loop over the remaining boundary tiles: the walk of the elementwise-weight
-# kernels (threshold and sigmoid families).
+# Full-tile spans: tiles run without mask arithmetic. Two rules, one per kind of weight:
+# - `*_all_rows` (threshold and sigmoid families: unnormalized weights): a tile is full only when
+#   every row of the block sees all of it, so a block holding padding rows (which see nothing) stays
+#   on the masked path and their weights stay 0; one masked loop walks the boundary tiles
+#   (`masked_tile`).
+# - `*_ignoring_padding` (softmax family): padding rows may sit in a full tile, because the forward
+#   zeroes their output and saves lse = +inf for them, which makes their backward p exactly 0; the
+#   kernels walk a masked head loop, the full loop and a masked tail loop.
 
 
 @triton.jit
@@ -194,9 +199,9 @@ def segment_union(hs, he, cs, ce):
 
 
 @triton.jit
-def full_key_span(m0, lo, hi, kv_len, window, hs, he, cs, ce,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+def full_key_span_all_rows(m0, lo, hi, kv_len, window, hs, he, cs, ce,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
     """Key tiles of [lo, hi) that every valid query row of [m0, m0 + BLOCK_M) sees entirely.
 
     m0 is the key position of the block's first query row; rows at or past position kv_len are
@@ -219,9 +224,9 @@ def full_key_span(m0, lo, hi, kv_len, window, hs, he, cs, ce,
 
 
 @triton.jit
-def full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+def full_query_span_all_rows(n0, lo, hi, kv_len, window, hs, he, cs, ce,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
     """Query tiles of [lo, hi) (all rows < kv_len) that see every key of [n0, n0 + BLOCK_N)."""
     full_lo = lo
     full_hi = tl.minimum(hi, kv_len)
@@ -238,3 +243,50 @@ def full_query_span(n0, lo, hi, kv_len, window, hs, he, cs, ce,
     # a key block reaching past kv_len stays on the masked path
     full_hi = tl.where(n0 + BLOCK_N <= kv_len, full_hi, full_lo)
     return aligned_span(lo, hi, full_lo, full_hi, BLOCK_M)
+
+
+@triton.jit
+def full_key_span_ignoring_padding(lo, hi, m0, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key tiles lo, lo + BLOCK_N, ... of [lo, hi): [a, b) are those every query row of
+    [m0, m0 + BLOCK_M) sees (the window bound counts all BLOCK_M rows; padding rows are not
+    checked, see above); [lo, a) and [b, hi) need the mask."""
+    s_min = lo
+    s_max = hi  # a full tile ends at or before s_max
+    if CAUSAL:
+        s_max = tl.minimum(s_max, m0 + 1)
+    if HAS_WINDOW:
+        s_min = tl.maximum(s_min, m0 + BLOCK_M - window)
+    n_pre = tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_N)
+    n_all = tl.cdiv(hi - lo, BLOCK_N)
+    n_pre = tl.minimum(n_pre, n_all)
+    a = lo + n_pre * BLOCK_N
+    n_full = tl.maximum(s_max - a, 0) // BLOCK_N
+    n_full = tl.minimum(n_full, n_all - n_pre)
+    b = a + n_full * BLOCK_N
+    return a, b
+
+
+@triton.jit
+def full_query_span_ignoring_padding(lo, hi, n0, kv_len, window, hs, he, BLOCK_M: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                                     HAS_SEG: tl.constexpr):
+    """Mirror of full_key_span_ignoring_padding for a key block [n0, n0 + BLOCK_N): query tiles
+    [a, b) of [lo, hi) see every key of the block (padding query rows are not checked: their
+    lse = +inf makes their p exactly 0)."""
+    s_min = lo
+    s_max = hi
+    if CAUSAL:
+        s_min = tl.maximum(s_min, n0 + BLOCK_N - 1)
+    if HAS_WINDOW:
+        s_max = tl.minimum(s_max, n0 + window)
+    keys_ok = n0 + BLOCK_N <= kv_len
+    if HAS_SEG:
+        keys_ok = keys_ok & (n0 >= hs) & (n0 + BLOCK_N <= he)
+    n_all = tl.cdiv(hi - lo, BLOCK_M)
+    n_pre = tl.minimum(tl.cdiv(tl.maximum(s_min - lo, 0), BLOCK_M), n_all)
+    a = lo + n_pre * BLOCK_M
+    n_full = tl.minimum(tl.maximum(s_max - a, 0) // BLOCK_M, n_all - n_pre)
+    n_full = tl.where(keys_ok, n_full, 0)
+    b = a + n_full * BLOCK_M
+    return a, b
