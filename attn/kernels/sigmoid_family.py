@@ -35,8 +35,9 @@ from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import (full_key_span_all_rows, full_query_span_all_rows, key_ranges, load_segment_bounds,
-                                masked_tile, masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
+                                key_block_program, key_ranges, masked_tile, masked_tile_count, query_block_program,
+                                query_row_ranges, tile_visible, visible_counts)
 from attn.families.sigmoid import FAMILY
 from attn.masks import MaskSpec
 from attn.specs import SigmoidFamilySpec
@@ -120,35 +121,21 @@ def _fwd_kernel(
     i + kv_len - q_len (bottom-right alignment). SPLIT_KV (flash-decoding): program_id(2) = s takes
     keys [s split_len, (s+1) split_len) and writes its fp32 partial sum at OUT + s sos (the launcher
     sums them). HAS_LENS: row b's keys are [0, LENS[b]) of a static cache of kv_len slots."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest query blocks (causal) first
-    bh = tl.program_id(1)
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M, HAS_SEG, LENS, HAS_LENS)
     split = tl.program_id(2)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
-    if HAS_LENS:
-        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
-
-    pos_offset = kv_len - q_len
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
-    pos_m = offs_m + pos_offset  # their key positions
-    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < q_len
-    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
     row_bias = _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    if SPLIT_KV:
-        lo = tl.maximum(lo, split * split_len)
-        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    lo, hi = clip_to_key_split(lo, hi, split, split_len, SPLIT_KV)
     a, z = full_key_span_all_rows(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                                   CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
@@ -160,7 +147,7 @@ def _fwd_kernel(
         acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
                         pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
                         HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-    tl.store(OUT + split * sos + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+    tl.store(head_tile_ptrs(OUT + split * sos, b64, h, offs_m, offs_d, sob, son, soh, sod),
              acc.to(OUT.dtype.element_ty), mask=row_ok)
 
 
@@ -208,25 +195,14 @@ def _dq_kernel(
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M, HAS_SEG)
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
-
-    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    pos_m = offs_m + pos_offset
-    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < q_len
-    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
-    do = tl.load(DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :] * sdod,
-                 mask=row_ok, other=0.0)
+    q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
+    do = tl.load(head_tile_ptrs(DO, b64, h, offs_m, offs_d, sdob, sdon, sdoh, sdod), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
     row_bias = _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
@@ -303,28 +279,21 @@ def _dkdv_kernel(
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
     num_kv_heads = num_heads // group
-    b = bhk // num_kv_heads
-    hk = bhk % num_kv_heads
+    b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, num_kv_heads, BLOCK_N, HAS_SEG)
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n[:, None] < kv_len
-    k = tl.load(K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=key_ok, other=0.0)
-    v = tl.load(V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=key_ok, other=0.0)
+    k = tl.load(head_tile_ptrs(K, b64, hk, offs_n, offs_d, skb, skn, skh, skd), mask=key_ok, other=0.0)
+    v = tl.load(head_tile_ptrs(V, b64, hk, offs_n, offs_d, svb, svn, svh, svd), mask=key_ok, other=0.0)
 
     # query row i sits at key position i + pos_offset (bottom-right alignment): the loops run over
     # positions, and the query-indexed pointers are shifted by -pos_offset rows to match
     pos_offset = kv_len - q_len
-    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
-    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
-    hi = tl.maximum(hi, lo)
+    lo, hi, lo2, hi2 = query_row_ranges(n0, pos_offset, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                        HAS_SEG)
     a, z = full_query_span_all_rows(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                                     CAUSAL, HAS_WINDOW, HAS_SEG)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)

@@ -48,8 +48,9 @@ from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import (full_key_span_ignoring_padding, full_query_span_ignoring_padding, key_ranges,
-                                load_segment_bounds, query_ranges, tile_visible)
+from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
+                                full_query_span_ignoring_padding, head_tile_ptrs, key_block_program, key_ranges,
+                                query_block_program, query_row_ranges, tile_visible)
 from attn.families.softmax import FAMILY
 from attn.masks import MaskSpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -210,26 +211,15 @@ def _fwd_kernel(
     and writes its normalized partial output at O + s stride_os and its lse2 at
     LSE + s (B H q_len) (+inf where the split holds no visible key); `_combine_splits_kernel`
     merges the splits."""
-    # heaviest (causal: last) query blocks first
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, H, GROUP, q_len, kv_len, BLOCK_M, HAS_SEG, LENS, HAS_LENS)
     split = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    if HAS_LENS:
-        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
-    pos_offset = kv_len - q_len
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
-    pos_m = offs_m + pos_offset  # their key positions
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
     in_m = offs_m < q_len
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+    q = tl.load(head_tile_ptrs(Q, b, h, offs_m, offs_d, stride_qb, stride_qn, stride_qh, stride_qd),
                 mask=in_m[:, None], other=0.0)
     if HAS_TEMP:
         t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
@@ -245,18 +235,15 @@ def _fwd_kernel(
         # shift = z_ii (the key at the row's own position): |z - z_ii| <= 2 c log2e, so exp2 neither
         # overflows nor underflows (host guard), the diagonal adds exactly ~1 to l, and a single-key
         # row gets p = 1 as with a max
-        kd = tl.load(K + b * stride_kb + hk * stride_kh + pos_m[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        kd = tl.load(head_tile_ptrs(K, b, hk, pos_m, offs_d, stride_kb, stride_kn, stride_kh, stride_kd),
                      mask=in_m[:, None], other=0.0)
         gd, _ = _cap(tl.sum(q.to(tl.float32) * kd.to(tl.float32), 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
         m_i = gd * out_scale
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: exp2(m_old - m_new) never NaN
 
-    p0 = m0 + pos_offset  # key position of the block's first row
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    if SPLIT_KV:
-        lo = tl.maximum(lo, split * split_len)
-        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    lo, hi = clip_to_key_split(lo, hi, split, split_len, SPLIT_KV)
     a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
@@ -289,8 +276,8 @@ def _fwd_kernel(
         out = out * (1.0 / (1.0 - dropout_p))
     out = tl.where(seen[:, None], out, 0.0)
     lse = tl.where(seen, m_i + tl.log2(l_safe), float("inf"))
-    tl.store(O + split * stride_os + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on
-             + offs_d[None, :] * stride_od, out.to(O.dtype.element_ty), mask=in_m[:, None])
+    tl.store(head_tile_ptrs(O + split * stride_os, b, h, offs_m, offs_d, stride_ob, stride_on, stride_oh, stride_od),
+             out.to(O.dtype.element_ty), mask=in_m[:, None])
     tl.store(LSE + (split * tl.num_programs(1) + bh) * q_len + offs_m, lse, mask=in_m)
 
 
@@ -305,8 +292,7 @@ def _combine_splits_kernel(PART_O, PART_LSE, O, LSE,
     (lse +inf) weigh 0; a row no split saw gets 0 and lse +inf, as the plain forward gives."""
     pid_m = tl.program_id(0)  # BLOCK_N unused (the runtime passes both tile sizes)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h = batch_and_head(bh, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_m = offs_m < q_len
@@ -320,15 +306,15 @@ def _combine_splits_kernel(PART_O, PART_LSE, O, LSE,
     for s in range(0, num_splits):
         lse_s = tl.load(PART_LSE + (s * num_bh + bh) * q_len + offs_m, mask=in_m, other=float("inf"))
         w = tl.where(lse_s == float("inf"), 0.0, tl.exp2(lse_s - m))
-        o_s = tl.load(PART_O + s * stride_ps + b * stride_pb + h * stride_ph + offs_m[:, None] * stride_pn
-                      + offs_d[None, :] * stride_pd, mask=in_m[:, None], other=0.0)
+        o_s = tl.load(head_tile_ptrs(PART_O + s * stride_ps, b, h, offs_m, offs_d, stride_pb, stride_pn, stride_ph,
+                                     stride_pd), mask=in_m[:, None], other=0.0)
         acc += w[:, None] * o_s
         l_sum += w
     seen = l_sum > 0.0
     l_safe = tl.where(seen, l_sum, 1.0)
     out = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(seen, m + tl.log2(l_safe), float("inf"))
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+    tl.store(head_tile_ptrs(O, b, h, offs_m, offs_d, stride_ob, stride_on, stride_oh, stride_od),
              out.to(O.dtype.element_ty), mask=in_m[:, None])
     tl.store(LSE + bh * q_len + offs_m, lse, mask=in_m)
 
@@ -342,14 +328,13 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)  # BLOCK_N unused (the runtime passes both tile sizes)
     bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
+    b, h = batch_and_head(bh, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_m = offs_m < q_len
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+    o = tl.load(head_tile_ptrs(O, b, h, offs_m, offs_d, stride_ob, stride_on, stride_oh, stride_od),
                 mask=in_m[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+    do = tl.load(head_tile_ptrs(DO, b, h, offs_m, offs_d, stride_dob, stride_don, stride_doh, stride_dod),
                  mask=in_m[:, None], other=0.0).to(tl.float32)
     tl.store(DELTA + bh * q_len + offs_m, tl.sum(o * do, 1), mask=in_m)
 
@@ -421,32 +406,25 @@ def _dkdv_kernel(
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
     DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, H_KV, BLOCK_N, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
     in_n = offs_n < kv_len
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
     # query row i sits at key position i + pos_offset (bottom-right alignment): the loops below run
     # over positions, and the query-indexed pointers are shifted by -pos_offset rows to match
     pos_offset = kv_len - q_len
 
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(head_tile_ptrs(K, b, hk, offs_n, offs_d, stride_kb, stride_kn, stride_kh, stride_kd),
                 mask=in_n[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+    v = tl.load(head_tile_ptrs(V, b, hk, offs_n, offs_d, stride_vb, stride_vn, stride_vh, stride_vd),
                 mask=in_n[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     t_ptr = TEMP + b * stride_tb - pos_offset * stride_tn
 
-    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
-    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
-    hi = tl.maximum(hi, lo)
+    lo, hi, lo2, hi2 = query_row_ranges(n0, pos_offset, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                        HAS_SEG)
     a, bnd = full_query_span_ignoring_padding(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL,
                                               HAS_WINDOW, HAS_SEG)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
@@ -480,9 +458,9 @@ def _dkdv_kernel(
     dk = dk * grad_scale
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+    tl.store(head_tile_ptrs(DK, b, hk, offs_n, offs_d, stride_dkb, stride_dkn, stride_dkh, stride_dkd),
              dk.to(DK.dtype.element_ty), mask=in_n[:, None])
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+    tl.store(head_tile_ptrs(DV, b, hk, offs_n, offs_d, stride_dvb, stride_dvn, stride_dvh, stride_dvd),
              dv.to(DV.dtype.element_ty), mask=in_n[:, None])
 
 
@@ -536,24 +514,16 @@ def _dq_kernel(
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
-    pos_m = offs_m + pos_offset  # their key positions
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, H, GROUP, q_len, kv_len, BLOCK_M, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
     in_m = offs_m < q_len
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+    q = tl.load(head_tile_ptrs(Q, b, h, offs_m, offs_d, stride_qb, stride_qn, stride_qh, stride_qd),
                 mask=in_m[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+    do = tl.load(head_tile_ptrs(DO, b, h, offs_m, offs_d, stride_dob, stride_don, stride_doh, stride_dod),
                  mask=in_m[:, None], other=0.0)
     lse = tl.load(LSE + bh * q_len + offs_m, mask=in_m, other=float("inf"))
     delta = tl.load(DELTA + bh * q_len + offs_m, mask=in_m, other=0.0)
@@ -567,7 +537,6 @@ def _dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dt = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    p0 = m0 + pos_offset  # key position of the block's first row
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
     a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
@@ -589,7 +558,7 @@ def _dq_kernel(
                               alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
                               DOT_PREC, seed, bh, dropout_p, DROPOUT)
     dq = dq * grad_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+    tl.store(head_tile_ptrs(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqn, stride_dqh, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
     if NEED_DT:
         tl.store(DT + bh * q_len + offs_m, dt * dt_scale, mask=in_m)

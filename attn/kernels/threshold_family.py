@@ -57,8 +57,9 @@ from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiles import (full_key_span_all_rows, full_query_span_all_rows, key_ranges, load_segment_bounds,
-                                masked_tile, masked_tile_count, query_ranges, tile_visible, visible_counts)
+from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
+                                key_block_program, key_ranges, load_segment_bounds, masked_tile, masked_tile_count,
+                                query_block_program, query_heads, query_row_ranges, tile_visible, visible_counts)
 from attn.families.threshold import FAMILY
 from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -202,32 +203,18 @@ def _fwd_kernel(
     HAS_LENS: kv_len is the capacity of a static cache and the row's own key count is LENS[b]
     (int32, clamped to [0, kv_len]); keys at or past it do not exist (loads masked, never seen,
     not counted in n_i)."""
-    # heaviest query blocks (most visible keys under causal masks) start first
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M, HAS_SEG, LENS, HAS_LENS)
     split = tl.program_id(2)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
-    if HAS_LENS:
-        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
-
-    pos_offset = kv_len - q_len
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
-    pos_m = offs_m + pos_offset  # their key positions
-    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < q_len
-    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
     if DIFF:
-        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
-                     mask=row_ok, other=0.0)
+        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
         k2_base = K2 + b64 * sk2b + hk * sk2h
         lam = tl.load(LAM + h * slam).to(tl.float32)
     else:
@@ -238,9 +225,7 @@ def _fwd_kernel(
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
-    if SPLIT_KV:
-        lo = tl.maximum(lo, split * split_len)
-        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    lo, hi = clip_to_key_split(lo, hi, split, split_len, SPLIT_KV)
     a, z = full_key_span_all_rows(p0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                                   CAUSAL, HAS_WINDOW, HAS_SEG)
     for n0 in range(a, z, BLOCK_N):
@@ -252,7 +237,7 @@ def _fwd_kernel(
         acc = _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base, skn, skd, svn, svd, sk2n, sk2d,
                         pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
                         HEAD_DIM, BLOCK_N, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF, DOT_PREC, seed, bh, dropout_p, DROPOUT)
-    tl.store(OUT + split * sos + b64 * sob + h * soh + offs_m[:, None] * son + offs_d[None, :] * sod,
+    tl.store(head_tile_ptrs(OUT + split * sos, b64, h, offs_m, offs_d, sob, son, soh, sod),
              acc.to(OUT.dtype.element_ty), mask=row_ok)
 
 
@@ -311,30 +296,18 @@ def _dq_kernel(
     POWER_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, DIFF: tl.constexpr, DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
+    bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
+        BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M, HAS_SEG)
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
-
-    pos_offset = kv_len - q_len  # query row i sits at key position i + pos_offset
-    m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # query rows
-    pos_m = offs_m + pos_offset  # their key positions
-    p0 = m0 + pos_offset
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < q_len
-    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
-    do = tl.load(DO + b64 * sdob + h * sdoh + offs_m[:, None] * sdon + offs_d[None, :] * sdod,
-                 mask=row_ok, other=0.0)
+    q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
+    do = tl.load(head_tile_ptrs(DO, b64, h, offs_m, offs_d, sdob, sdon, sdoh, sdod), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
     if DIFF:
-        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
-                     mask=row_ok, other=0.0)
+        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
         k2_base = K2 + b64 * sk2b + hk * sk2h
         lam = tl.load(LAM + h * slam).to(tl.float32)
     else:
@@ -447,33 +420,25 @@ def _dkdv_kernel(
 ):
     FIRST: tl.constexpr = (not DIFF) or VIEWS != 2
     SECOND: tl.constexpr = DIFF and VIEWS != 1
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
     num_kv_heads = num_heads // group
-    b = bhk // num_kv_heads
-    hk = bhk % num_kv_heads
+    b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, num_kv_heads, BLOCK_N, HAS_SEG)
     b64 = b.to(tl.int64)
-    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     seed = load_seed(SEED, DROPOUT)
 
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n[:, None] < kv_len
-    k = tl.load(K + b64 * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=key_ok, other=0.0)
-    v = tl.load(V + b64 * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=key_ok, other=0.0)
+    k = tl.load(head_tile_ptrs(K, b64, hk, offs_n, offs_d, skb, skn, skh, skd), mask=key_ok, other=0.0)
+    v = tl.load(head_tile_ptrs(V, b64, hk, offs_n, offs_d, svb, svn, svh, svd), mask=key_ok, other=0.0)
     if DIFF:
-        k2 = tl.load(K2 + b64 * sk2b + hk * sk2h + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d,
-                     mask=key_ok, other=0.0)
+        k2 = tl.load(head_tile_ptrs(K2, b64, hk, offs_n, offs_d, sk2b, sk2n, sk2h, sk2d), mask=key_ok, other=0.0)
     else:
         k2 = k
 
     # query row i sits at key position i + pos_offset (bottom-right alignment): the loops below run
     # over positions, and the query-indexed pointers are shifted by -pos_offset rows to match
     pos_offset = kv_len - q_len
-    lo, hi, lo2, hi2 = query_ranges(n0, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
-    lo = tl.maximum(lo, pos_offset)  # no query row sits below position pos_offset
-    hi = tl.maximum(hi, lo)
+    lo, hi, lo2, hi2 = query_row_ranges(n0, pos_offset, kv_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                        HAS_SEG)
     a, z = full_query_span_all_rows(n0, lo, hi, kv_len, window, hs, he, cs, ce, BLOCK_M, BLOCK_N,
                                     CAUSAL, HAS_WINDOW, HAS_SEG)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -561,20 +526,17 @@ def _zero_count_kernel(
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // num_heads
-    h = bh % num_heads
-    hk = h // group
+    b, h, hk = query_heads(bh, num_heads, group)
     b64 = b.to(tl.int64)
     hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m[:, None] < seq_len
-    q = tl.load(Q + b64 * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
+    q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     if DIFF:
-        q2 = tl.load(Q2 + b64 * sq2b + h * sq2h + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d,
-                     mask=row_ok, other=0.0)
+        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
         k2_base = K2 + b64 * sk2b + hk * sk2h
         lam = tl.load(LAM + h * slam).to(tl.float32)
     else:

@@ -1,9 +1,10 @@
-"""Mask code shared by every Triton kernel: in-tile visibility, tile-skipping ranges, n_i.
+"""Code shared by every Triton kernel: program prologues (batch, heads, rows or keys of a program),
+tile pointers, in-tile visibility, tile-skipping ranges, full-tile spans, n_i.
 
 Semantics are those of `attn/masks.py` (tested against `dense_mask`). Segment ids reach
 kernels as per-row bounds [hist_start, hist_end, cand_start, cand_end) (`segment_bounds`).
 
-Every function here works on key positions: `seq_len` is the number of keys, and a query is
+The mask functions work on key positions: `seq_len` is the number of keys, and a query is
 passed as its key position (query row + KV - Q under the bottom-right alignment of Q queries
 against KV keys; the row itself when Q == KV).
 
@@ -32,6 +33,82 @@ def load_segment_bounds(bounds_ptr, batch, HAS_SEG: tl.constexpr):
         cs = 0
         ce = 0
     return hs, he, cs, ce
+
+
+# Program prologues. A query-block kernel runs on the grid (query blocks, batch * H[, key splits]),
+# a key-block kernel on (key blocks, batch * H_kv). Query row i sits at key position
+# i + pos_offset, pos_offset = kv_len - q_len (bottom-right alignment).
+
+
+@triton.jit
+def batch_and_head(bh, num_heads):
+    """(batch, head) of program bh = batch * num_heads + head."""
+    b = bh // num_heads
+    h = bh % num_heads
+    return b, h
+
+
+@triton.jit
+def query_heads(bh, num_heads, group):
+    """(batch, query head, kv head) of program bh = batch * num_heads + query head; GQA: the kv
+    head is head // group."""
+    b, h = batch_and_head(bh, num_heads)
+    hk = h // group
+    return b, h, hk
+
+
+@triton.jit
+def row_key_count(LENS, b, kv_len, HAS_LENS: tl.constexpr):
+    """Keys of batch row b: kv_len, or with HAS_LENS (kv_len the capacity of a static cache)
+    LENS[b] (int32) clamped to [0, kv_len]."""
+    if HAS_LENS:
+        kv_len = tl.minimum(tl.maximum(tl.load(LENS + b), 0), kv_len)
+    return kv_len
+
+
+@triton.jit
+def query_block_program(BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M: tl.constexpr, HAS_SEG: tl.constexpr,
+                        LENS=None, HAS_LENS: tl.constexpr = False):
+    """This query-block program's bh, batch, query head, kv head (`query_heads`), key count
+    (`row_key_count`), query rows offs_m, their key positions pos_m, the key position p0 of the
+    block's first row and the row's segment bounds hs, he, cs, ce. The heaviest (causal: last)
+    query blocks run first."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h, hk = query_heads(bh, num_heads, group)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    kv_len = row_key_count(LENS, b, kv_len, HAS_LENS)
+    pos_offset = kv_len - q_len
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    pos_m = offs_m + pos_offset
+    p0 = m0 + pos_offset
+    return bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce
+
+
+@triton.jit
+def key_block_program(BOUNDS, num_kv_heads, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr):
+    """This key-block program's batch, kv head, first key n0, keys offs_n and the row's segment
+    bounds hs, he, cs, ce."""
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b, hk = batch_and_head(bhk, num_kv_heads)
+    hs, he, cs, ce = load_segment_bounds(BOUNDS, b, HAS_SEG)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return b, hk, n0, offs_n, hs, he, cs, ce
+
+
+@triton.jit
+def tile_ptrs(base, rows, cols, stride_row, stride_col):
+    """Pointers to rows x cols of a matrix at base."""
+    return base + rows[:, None] * stride_row + cols[None, :] * stride_col
+
+
+@triton.jit
+def head_tile_ptrs(base, batch, head, rows, cols, stride_b, stride_n, stride_h, stride_d):
+    """Pointers to rows x cols of one head of a (B, N, H, D) tensor."""
+    return tile_ptrs(base + batch * stride_b + head * stride_h, rows, cols, stride_n, stride_d)
 
 
 @triton.jit
@@ -117,6 +194,26 @@ def query_ranges(
         hi2 = tl.where(has_hist_key, lo2, hi2)
     hi = tl.maximum(hi, lo)
     return lo, hi, lo2, hi2
+
+
+@triton.jit
+def query_row_ranges(n0, pos_offset, seq_len, window, hs, he, cs, ce,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr):
+    """query_ranges with the main range cut to positions that hold a query row (>= pos_offset)."""
+    lo, hi, lo2, hi2 = query_ranges(n0, seq_len, window, hs, he, cs, ce, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_SEG)
+    lo = tl.maximum(lo, pos_offset)
+    hi = tl.maximum(hi, lo)
+    return lo, hi, lo2, hi2
+
+
+@triton.jit
+def clip_to_key_split(lo, hi, split, split_len, SPLIT_KV: tl.constexpr):
+    """[lo, hi) cut to split `split`'s keys [split * split_len, (split + 1) * split_len) under
+    SPLIT_KV (flash-decoding); unchanged otherwise."""
+    if SPLIT_KV:
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.maximum(tl.minimum(hi, (split + 1) * split_len), lo)
+    return lo, hi
 
 
 @triton.jit
