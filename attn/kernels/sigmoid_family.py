@@ -36,8 +36,8 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
-                                key_block_program, key_ranges, masked_tile, masked_tile_count, query_block_program,
-                                query_row_ranges, tile_visible, visible_counts)
+                                key_block_program, key_ranges, load_tile, masked_tile, masked_tile_count,
+                                query_block_program, query_row_ranges, tile_visible, visible_counts)
 from attn.families.sigmoid import FAMILY
 from attn.masks import MaskSpec
 from attn.specs import SigmoidFamilySpec
@@ -84,13 +84,8 @@ def _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
     """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_seq = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
+    v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
     if MASKED:
         vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
@@ -165,13 +160,8 @@ def _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
     """dq += dz . k (the factor s is applied once, at the store)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_seq = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
+    v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if MASKED:
@@ -241,13 +231,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
     transposed, (keys, queries), so dk and dv accumulate without transposes (s applied at the store)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    if MASKED:
-        row_ok = offs_m[:, None] < kv_len
-        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
-    else:
-        q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
-        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
+    q = load_tile(q_base, offs_m, offs_d, sqn, sqd, kv_len, MASKED)
+    do = load_tile(do_base, offs_m, offs_d, sdon, sdod, kv_len, MASKED)
     row_bias = _row_bias(offs_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
     wT = _sigmoid2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale2 + row_bias[None, :])
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)

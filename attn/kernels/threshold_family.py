@@ -58,8 +58,9 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
-                                key_block_program, key_ranges, load_segment_bounds, masked_tile, masked_tile_count,
-                                query_block_program, query_heads, query_row_ranges, tile_visible, visible_counts)
+                                key_block_program, key_ranges, load_segment_bounds, load_tile, masked_tile,
+                                masked_tile_count, query_block_program, query_heads, query_row_ranges, tile_visible,
+                                visible_counts)
 from attn.families.threshold import FAMILY
 from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -150,20 +151,12 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
     DROPOUT: w (both views combined) -> m w / (1 - p), m the call's keep mask."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_seq = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
+    v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
     w = _rectified_power(x, power, POWER_MODE)
     if DIFF:
-        if MASKED:
-            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
-        else:
-            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d)
+        k2 = load_tile(k2_base, offs_n, offs_d, sk2n, sk2d, kv_len, MASKED)
         x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
         w = w - lam * _rectified_power(x2, power, POWER_MODE)
     if MASKED:
@@ -256,13 +249,8 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
              seed, bh, dropout_p, DROPOUT: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        in_seq = offs_n[:, None] < kv_len
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd, mask=in_seq, other=0.0)
-    else:
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :] * svd)
+    k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
+    v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if MASKED:
@@ -275,10 +263,7 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
     ds = dp * _rectified_power_grad(x, power, POWER_MODE)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     if DIFF:
-        if MASKED:
-            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
-        else:
-            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d)
+        k2 = load_tile(k2_base, offs_n, offs_d, sk2n, sk2d, kv_len, MASKED)
         x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
         ds2 = dp * (-lam * _rectified_power_grad(x2, power, POWER_MODE))
         dq2 = tl.dot(ds2.to(k2.dtype), k2, dq2, input_precision=DOT_PREC)
@@ -361,11 +346,7 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
     SECOND: tl.constexpr = DIFF and VIEWS != 1
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    if MASKED:
-        row_ok = offs_m[:, None] < kv_len
-        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod, mask=row_ok, other=0.0)
-    else:
-        do = tl.load(do_base + offs_m[:, None] * sdon + offs_d[None, :] * sdod)
+    do = load_tile(do_base, offs_m, offs_d, sdon, sdod, kv_len, MASKED)
     tau = _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
@@ -378,17 +359,11 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
         keepT = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], kv_len, dropout_p)
         dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     if FIRST:
-        if MASKED:
-            q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd, mask=row_ok, other=0.0)
-        else:
-            q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :] * sqd)
+        q = load_tile(q_base, offs_m, offs_d, sqn, sqd, kv_len, MASKED)
         xT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) - tau[None, :]
         wT, gT = _rectified_power_and_grad(xT, power, POWER_MODE)
     if DIFF:
-        if MASKED:
-            q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d, mask=row_ok, other=0.0)
-        else:
-            q2 = tl.load(q2_base + offs_m[:, None] * sq2n + offs_d[None, :] * sq2d)
+        q2 = load_tile(q2_base, offs_m, offs_d, sq2n, sq2d, kv_len, MASKED)
         x2T = tl.dot(k2, tl.trans(q2), input_precision=DOT_PREC) - tau[None, :]
         w2T, g2T = _rectified_power_and_grad(x2T, power, POWER_MODE)
         if SECOND:
@@ -499,11 +474,10 @@ def _zero_count_tiles(zeros, q, q2, tau, lam, k_base, k2_base, skn, skd, sk2n, s
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_seq = offs_n[:, None] < seq_len
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :] * skd, mask=in_seq, other=0.0)
+        k = load_tile(k_base, offs_n, offs_d, skn, skd, seq_len, True)
         w = _rectified_power(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None], power, POWER_MODE)
         if DIFF:
-            k2 = tl.load(k2_base + offs_n[:, None] * sk2n + offs_d[None, :] * sk2d, mask=in_seq, other=0.0)
+            k2 = load_tile(k2_base, offs_n, offs_d, sk2n, sk2d, seq_len, True)
             x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
             w = w - lam * _rectified_power(x2, power, POWER_MODE)
         vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,

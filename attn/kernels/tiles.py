@@ -106,6 +106,17 @@ def tile_ptrs(base, rows, cols, stride_row, stride_col):
 
 
 @triton.jit
+def load_tile(base, rows, cols, stride_row, stride_col, n_rows, MASKED: tl.constexpr):
+    """The rows x cols tile of a matrix at base; MASKED: rows at or past n_rows read as 0."""
+    if MASKED:
+        in_rows = rows[:, None] < n_rows
+        tile = tl.load(tile_ptrs(base, rows, cols, stride_row, stride_col), mask=in_rows, other=0.0)
+    else:
+        tile = tl.load(tile_ptrs(base, rows, cols, stride_row, stride_col))
+    return tile
+
+
+@triton.jit
 def head_tile_ptrs(base, batch, head, rows, cols, stride_b, stride_n, stride_h, stride_d):
     """Pointers to rows x cols of one head of a (B, N, H, D) tensor."""
     return tile_ptrs(base + batch * stride_b + head * stride_h, rows, cols, stride_n, stride_d)
