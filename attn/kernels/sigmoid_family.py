@@ -36,8 +36,8 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
-                                key_block_program, key_ranges, load_tile, masked_tile, masked_tile_count,
-                                query_block_program, query_row_ranges, tile_visible, visible_counts)
+                                key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
+                                query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
 from attn.families.sigmoid import FAMILY
 from attn.masks import MaskSpec
 from attn.specs import SigmoidFamilySpec
@@ -87,13 +87,8 @@ def _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
     k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
     v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
-    if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        w = tl.where(vis, w, 0.0)
-    if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
-        w = tl.where(keep, w * (1.0 / (1.0 - dropout_p)), 0.0)
+    w = mask_and_drop(w, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
+                      MASKED, CAUSAL, HAS_WINDOW, HAS_SEG, DROPOUT)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
 
@@ -164,13 +159,9 @@ def _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
     v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        dp = tl.where(vis, dp, 0.0)
-    if DROPOUT:  # d(m w / (1 - p)) / dw
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
-        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    # under dropout d(m w / (1 - p)) / dw
+    dp = mask_and_drop(dp, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
+                       MASKED, CAUSAL, HAS_WINDOW, HAS_SEG, DROPOUT)
     dz = dp * (w * (1.0 - w))
     return tl.dot(dz.to(k.dtype), k, dq, input_precision=DOT_PREC)
 
@@ -237,9 +228,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
     wT = _sigmoid2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale2 + row_bias[None, :])
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
+        vis = tile_visible_in_query_range(offs_m, offs_n, q_lo, q_hi, kv_len, window, hs, he, cs, ce,
+                                          CAUSAL, HAS_WINDOW, HAS_SEG)
         visT = tl.trans(vis)
         dpT = tl.where(visT, dpT, 0.0)
     dzT = dpT * (wT * (1.0 - wT))

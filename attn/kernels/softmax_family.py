@@ -50,7 +50,8 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_tile_ptrs, key_block_program, key_ranges,
-                                query_block_program, query_row_ranges, tile_visible)
+                                query_block_program, query_row_ranges, tile_visible,
+                                tile_visible_in_query_range)
 from attn.families.softmax import FAMILY
 from attn.masks import MaskSpec
 from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_lengths, kernel_segment_bounds
@@ -370,8 +371,8 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
     g, fprime = _cap(xT, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     pT = tl.exp2(g * col_scale[None, :] - lse[None, :])
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
-        vis = vis & (offs_m[:, None] >= lo) & (offs_m[:, None] < hi)
+        vis = tile_visible_in_query_range(offs_m, offs_n, lo, hi, kv_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW,
+                                          HAS_SEG)
         pT = tl.where(tl.trans(vis), pT, 0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, BM)
     if DROPOUT:

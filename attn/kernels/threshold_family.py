@@ -58,9 +58,9 @@ from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, c
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
-                                key_block_program, key_ranges, load_segment_bounds, load_tile, masked_tile,
-                                masked_tile_count, query_block_program, query_heads, query_row_ranges, tile_visible,
-                                visible_counts)
+                                key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
+                                masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
+                                tile_visible, tile_visible_in_query_range, visible_counts)
 from attn.families.threshold import FAMILY
 from attn.masks import MaskSpec, visible_key_counts
 from attn.specs import ThresholdFamilySpec
@@ -159,13 +159,8 @@ def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
         k2 = load_tile(k2_base, offs_n, offs_d, sk2n, sk2d, kv_len, MASKED)
         x2 = tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) - tau[:, None]
         w = w - lam * _rectified_power(x2, power, POWER_MODE)
-    if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        w = tl.where(vis, w, 0.0)
-    if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
-        w = tl.where(keep, w * (1.0 / (1.0 - dropout_p)), 0.0)
+    w = mask_and_drop(w, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
+                      MASKED, CAUSAL, HAS_WINDOW, HAS_SEG, DROPOUT)
     # the one w.V product per tile (both views already combined in w)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
@@ -253,13 +248,9 @@ def _dq_tile(dq, dq2, q, q2, do, tau, lam, k_base, v_base, k2_base,
     v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) - tau[:, None]
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    if MASKED:
-        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        dp = tl.where(vis, dp, 0.0)  # masks both views' ds
-    if DROPOUT:  # d(m w / (1 - p)) / dw
-        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], kv_len, dropout_p)
-        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    # masks both views' ds; under dropout d(m w / (1 - p)) / dw
+    dp = mask_and_drop(dp, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
+                       MASKED, CAUSAL, HAS_WINDOW, HAS_SEG, DROPOUT)
     ds = dp * _rectified_power_grad(x, power, POWER_MODE)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     if DIFF:
@@ -350,9 +341,8 @@ def _dkdv_tile(dk, dv, dk2, dlam, k, v, k2, lam, q_base, do_base, q2_base,
     tau = _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
-        vis = tile_visible(offs_m, offs_n, 0, kv_len, kv_len, window, hs, he, cs, ce,
-                           CAUSAL, HAS_WINDOW, HAS_SEG)
-        vis = vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
+        vis = tile_visible_in_query_range(offs_m, offs_n, q_lo, q_hi, kv_len, window, hs, he, cs, ce,
+                                          CAUSAL, HAS_WINDOW, HAS_SEG)
         visT = tl.trans(vis)
         dpT = tl.where(visT, dpT, 0.0)  # masks every ds term and d-lambda
     if DROPOUT:  # one keep mask m for the combined weight: dv += (m w / (1 - p))^T do, dp -> m dp / (1 - p)

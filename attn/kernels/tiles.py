@@ -18,6 +18,8 @@ programs visit the mirror-image query ranges.
 import triton
 import triton.language as tl
 
+from attn.kernels.dropout import dropout_keep
+
 
 @triton.jit
 def load_segment_bounds(bounds_ptr, batch, HAS_SEG: tl.constexpr):
@@ -141,6 +143,33 @@ def tile_visible(
         k_hist = (n >= hs) & (n < he)
         vis = vis & (((q_hist | q_cand) & k_hist) | (q_cand & (m == n)))
     return vis
+
+
+@triton.jit
+def tile_visible_in_query_range(
+    offs_m, offs_n, q_lo, q_hi, seq_len, window, hs, he, cs, ce,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+):
+    """tile_visible of a key-block program's query tile: queries restricted to [q_lo, q_hi)."""
+    vis = tile_visible(offs_m, offs_n, 0, seq_len, seq_len, window, hs, he, cs, ce, CAUSAL, HAS_WINDOW, HAS_SEG)
+    return vis & (offs_m[:, None] >= q_lo) & (offs_m[:, None] < q_hi)
+
+
+@triton.jit
+def mask_and_drop(x, offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce, seed, bh, dropout_p,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
+                  DROPOUT: tl.constexpr):
+    """x (query rows offs_m x keys offs_n: an unnormalized weight or its dp) with 0 where the row
+    does not see the key (MASKED tiles, keys kept to [key_lo, key_hi)) and, under DROPOUT, 0 where
+    the call's keep mask drops it and x / (1 - p) where it keeps it."""
+    if MASKED:
+        vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
+                           CAUSAL, HAS_WINDOW, HAS_SEG)
+        x = tl.where(vis, x, 0.0)
+    if DROPOUT:
+        keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], seq_len, dropout_p)
+        x = tl.where(keep, x * (1.0 / (1.0 - dropout_p)), 0.0)
+    return x
 
 
 @triton.jit
