@@ -140,6 +140,22 @@ def _row_threshold(offs_m, kv_len, window, hs, he, cs, ce, tau_scale,
 
 
 @triton.jit
+def _second_view_tiles(Q2, K2, LAM, q, k_base, b64, h, hk, offs_m, offs_d, row_ok,
+                       sq2b, sq2n, sq2h, sq2d, sk2b, sk2h, slam, DIFF: tl.constexpr):
+    """A query-block program's second view (q2 tile, k2 head base, lambda_h in fp32); without DIFF
+    the first view's q and k_base and an unused 0."""
+    if DIFF:
+        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
+        k2_base = K2 + b64 * sk2b + hk * sk2h
+        lam = tl.load(LAM + h * slam).to(tl.float32)
+    else:
+        q2 = q
+        k2_base = k_base
+        lam = 0.0
+    return q2, k2_base, lam
+
+
+@triton.jit
 def _fwd_tile(acc, q, q2, tau, lam, k_base, v_base, k2_base,
               skn, skd, svn, svd, sk2n, sk2d,
               offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, power,
@@ -201,14 +217,8 @@ def _fwd_kernel(
     q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
-    if DIFF:
-        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
-        k2_base = K2 + b64 * sk2b + hk * sk2h
-        lam = tl.load(LAM + h * slam).to(tl.float32)
-    else:
-        q2 = q
-        k2_base = k_base
-        lam = 0.0
+    q2, k2_base, lam = _second_view_tiles(Q2, K2, LAM, q, k_base, b64, h, hk, offs_m, offs_d, row_ok,
+                                          sq2b, sq2n, sq2h, sq2d, sk2b, sk2h, slam, DIFF)
     tau = _row_threshold(pos_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -282,14 +292,8 @@ def _dq_kernel(
     do = tl.load(head_tile_ptrs(DO, b64, h, offs_m, offs_d, sdob, sdon, sdoh, sdod), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
     v_base = V + b64 * svb + hk * svh
-    if DIFF:
-        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
-        k2_base = K2 + b64 * sk2b + hk * sk2h
-        lam = tl.load(LAM + h * slam).to(tl.float32)
-    else:
-        q2 = q
-        k2_base = k_base
-        lam = 0.0
+    q2, k2_base, lam = _second_view_tiles(Q2, K2, LAM, q, k_base, b64, h, hk, offs_m, offs_d, row_ok,
+                                          sq2b, sq2n, sq2h, sq2d, sk2b, sk2h, slam, DIFF)
     tau = _row_threshold(pos_m, kv_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -499,14 +503,8 @@ def _zero_count_kernel(
     row_ok = offs_m[:, None] < seq_len
     q = tl.load(head_tile_ptrs(Q, b64, h, offs_m, offs_d, sqb, sqn, sqh, sqd), mask=row_ok, other=0.0)
     k_base = K + b64 * skb + hk * skh
-    if DIFF:
-        q2 = tl.load(head_tile_ptrs(Q2, b64, h, offs_m, offs_d, sq2b, sq2n, sq2h, sq2d), mask=row_ok, other=0.0)
-        k2_base = K2 + b64 * sk2b + hk * sk2h
-        lam = tl.load(LAM + h * slam).to(tl.float32)
-    else:
-        q2 = q
-        k2_base = k_base
-        lam = 0.0
+    q2, k2_base, lam = _second_view_tiles(Q2, K2, LAM, q, k_base, b64, h, hk, offs_m, offs_d, row_ok,
+                                          sq2b, sq2n, sq2h, sq2d, sk2b, sk2h, slam, DIFF)
     tau = _row_threshold(offs_m, seq_len, window, hs, he, cs, ce, tau_scale, CAUSAL, HAS_WINDOW, HAS_SEG)
     zeros = tl.zeros([], dtype=tl.int32)
     lo, hi, lo2, hi2 = key_ranges(m0, seq_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
