@@ -1,5 +1,6 @@
 """Code shared by every Triton kernel: program prologues (batch, heads, rows or keys of a program),
-tile pointers, in-tile visibility, tile-skipping ranges, full-tile spans, n_i.
+tile pointers and loads, in-tile visibility (and dropout on elementwise weights), tile-skipping
+ranges, full-tile spans, n_i.
 
 Semantics are those of `attn/masks.py` (tested against `dense_mask`). Segment ids reach
 kernels as per-row bounds [hist_start, hist_end, cand_start, cand_end) (`segment_bounds`).
@@ -73,8 +74,8 @@ def query_block_program(BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M: tl.con
                         LENS=None, HAS_LENS: tl.constexpr = False):
     """This query-block program's bh, batch, query head, kv head (`query_heads`), key count
     (`row_key_count`), query rows offs_m, their key positions pos_m, the key position p0 of the
-    block's first row and the row's segment bounds hs, he, cs, ce. The heaviest (causal: last)
-    query blocks run first."""
+    block's first row and the batch row's segment bounds hs, he, cs, ce. The heaviest (causal:
+    last) query blocks run first."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b, h, hk = query_heads(bh, num_heads, group)
@@ -90,8 +91,8 @@ def query_block_program(BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M: tl.con
 
 @triton.jit
 def key_block_program(BOUNDS, num_kv_heads, BLOCK_N: tl.constexpr, HAS_SEG: tl.constexpr):
-    """This key-block program's batch, kv head, first key n0, keys offs_n and the row's segment
-    bounds hs, he, cs, ce."""
+    """This key-block program's batch, kv head, first key n0, keys offs_n and the batch row's
+    segment bounds hs, he, cs, ce."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b, hk = batch_and_head(bhk, num_kv_heads)
@@ -159,9 +160,9 @@ def tile_visible_in_query_range(
 def mask_and_drop(x, offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce, seed, bh, dropout_p,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
                   DROPOUT: tl.constexpr):
-    """x (query rows offs_m x keys offs_n: an unnormalized weight or its dp) with 0 where the row
-    does not see the key (MASKED tiles, keys kept to [key_lo, key_hi)) and, under DROPOUT, 0 where
-    the call's keep mask drops it and x / (1 - p) where it keeps it."""
+    """x (query rows offs_m x keys offs_n: an unnormalized weight or its dp) set to 0 where the row
+    does not see the key (MASKED tiles, keys kept to [key_lo, key_hi)) and, under DROPOUT, where
+    the call's keep mask drops it; kept entries are scaled by 1 / (1 - p)."""
     if MASKED:
         vis = tile_visible(offs_m, offs_n, key_lo, key_hi, seq_len, window, hs, he, cs, ce,
                            CAUSAL, HAS_WINDOW, HAS_SEG)
