@@ -23,15 +23,17 @@ B, N, H, H_KV, D = 2, 19, 2, 1, 16
 DIFF = attn.get_variant("diff_threshold").make_spec(beta=0.3)
 WITHOUT_EXTRAS = ["softmax", "alsc", "threshold", "sigmoid"]
 CAUSAL = MaskSpec(causal=True)
+# the kernels run natively where CUDA is (the interpreter otherwise): inputs live there
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def qkv(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
 
     def unit(heads):
-        return F.normalize(torch.randn(B, N, heads, D, generator=gen, dtype=torch.float64), dim=-1).to(dtype)
+        return F.normalize(torch.randn(B, N, heads, D, generator=gen, dtype=torch.float64), dim=-1).to(DEVICE, dtype)
 
-    return unit(H), unit(H_KV), torch.randn(B, N, H_KV, D, generator=gen, dtype=torch.float64).to(dtype)
+    return unit(H), unit(H_KV), torch.randn(B, N, H_KV, D, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
 
 
 def second_view(q, k, seed=1):
@@ -39,9 +41,9 @@ def second_view(q, k, seed=1):
     gen = torch.Generator().manual_seed(seed)
 
     def unit(like):
-        return F.normalize(torch.randn(like.shape, generator=gen, dtype=torch.float64), dim=-1).to(like.dtype)
+        return F.normalize(torch.randn(like.shape, generator=gen, dtype=torch.float64), dim=-1).to(like.device, like.dtype)
 
-    return {"q2": unit(q), "k2": unit(k), "lam": torch.tensor([0.3, 0.7], dtype=q.dtype)}
+    return {"q2": unit(q), "k2": unit(k), "lam": torch.tensor([0.3, 0.7], dtype=q.dtype, device=q.device)}
 
 
 def entry_points(spec) -> dict:
@@ -104,9 +106,9 @@ def test_extras_are_refused_on_the_sdpa_backend_too():
     call = attn.AttentionCall(spec, backend="sdpa")
     assert torch.equal(call(q, k, v, extra={}), attn.attention(q, k, v, spec, backend="sdpa"))
     with pytest.raises(ValueError, match=r"extra has an unexpected key 'lam': .* are none"):
-        call(q, k, v, extra={"lam": torch.ones(H)})
+        call(q, k, v, extra={"lam": torch.ones(H, device=DEVICE)})
     with pytest.raises(ValueError, match=r"extra has an unexpected key 'lam': .* are none"):
-        attn.attention(q, k, v, spec, backend="sdpa", extra={"lam": torch.ones(H)})
+        attn.attention(q, k, v, spec, backend="sdpa", extra={"lam": torch.ones(H, device=DEVICE)})
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
@@ -146,7 +148,7 @@ def test_the_mapping_reaches_the_kernels_and_the_reference_with_equal_results(na
     order of the keys irrelevant (the kernels unpack by name), and the values used (lambda matters)."""
     q, k, v = qkv(torch.float64, seed=3)
     x = {"q": q, "k": k, "v": v, **second_view(q, k, seed=4)}
-    dout = torch.randn(B, N, H, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    dout = torch.randn(B, N, H, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(DEVICE)
 
     def leaves(dtype):
         return {name: t.detach().to(dtype).requires_grad_() for name, t in x.items()}
