@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import sys
 import time
@@ -139,19 +140,12 @@ def decode_step_row(case: dict, timings: list[dict]) -> dict:
 
 def sweep_decode_configs(cases: list[dict], configs: list[tuple[int, int, int]], splits: list[int]) -> list[dict]:
     """Graph-replayed time of every case under each decode tile config (BLOCK_N, warps, stages) and
-    split count (0: the heuristic's): what `runtime.decode_config` and `runtime.decode_splits` choose."""
-    import os
-
-    from attn.kernels import sigmoid_family, softmax_family, threshold_family
-
-    modules = (softmax_family, threshold_family, sigmoid_family)
-    default = runtime.decode_config
+    split count (0: the heuristic's), set through `runtime.decode_config`'s and `runtime.decode_splits`'
+    environment knobs."""
     rows = []
     try:
         for block_n, warps, stages in configs:
-            cfg = runtime.TileConfig(16, block_n, warps, stages)
-            for module in modules:
-                module.decode_config = lambda cfg=cfg: cfg
+            os.environ[runtime.DECODE_TILES_ENV] = f"{block_n},{warps},{stages}"
             for split in splits:
                 if split:
                     os.environ[runtime.DECODE_SPLITS_ENV] = str(split)
@@ -163,7 +157,8 @@ def sweep_decode_configs(cases: list[dict], configs: list[tuple[int, int, int]],
                             case["ours"]()
                             ms = do_bench_cudagraph(case["ours"], rep=50, return_mode="median")
                         except Exception as e:  # a config that does not fit: report and go on
-                            print(f"{case['name']} {cfg} splits {split}: {type(e).__name__}", flush=True)
+                            print(f"{case['name']} {os.environ[runtime.DECODE_TILES_ENV]} splits {split}: "
+                                  f"{type(e).__name__}", flush=True)
                             continue
                     rows.append({"variant": case["name"], "cache": case["cache"], "block_n": block_n, "warps": warps,
                                  "stages": stages, "splits": split or "auto", "graph_ms": ms,
@@ -172,8 +167,7 @@ def sweep_decode_configs(cases: list[dict], configs: list[tuple[int, int, int]],
                           f"{stages} splits {split or 'auto':>4}: {ms * 1e3:7.1f} us ({rows[-1]['gb_per_s']:.0f} GB/s)",
                           flush=True)
     finally:
-        for module in modules:
-            module.decode_config = default
+        os.environ.pop(runtime.DECODE_TILES_ENV, None)
         os.environ.pop(runtime.DECODE_SPLITS_ENV, None)
     return rows
 

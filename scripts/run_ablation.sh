@@ -119,6 +119,7 @@ device() {
   local budget=${ABLATION_TRAIN_BUDGET_S:-420}
   local seeds=${ABLATION_SEEDS:-$ALL_SEEDS}
   local deadline=$(( $(date +%s) + budget ))
+  elapsed() { echo $(( $(date +%s) - deadline + budget )); }  # seconds since the sweep started
   chain() {
     local v=$1 seed=$2 left=$(( deadline - $(date +%s) ))
     local tag=${v}_s$seed
@@ -132,7 +133,7 @@ device() {
         "${extra[@]}" ${!own:-} >"$log/train_$tag.log" 2>&1 \
         || echo "[$tag] training ended early (exit $?), see logs/train_$tag.log"
     fi
-    echo "[$tag] trained at +$(( $(date +%s) - deadline + budget ))s"
+    echo "[$tag] trained at +$(elapsed)s"
     local runs
     runs=$(runs_of "$sweep" "$v" "$seed")
     if [ -z "$runs" ]; then echo "[$tag] no finished run"; return; fi
@@ -141,7 +142,7 @@ device() {
     $PYTHON -m eval.attention_stats "ckpt=[$runs]" split=val ${ABLATION_STATS_ARGS:-} >"$log/attention_$tag.log" 2>&1 \
       || echo "[$tag] attention stats failed, see logs/attention_$tag.log"
     pack "$out" "$sweep"
-    echo "[$tag] done at +$(( $(date +%s) - deadline + budget ))s"
+    echo "[$tag] done at +$(elapsed)s"
   }
   local extra=("$@")
   local parallel=${ABLATION_PARALLEL:-9}
@@ -154,10 +155,10 @@ device() {
     done
   done
   wait || true
-  echo "every run trained and evaluated at +$(( $(date +%s) - deadline + budget ))s"
+  echo "every run trained and evaluated at +$(elapsed)s"
   $PYTHON scripts/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \
     || echo "report failed, see logs/report.log"
-  echo "ablation wall time (runs, evaluations, report): $(( $(date +%s) - deadline + budget ))s" | tee -a "$sweep/environment.txt"
+  echo "ablation wall time (runs, evaluations, report): $(elapsed)s" | tee -a "$sweep/environment.txt"
   pack "$out" "$sweep"
   cp "$sweep/environment.txt" "$out/"
   [ -f "$sweep/report/report.md" ] && cp "$sweep/report/report.md" "$out/"

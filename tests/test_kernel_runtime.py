@@ -150,6 +150,12 @@ def test_interpreter_candidates(monkeypatch):
 def test_decode_config_on_gpu(monkeypatch):
     _gpu_mode(monkeypatch)
     assert _cfgs(decode_config()) == [(16, 64, 4, 2)] * 2
+    monkeypatch.setenv(runtime.DECODE_TILES_ENV, "32,8,3")
+    assert _cfgs(decode_config()) == [(16, 32, 8, 3)] * 2
+    for bad in ("32,8", "32,0,3", "a,4,2"):
+        monkeypatch.setenv(runtime.DECODE_TILES_ENV, bad)
+        with pytest.raises(ValueError, match="ATTNLAB_DECODE_TILES must be three positive integers"):
+            runtime.decode_config()
 
 
 BUCKETS = {0: 64, 1: 64, 2: 64, 63: 64, 64: 64, 65: 128, 100: 128, 128: 128, 129: 256, 1000: 1024, 1024: 1024,

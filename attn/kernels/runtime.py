@@ -36,6 +36,8 @@ DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
 # key-block kernels BN x BM)
 INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
+# "BLOCK_N,warps,stages": the split-key forward's tiles (sweeps; 16 query rows always)
+DECODE_TILES_ENV = "ATTNLAB_DECODE_TILES"
 # the split-key (flash-decoding) forward serves calls with at most this many queries
 DECODE_MAX_QUERIES = 16
 # each split walks at least this many key tiles (fewer make the merge cost more than it saves)
@@ -119,8 +121,18 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def decode_config() -> TileConfig:
     """Tiles of the split-key (flash-decoding) forwards: 16 query rows (a decode step's few queries;
-    the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several)."""
-    return TileConfig(16, 16, 4, 1) if interpreting() else TileConfig(16, 64, 4, 2)
+    the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several).
+    ATTNLAB_DECODE_TILES="BLOCK_N,warps,stages" sets the GPU's (for sweeps, scripts/bench_decode.py)."""
+    if interpreting():
+        return TileConfig(16, 16, 4, 1)
+    raw = os.environ.get(DECODE_TILES_ENV)
+    if raw is None:
+        return TileConfig(16, 64, 4, 2)
+    fields = raw.split(",")
+    if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+        raise ValueError(f"{DECODE_TILES_ENV} must be three positive integers 'BLOCK_N,warps,stages', got {raw!r}")
+    block_n, warps, stages = (int(f) for f in fields)
+    return TileConfig(16, block_n, warps, stages)
 
 
 def tuned_configs(kernels) -> dict[str, str]:
