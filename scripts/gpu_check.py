@@ -6,7 +6,7 @@
 Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
-            test_kv_cache.py), check_softmax_family_gpu.py, check_threshold_gpu.py
+            test_kv_cache.py, test_extra_inputs.py), check_softmax_family_gpu.py, check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
@@ -63,8 +63,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = "python3"
 MIN_START_S = 60  # a step is not started with less of the budget left
+# the kernel test files whose cases matter natively: bf16 (skipped under the interpreter), GPU-only
+# checks, and the entry points' handling of CUDA inputs
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
-             "tests/test_kv_cache.py"]  # test files that run natively on a GPU (no interpreter switch at import)
+             "tests/test_kv_cache.py", "tests/test_extra_inputs.py"]
 
 
 @dataclasses.dataclass(frozen=True)
