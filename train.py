@@ -33,6 +33,7 @@ from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
 from training.checkpoint_io import AtomicCheckpointIO
 from training.config_checks import check_config, cuda_graphs_enabled
+from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
 from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
 from training.quiet_logs import silence_third_party_notices
@@ -199,6 +200,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
                     "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)
     if trainer.is_global_zero:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
+            results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
+            (output_dir / "results.json").write_text(json.dumps(results, indent=2))
         print(
             f"\n[{cfg.attn.name}] val loss {nats:.4f} nats/token | perplexity {results['val_ppl']:.2f} | "
             f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f} bits/byte)\n"

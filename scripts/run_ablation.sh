@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The attention ablation end to end: train variants x seeds (configs/experiment/ablation.yaml, or the
-# experiment ABLATION_EXPERIMENT names, e.g. tda_parity),
-# evaluate each run (perplexity at 1x/2x/4x context on the test split, attention statistics on
-# validation tokens), write the report.
+# experiment ABLATION_EXPERIMENT names, e.g. tda_parity), each run evaluated in its training process
+# (the experiment's `evaluate`: perplexity at 1x/2x/4x context on the test split, attention statistics
+# on validation tokens), then the report.
 #
 #   scripts/run_ablation.sh prepare                 # here, with network: wheels + token cache to carry
 #   scripts/run_ablation.sh device [OVERRIDES...]   # on the GPU machine: everything, packed into $OUT
@@ -11,19 +11,24 @@
 #
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
 #   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
-# Extra Hydra overrides go after `device`, e.g. `train.max_steps=300`. Environment knobs:
+# Extra Hydra overrides go after `device`, e.g. `train.max_steps=300 evaluate.perplexity.max_tokens=100000`.
+# Layout: one train.py process per variant, its seeds one after the other (imports, CUDA context and
+# kernel compiles paid once per variant), every variant's process at once on the GPU; each run's
+# forward, loss and backward replay as one captured CUDA graph (train.cuda_graphs=step) with pinned
+# kernel configs (ATTNLAB_AUTOTUNE=0: no timing of candidates while the processes share the GPU).
+# Environment knobs:
 #   ABLATION_EXPERIMENT  the experiment config (default ablation; its ablation.variants / seeds are the defaults)
 #   ABLATION_VARIANTS  comma list (default: the experiment's)   ABLATION_SEEDS  comma list (default: the experiment's)
-#   ABLATION_PARALLEL  runs at once on the GPU, one per variant and seed (default 9; 1 gives clean throughput numbers)
-#   ABLATION_TRAIN_BUDGET_S  wall seconds of training (default 420), so the evals, the report and the
-#                      packing still fit in one 600 s call: a run still going then stops through
-#                      Lightning's max_time (it reports, with the tokens it reached), killed 60 s later
+#   ABLATION_PARALLEL  variant processes at once (default: all; 1 gives clean throughput numbers)
+#   ABLATION_TRAIN_BUDGET_S  wall seconds of training (default 420), so the report and the packing still
+#                      fit in one 600 s call: a run still going then stops through Lightning's max_time
+#                      (it reports, with the tokens it reached); a process still going 60 s later is killed
 #   ABLATION_SWEEP     sweep folder (default multirun/ablation/device: a second call on the same warm
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
 #   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10";
 #                      a swept one, "attn.lambda_mode=scalar_clamp,reparam", gives one report row per setting)
-#   ABLATION_PPL_ARGS, ABLATION_STATS_ARGS  extra overrides of eval.perplexity / eval.attention_stats
 #   ABLATION_COMMIT    the commit to record (else ATTNLAB_COMMIT; the device's copy of .git can be stale)
+#   ATTNLAB_AUTOTUNE   1 times every kernel's candidate configs (default here 0: pinned)
 #   PYTHON             interpreter (default python3)
 # A run stopped by the budget gets no results.json and is left out of the report (it lists the runs).
 set -euo pipefail
@@ -81,18 +86,6 @@ pack() {
   ) 9>"$out/.pack.lock"
 }
 
-runs_of() {
-  # run directories of one variant and seed (by results.json, not by folder name: threshold vs diff_threshold)
-  $PYTHON - "$1" "$2" "$3" <<'EOF'
-import json, sys
-from pathlib import Path
-sweep, variant, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-runs = [p.parent for p in sorted(sweep.glob("*/results.json"))
-        if (r := json.loads(p.read_text()))["variant"] == variant and r.get("seed") == seed]
-print(",".join(f'"{r}"' for r in runs))
-EOF
-}
-
 device() {
   local out=${OUT:-$ROOT/ablation_out}
   mkdir -p "$out"
@@ -100,6 +93,7 @@ device() {
   mkdir -p "$sweep/logs"
   local log=$sweep/logs
   export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ATTNLAB_CACHE_DIR=$CACHE WANDB_MODE=offline
+  export ATTNLAB_AUTOTUNE=${ATTNLAB_AUTOTUNE:-0}
   if ! $PYTHON -c "import hydra" 2>/dev/null; then
     $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -110,7 +104,7 @@ device() {
     # the device copy of the tree may have no .git: ABLATION_COMMIT=<hash> names the commit then
     echo "commit: ${ABLATION_COMMIT:-${ATTNLAB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}"
     echo "command: ABLATION_EXPERIMENT=$EXPERIMENT scripts/run_ablation.sh device $*"
-    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-9}"
+    echo "variants: ${ABLATION_VARIANTS:-$ALL_VARIANTS} seeds: ${ABLATION_SEEDS:-$ALL_SEEDS} parallel: ${ABLATION_PARALLEL:-all} ATTNLAB_AUTOTUNE=$ATTNLAB_AUTOTUNE"
     env | grep '^ABLATION_OVERRIDES_' | sort || true
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
     $PYTHON -c "import sys, torch, triton, lightning, hydra; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'lightning', lightning.__version__, 'hydra', hydra.__version__)"
@@ -121,38 +115,27 @@ device() {
   local deadline=$(( $(date +%s) + budget ))
   elapsed() { echo $(( $(date +%s) - deadline + budget )); }  # seconds since the sweep started
   chain() {
-    local v=$1 seed=$2 left=$(( deadline - $(date +%s) ))
-    local tag=${v}_s$seed
-    if [ "$left" -gt 10 ]; then
-      # Lightning's max_time ends a run still going at the deadline like a finished one (results.json
-      # with the tokens it reached); SIGTERM 60 s later stops one stuck (it writes no results.json)
-      # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
-      local own="ABLATION_OVERRIDES_$v"
-      timeout -s TERM "$(( left + 60 ))" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seed" logger=csv \
-        "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false "+trainer.max_time=$(printf '00:%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))" \
-        "${extra[@]}" ${!own:-} >"$log/train_$tag.log" 2>&1 \
-        || echo "[$tag] training ended early (exit $?), see logs/train_$tag.log"
-    fi
-    echo "[$tag] trained at +$(elapsed)s"
-    local runs
-    runs=$(runs_of "$sweep" "$v" "$seed")
-    if [ -z "$runs" ]; then echo "[$tag] no finished run"; return; fi
-    $PYTHON -m eval.perplexity "ckpt=[$runs]" split=test ${ABLATION_PPL_ARGS:-} >"$log/perplexity_$tag.log" 2>&1 \
-      || echo "[$tag] perplexity failed, see logs/perplexity_$tag.log"
-    $PYTHON -m eval.attention_stats "ckpt=[$runs]" split=val ${ABLATION_STATS_ARGS:-} >"$log/attention_$tag.log" 2>&1 \
-      || echo "[$tag] attention stats failed, see logs/attention_$tag.log"
+    # one process: the variant's seeds in turn, each trained, checkpointed and evaluated
+    local v=$1 left=$(( deadline - $(date +%s) ))
+    [ "$left" -gt 10 ] || { echo "[$v] no time left"; return; }
+    # Lightning's max_time ends a run still going at the deadline like a finished one (results.json
+    # with the tokens it reached); SIGTERM 60 s later stops a process still going (no results.json)
+    # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
+    local own="ABLATION_OVERRIDES_$v"
+    timeout -s TERM "$(( left + 60 ))" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seeds" logger=csv \
+      "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false train.cuda_graphs=step \
+      "+trainer.max_time=$(printf '00:%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))" \
+      "${extra[@]}" ${!own:-} >"$log/train_$v.log" 2>&1 \
+      || echo "[$v] ended early (exit $?), see logs/train_$v.log"
     pack "$out" "$sweep"
-    echo "[$tag] done at +$(elapsed)s"
+    echo "[$v] trained and evaluated at +$(elapsed)s"
   }
   local extra=("$@")
-  local parallel=${ABLATION_PARALLEL:-9}
+  local parallel=${ABLATION_PARALLEL:-0}
   IFS=, read -r -a variants <<<"${ABLATION_VARIANTS:-$ALL_VARIANTS}"
-  IFS=, read -r -a seed_list <<<"$seeds"
-  for s in "${seed_list[@]}"; do
-    for v in "${variants[@]}"; do
-      while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
-      chain "$v" "$s" &
-    done
+  for v in "${variants[@]}"; do
+    while [ "$parallel" -gt 0 ] && [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
+    chain "$v" &
   done
   wait || true
   echo "every run trained and evaluated at +$(elapsed)s"

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
 from models.lit import gpt_config_from_dict
+from training.evaluate_after import check_evaluate_config
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "out_norm_eps", "lambda_mode", "window"}
 LOGGER_KINDS = ("wandb", "csv", "tensorboard", "none")
@@ -119,6 +120,7 @@ def check_config(cfg: DictConfig) -> None:
     check_optimizer_config(cfg)
     check_scheduler_config(cfg.get("scheduler"))
     check_callbacks_config(cfg.get("callbacks"))
+    check_evaluate_config(cfg.get("evaluate"))
     if cfg.logger.kind not in LOGGER_KINDS:
         raise ValueError(f"logger.kind must be one of {LOGGER_KINDS}, got {cfg.logger.kind!r}")
     if cfg.logger.kind == "tensorboard" and not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):
