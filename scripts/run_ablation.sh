@@ -122,6 +122,7 @@ device() {
     # with the tokens it reached); SIGTERM 60 s later stops a process still going (no results.json)
     # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
     local own="ABLATION_OVERRIDES_$v"
+    echo "[$v] started at +$(elapsed)s"
     timeout -s TERM "$(( left + 60 ))" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seeds" logger=csv \
       "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false train.cuda_graphs=step \
       "+trainer.max_time=$(printf '00:%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))" \
