@@ -13,6 +13,7 @@ under a causal mask), backward 2.5x that.
     python scripts/bench_attention.py --only issue15 --prewarm 6 --out gpu_out/issue15
     python scripts/bench_attention.py --only issue15 --dry-run   # CPU: tiny shapes, no timing
     python scripts/bench_attention.py --only sigmoid --out gpu_out/bench_sigmoid
+    python scripts/bench_attention.py --only sigmoid_paths --out gpu_out/sigmoid_paths  # each evaluation path
 
 Writes OUT.json and OUT.md (date, GPU, torch/triton/CUDA versions, commit, the targets table
 and, for softmax-family rows, the fraction of tiles the kernels visit).
@@ -517,16 +518,37 @@ def variant_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     return impls
 
 
-def run_variant_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False, params=None):
-    """One case of a registry variant at its default parameters (or `params`); rows look like
-    run_case's (impls: ours, sdpa, ref_compiled). The threshold kernels' speed does not depend on
-    how many weights the threshold zeroes (no data-dependent skipping)."""
+@contextlib.contextmanager
+def case_env(env: dict | None):
+    """The case's environment variables (kernel knobs the launchers read at every call), then the old values."""
+    old = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_variant_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False, params=None,
+                     env=None):
+    """One case of a registry variant at its default parameters (or `params`), under the environment
+    variables `env`; rows look like run_case's (impls: ours, sdpa, ref_compiled). The threshold
+    kernels' speed does not depend on how many weights the threshold zeroes (no data-dependent skipping)."""
+    with case_env(env):
+        return _run_variant_case(name, b, h, n, d, variant, mask, h_kv, ids, sdpa, ref, params, env)
+
+
+def _run_variant_case(name, b, h, n, d, variant, mask, h_kv, ids, sdpa, ref, params, env):
     h_kv = h_kv or h
     q, k, v, second = variant_inputs(b, h, n, d, h_kv, variant, "cuda", torch.bfloat16)
     spec = attn.get_variant(variant).make_spec(**(params or {}))
     flops = useful_flops(b, h, n, d, mask, ids)
     row = {"name": name, "variant": variant, "B": b, "H": h, "H_kv": h_kv, "N": n, "D": d, "params": params or {},
-           "mask": mask_name(mask, ids), "fwd_gflop": flops / 1e9}
+           "mask": mask_name(mask, ids), "fwd_gflop": flops / 1e9, **({"env": env} if env else {})}
     time_impls(name, variant_impls(q, k, v, second, spec, mask, ids, sdpa=sdpa, ref=ref), flops, row)
     torch.cuda.empty_cache()
     return row
@@ -600,6 +622,41 @@ def sigmoid_targets(rows):
         if r and "ours" in r and "sdpa" in r:
             for key, what in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd")):
                 res.append((f"{name}: {what} speed vs SDPA softmax", ratio(r["sdpa"], r["ours"], key), None))
+    return judged(res)
+
+
+SIGMOID_PATH_ENV = "ATTNLAB_SIGMOID_PATH"  # attn/kernels/sigmoid_family.py
+SIGMOID_PATHS = ("auto", "mufu", "mufu_approx", "newton", "poly")
+
+
+def sigmoid_path_cases(device="cuda"):
+    """The main sigmoid case (and D = 64) once per evaluation path of the kernels (the launchers
+    read ATTNLAB_SIGMOID_PATH at every call); SDPA once, on the auto rows."""
+    causal = MaskSpec(causal=True)
+    return [(f"{label} sigmoid causal path={path}", *shape, "sigmoid", causal,
+             {"sdpa": path == "auto", "env": {SIGMOID_PATH_ENV: path}})
+            for label, shape in (("main", (4, 16, 4096, 128)), ("small", (8, 16, 1024, 64)))
+            for path in SIGMOID_PATHS]
+
+
+def sigmoid_path_targets(rows):
+    """Per path: its speed over the mufu path's (the kernels before the MUFU-sparing paths) and over
+    SDPA's, fwd and fwd+bwd (information, no threshold)."""
+    by = {r["name"]: r for r in rows}
+    res = []
+    for label in ("main", "small"):
+        base, sdpa_row = by.get(f"{label} sigmoid causal path=mufu"), by.get(f"{label} sigmoid causal path=auto")
+        for path in SIGMOID_PATHS:
+            r = by.get(f"{label} sigmoid causal path={path}")
+            if not r or "ours" not in r:
+                continue
+            for key, what in (("fwd_ms", "fwd"), ("fwdbwd_ms", "fwd+bwd")):
+                if base and "ours" in base and path != "mufu":
+                    res.append((f"{label} path={path}: {what} speed vs path=mufu", ratio(base["ours"], r["ours"], key),
+                                None))
+                if sdpa_row and "sdpa" in sdpa_row:
+                    res.append((f"{label} path={path}: {what} speed vs SDPA softmax",
+                                ratio(sdpa_row["sdpa"], r["ours"], key), None))
     return judged(res)
 
 
@@ -727,7 +784,7 @@ def dry_check(case, atol=1e-4) -> dict:
     want = reference_attention(q.double(), k.double(), v.double(), spec, mask, ids, None, extra=f64)
     res["errors"] = {}
     for key, fn in impls.items():
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), case_env(extra.get("env")):
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out = fn()
         if key in ("sdpa", "flex"):
@@ -765,7 +822,8 @@ def dry_run(suite_cases) -> list[dict]:
     return results
 
 
-SUITES = ["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main", "issue15", "sigmoid"]
+SUITES = ["all", "main", "ours", "masks", "shapes", "threshold", "threshold_main", "issue15", "sigmoid",
+          "sigmoid_paths"]
 
 
 def suite(only, device="cuda"):
@@ -776,6 +834,8 @@ def suite(only, device="cuda"):
         return issue15_cases(device), issue15_targets, "Attention kernels benchmark: issue 15 targets"
     if only == "sigmoid":
         return sigmoid_cases(device), sigmoid_targets, "Sigmoid attention benchmark"
+    if only == "sigmoid_paths":
+        return sigmoid_path_cases(device), sigmoid_path_targets, "Sigmoid attention: the kernels' evaluation paths"
     return cases(only, device), targets, "Softmax-family attention benchmark"
 
 

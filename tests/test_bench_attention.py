@@ -155,6 +155,34 @@ def test_variant_targets_judge_sigmoid_against_sdpa():
     assert both["value"] == pytest.approx(0.75) and both["met"] is False
 
 
+def test_sigmoid_paths_suite_sets_each_path_around_its_case(monkeypatch):
+    """One case per evaluation path, each run with its ATTNLAB_SIGMOID_PATH (restored after) and
+    matching the reference at a tiny shape; the targets compare each path with mufu and SDPA."""
+    monkeypatch.delenv(ba.SIGMOID_PATH_ENV, raising=False)
+    cases = ba.sigmoid_path_cases("cpu")
+    assert [c[7]["env"][ba.SIGMOID_PATH_ENV] for c in cases] == list(ba.SIGMOID_PATHS) * 2
+    from attn.kernels import sigmoid_family as sg
+
+    seen = []
+    real = sg.sigmoid_path
+
+    def spy(dtype, forward):  # what the launcher reads at each launch
+        seen.append(os.environ.get(ba.SIGMOID_PATH_ENV))
+        return real(dtype, forward)
+
+    monkeypatch.setattr(sg, "sigmoid_path", spy)
+    results = ba.dry_run(cases[:len(ba.SIGMOID_PATHS)])
+    assert all(r["ok"] for r in results), results
+    assert seen == list(ba.SIGMOID_PATHS)  # one forward launch per case, under its path
+    assert ba.SIGMOID_PATH_ENV not in os.environ  # restored after each case
+    rows = [_row("main sigmoid causal path=mufu", ours=(2.0, 6.0)),
+            _row("main sigmoid causal path=auto", ours=(1.6, 5.0), sdpa=(1.2, 3.0))]
+    by = {t["target"]: t["value"] for t in ba.sigmoid_path_targets(rows)}
+    assert by["main path=auto: fwd speed vs path=mufu"] == pytest.approx(1.25)
+    assert by["main path=auto: fwd+bwd speed vs SDPA softmax"] == pytest.approx(0.6)
+    assert by["main path=mufu: fwd speed vs SDPA softmax"] == pytest.approx(0.6)
+
+
 def _row(name, **impls):
     return {"name": name, **{k: {"fwd_ms": f, "fwdbwd_ms": fb} for k, (f, fb) in impls.items()}}
 

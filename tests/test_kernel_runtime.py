@@ -410,6 +410,7 @@ def test_sigmoid_family_launches(case, monkeypatch):
     _gpu_mode(monkeypatch)
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
     monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(sg.PATH_ENV, raising=False)  # auto: per kernel and dtype
     if splits is None:
         monkeypatch.delenv(runtime.DECODE_SPLITS_ENV, raising=False)
     else:

@@ -11,7 +11,31 @@ preprocessing pass (no logsumexp, no delta):
 
 The bias is a constant (a config float or a function of the mask): it takes no gradient. The
 kernels work in base 2: z log2(e) = (s log2 e) q.k + b_i log2 e, w = 1 / (1 + 2^-(z log2 e)), which
-is exactly 0 or 1 where 2^x over- or underflows in fp32 (no NaN) and NaN for a NaN score.
+is exactly 1 where 2^x underflows, 0 where it overflows (the newton path: at most 2^-126), never NaN
+but for a NaN score.
+
+Evaluating w (`_sigmoid2`; ATTNLAB_SIGMOID_PATH picks the path at each launch, `sigmoid_path`):
+
+    mufu         1 / (1 + tl.exp2(x)), x = -z log2 e        2 MUFU ops (ex2, rcp) + fix-ups
+    mufu_approx  ex2.approx.ftz, rcp.approx.ftz (PTX)       2 MUFU ops, no fix-ups
+    newton       MUFU ex2, the reciprocal by Newton steps    1 MUFU op
+    poly         2^x by a polynomial, MUFU rcp               1 MUFU op
+
+(attn/kernels/fast_math.py). Default ("auto"), 16-bit inputs on a GPU: newton in the forward,
+mufu_approx in the dq and dk/dv kernels; fp32 inputs and the interpreter: mufu. Per score of
+the unmasked tile loop (ptxas, sm_90, default tiles at D = 128), instructions issued / MUFU ops:
+
+    forward  mufu 12.3 / 2   mufu_approx 8.3 / 2   newton 13.3 / 1   poly 16.3 / 1
+    dq       16.2 / 2        12.2 / 2              17.2 / 1          20.2 / 1
+    dk/dv    33.8 / 2        29.8 / 2              34.7 / 1          37.8 / 1
+
+An SM sub-partition issues one instruction per clock and finishes a MUFU op for a warp in 8, so
+2 MUFU ops cost 16 clocks per 32 scores and bound the forward; newton takes it to 13.3. The dq and
+dk/dv kernels issue more per score than the MUFU ops cost: there the fewest instructions win.
+Accuracy follows the input dtype (`NEWTON_STEPS`, `EXP2_POLY_DEGREE`): relative errors of w and
+1 - w at most 5e-4 for bf16, 3e-6 for fp16 (below half the spacing of the 16-bit w and dz each
+product rounds them to) and ~1e-7 for fp32. The CPU tests run every path but mufu_approx (PTX).
+
 Dropout (attn/dropout.py; the constexpr DROPOUT, compiled out at p = 0): w becomes m w / (1 - p)
 with m the keep mask (attn/kernels/dropout.py, regenerated in the backward); dv uses that weight
 and dp_ij becomes m_ij dp_ij / (1 - p) in dz.
@@ -25,6 +49,7 @@ dtype with fp32 accumulation; fp32 inputs use IEEE fp32 products (no tf32).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -32,6 +57,8 @@ import triton
 import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
+from attn.kernels.env import interpreting
+from attn.kernels.fast_math import ex2, exp2_parts, rcp, rcp_newton
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
@@ -45,6 +72,15 @@ from attn.validation import KERNEL_HEAD_DIMS, check_kernel_inputs, check_key_len
 
 SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 LOG2E = 1.4426950408889634
+# the sigmoid's evaluation path (module docstring): "auto" (default) or one path for every kernel
+# and dtype (mufu_approx, newton and poly use the approx PTX forms only for 16-bit inputs on a GPU).
+# Read at every launch.
+PATH_ENV = "ATTNLAB_SIGMOID_PATH"
+PATHS = ("auto", "mufu", "mufu_approx", "newton", "poly")
+# per input dtype: Newton steps of the reciprocal, degree of the polynomial 2^f (errors:
+# attn/kernels/fast_math.py)
+NEWTON_STEPS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
+EXP2_POLY_DEGREE = {torch.bfloat16: 3, torch.float16: 4, torch.float32: 6}
 
 # ----------------------------------------------------------------------------------------
 # elementwise pieces
@@ -65,9 +101,21 @@ def _row_bias(pos_m, kv_len, window, hs, he, cs, ce, bias2,
 
 
 @triton.jit
-def _sigmoid2(z2):
-    """sigmoid(z) from z2 = z log2(e), in fp32."""
-    return 1.0 / (1.0 + tl.exp2(-z2))
+def _sigmoid2(x, NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr):
+    """sigmoid(z) = 1 / (1 + 2^x) from x = -z log2(e), in fp32 (the callers form x with one FMA, the
+    negation folded in); NaN for NaN, w = 1 exactly for x <= -25. NEWTON > 0: MUFU ex2, the
+    reciprocal by NEWTON steps (x clamped at 126: w = 2^-126 at and above it); EXP2_POLY > 0: 2^x by
+    the polynomial of that degree (1 + p s as one FMA), MUFU rcp; neither: MUFU ex2 and rcp.
+    FAST_MUFU: the MUFU ops as approx PTX, else tl.exp2 and a division. From x = 128 on the last two
+    give w = 0."""
+    if NEWTON > 0:
+        x = tl.minimum(x, 126.0, propagate_nan=tl.PropagateNan.ALL)
+        return rcp_newton(1.0 + ex2(x, FAST_MUFU), NEWTON)
+    elif EXP2_POLY > 0:
+        p, s = exp2_parts(x, EXP2_POLY)
+        return rcp(p * s + 1.0, FAST_MUFU)
+    else:
+        return rcp(1.0 + ex2(x, FAST_MUFU), FAST_MUFU)
 
 
 # ----------------------------------------------------------------------------------------
@@ -80,13 +128,15 @@ def _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
               offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
-              seed, bh, dropout_p, DROPOUT: tl.constexpr):
+              seed, bh, dropout_p, DROPOUT: tl.constexpr,
+              NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr):
     """acc += w(q, keys [n0, n0 + BLOCK_N)) . v; MASKED tiles keep keys in [key_lo, key_hi)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
     v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
-    w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
+    x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * -qk_scale2 - row_bias[:, None]
+    w = _sigmoid2(x, NEWTON, EXP2_POLY, FAST_MUFU)
     w = mask_and_drop(w, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
                       MASKED, CAUSAL, HAS_WINDOW, HAS_SEG, DROPOUT)
     return tl.dot(w.to(v.dtype), v, acc, input_precision=DOT_PREC)
@@ -106,6 +156,7 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr, HAS_LENS: tl.constexpr,
+    NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr,
 ):
     """Query rows [m0, m0 + BLOCK_M) of one (batch, head); query row i sits at key position
     i + kv_len - q_len (bottom-right alignment). SPLIT_KV (flash-decoding): program_id(2) = s takes
@@ -131,12 +182,14 @@ def _fwd_kernel(
     for n0 in range(a, z, BLOCK_N):
         acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
                         pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
-                        HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                        HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                        NEWTON, EXP2_POLY, FAST_MUFU)
     for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         acc = _fwd_tile(acc, q, row_bias, k_base, v_base, skn, skd, svn, svd,
                         pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
-                        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                        HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                        NEWTON, EXP2_POLY, FAST_MUFU)
     tl.store(head_tile_ptrs(OUT + split * sos, b64, h, offs_m, offs_d, sob, son, soh, sod),
              acc.to(OUT.dtype.element_ty), mask=row_ok)
 
@@ -151,13 +204,15 @@ def _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
              offs_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
-             seed, bh, dropout_p, DROPOUT: tl.constexpr):
+             seed, bh, dropout_p, DROPOUT: tl.constexpr,
+             NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr):
     """dq += dz . k (the factor s is applied once, at the store)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     k = load_tile(k_base, offs_n, offs_d, skn, skd, kv_len, MASKED)
     v = load_tile(v_base, offs_n, offs_d, svn, svd, kv_len, MASKED)
-    w = _sigmoid2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale2 + row_bias[:, None])
+    x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * -qk_scale2 - row_bias[:, None]
+    w = _sigmoid2(x, NEWTON, EXP2_POLY, FAST_MUFU)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     # under dropout d(m w / (1 - p)) / dw
     dp = mask_and_drop(dp, offs_m, offs_n, key_lo, key_hi, kv_len, window, hs, he, cs, ce, seed, bh, dropout_p,
@@ -175,6 +230,7 @@ def _dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
+    NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr,
 ):
     bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
         BOUNDS, num_heads, group, q_len, kv_len, BLOCK_M, HAS_SEG)
@@ -195,12 +251,14 @@ def _dq_kernel(
     for n0 in range(a, z, BLOCK_N):
         dq = _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
                       pos_m, n0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2,
-                      HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                      HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                      NEWTON, EXP2_POLY, FAST_MUFU)
     for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_N)):
         n0, key_lo, key_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_N)
         dq = _dq_tile(dq, q, do, row_bias, k_base, v_base, skn, skd, svn, svd,
                       pos_m, n0, key_lo, key_hi, kv_len, window, hs, he, cs, ce, qk_scale2,
-                      HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                      HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                      NEWTON, EXP2_POLY, FAST_MUFU)
     # dq is a contiguous (B, N, H, D) allocation of the launcher
     out_offs = b64 * q_len * num_heads * HEAD_DIM + offs_m[:, None] * (num_heads * HEAD_DIM) + h * HEAD_DIM
     tl.store(DQ + out_offs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok)
@@ -216,7 +274,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
                offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr,
-               seed, bh, dropout_p, DROPOUT: tl.constexpr):
+               seed, bh, dropout_p, DROPOUT: tl.constexpr,
+               NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr):
     """One query tile at key positions [m0, m0 + BLOCK_M) against this program's keys (q_base and
     do_base are indexed by key position); MASKED tiles keep queries in [q_lo, q_hi). Tiles are held
     transposed, (keys, queries), so dk and dv accumulate without transposes (s applied at the store)."""
@@ -225,7 +284,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
     q = load_tile(q_base, offs_m, offs_d, sqn, sqd, kv_len, MASKED)
     do = load_tile(do_base, offs_m, offs_d, sdon, sdod, kv_len, MASKED)
     row_bias = _row_bias(offs_m, kv_len, window, hs, he, cs, ce, bias2, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG)
-    wT = _sigmoid2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale2 + row_bias[None, :])
+    xT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * -qk_scale2 - row_bias[None, :]
+    wT = _sigmoid2(xT, NEWTON, EXP2_POLY, FAST_MUFU)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     if MASKED:
         vis = tile_visible_in_query_range(offs_m, offs_n, q_lo, q_hi, kv_len, window, hs, he, cs, ce,
@@ -253,6 +313,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
     DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr,
+    NEWTON: tl.constexpr, EXP2_POLY: tl.constexpr, FAST_MUFU: tl.constexpr,
 ):
     num_kv_heads = num_heads // group
     b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, num_kv_heads, BLOCK_N, HAS_SEG)
@@ -282,13 +343,15 @@ def _dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
                                 offs_n, m0, lo, hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
                                 HEAD_DIM, BLOCK_M, False, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                seed, bh, dropout_p, DROPOUT)
+                                seed, bh, dropout_p, DROPOUT,
+                                NEWTON, EXP2_POLY, FAST_MUFU)
         for t in range(0, masked_tile_count(lo, a, z, hi, lo2, hi2, BLOCK_M)):
             m0, q_lo, q_hi = masked_tile(t, lo, a, z, hi, lo2, hi2, BLOCK_M)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, sqn, sqd, sdon, sdod,
                                 offs_n, m0, q_lo, q_hi, kv_len, window, hs, he, cs, ce, qk_scale2, bias2,
                                 HEAD_DIM, BLOCK_M, True, HAS_BIAS, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                seed, bh, dropout_p, DROPOUT)
+                                seed, bh, dropout_p, DROPOUT,
+                                NEWTON, EXP2_POLY, FAST_MUFU)
     # dk / dv are contiguous (B, KV, H_kv, D) allocations of the launcher
     out_offs = b64 * kv_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
     tl.store(DK + out_offs + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
@@ -336,7 +399,22 @@ def _strides(q, k, v):
     return (*q.stride(), *k.stride(), *v.stride())
 
 
-def _meta(q, bias, causal, window, bounds):
+def sigmoid_path(dtype: torch.dtype, forward: bool) -> dict:
+    """The constexprs NEWTON (steps, 0: off), EXP2_POLY (degree, 0: off) and FAST_MUFU of a launch of
+    the forward (or of a backward kernel) on inputs of `dtype`, by ATTNLAB_SIGMOID_PATH (module
+    docstring). Launches outside the interpreter run on a GPU: the PTX forms need no device check."""
+    path = os.environ.get(PATH_ENV, "auto")
+    if path not in PATHS:
+        raise ValueError(f"{PATH_ENV} must be one of {', '.join(PATHS)}, got {path!r}")
+    gpu_16bit = dtype != torch.float32 and not interpreting()
+    if path == "auto":
+        path = ("newton" if forward else "mufu_approx") if gpu_16bit else "mufu"
+    return {"NEWTON": NEWTON_STEPS[dtype] if path == "newton" else 0,
+            "EXP2_POLY": EXP2_POLY_DEGREE[dtype] if path == "poly" else 0,
+            "FAST_MUFU": gpu_16bit and path != "mufu"}
+
+
+def _meta(q, bias, causal, window, bounds, forward: bool):
     return dict(
         HEAD_DIM=q.shape[-1],
         HAS_BIAS=bias is not None,
@@ -344,6 +422,7 @@ def _meta(q, bias, causal, window, bounds):
         HAS_WINDOW=window > 0,
         HAS_SEG=bounds is not None,
         DOT_PREC=dot_precision(q.dtype),
+        **sigmoid_path(q.dtype, forward),
     )
 
 
@@ -361,7 +440,8 @@ def _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0
     out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
     if n == 0 or bsz == 0:
         return out
-    meta = {**_meta(q, bias, causal, window, bounds), "DROPOUT": dropout_p > 0.0, "HAS_LENS": key_lengths is not None}
+    meta = {**_meta(q, bias, causal, window, bounds, True), "DROPOUT": dropout_p > 0.0,
+            "HAS_LENS": key_lengths is not None}
     lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
     operands = (q, k, v, bounds if bounds is not None else q)
     qk_scale2, bias2 = _scales(sm_scale, bias)
@@ -398,7 +478,7 @@ def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropou
     dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
     if n == 0 or bsz == 0:
         return dq, dk.zero_(), dv.zero_()
-    meta = {**_meta(q, bias, causal, window, bounds), "DROPOUT": dropout_p > 0.0}
+    meta = {**_meta(q, bias, causal, window, bounds, False), "DROPOUT": dropout_p > 0.0}
     ops = (q, k, v, bounds if bounds is not None else q)
     seed_arg = seed_operand(dropout_p, seed, q)
     qk_scale2, bias2 = _scales(sm_scale, bias)
