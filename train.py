@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 # matplotlib, imported by torchmetrics through lightning, writes a font cache on import: keep it
@@ -137,8 +139,15 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         # micro-batches under gradient accumulation)
         callbacks.append(L.pytorch.callbacks.TQDMProgressBar(refresh_rate=cfg.train.log_every * cfg.train.grad_accum))
     loggers = build_loggers(cfg, output_dir, resume_run_id, resuming=ckpt_path is not None)
+    time_limit = {}
+    if cfg.train.get("stop_at_time") is not None:  # the deadline as the duration left now
+        left = float(cfg.train.stop_at_time) - time.time()
+        if left <= 0:
+            raise ValueError(f"train.stop_at_time passed {-left:.0f} s ago: not starting {output_dir}")
+        time_limit["max_time"] = datetime.timedelta(seconds=left)
     trainer: L.Trainer = instantiate(
         cfg.trainer,
+        **time_limit,
         precision=precision,
         max_steps=cfg.train.stop_at_step or cfg.train.max_steps,
         val_check_interval=cfg.train.val_every * cfg.train.grad_accum,  # Lightning counts batches here

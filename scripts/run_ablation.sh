@@ -21,8 +21,8 @@
 #   ABLATION_VARIANTS  comma list (default: the experiment's)   ABLATION_SEEDS  comma list (default: the experiment's)
 #   ABLATION_PARALLEL  variant processes at once (default: all; 1 gives clean throughput numbers)
 #   ABLATION_TRAIN_BUDGET_S  wall seconds of training (default 420), so the report and the packing still
-#                      fit in one 600 s call: a run still going then stops through Lightning's max_time
-#                      (it reports, with the tokens it reached); a process still going 60 s later is killed
+#                      fit in one 600 s call: every run still going then stops (train.stop_at_time: it
+#                      reports, with the tokens it reached); a process still going 60 s later is killed
 #   ABLATION_SWEEP     sweep folder (default multirun/ablation/device: a second call on the same warm
 #                      machine, e.g. ABLATION_SEEDS=2, adds runs to it and the report covers all)
 #   ABLATION_OVERRIDES_<variant>  Hydra overrides for one variant only (e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10";
@@ -118,14 +118,15 @@ device() {
     # one process: the variant's seeds in turn, each trained, checkpointed and evaluated
     local v=$1 left=$(( deadline - $(date +%s) ))
     [ "$left" -gt 10 ] || { echo "[$v] no time left"; return; }
-    # Lightning's max_time ends a run still going at the deadline like a finished one (results.json
-    # with the tokens it reached); SIGTERM 60 s later stops a process still going (no results.json)
+    # train.stop_at_time ends a run still going at the deadline like a finished one (results.json
+    # with the tokens it reached; a run starting after it is not started); SIGTERM 60 s later stops
+    # a process still going (no results.json for its run)
     # per-variant overrides from the environment, e.g. ABLATION_OVERRIDES_alsc="attn.params.cap=10"
     local own="ABLATION_OVERRIDES_$v"
     echo "[$v] started at +$(elapsed)s"
     timeout -s TERM "$(( left + 60 ))" $PYTHON train.py "experiment=$EXPERIMENT" "attn=$v" "seed=$seeds" logger=csv \
       "hydra.sweep.dir=$sweep" trainer.enable_progress_bar=false train.cuda_graphs=step \
-      "+trainer.max_time=$(printf '00:%02d:%02d:%02d' $((left / 3600)) $((left % 3600 / 60)) $((left % 60)))" \
+      "train.stop_at_time=$deadline" \
       "${extra[@]}" ${!own:-} >"$log/train_$v.log" 2>&1 \
       || echo "[$v] ended early (exit $?), see logs/train_$v.log"
     pack "$out" "$sweep"

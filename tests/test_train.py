@@ -239,3 +239,29 @@ def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_n
                         if lg.__class__.__name__ == "WandbLogger")
     assert wandb_logger._wandb_init["name"] == "softcap_tanh[cap=2]-s0"
     assert set(wandb_logger._wandb_init["tags"]) == {"softcap_tanh", "softcap_tanh[cap=2]", "seed0"}
+
+
+def test_stop_at_time_ends_a_run_at_the_deadline_and_refuses_one_past_it(tmp_path):
+    import time
+
+    import train
+    from training.config_checks import check_config
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
+    deadline = time.time() + 4.0
+    cfg = compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 100_000, "train.val_every": 50,
+                                                          "train.stop_at_time": deadline}))
+    results = train.run(cfg)
+    assert 0 < results["steps"] < 100_000  # stopped by the deadline, not by max_steps
+    assert time.time() - deadline < 60
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["steps"] == results["steps"]
+    late = compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.stop_at_time": time.time() - 5,
+                                                           "paths.output_dir": str(tmp_path / "late")}))
+    with pytest.raises(ValueError, match="train.stop_at_time passed"):
+        train.run(late)
+    both = compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.stop_at_time": deadline,
+                                                           "+trainer.max_time": "00:00:01:00"}))
+    with pytest.raises(ValueError, match="train.stop_at_time .* and trainer.max_time"):
+        check_config(both)
+    with pytest.raises(ValueError, match="train.stop_at_time must be null or a unix time"):
+        check_config(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.stop_at_time": "soon"})))

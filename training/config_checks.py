@@ -89,6 +89,11 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"train.{name} must be a positive int, got {t[name]!r}")
     if t.stop_at_step is not None and not (isinstance(t.stop_at_step, int) and 1 <= t.stop_at_step <= t.max_steps):
         raise ValueError(f"train.stop_at_step must be null or an int in [1, train.max_steps], got {t.stop_at_step!r}")
+    stop_at_time = t.get("stop_at_time")
+    if stop_at_time is not None and not _is_number(stop_at_time):
+        raise ValueError(f"train.stop_at_time must be null or a unix time in seconds, got {stop_at_time!r}")
+    if stop_at_time is not None and cfg.trainer.get("max_time") is not None:
+        raise ValueError("set one of train.stop_at_time (a deadline) and trainer.max_time (a duration), not both")
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
