@@ -31,6 +31,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -518,19 +519,9 @@ def variant_impls(q, k, v, second, spec, mask, ids, *, sdpa=False, ref=False):
     return impls
 
 
-@contextlib.contextmanager
 def case_env(env: dict | None):
     """The case's environment variables (kernel knobs the launchers read at every call), then the old values."""
-    old = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.dict(os.environ, env or {})
 
 
 def run_variant_case(name, b, h, n, d, variant, mask, *, h_kv=None, ids=None, sdpa=False, ref=False, params=None,

@@ -18,7 +18,6 @@ config), so the matrix runs in a pool of worker processes, which compile in para
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import math
@@ -26,6 +25,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from unittest import mock
 import traceback
 from pathlib import Path
 
@@ -117,20 +117,10 @@ def check_case(name, b, n, h, h_kv, d, power, beta, mask_name, differential, con
     return {key: error_ratio(got[key], same[key], want, FLOOR) for key, want in ref64.items()}
 
 
-@contextlib.contextmanager
 def environment(values: dict[str, str]):
     """Set environment variables for a block, then restore them (pins must not leak into the
     autotuned checks that run later in the same process)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.dict(os.environ, values)
 
 
 def _worker(task):

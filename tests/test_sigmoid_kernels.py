@@ -168,8 +168,11 @@ def test_row_bias_read_off_the_kernel(mask_name, with_seg, bias, nan_poison):
         assert counts.max() == 20  # the window binds
 
 
-def test_saturated_weights_stay_finite(nan_poison):
-    """Scores far beyond fp32's exp2 range give weights exactly 0 or 1 and finite gradients."""
+@pytest.mark.parametrize("path", ["mufu", "newton", "poly"])
+def test_saturated_weights_stay_finite(path, monkeypatch, nan_poison):
+    """Scores far beyond fp32's exp2 range give weights 0 (newton: at most 2^-126) or exactly 1 and
+    finite gradients, on every evaluation path the interpreter runs."""
+    monkeypatch.setenv(sg.PATH_ENV, path)
     q = torch.zeros(1, 9, 2, 16)
     q[..., 0] = 1.0
     k = torch.zeros(1, 9, 1, 16)

@@ -189,20 +189,3 @@ def test_forced_path_split_key_decode_forward(path, monkeypatch, nan_poison):
     check_longer_keys("sigmoid", MaskSpec(causal=True, window=30), 3, 45, 2, seed=5)
     check_longer_keys("sigmoid", MaskSpec(causal=False), 16, 40, 1, torch.float16, seed=6)
 
-
-@pytest.mark.parametrize("path", ["newton", "poly"])
-def test_forced_path_saturated_weights(path, monkeypatch, nan_poison):
-    """Scores far beyond fp32's exp2 range: weights 0 (or below 2^-126) and 1, finite gradients."""
-    monkeypatch.setenv(sg.PATH_ENV, path)
-    q = torch.zeros(1, 9, 2, 16)
-    q[..., 0] = 1.0
-    k = torch.zeros(1, 9, 1, 16)
-    k[:, 0::2, :, 0] = 1e4
-    k[:, 1::2, :, 0] = -1e4
-    v = torch.randn(1, 9, 1, 16, generator=torch.Generator().manual_seed(2))
-    x = {name: t.clone().requires_grad_() for name, t in {"q": q, "k": k, "v": v}.items()}
-    out = sg.fused_attention(x["q"], x["k"], x["v"], SigmoidFamilySpec(), MaskSpec(causal=True))
-    want = reference_attention(q.double(), k.double(), v.double(), SigmoidFamilySpec(), MaskSpec(causal=True))
-    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
-    out.sum().backward()
-    assert all(torch.isfinite(t.grad).all() for t in x.values())
