@@ -11,7 +11,7 @@
 #
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
 #   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
-# Extra Hydra overrides go after `device`, e.g. `train.max_steps=300 evaluate.perplexity.max_tokens=100000`.
+# Extra Hydra overrides go after `device`, e.g. `train.max_steps=300 +evaluate.perplexity.max_tokens=100000`.
 # Layout: one train.py process per variant, its seeds one after the other (imports, CUDA context and
 # kernel compiles paid once per variant), every variant's process at once on the GPU; each run's
 # forward, loss and backward replay as one captured CUDA graph (train.cuda_graphs=step) with pinned
