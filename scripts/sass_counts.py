@@ -183,7 +183,10 @@ def count(kernel, tensors, scalars, meta, cfg, arch: int, sass_out: Path | None 
             **{f"clk_{k}": v for k, v in clk.items()}, "bound": max(clk, key=clk.get)}
 
 
-def kernel_rows(variant: str, kinds, shape, dtype, arch: int, config_index: int, sass_dir: Path | None) -> list[dict]:
+def kernel_rows(variant: str, kinds, shape, dtype, arch: int, config_index: int, sass_dir: Path | None,
+                tiles: runtime.TileConfig | None = None, meta_overrides: dict | None = None) -> list[dict]:
+    """One row per kernel of `kinds` (the differential dk/dv in both forms); `tiles` and `meta_overrides`
+    replace the launch's config and constexprs (what-if compiles of changes the code does not make)."""
     diff = "diff" in variant
     backward = any(kind != "fwd" for kind in kinds)
     launches = record_launches(variant, shape, dtype, backward, "fused" if diff and "dkdv" in kinds else None)
@@ -196,9 +199,10 @@ def kernel_rows(variant: str, kinds, shape, dtype, arch: int, config_index: int,
         if kind not in kinds or key in seen:
             continue
         seen.add(key)
-        cfg = configs[config_index % len(configs)]
+        cfg = tiles or configs[config_index % len(configs)]
+        meta = {**gpu_meta(meta, dtype), **{k: v for k, v in (meta_overrides or {}).items() if k in meta}}
         out = sass_dir / f"{variant}_{kind}{meta.get('VIEWS', '')}.sass" if sass_dir else None
-        rows.append({**count(kernel, tensors, scalars, gpu_meta(meta, dtype), cfg, arch, out), "variant": variant})
+        rows.append({**count(kernel, tensors, scalars, meta, cfg, arch, out), "variant": variant})
     return rows
 
 
@@ -221,18 +225,24 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="4,16,4096,128", help="B,H,N,D (causal, H_kv = H); default issue 15's")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--config", type=int, default=0, help="candidate index of each kernel's list (0: pinned)")
+    ap.add_argument("--tiles", help="BLOCK_M,BLOCK_N,warps,stages instead of the candidate list (what-if)")
+    ap.add_argument("--meta", nargs="*", default=[], help="KEY=INT constexpr overrides, e.g. FIXED_MAX=1 (what-if)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     ap.add_argument("--sass", type=Path, help="a folder: write each counted loop body there")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        ap.error("TRITON_INTERPRET is set: the kernels are interpreted functions then, which do not compile")
     variants = args.variant or [FAMILY_DEFAULT_VARIANT[args.family or "softmax"]]
     if args.family and any(VARIANTS[v].family != args.family for v in variants):
         ap.error(f"--variant {variants} is not all of the {args.family} family")
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
+    tiles = runtime.TileConfig(*(int(x) for x in args.tiles.split(","))) if args.tiles else None
+    overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.meta)}
     rows = [row for v in variants for row in kernel_rows(v, args.kernel, shape, DTYPES[args.dtype], args.arch,
-                                                         args.config, args.sass)]
+                                                         args.config, args.sass, tiles, overrides)]
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
