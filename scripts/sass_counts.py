@@ -3,7 +3,8 @@
 No GPU is needed: the launch a GPU would make is recorded on the CPU (the runtime's GPU branch,
 its ConfigTable and the pinned first candidate, Kernel.launch recorded instead of run, as
 tests/test_kernel_runtime.py records tests/kernel_launches.json), Triton's own binder turns it into
-the same specialization its JIT would compile (dtypes, 16-byte alignment, integer values), and
+the same specialization its JIT would compile (dtypes, 16-byte alignment, integer values; Triton 3.x
+internals: create_function_from_signature and JITFunction._pack_args, as its JIT calls them), and
 `triton.compile` builds it for sm_90 with the ptxas Triton ships. The unmasked inner loop is the
 innermost loop with tensor-core instructions that has the fewest instructions (the masked-tile
 loops are the same body plus mask arithmetic). Its instructions are counted per score:
