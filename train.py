@@ -209,6 +209,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
                     "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)
     if trainer.is_global_zero:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        # written before the evaluations too: a process killed during one keeps the training result
         if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
             results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
             (output_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -631,7 +631,7 @@ def sigmoid_path_cases(device="cuda"):
 
 
 def sigmoid_path_targets(rows):
-    """Per path: its speed over the mufu path's (the kernels before the MUFU-sparing paths) and over
+    """Per path: its speed over the mufu path's (MUFU ex2 and an fp32 division per score) and over
     SDPA's, fwd and fwd+bwd (information, no threshold)."""
     by = {r["name"]: r for r in rows}
     res = []

@@ -33,7 +33,6 @@ import triton.language as tl
 # 1.5 * 2^23: x + this, for |x| < 2^22, is a float in [2^23, 2^24) (spacing 1) whose low mantissa
 # bits hold round(x) (two's complement, offset by 2^22)
 ROUNDING_SHIFT = tl.constexpr(12582912.0)
-EXP2_POLY_DEGREES = (3, 4, 6)
 
 
 @triton.jit
