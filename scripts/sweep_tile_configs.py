@@ -14,6 +14,10 @@ Compiling is most of a cold run, so `--workers K` first compiles the grid in K p
     python scripts/sweep_tile_configs.py --workers 14 --out gpu_out/sweep
     python scripts/sweep_tile_configs.py --names tanh,threshold --out gpu_out/sweep_small
 
+`--profile` instead lists, per case (and SDPA at the main causal shape), the GPU kernels of 20 fwd+bwd
+calls in a row with torch.profiler: what each launch costs inside a sustained loop, next to the
+loop's own time per call.
+
 Writes OUT.json and OUT.md (date, GPU, versions, commit; ATTNLAB_COMMIT overrides the commit read
 from git, for a device machine whose .git is stale).
 """
@@ -177,6 +181,36 @@ def precompile(workers: int, names: str | None, out: Path):
     print(f"precompile: {workers} workers, {time.perf_counter() - t:.0f} s, exit codes {codes}", flush=True)
 
 
+def profile(name: str, fn, iters: int = 20) -> dict:
+    """GPU kernels of `iters` fwd+bwd calls of fn in a row: {kernel: [calls per iteration, us per call]} and
+    the loop's wall time per iteration (us)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = fn()
+    do = torch.randn_like(out)
+    del out
+    for _ in range(3):
+        fn().backward(do)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn().backward(do)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / iters * 1e6
+    kernels = {}
+    for ev in prof.key_averages():
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if us > 0 and ev.count >= iters:
+            kernels[ev.key[:90]] = [ev.count / iters, us / ev.count]
+    busy = sum(n * us for n, us in kernels.values())
+    print(f"{name}: loop {wall:.0f} us per fwd+bwd, kernels {busy:.0f} us", flush=True)
+    for k, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+        print(f"    {n:4.1f} x {us:8.1f} us  {k}", flush=True)
+    return {"name": name, "loop_us": wall, "kernel_us": busy, "kernels": kernels}
+
+
 def markdown(meta, rows) -> str:
     lines = [f"# Tile-config sweep of the issue-15 kernels", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit "
@@ -204,6 +238,7 @@ def main():
     ap.add_argument("--names", default=None, help="comma list: only the cases whose name contains one of these")
     ap.add_argument("--workers", type=int, default=0, help="compile the grid in this many processes first")
     ap.add_argument("--compile-shard", default=None, metavar="W/K", help="(a worker) compile shard W of K, untimed")
+    ap.add_argument("--profile", action="store_true", help="list each case's GPU kernels in a loop (no sweep)")
     args = ap.parse_args()
     wanted = args.names.split(",") if args.names else None
     if args.compile_shard:
@@ -214,8 +249,16 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT") or ba.git_commit()}
+            "commit": ba.git_commit()}
     print(meta, flush=True)
+    if args.profile:
+        q, k, v = ba.random_qkv(*MAIN[:3], MAIN[3], MAIN[1], "cuda", torch.bfloat16)
+        impls = ba.softmax_impls(q, k, v, "none", MaskSpec(causal=True), None, sdpa=True, flex=False)
+        rows = [profile("SDPA main causal", impls["sdpa"])]
+        rows += [profile(case[0], impl_for(case)) for case in cases()
+                 if not wanted or any(x in case[0] for x in wanted)]
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "profiles": rows}, indent=1))
+        return
     if args.workers:
         precompile(args.workers, args.names, out)
     q, k, v = ba.random_qkv(*MAIN[:3], MAIN[3], MAIN[1], "cuda", torch.bfloat16)

@@ -364,15 +364,17 @@ def _dkdv_kernel(
 
 
 # GPU candidates per (kernel, head dim); the first is the pinned default. The threshold family's
-# plain-variant tables (same operands and accumulators per tile, attn/kernels/threshold_family.py),
-# not tuned for sigmoid.
+# plain-variant tables (same operands and accumulators per tile, attn/kernels/threshold_family.py)
+# with its small 4-warp tiles as further candidates, not yet swept for sigmoid.
 GPU_CONFIGS = {
-    ("fwd", 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3)],
-    ("fwd", 64): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)],
-    ("dq", 128): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("fwd", 128): [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3),
+                   TileConfig(64, 32, 4, 3)],
+    ("fwd", 64): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3)],
+    ("dq", 128): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 2)],
     ("dq", 64): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
-    ("dkdv", 128): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3)],
-    ("dkdv", 64): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 128): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3), TileConfig(32, 64, 4, 3),
+                    TileConfig(64, 64, 4, 2)],
+    ("dkdv", 64): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3), TileConfig(32, 64, 4, 3)],
 }
 _DEFAULT_CONFIGS = [TileConfig(64, 64, 4, 2)]  # head dims without a table (16, 32)
 # the interpreter (CPU tests): small tiles keep it fast and still exercise the masked / unmasked

@@ -174,18 +174,22 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
 
 
 # GPU candidates (the first is the pinned default), one list per kernel whatever the head dim and
-# cap; N <= 64 runs one untimed: the forward its small-tile one, the backward kernels their first
-FWD_CONFIGS = [TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2), TileConfig(128, 128, 8, 3),
-               TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 3)]
-DKDV_CONFIGS = [TileConfig(64, 128, 8, 2), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3),
-                TileConfig(64, 128, 8, 3)]
-DQ_CONFIGS = [TileConfig(128, 64, 8, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3),
-              TileConfig(128, 64, 8, 3)]
+# cap; N <= 64 runs one untimed: the forward SMALL_FWD_CONFIG, the backward kernels their first.
+# Small tiles of 4 warps lead: two or three such programs share an SM and overlap one's softmax
+# with another's matrix products, which one program of 8 warps does not (sweep: docs/results/
+# kernel_tile_sweep/; at (4,16,4096,128) bf16 causal they are 5-12% faster per kernel).
+SMALL_FWD_CONFIG = TileConfig(64, 64, 4, 3)
+FWD_CONFIGS = [SMALL_FWD_CONFIG, TileConfig(64, 32, 4, 3), TileConfig(128, 64, 4, 2), TileConfig(128, 64, 8, 3),
+               TileConfig(128, 128, 8, 3)]
+DKDV_CONFIGS = [TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 4), TileConfig(16, 64, 4, 3),
+                TileConfig(64, 128, 8, 3), TileConfig(32, 128, 4, 3)]
+DQ_CONFIGS = [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 3), TileConfig(128, 32, 4, 3),
+              TileConfig(128, 64, 8, 2)]
 # kinds: "fwd" and "q" (query-block programs), "kv" (key-block programs). Interpreter tiles have
 # BLOCK_M != BLOCK_N so that query and key tiles never line up (ATTNLAB_INTERPRET_BLOCKS overrides)
 CONFIG_TABLE = ConfigTable({("fwd",): FWD_CONFIGS, ("kv",): DKDV_CONFIGS, ("q",): DQ_CONFIGS},
                            {"fwd": (64, 32), "q": (64, 32), "kv": (32, 64)},
-                           small={"fwd": FWD_CONFIGS[-1], "kv": DKDV_CONFIGS[0], "q": DQ_CONFIGS[0]},
+                           small={"fwd": SMALL_FWD_CONFIG, "kv": DKDV_CONFIGS[0], "q": DQ_CONFIGS[0]},
                            env_blocks=True, key_block_kinds=("kv",))
 
 
