@@ -345,3 +345,72 @@ def test_pinned_configs_skip_timing(monkeypatch):
     attn.pin_kernel_configs(False)
     assert "ATTNLAB_AUTOTUNE" not in os.environ
     assert choose("c") == configs[2] and timed == ["a", "c"]
+
+
+ONE_PASS_CASES = [  # (cap, mask, n, group, temp, dtype, d): every mask kind, GQA, temperature, fp16, D up to 128
+    ("none", "causal", 127, 2, False, torch.float32, 16),
+    ("tanh", "ranker", 200, 4, False, torch.float32, 16),
+    ("soft_sign", "window", 45, 1, True, torch.float16, 16),
+    ("alsc", "ranker+window", 67, 2, False, torch.float32, 32),
+    ("none", "full", 33, 1, False, torch.float16, 64),
+    ("tanh", "ranker+causal", 40, 2, False, torch.float32, 128),
+]
+
+
+@pytest.mark.parametrize("cap,mask,n,group,temp,dtype,d", ONE_PASS_CASES,
+                         ids=[f"{c}-{m}-N{n}-G{g}-{str(dt)[6:]}-D{d}" for c, m, n, g, _, dt, d in ONE_PASS_CASES])
+def test_one_pass_backward(nan_poison, monkeypatch, cap, mask, n, group, temp, dtype, d):
+    """The one-pass backward (ATTNLAB_SOFTMAX_DQ=one_pass: dq summed by the dk/dv kernel's atomic adds)
+    meets the same rule; a temperature that requires grad keeps the dq kernel (it sums d-temperature)."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv(sf.DQ_FORM_ENV, "one_pass")
+    launched, run = [], sf._DKDV.run
+
+    def recording_run(cfg, grid, tensors, scalars, meta):
+        launched.append(meta["ATOMIC_DQ"])
+        return run(cfg, grid, tensors, scalars, meta)
+
+    monkeypatch.setattr(sf._DKDV, "run", recording_run)
+    spec, seg = MASKS[mask]
+    batch, h_kv = (1, 1) if d >= 64 or n >= 200 else (2, 2)
+    run_case(cap, n, group, spec, seg, temp, dtype, batch=batch, h_kv=h_kv, d=d, scale=1.0 if d >= 64 else 2.0,
+             seed=n + d, pad_row=seg)
+    assert launched and all(launched) != temp, f"dk/dv launches' ATOMIC_DQ: {launched}"
+
+
+def test_dq_form_choice(monkeypatch):
+    """Which backward form runs: the environment's pin, else separate under the interpreter, pinned configs
+    and torch's deterministic mode; one timing per key on a GPU; d-temperature always separate; a bad pin
+    names the variable."""
+    from attn.kernels import runtime
+    from attn.kernels import softmax_family as sf
+
+    calls = []
+    forms = {"separate": lambda: calls.append("separate"), "one_pass": lambda: calls.append("one_pass")}
+    monkeypatch.delenv(sf.DQ_FORM_ENV, raising=False)
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    assert sf._dq_form(("k0",), forms, False) == "separate"  # the interpreter: no timing
+    monkeypatch.setattr(sf, "interpreting", lambda: False)  # the GPU's choice logic, here on the CPU
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    times = {"separate": 2.0, "one_pass": 1.0}
+    order = []
+    import triton.testing
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[calls[-1]])[1])
+    monkeypatch.setattr(sf, "_dq_forms", {})
+    assert sf._dq_form(("k1",), forms, False) == "one_pass" and sf._dq_forms == {("k1",): "one_pass"}
+    order.append(len(calls))
+    assert sf._dq_form(("k1",), forms, False) == "one_pass" and len(calls) == order[0]  # timed once per key
+    assert sf._dq_form(("k1",), forms, True) == "separate"  # d-temperature: the dq kernel sums it
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    assert sf._dq_form(("k2",), forms, False) == "separate"  # pinned configs: deterministic
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert sf._dq_form(("k3",), forms, False) == "separate"
+    monkeypatch.setenv(sf.DQ_FORM_ENV, "one_pass")
+    assert sf._dq_form(("k4",), forms, False) == "one_pass"
+    assert sf._dq_form(("k4",), forms, True) == "separate"
+    monkeypatch.setenv(sf.DQ_FORM_ENV, "atomic")
+    with pytest.raises(ValueError, match=sf.DQ_FORM_ENV):
+        sf._dq_form(("k5",), forms, False)

@@ -253,6 +253,11 @@ class Kernel:
         self.run(cfg, grid(cfg), tensors, scalars, meta)
         return cfg
 
+    def tunes(self, configs, tune_key) -> bool:
+        """Whether a launch with these candidates and key would tune first (running the kernel once per
+        candidate and timing: fine for kernels that only write their outputs, not for accumulating ones)."""
+        return len(configs) > 1 and not interpreting() and pinned_index() is None and tune_key not in self.tuned
+
     def choose(self, grid, tensors, scalars, meta, configs, tune_key) -> TileConfig:
         if len(configs) == 1 or interpreting():
             return configs[0]

@@ -46,7 +46,7 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  dot_precision, n_bucket)
+                                  dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_tile_ptrs, key_block_program, key_ranges,
@@ -345,16 +345,17 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n, lo, hi,
-               kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, out_scale, cap_value,
+def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0, offs_n, lo, hi,
+               kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, stride_dqn, out_scale, cap_value,
                alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
-               DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
+               DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Query positions [start, start + BLOCK_M) against this program's keys; q_ptrs, do_ptrs,
-    lse_ptr, delta_ptr and t_ptr are indexed by key position (the kernel shifts them by the
-    queries' offset), and only positions of real query rows are visited.
+    lse_ptr, delta_ptr, t_ptr and dq_ptrs are indexed by key position (the kernel shifts them by
+    the queries' offset), and only positions of real query rows are visited.
     DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
-    dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped)."""
+    dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped).
+    ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs."""
     offs_m = start + offs_m0
     in_m = offs_m < kv_len
     if MASKED:
@@ -391,26 +392,38 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, 
         dsT = dsT * t[None, :]
     if CAP != 0:
         dsT = dsT * fprime
-    dk = tl.dot(dsT.to(q.dtype), tl.trans(q), dk, input_precision=DOT_PREC)
+    dsT = dsT.to(q.dtype)
+    dk = tl.dot(dsT, tl.trans(q), dk, input_precision=DOT_PREC)
+    if ATOMIC_DQ:
+        dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)  # (BM, D)
+        dq_tile = dq_ptrs + offs_m[:, None] * stride_dqn
+        if MASKED:
+            tl.atomic_add(dq_tile, dq, mask=in_m[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(dq_tile, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, TEMP, BOUNDS, SEED,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, TEMP, BOUNDS, SEED,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_dob, stride_don, stride_doh, stride_dod,
     stride_dkb, stride_dkn, stride_dkh, stride_dkd,
     stride_dvb, stride_dvn, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqn, stride_dqh, stride_dqd,
     stride_tb, stride_tn,
     H, H_KV, GROUP, q_len, kv_len, window,
     qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head). ATOMIC_DQ (the one-pass backward):
+    the same tiles also add each query row's dq share, unscaled, to the zeroed fp32 DQ_ACC
+    (B, N, H, D), in whatever order the programs run, so the sum is not bitwise repeatable."""
     b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, H_KV, BLOCK_N, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -439,27 +452,32 @@ def _dkdv_kernel(
         do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod - pos_offset * stride_don
         lse_ptr = LSE + (b * H + h) * q_len - pos_offset
         delta_ptr = DELTA + (b * H + h) * q_len - pos_offset
+        dq_ptrs = DQ_ACC + b * stride_dqb + h * stride_dqh + offs_d[None, :] * stride_dqd - pos_offset * stride_dqn
         for start in range(lo, a, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
-                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+                                offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                                ATOMIC_DQ)
         for start in range(a, bnd, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
-                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+                                offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                                ATOMIC_DQ)
         for start in range(bnd, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0, offs_n,
-                                lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
-                                out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+                                offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
+                                stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
+                                ATOMIC_DQ)
         if HAS_SEG:
             for start in range(lo2, hi2, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, start, offs_m0,
-                                    offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
-                                    stride_tn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True,
-                                    CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start,
+                                    offs_m0, offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
+                                    stride_tn, stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST,
+                                    True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p,
+                                    DROPOUT, ATOMIC_DQ)
     dk = dk * grad_scale
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
@@ -691,22 +709,44 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     seed_arg = seed_operand(dropout_p, seed, lse)
-    _DKDV.launch(
-        lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * h_kv),
-        (q, k, v, do, dk, dv, lse, delta, temp, bnd, seed_arg),
-        (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *st,
-         h, h_kv, group, n, kv_len, window,
-         qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        kv_meta, CONFIG_TABLE.candidates("kv", n=kv_len), (q.dtype, *nb, group, *kv_meta.values()))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
-    q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
-    _DQ.launch(
-        lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
-        (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
-        (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
-         h, group, n, kv_len, window,
-         qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-        q_meta, CONFIG_TABLE.candidates("q", n=n), (q.dtype, *nb, *q_meta.values()))
+    kv_configs = CONFIG_TABLE.candidates("kv", n=kv_len)
+
+    def kv_key(atomic: bool) -> tuple:
+        return (q.dtype, *nb, group, *kv_meta.values(), atomic)
+
+    def dkdv(dq_acc=None):
+        atomic = dq_acc is not None
+        _DKDV.launch(
+            lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * h_kv),
+            (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, temp, bnd, seed_arg),
+            (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+             *(dq_acc.stride() if atomic else (0, 0, 0, 0)), *st,
+             h, h_kv, group, n, kv_len, window,
+             qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
+            {**kv_meta, "ATOMIC_DQ": atomic}, kv_configs, kv_key(atomic))
+
+    def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
+        dkdv()
+        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
+        _DQ.launch(
+            lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
+            (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
+            (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
+             h, group, n, kv_len, window,
+             qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
+            q_meta, CONFIG_TABLE.candidates("q", n=n), (q.dtype, *nb, *q_meta.values()))
+
+    def one_pass():  # dk/dv and dq from the same tiles, dq summed in fp32 by atomic adds
+        dq_acc = torch.zeros((bsz, n, h, d), device=q.device, dtype=torch.float32)
+        if _DKDV.tunes(kv_configs, kv_key(True)):  # tuning runs the kernel many times: sum once more
+            dkdv(dq_acc)
+            dq_acc.zero_()
+        dkdv(dq_acc)
+        dq.copy_(dq_acc.mul_(grad_scale))
+
+    forms = {"separate": separate, "one_pass": one_pass}
+    forms[_dq_form(kv_key(False), forms, need_dt)]()
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
     else:
@@ -714,9 +754,45 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     return dq, dk, dv, dt
 
 
+# the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"
+_dq_forms: dict[tuple, str] = {}
+DQ_FORM_ENV = "ATTNLAB_SOFTMAX_DQ"
+
+
+def _dq_form(key: tuple, forms: dict, need_dt: bool) -> str:
+    """How the backward gets dq. "one_pass": the dk/dv kernel also adds each tile's ds k to an fp32
+    dq by atomic adds (5 matrix products per tile instead of 4 + 3 over two kernels, as FlashAttention-2
+    and cuDNN do); "separate": a dq kernel recomputes p and dp per query block, and sums in a fixed
+    order. Autotuning times both at a key's first call (each writes all of dq, dk, dv) and keeps the
+    faster. "separate" always under pinned configs (ATTNLAB_AUTOTUNE=0, deterministic runs),
+    torch.use_deterministic_algorithms, the interpreter, and when d-temperature is asked for (only the
+    dq kernel sums it); ATTNLAB_SOFTMAX_DQ=one_pass|separate pins a form (one_pass still yields to
+    d-temperature)."""
+    pinned = os.environ.get(DQ_FORM_ENV)
+    if pinned is not None and pinned not in forms:
+        raise ValueError(f"{DQ_FORM_ENV} must be one of {tuple(forms)}, got {pinned!r}")
+    if need_dt:
+        return "separate"
+    if pinned is not None:
+        return pinned
+    if interpreting() or pinned_index() is not None or torch.are_deterministic_algorithms_enabled():
+        return "separate"
+    form = _dq_forms.get(key)
+    if form is None:
+        for fn in forms.values():  # tune each form's kernels outside the timing
+            fn()
+        from triton.testing import do_bench
+
+        times = {name: do_bench(fn, warmup=10, rep=40, return_mode="median") for name, fn in forms.items()}
+        form = _dq_forms[key] = min(times, key=times.get)
+    return form
+
+
 def tuned_configs() -> dict[str, str]:
-    """The configs tuning chose so far, readable (for benchmark reports)."""
-    return _tuned_configs((_FWD, _DKDV, _DQ))
+    """The configs and backward forms tuning chose so far, readable (for benchmark reports)."""
+    out = _tuned_configs((_FWD, _DKDV, _DQ))
+    out.update({f"backward dq form, {key}": form for key, form in _dq_forms.items()})
+    return out
 
 
 # --------------------------------------------------------------------- custom ops
