@@ -350,7 +350,12 @@ def run_case(name, b, h, n, d, cap, mask, *, h_kv=None, ids=None, sdpa=False, fl
             print(f"  {name}: Flex's mask differs from attn.masks.dense_mask: Flex left out", flush=True)
             flex = False
     impls = softmax_impls(q, k, v, cap, mask, ids, sdpa=sdpa, flex=flex, ref=ref)
+    from attn.kernels import softmax_family
+
+    softmax_family._dq_forms.clear()  # the backward form this case's tuning picks (one_pass or separate)
     time_impls(name, impls, flops, row)
+    row["backward_dq_form"] = sorted(set(softmax_family._dq_forms.values()))
+    print(f"  {name:34} backward dq form: {row['backward_dq_form']}", flush=True)
     if "ours" in row:
         # the tile configs the tuned launches use (a call after the timing: nothing is tuned here)
         with launched_configs() as used:
