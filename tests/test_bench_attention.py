@@ -126,10 +126,9 @@ def test_issue15_dry_run():
         if r["name"].startswith(("ranker", "rec B", "main tanh", "window", "gqa")) and "full" not in r["name"]:
             assert r["flex_mask_equal"] and "flex" in r["errors"], r
     by = {r["name"]: r for r in results}
-    # the pinned forward tile (64 x 64) at the real shapes: history query tiles see the history key
-    # tiles, candidate query tiles those and their diagonal tile
-    assert by["ranker 2048h+2048c tanh"]["tiles"]["fwd"]["visited"] == pytest.approx((32 * 32 + 32 * 33) / 64**2)
-    assert by["rec B=128 384h+128c tanh"]["tiles"]["fwd"]["visited"] == pytest.approx((6 * 6 + 2 * 7) / 8**2)
+    # the pinned forward tile (128 x 64) at the real shapes
+    assert by["ranker 2048h+2048c tanh"]["tiles"]["fwd"]["visited"] == pytest.approx(1056 / 2048)
+    assert by["rec B=128 384h+128c tanh"]["tiles"]["fwd"]["visited"] == pytest.approx(26 / 32)
     assert by["full N=4096 tanh"]["tiles"]["fwd"]["visited"] == 1.0
 
 

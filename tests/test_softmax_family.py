@@ -380,9 +380,9 @@ def test_one_pass_backward(nan_poison, monkeypatch, cap, mask, n, group, temp, d
 
 
 def test_dq_form_choice(monkeypatch):
-    """Which backward form runs: the environment's pin, else separate under the interpreter, pinned configs
-    and torch's deterministic mode; one timing per key on a GPU; d-temperature always separate; a bad pin
-    names the variable."""
+    """Which backward form runs: the environment's pin, else separate under the interpreter, outside the
+    eligible shapes, under pinned configs and torch's deterministic mode; one timing per key on a GPU;
+    d-temperature always separate; a bad pin names the variable."""
     from attn.kernels import runtime
     from attn.kernels import softmax_family as sf
 
@@ -391,26 +391,28 @@ def test_dq_form_choice(monkeypatch):
     monkeypatch.delenv(sf.DQ_FORM_ENV, raising=False)
     monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
-    assert sf._dq_form(("k0",), forms, False) == "separate"  # the interpreter: no timing
+    assert sf._dq_form(("k0",), forms, False, True) == "separate"  # the interpreter: no timing
     monkeypatch.setattr(sf, "interpreting", lambda: False)  # the GPU's choice logic, here on the CPU
     monkeypatch.setattr(runtime, "interpreting", lambda: False)
     times = {"separate": 2.0, "one_pass": 1.0}
-    order = []
     import triton.testing
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[calls[-1]])[1])
     monkeypatch.setattr(sf, "_dq_forms", {})
-    assert sf._dq_form(("k1",), forms, False) == "one_pass" and sf._dq_forms == {("k1",): "one_pass"}
-    order.append(len(calls))
-    assert sf._dq_form(("k1",), forms, False) == "one_pass" and len(calls) == order[0]  # timed once per key
-    assert sf._dq_form(("k1",), forms, True) == "separate"  # d-temperature: the dq kernel sums it
+    assert sf._dq_form(("k1",), forms, False, False) == "separate" and not calls  # not eligible: no timing
+    assert sf._dq_form(("k1",), forms, False, True) == "one_pass" and sf._dq_forms == {("k1",): "one_pass"}
+    timed = len(calls)
+    assert sf._dq_form(("k1",), forms, False, True) == "one_pass" and len(calls) == timed  # timed once per key
+    assert sf._dq_form(("k1",), forms, True, True) == "separate"  # d-temperature: the dq kernel sums it
+    times.update(separate=0.5)
+    assert sf._dq_form(("k6",), forms, False, True) == "separate"  # the faster form wins
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
-    assert sf._dq_form(("k2",), forms, False) == "separate"  # pinned configs: deterministic
+    assert sf._dq_form(("k2",), forms, False, True) == "separate"  # pinned configs: deterministic
     monkeypatch.delenv("ATTNLAB_AUTOTUNE")
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert sf._dq_form(("k3",), forms, False) == "separate"
+    assert sf._dq_form(("k3",), forms, False, True) == "separate"
     monkeypatch.setenv(sf.DQ_FORM_ENV, "one_pass")
-    assert sf._dq_form(("k4",), forms, False) == "one_pass"
-    assert sf._dq_form(("k4",), forms, True) == "separate"
+    assert sf._dq_form(("k4",), forms, False, False) == "one_pass"  # a pin holds at any shape
+    assert sf._dq_form(("k4",), forms, True, True) == "separate"
     monkeypatch.setenv(sf.DQ_FORM_ENV, "atomic")
     with pytest.raises(ValueError, match=sf.DQ_FORM_ENV):
-        sf._dq_form(("k5",), forms, False)
+        sf._dq_form(("k5",), forms, False, True)

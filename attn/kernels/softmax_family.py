@@ -173,18 +173,18 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, 
         return acc, l_i, m_new
 
 
-# GPU candidates (the first is the pinned default), one list per kernel whatever the head dim and
-# cap; N <= 64 runs one untimed: the forward SMALL_FWD_CONFIG, the backward kernels their first.
-# Small tiles of 4 warps lead: two or three such programs share an SM and overlap one's softmax
-# with another's matrix products, which one program of 8 warps does not (sweep: docs/results/
-# kernel_tile_sweep/; at (4,16,4096,128) bf16 causal they are 5-12% faster per kernel).
+# GPU candidates, one list per kernel whatever the head dim and cap; N <= 64 runs one untimed: the
+# forward SMALL_FWD_CONFIG, the backward kernels their first. The first is the pinned default
+# (ATTNLAB_AUTOTUNE=0: deterministic runs, the ablation), kept as it was measured there; the small
+# 4-warp tiles after it are what tuning picks at (4,16,4096,128) bf16: two or three such programs
+# share an SM and overlap one's softmax with another's matrix products (docs/results/kernel_tile_sweep/).
 SMALL_FWD_CONFIG = TileConfig(64, 64, 4, 3)
-FWD_CONFIGS = [SMALL_FWD_CONFIG, TileConfig(64, 32, 4, 3), TileConfig(128, 64, 4, 2), TileConfig(128, 64, 8, 3),
+FWD_CONFIGS = [TileConfig(128, 64, 8, 3), SMALL_FWD_CONFIG, TileConfig(64, 32, 4, 3), TileConfig(128, 64, 4, 2),
                TileConfig(128, 128, 8, 3)]
-DKDV_CONFIGS = [TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 4), TileConfig(16, 64, 4, 3),
-                TileConfig(64, 128, 8, 3), TileConfig(32, 128, 4, 3)]
-DQ_CONFIGS = [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 3), TileConfig(128, 32, 4, 3),
-              TileConfig(128, 64, 8, 2)]
+DKDV_CONFIGS = [TileConfig(64, 128, 8, 2), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 4),
+                TileConfig(16, 64, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(32, 128, 4, 3)]
+DQ_CONFIGS = [TileConfig(128, 64, 8, 2), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 32, 4, 3),
+              TileConfig(128, 32, 4, 3)]
 # kinds: "fwd" and "q" (query-block programs), "kv" (key-block programs). Interpreter tiles have
 # BLOCK_M != BLOCK_N so that query and key tiles never line up (ATTNLAB_INTERPRET_BLOCKS overrides)
 CONFIG_TABLE = ConfigTable({("fwd",): FWD_CONFIGS, ("kv",): DKDV_CONFIGS, ("q",): DQ_CONFIGS},
@@ -746,7 +746,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
         dq.copy_(dq_acc.mul_(grad_scale))
 
     forms = {"separate": separate, "one_pass": one_pass}
-    forms[_dq_form(kv_key(False), forms, need_dt)]()
+    forms[_dq_form(kv_key(False), forms, need_dt, d <= ONE_PASS_MAX_HEAD_DIM and kv_len >= ONE_PASS_MIN_KEYS)]()
     if need_dt:
         dt = dt_rows.sum(dim=1).to(temperature.dtype)
     else:
@@ -757,17 +757,21 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
 # the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"
 _dq_forms: dict[tuple, str] = {}
 DQ_FORM_ENV = "ATTNLAB_SOFTMAX_DQ"
+# where tuning considers the one-pass form: on an H200 it won at head dim 64 with 2048 keys (7-8%
+# faster fwd+bwd) and lost at head dim 128 (4096 keys) and with 512 keys (docs/results/kernel_tile_sweep/)
+ONE_PASS_MAX_HEAD_DIM = 64
+ONE_PASS_MIN_KEYS = 1024
 
 
-def _dq_form(key: tuple, forms: dict, need_dt: bool) -> str:
+def _dq_form(key: tuple, forms: dict, need_dt: bool, eligible: bool) -> str:
     """How the backward gets dq. "one_pass": the dk/dv kernel also adds each tile's ds k to an fp32
     dq by atomic adds (5 matrix products per tile instead of 4 + 3 over two kernels, as FlashAttention-2
     and cuDNN do); "separate": a dq kernel recomputes p and dp per query block, and sums in a fixed
-    order. Autotuning times both at a key's first call (each writes all of dq, dk, dv) and keeps the
-    faster. "separate" always under pinned configs (ATTNLAB_AUTOTUNE=0, deterministic runs),
-    torch.use_deterministic_algorithms, the interpreter, and when d-temperature is asked for (only the
-    dq kernel sums it); ATTNLAB_SOFTMAX_DQ=one_pass|separate pins a form (one_pass still yields to
-    d-temperature)."""
+    order. Where `eligible` (ONE_PASS_MAX_HEAD_DIM, ONE_PASS_MIN_KEYS), autotuning times both at a key's
+    first call (each writes all of dq, dk, dv) and keeps the faster. "separate" otherwise, and always
+    under pinned configs (ATTNLAB_AUTOTUNE=0, deterministic runs), torch.use_deterministic_algorithms,
+    the interpreter, and when d-temperature is asked for (only the dq kernel sums it);
+    ATTNLAB_SOFTMAX_DQ=one_pass|separate pins a form at any shape (one_pass still yields to d-temperature)."""
     pinned = os.environ.get(DQ_FORM_ENV)
     if pinned is not None and pinned not in forms:
         raise ValueError(f"{DQ_FORM_ENV} must be one of {tuple(forms)}, got {pinned!r}")
@@ -775,7 +779,8 @@ def _dq_form(key: tuple, forms: dict, need_dt: bool) -> str:
         return "separate"
     if pinned is not None:
         return pinned
-    if interpreting() or pinned_index() is not None or torch.are_deterministic_algorithms_enabled():
+    if (not eligible or interpreting() or pinned_index() is not None
+            or torch.are_deterministic_algorithms_enabled()):
         return "separate"
     form = _dq_forms.get(key)
     if form is None:

@@ -527,11 +527,12 @@ def _zero_count_kernel(
 # default. BLOCK_M: query rows, BLOCK_N: key rows of a tile. The dk/dv kernel keeps two
 # (BLOCK_N, D) fp32 accumulators live (three in the fused differential form, views 0), hence
 # its short query tiles. views 1 / 2: the split differential dk/dv (dk, dv / dk2 + d-lambda),
-# see _dkdv_diff. Orders at head dim 128 from a wide sweep on an H200 (docs/results/
-# kernel_tile_sweep/): small tiles of 4 warps lead where two or three programs per SM overlap
-# (the threshold forward and dk/dv); the differential kernels keep 8 warps.
+# see _dkdv_diff. The first stays the pinned default it was measured as; at head dim 128 a wide
+# sweep on an H200 (docs/results/kernel_tile_sweep/) added what tuning picks there: small 4-warp
+# tiles for the threshold forward and dk/dv (two or three programs per SM overlap), 128-key tiles
+# for the differential dk/dv.
 GPU_CONFIGS = {
-    ("fwd", 128, False, 0): [TileConfig(64, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3),
+    ("fwd", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3), TileConfig(64, 64, 4, 3),
                              TileConfig(128, 128, 8, 3)],
     ("fwd", 128, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(128, 64, 8, 2)],
     ("fwd", 64, False, 0): [TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3), TileConfig(64, 64, 4, 3),
@@ -541,11 +542,13 @@ GPU_CONFIGS = {
     ("dq", 128, True, 0): [TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 3)],
     ("dq", 64, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
     ("dq", 64, True, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)],
-    ("dkdv", 128, False, 0): [TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(32, 128, 8, 3),
+    ("dkdv", 128, False, 0): [TileConfig(32, 128, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2),
                               TileConfig(64, 128, 8, 3)],
-    ("dkdv", 128, True, 0): [TileConfig(16, 128, 8, 3), TileConfig(32, 128, 8, 3), TileConfig(16, 64, 8, 3)],
-    ("dkdv", 128, True, 1): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 2), TileConfig(32, 128, 8, 2)],
-    ("dkdv", 128, True, 2): [TileConfig(64, 128, 8, 3), TileConfig(64, 64, 4, 2), TileConfig(32, 128, 8, 3)],
+    ("dkdv", 128, True, 0): [TileConfig(16, 64, 8, 3), TileConfig(16, 128, 8, 3), TileConfig(32, 128, 8, 3),
+                             TileConfig(32, 64, 8, 2)],
+    ("dkdv", 128, True, 1): [TileConfig(32, 128, 8, 2), TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 2),
+                             TileConfig(16, 128, 8, 3)],
+    ("dkdv", 128, True, 2): [TileConfig(32, 128, 8, 3), TileConfig(64, 128, 8, 3), TileConfig(64, 64, 4, 2)],
     ("dkdv", 64, False, 0): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3), TileConfig(32, 64, 4, 3)],
     ("dkdv", 64, True, 0): [TileConfig(32, 128, 8, 3), TileConfig(64, 64, 4, 3)],
     ("dkdv", 64, True, 1): [TileConfig(64, 128, 8, 3), TileConfig(32, 128, 8, 3)],
