@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import os
 import subprocess
 import sys
 import time
@@ -74,8 +73,10 @@ def cases(device="cuda"):
     """(name, family, b, h, n, d, cap or variant, mask, ids, env)."""
     causal, full = MaskSpec(causal=True), MaskSpec(causal=False)
     b, n = MAIN[0], MAIN[2]
-    out = [(f"main {cap} causal", "softmax", *MAIN, cap, causal, None, {}) for cap in ("none", "tanh", "soft_sign", "alsc")]
-    out += [("ranker 2048h+2048c tanh", "softmax", *MAIN, "tanh", full, ba.ranker_layout(b, n, n // 2, n // 2, device), {}),
+    ranker_ids = ba.ranker_layout(b, n, n // 2, n // 2, device)
+    out = [(f"main {cap} causal", "softmax", *MAIN, cap, causal, None, {})
+           for cap in ("none", "tanh", "soft_sign", "alsc")]
+    out += [("ranker 2048h+2048c tanh", "softmax", *MAIN, "tanh", full, ranker_ids, {}),
             ("full N=4096 tanh", "softmax", *MAIN, "tanh", full, None, {})]
     out += [("main threshold causal", "threshold", *MAIN, "threshold", causal, None, {})]
     out += [(f"main diff_threshold causal, {form} dk/dv", "threshold", *MAIN, "diff_threshold", causal, None,
@@ -135,7 +136,8 @@ def kernel_report() -> dict:
     for k in all_kernels():
         for i, (key, times) in enumerate(k.timings.items()):
             ranked = sorted(times.items(), key=lambda kv: kv[1])
-            out[k.name + (f" #{i + 1}" if len(k.timings) > 1 else "")] = {"chosen": str(k.tuned.get(key)), "times": [[str(c), round(ms, 4)] for c, ms in ranked]}
+            name = k.name + (f" #{i + 1}" if len(k.timings) > 1 else "")
+            out[name] = {"chosen": str(k.tuned.get(key)), "times": [[str(c), round(ms, 4)] for c, ms in ranked]}
     for form in threshold_family._dkdv_diff_form.values():
         out["diff dk/dv form"] = {"chosen": form, "times": []}
     return out
@@ -217,7 +219,7 @@ def profile(name: str, fn, iters: int = 20) -> dict:
 
 
 def markdown(meta, rows) -> str:
-    lines = [f"# Tile-config sweep of the issue-15 kernels", "",
+    lines = ["# Tile-config sweep of the issue-15 kernels", "",
              f"{meta['date']} · {meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit "
              f"`{meta['commit']}` · bf16 · each kernel tuned on the call's arguments (do_bench median per "
              f"candidate), then fwd / fwd+bwd timed with the choice; SDPA at the main causal shape "
@@ -226,8 +228,9 @@ def markdown(meta, rows) -> str:
              "| --- | ---: | ---: | ---: |"]
     for r in rows:
         c, w = r["tables"], r["wide"]
+        gain_f, gain_b = c["fwd_ms"] / w["fwd_ms"], c["fwdbwd_ms"] / w["fwdbwd_ms"]
         lines.append(f"| {r['name']} | {c['fwd_ms']:.3f} / {c['fwdbwd_ms']:.3f} | {w['fwd_ms']:.3f} / "
-                     f"{w['fwdbwd_ms']:.3f} | {c['fwd_ms'] / w['fwd_ms']:.3f}x / {c['fwdbwd_ms'] / w['fwdbwd_ms']:.3f}x |")
+                     f"{w['fwdbwd_ms']:.3f} | {gain_f:.3f}x / {gain_b:.3f}x |")
     for r in rows:
         lines += ["", f"## {r['name']}", ""]
         for kname, rep in r["wide"]["kernels"].items():
