@@ -441,3 +441,21 @@ def _compare(key: str, launches: list) -> None:
     assert len(launches) == len(want), (key, [x["kernel"] for x in launches], [x["kernel"] for x in want])
     for i, (got, exp) in enumerate(zip(launches, want)):
         assert got == exp, (key, i, got["kernel"])
+
+
+def test_tunes_says_whether_a_launch_would_time_candidates_first(monkeypatch):
+    """Kernel.tunes: True only where a launch would time its candidates (the GPU, unpinned, a new key, more
+    than one candidate), so an accumulating kernel (the one-pass dk/dv) can run once more afterwards."""
+    _gpu_mode(monkeypatch)
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    kernel = runtime.Kernel(None, "probe")
+    two = [runtime.TileConfig(64, 64, 4, 3), runtime.TileConfig(32, 64, 4, 3)]
+    assert kernel.tunes(two, "k") and not kernel.tunes(two[:1], "k")
+    kernel.tuned["k"] = two[1]
+    assert not kernel.tunes(two, "k") and kernel.tunes(two, "other")
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    assert not kernel.tunes(two, "other")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE")
+    monkeypatch.setattr(runtime, "interpreting", lambda: True)
+    assert not kernel.tunes(two, "other")
