@@ -48,6 +48,7 @@ from bench_train import git_commit  # noqa: E402
 
 import attn  # noqa: E402
 from attn.families import family_of  # noqa: E402
+from attn.kernels import softmax_family  # noqa: E402
 from attn.masks import MaskSpec, dense_mask, segment_bounds, visible_key_counts  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 1000
@@ -350,11 +351,11 @@ def run_case(name, b, h, n, d, cap, mask, *, h_kv=None, ids=None, sdpa=False, fl
             print(f"  {name}: Flex's mask differs from attn.masks.dense_mask: Flex left out", flush=True)
             flex = False
     impls = softmax_impls(q, k, v, cap, mask, ids, sdpa=sdpa, flex=flex, ref=ref)
-    from attn.kernels import softmax_family
-
     softmax_family._dq_forms.clear()  # the backward form this case's tuning picks (one_pass or separate)
     time_impls(name, impls, flops, row)
-    row["backward_dq_form"] = sorted(set(softmax_family._dq_forms.values()))
+    # a key outside the one-pass form's shapes (or pinned) is never timed: it runs separate, or the pin
+    row["backward_dq_form"] = (sorted(set(softmax_family._dq_forms.values()))
+                               or [os.environ.get(softmax_family.DQ_FORM_ENV, "separate")])
     print(f"  {name:34} backward dq form: {row['backward_dq_form']}", flush=True)
     if "ours" in row:
         # the tile configs the tuned launches use (a call after the timing: nothing is tuned here)

@@ -376,7 +376,11 @@ def test_one_pass_backward(nan_poison, monkeypatch, cap, mask, n, group, temp, d
     batch, h_kv = (1, 1) if d >= 64 or n >= 200 else (2, 2)
     run_case(cap, n, group, spec, seg, temp, dtype, batch=batch, h_kv=h_kv, d=d, scale=1.0 if d >= 64 else 2.0,
              seed=n + d, pad_row=seg)
-    assert launched and all(launched) != temp, f"dk/dv launches' ATOMIC_DQ: {launched}"
+    assert launched, "no dk/dv launch"
+    if temp:  # d-temperature: the dq kernel runs, so no dk/dv launch sums dq
+        assert not any(launched), launched
+    else:
+        assert all(launched), launched
 
 
 def test_dq_form_choice(monkeypatch):
