@@ -43,6 +43,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+import attn  # noqa: E402
 import bench_attention as ba  # noqa: E402
 from attn.kernels import runtime, softmax_family, threshold_family  # noqa: E402
 from attn.kernels.runtime import TileConfig  # noqa: E402
@@ -92,10 +93,12 @@ def all_kernels():
 
 
 def reset_tuning():
+    """Forget every tuned config and backward form, so the next call tunes again."""
     for k in all_kernels():
         k.tuned.clear()
         k.timings.clear()
     threshold_family._dkdv_diff_form.clear()
+    softmax_family._dq_forms.clear()
 
 
 @contextlib.contextmanager
@@ -125,7 +128,6 @@ def impl_for(case):
         q, k, v = ba.random_qkv(b, h, n, d, h, "cuda", torch.bfloat16)
         return ba.softmax_impls(q, k, v, what, mask, ids, flex=False)["ours"]
     q, k, v, second = ba.variant_inputs(b, h, n, d, h, what, "cuda", torch.bfloat16)
-    import attn
     spec = attn.get_variant(what).make_spec()
     return ba.variant_impls(q, k, v, second, spec, mask, ids)["ours"]
 
@@ -140,6 +142,8 @@ def kernel_report() -> dict:
             out[name] = {"chosen": str(k.tuned.get(key)), "times": [[str(c), round(ms, 4)] for c, ms in ranked]}
     for form in threshold_family._dkdv_diff_form.values():
         out["diff dk/dv form"] = {"chosen": form, "times": []}
+    for form in softmax_family._dq_forms.values():
+        out["softmax backward dq form"] = {"chosen": form, "times": []}
     return out
 
 

@@ -49,3 +49,11 @@ def test_kernel_report_lists_each_tuning_fastest_first(monkeypatch):
     assert report[kernel.name] == {"chosen": str(fast), "times": [[str(fast), 1.0], [str(slow), 2.0]]}
     sweep.reset_tuning()
     assert kernel.name not in sweep.kernel_report()
+
+
+def test_reset_tuning_forgets_the_backward_forms(monkeypatch):
+    monkeypatch.setitem(softmax_family._dq_forms, ("k",), "one_pass")
+    monkeypatch.setitem(threshold_family._dkdv_diff_form, ("k",), "fused")
+    assert sweep.kernel_report()["softmax backward dq form"]["chosen"] == "one_pass"
+    sweep.reset_tuning()
+    assert not softmax_family._dq_forms and not threshold_family._dkdv_diff_form

@@ -527,10 +527,9 @@ def _zero_count_kernel(
 # default. BLOCK_M: query rows, BLOCK_N: key rows of a tile. The dk/dv kernel keeps two
 # (BLOCK_N, D) fp32 accumulators live (three in the fused differential form, views 0), hence
 # its short query tiles. views 1 / 2: the split differential dk/dv (dk, dv / dk2 + d-lambda),
-# see _dkdv_diff. The first stays the pinned default it was measured as; at head dim 128 a wide
-# sweep on an H200 (docs/results/kernel_tile_sweep/) added what tuning picks there: small 4-warp
-# tiles for the threshold forward and dk/dv (two or three programs per SM overlap), 128-key tiles
-# for the differential dk/dv.
+# see _dkdv_diff. At head dim 128 the lists also hold what tuning picks in a wide sweep on an
+# H200 (docs/results/kernel_tile_sweep/): small 4-warp tiles for the threshold forward and dk/dv
+# (two or three programs per SM overlap), 128-key tiles for the differential dk/dv.
 GPU_CONFIGS = {
     ("fwd", 128, False, 0): [TileConfig(128, 64, 8, 3), TileConfig(64, 32, 4, 3), TileConfig(64, 64, 4, 3),
                              TileConfig(128, 128, 8, 3)],
