@@ -177,9 +177,10 @@ def test_dropout_p_outside_0_1_is_named(bad):
 @pytest.mark.parametrize("seed", [torch.tensor([1.5]), torch.tensor([1, 2]), -1, 2.0])
 def test_bad_dropout_seed_is_named(seed):
     tensors, _ = make_tensors("softmax", 1, 4, 1, 1, 16, seed=0)
+    q, k, v = (tensors[key].to(DEVICE, torch.float32) for key in ("q", "k", "v"))
+    seed = seed.to(DEVICE) if isinstance(seed, torch.Tensor) else seed
     with pytest.raises(ValueError, match="dropout_seed must be"):
-        attn.attention(tensors["q"].float(), tensors["k"].float(), tensors["v"].float(), spec_of("softmax"),
-                       backend="triton", dropout_p=0.2, dropout_seed=seed)
+        attn.attention(q, k, v, spec_of("softmax"), backend="triton", dropout_p=0.2, dropout_seed=seed)
 
 
 # --------------------------------------------------------------------------------- kernels
@@ -394,8 +395,9 @@ def test_fused_dropout_without_a_seed_is_refused():
 
 def test_opcheck_with_dropout():
     tensors, dout = make_tensors("diff_threshold", 1, 9, 2, 1, 16, seed=2)
-    x = {key: t.float() for key, t in tensors.items()}
-    seed = torch.tensor([17])
+    x = {key: t.to(DEVICE, torch.float32) for key, t in tensors.items()}
+    dout = dout.to(DEVICE, torch.float32)
+    seed = torch.tensor([17], device=DEVICE)
     args = (x["q"], x["k"], x["v"], None, None, 0, 30.0, 0.5, 0.25, True, 0, 0.3, seed)
     torch.library.opcheck(sf.softmax_family_fwd, args)
     out, lse = sf.softmax_family_fwd(*args)
