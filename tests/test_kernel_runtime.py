@@ -43,7 +43,7 @@ def _cfgs(configs):
 SOFTMAX_FWD = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2), (128, 128, 8, 3)]
 SOFTMAX_SMALL_FWD = (64, 64, 4, 3)  # the forward's one config at N <= 64
 SOFTMAX_DKDV = [(64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 4), (16, 64, 4, 3), (64, 128, 8, 3),
-                (32, 128, 4, 3), (32, 128, 8, 2)]
+                (32, 128, 4, 3)]
 SOFTMAX_DQ = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 4, 3)]
 
 # (kind, head dim, differential, views) -> candidates; head dims 16 / 32 take the default

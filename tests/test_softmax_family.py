@@ -318,50 +318,6 @@ def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     assert launched and all(launched), f"the fixed-shift path did not run: {launched}"
 
 
-@pytest.mark.parametrize("cap,mask,n,group,temp,form", [
-    ("none", "causal", 127, 2, False, "separate"), ("tanh", "ranker+window", 200, 1, True, "separate"),
-    ("alsc", "full", 17, 4, False, "one_pass"), ("soft_sign", "window", 1, 1, False, "separate"),
-    ("none", "ranker+causal", 333, 2, False, "one_pass")])
-def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form):
-    """The kernels with their tiles through TMA descriptors (ATTNLAB_TMA=1: forward k / v, dk/dv q / do,
-    dq k / v; rows past the end arrive as zeros instead of through masked loads) meet the same rule on
-    every mask kind, GQA, temperature, both backward forms."""
-    from attn.kernels import softmax_family as sf
-
-    monkeypatch.setenv("ATTNLAB_TMA", "1")
-    monkeypatch.setenv(sf.DQ_FORM_ENV, form)
-    launched = []
-    for kernel in (sf._FWD, sf._DKDV, sf._DQ):
-        def recording_run(cfg, grid, tensors, scalars, meta, run=kernel.run, name=kernel.name):
-            launched.append((name, meta["TMA"]))
-            return run(cfg, grid, tensors, scalars, meta)
-
-        monkeypatch.setattr(kernel, "run", recording_run)
-    spec, seg = MASKS[mask]
-    run_case(cap, n, group, spec, seg, temp, torch.float32, pad_row=seg)
-    names = {"softmax_family_fwd", "softmax_family_dkdv"} | ({"softmax_family_dq"} if form == "separate" else set())
-    assert {name for name, _ in launched} == names and all(tma for _, tma in launched), launched
-
-
-def test_tma_needs_its_layout(monkeypatch):
-    """TMA descriptors need unit stride in D and 16-byte strides and base; anything else takes the
-    pointer loads; ATTNLAB_TMA takes 0 or 1 only."""
-    from attn.kernels.runtime import TMA_ENV, tma_layout, use_tma
-
-    x = torch.zeros(2, 8, 4, 16)
-    assert tma_layout(x) and tma_layout(x[:, :, :2])
-    assert not tma_layout(x[..., ::2]) and not tma_layout(x[..., 1:]) and not tma_layout(torch.zeros(2, 8, 4, 17)[..., :16])
-    monkeypatch.setenv(TMA_ENV, "1")
-    assert use_tma(False, x) and not use_tma(True, x[..., 1:])
-    monkeypatch.setenv(TMA_ENV, "0")
-    assert not use_tma(True, x)
-    monkeypatch.delenv(TMA_ENV)
-    assert not use_tma(True, x)  # the CPU has no TMA
-    monkeypatch.setenv(TMA_ENV, "yes")
-    with pytest.raises(ValueError, match="ATTNLAB_TMA must be 0 or 1"):
-        use_tma(True, x)
-
-
 def test_pinned_configs_skip_timing(monkeypatch):
     """attn.pin_kernel_configs (deterministic=true) makes every tuned kernel keep one config, so no
     timing can choose a different tile (summation order) in another process; ATTNLAB_KERNEL_CONFIG

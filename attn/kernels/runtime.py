@@ -229,54 +229,6 @@ def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: 
     return max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
 
 
-TMA_ENV = "ATTNLAB_TMA"
-
-
-def tma_layout(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can address these (B, N, H, D) tensors: unit stride in D, the other
-    strides and the base address multiples of 16 bytes."""
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
-
-
-def use_tma(default: bool, *tensors: torch.Tensor) -> bool:
-    """Whether a launch loads its tiles through TMA descriptors: ATTNLAB_TMA=1 wherever the layout
-    allows (also under the interpreter, for tests), =0 never; unset: `default` on a GPU with TMA
-    (compute capability 9+)."""
-    raw = os.environ.get(TMA_ENV)
-    if raw not in (None, "0", "1"):
-        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {raw!r}")
-    if raw == "0" or not tma_layout(*tensors):
-        return False
-    if raw == "1":
-        return True
-    return default and not interpreting() and tensors[0].is_cuda and _capability(tensors[0].device)[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_of(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_descriptor_scratch() -> None:
-    """Kernels that build TMA descriptors on the device ask Triton's allocator (a context variable,
-    so per thread: autograd's backward runs in its own) for scratch memory; give it torch's caching
-    allocator where none is set, leaving one a user set alone."""
-    import triton
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_scratch)
-
-
 def _direct_launches() -> bool:
     return os.environ.get(DIRECT_ENV, "1") != "0"
 
