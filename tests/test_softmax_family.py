@@ -300,12 +300,17 @@ def test_zero_and_negative_temperature(nan_poison, cap):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cap,mask,n", [("tanh", "causal", 17), ("alsc", "ranker+window", 127), ("soft_sign", "full", 1)])
-def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
-    """The opt-in fixed-shift forward (ATTNLAB_FIXED_SHIFT=1; capped, no temperature) meets the same rule."""
+@pytest.mark.parametrize("cap,mask,n,setting", [("tanh", "causal", 17, None), ("alsc", "ranker+window", 127, "1"),
+                                                ("soft_sign", "full", 1, None), ("tanh", "window", 33, "0")])
+def test_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n, setting):
+    """Capped forwards without a temperature shift by the diagonal logit (FIXED_MAX) unless
+    ATTNLAB_FIXED_SHIFT=0 asks for the online softmax; either form meets the same rule."""
     from attn.kernels import softmax_family as sf
 
-    monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "1")
+    if setting is None:
+        monkeypatch.delenv(sf.FIXED_SHIFT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(sf.FIXED_SHIFT_ENV, setting)
     launched, run = [], sf._FWD.run
 
     def recording_run(cfg, grid, tensors, scalars, meta):  # which forward form every launch asked for
@@ -315,7 +320,15 @@ def test_opt_in_fixed_shift_forward(nan_poison, monkeypatch, cap, mask, n):
     monkeypatch.setattr(sf._FWD, "run", recording_run)
     spec, seg = MASKS[mask]
     run_case(cap, n, 2, spec, seg, False, torch.float32, batch=1, h_kv=1, pad_row=seg)
-    assert launched and all(launched), f"the fixed-shift path did not run: {launched}"
+    assert launched and all(fixed == (setting != "0") for fixed in launched), launched
+
+
+def test_fixed_shift_setting_is_0_or_1(monkeypatch):
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv(sf.FIXED_SHIFT_ENV, "yes")
+    with pytest.raises(ValueError, match="ATTNLAB_FIXED_SHIFT must be 0 or 1"):
+        run_case("tanh", 5, 1, MaskSpec(causal=True), False, False, torch.float32, batch=1, h_kv=1)
 
 
 def test_pinned_configs_skip_timing(monkeypatch):

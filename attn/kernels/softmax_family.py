@@ -616,6 +616,18 @@ def _flags(q: torch.Tensor):
     return fast, prec
 
 
+FIXED_SHIFT_ENV = "ATTNLAB_FIXED_SHIFT"
+
+
+def fixed_shift_enabled() -> bool:
+    """Whether capped forwards may shift by the diagonal logit instead of a running max (ATTNLAB_FIXED_SHIFT,
+    default 1; 0 gives the online-softmax forward, for comparisons)."""
+    raw = os.environ.get(FIXED_SHIFT_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{FIXED_SHIFT_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
               key_lengths=None):
     """(out, lse2); with `key_lengths` (B,) int32 the launches (grid, splits, configs) depend on the
@@ -639,8 +651,7 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     # [2^-2B, 2^2B], B = c log2e, and l <= KV 2^2B; bf16/fp32 keep that range (fp16 p would
     # not), with 2^18 headroom in fp32 for |v| in acc = sum p v
     fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16 and splits == 1 and key_lengths is None
-                 and 2.0 * float(cap_value) * LOG2E + math.log2(max(kv_len, 2)) <= 108.0
-                 and os.environ.get("ATTNLAB_FIXED_SHIFT", "0") == "1")  # opt-in until verified on GPU
+                 and 2.0 * float(cap_value) * LOG2E + math.log2(max(kv_len, 2)) <= 108.0 and fixed_shift_enabled())
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
                 DROPOUT=dropout_p > 0.0, HAS_LENS=key_lengths is not None)
