@@ -1,14 +1,14 @@
 """A/B of the softmax-family kernels' launch options in one process: fwd and fwd+bwd time per option
 and case, next to SDPA, and how far each option's outputs and gradients move from the first option's.
 
-An option is a name and environment settings the launchers read at each call (ATTNLAB_FIXED_SHIFT,
-ATTNLAB_SOFTMAX_DQ, ...); every option tunes its own keys during warm-up. The
+An option is a name and environment settings the launchers read at each call (ATTNLAB_TMA,
+ATTNLAB_FIXED_SHIFT, ATTNLAB_SOFTMAX_DQ, ...); every option tunes its own keys during warm-up. The
 options are timed in rounds (A B C, A B C, ...) and each keeps its fastest round's median, so a slow
 drift of the GPU (clocks, heat) does not favour the option timed first.
 
     python3 scripts/ab_kernel_options.py --out gpu_out/ab \\
-        --option base: --option fixed:ATTNLAB_FIXED_SHIFT=1 --option one_pass:ATTNLAB_SOFTMAX_DQ=one_pass
-    python3 scripts/ab_kernel_options.py --dry-run --option base: --option fixed:ATTNLAB_FIXED_SHIFT=1  # CPU
+        --option base: --option tma:ATTNLAB_TMA=1 --option online:ATTNLAB_FIXED_SHIFT=0
+    python3 scripts/ab_kernel_options.py --dry-run --option base: --option tma:ATTNLAB_TMA=1  # CPU
 
 Writes OUT.json and OUT.md (date, GPU, versions, commit).
 """
@@ -179,7 +179,8 @@ def report(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         for opt, e in r["options"].items():
             if "error" in e:
-                lines.append(f"| {r['name']} | {opt} | failed: {e['error'][:120]} | | | | | |")
+                first_line = e["error"].splitlines()[0][:120].replace("|", "/")
+                lines.append(f"| {r['name']} | {opt} | failed: {first_line} | | | | | |")
             if "fwd_ms" not in e:
                 continue
             change = e.get("max_relative_change")

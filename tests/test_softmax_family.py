@@ -331,6 +331,106 @@ def test_fixed_shift_setting_is_0_or_1(monkeypatch):
         run_case("tanh", 5, 1, MaskSpec(causal=True), False, False, torch.float32, batch=1, h_kv=1)
 
 
+@pytest.mark.parametrize("cap,mask,n,group,temp,form", [
+    ("none", "causal", 127, 2, False, "separate"), ("tanh", "ranker+window", 200, 1, True, "separate"),
+    ("alsc", "full", 17, 4, False, "one_pass"), ("soft_sign", "window", 1, 1, False, "separate"),
+    ("none", "ranker+causal", 333, 2, False, "one_pass")])
+def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form):
+    """The kernels with their tiles through TMA descriptors (ATTNLAB_TMA=1: forward k / v, dk/dv q / do,
+    dq k / v; rows past the end arrive as zeros instead of through masked loads) meet the same rule on
+    every mask kind, GQA, temperature, both backward forms."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv("ATTNLAB_TMA", "1")
+    monkeypatch.setattr(sf, "TMA_MIN_ROWS", 1)  # the test's short sequences too
+    monkeypatch.setenv(sf.DQ_FORM_ENV, form)
+    launched = []
+    for kernel in (sf._FWD, sf._DKDV, sf._DQ):
+        def recording_run(cfg, grid, tensors, scalars, meta, run=kernel.run, name=kernel.name):
+            launched.append((name, meta["TMA"]))
+            return run(cfg, grid, tensors, scalars, meta)
+
+        monkeypatch.setattr(kernel, "run", recording_run)
+    spec, seg = MASKS[mask]
+    run_case(cap, n, group, spec, seg, temp, torch.float32, pad_row=seg)
+    names = {"softmax_family_fwd", "softmax_family_dkdv"} | ({"softmax_family_dq"} if form == "separate" else set())
+    assert {name for name, _ in launched} == names and all(tma for _, tma in launched), launched
+
+
+def test_tma_skips_short_launches(monkeypatch):
+    """Below TMA_MIN_ROWS query rows (host-bound launches with untimed configs) the pointer loads run."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv("ATTNLAB_TMA", "1")
+    launched, run = [], sf._FWD.run
+    monkeypatch.setattr(sf._FWD, "run", lambda cfg, grid, tensors, scalars, meta: (launched.append(meta["TMA"]),
+                                                                                   run(cfg, grid, tensors, scalars,
+                                                                                       meta)))
+    run_case("tanh", 33, 1, MaskSpec(causal=True), False, False, torch.float32, batch=1, h_kv=1)
+    assert launched == [False]
+
+
+def test_tma_is_opt_in_and_needs_its_layout(monkeypatch):
+    """TMA descriptors need unit stride in D and 16-byte strides and base; anything else takes the
+    pointer loads. ATTNLAB_TMA takes 0 or 1 (default 0); on a GPU only with tuned configs."""
+    from attn.kernels import runtime
+    from attn.kernels.runtime import TMA_ENV, tma_layout, use_tma
+
+    x = torch.zeros(2, 8, 4, 16)
+    assert tma_layout(x) and tma_layout(x[:, :, :2])
+    assert not tma_layout(x[..., ::2]) and not tma_layout(x[..., 1:]) and not tma_layout(torch.zeros(2, 8, 4, 17)[..., :16])
+    monkeypatch.delenv(TMA_ENV, raising=False)
+    assert not use_tma(x)
+    monkeypatch.setenv(TMA_ENV, "1")
+    assert use_tma(x) and not use_tma(x[..., 1:])  # the interpreter: wherever the layout allows
+    monkeypatch.setenv(TMA_ENV, "0")
+    assert not use_tma(x)
+    monkeypatch.setenv(TMA_ENV, "1")
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)  # the GPU's rule, here on the CPU
+    assert not use_tma(x)  # CPU tensors: no TMA
+    monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    assert use_tma(x)
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    assert not use_tma(x)  # pinned configs
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE")
+    monkeypatch.setattr(runtime, "_capability", lambda device: (8, 0))
+    assert not use_tma(x)
+    monkeypatch.setenv(TMA_ENV, "yes")
+    with pytest.raises(ValueError, match="ATTNLAB_TMA must be 0 or 1"):
+        use_tma(x)
+
+
+def test_tuning_skips_configs_the_compiler_fails_on(monkeypatch):
+    """A candidate that Triton cannot compile (ptxas fails) or that does not fit is skipped, as Triton's
+    own autotuner does; the fastest of the rest is chosen; none left names the kernel and key."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from attn.kernels import runtime
+
+    configs = [runtime.TileConfig(128, 64, 8, 2), runtime.TileConfig(64, 64, 4, 3), runtime.TileConfig(64, 32, 4, 3),
+               runtime.TileConfig(128, 128, 8, 3)]
+    broken = {configs[0]: PTXASError("ptxas failed with error code -11"), configs[3]: OutOfResources(300, 228, "smem")}
+    speed = {configs[1]: 2.0, configs[2]: 1.0}
+    kernel = runtime.Kernel(None, "probe")
+
+    def run(cfg, grid, tensors, scalars, meta):
+        if cfg in broken:
+            raise broken[cfg]
+
+    monkeypatch.setattr(kernel, "run", run)
+    import triton.testing
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), speed[chosen[-1]])[1])
+    chosen = []
+    monkeypatch.setattr(kernel, "run", lambda cfg, *a: (chosen.append(cfg), run(cfg, *a)))
+    assert kernel._tune(lambda c: (1,), (), (), {}, configs, "key") == configs[2]
+    assert set(kernel.timings["key"]) == {configs[1], configs[2]}
+    with pytest.raises(RuntimeError, match="probe: no tile config fits"):
+        kernel._tune(lambda c: (1,), (), (), {}, [configs[0], configs[3]], "key2")
+
+
 def test_pinned_configs_skip_timing(monkeypatch):
     """attn.pin_kernel_configs (deterministic=true) makes every tuned kernel keep one config, so no
     timing can choose a different tile (summation order) in another process; ATTNLAB_KERNEL_CONFIG

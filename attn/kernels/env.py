@@ -1,5 +1,5 @@
 """Launch settings every kernel family shares, read from the environment (no Triton import here).
-The runtime's own are in attn/kernels/runtime.py (ATTNLAB_KERNEL_CONFIG, ATTNLAB_DIRECT_LAUNCH,
+The runtime's own are in attn/kernels/runtime.py (ATTNLAB_KERNEL_CONFIG, ATTNLAB_DIRECT_LAUNCH, ATTNLAB_TMA,
 ATTNLAB_DECODE_SPLITS, ATTNLAB_INTERPRET_BLOCKS); family-specific ones stay in their modules
 (ATTNLAB_FIXED_SHIFT, ATTNLAB_SOFTMAX_DQ, ATTNLAB_DIFF_DKDV, ATTNLAB_SIGMOID_PATH)."""
 

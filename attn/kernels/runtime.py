@@ -229,6 +229,56 @@ def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: 
     return max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
 
 
+TMA_ENV = "ATTNLAB_TMA"
+
+
+def tma_layout(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address these (B, N, H, D) tensors: unit stride in D, the other
+    strides and the base address multiples of 16 bytes."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether a launch loads its tiles through TMA descriptors: with ATTNLAB_TMA=1 (opt-in until
+    measured faster on the GPU) where the layout allows, on a GPU with TMA (compute capability 9+)
+    or under the interpreter (tests), and only while configs are tuned: tuning skips the candidates
+    Triton cannot compile with TMA (Triton 3.6's ptxas fails on some 2-stage query-block tiles),
+    a pinned config cannot be skipped."""
+    raw = os.environ.get(TMA_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {raw!r}")
+    if raw == "0" or not tma_layout(*tensors):
+        return False
+    if interpreting():
+        return True
+    return tensors[0].is_cuda and _capability(tensors[0].device)[0] >= 9 and pinned_index() is None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_descriptor_scratch() -> None:
+    """Kernels that build TMA descriptors on the device ask Triton's allocator (a context variable,
+    so per thread: autograd's backward runs in its own) for scratch memory; give it torch's caching
+    allocator where none is set, leaving one a user set alone."""
+    import triton
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
 def _direct_launches() -> bool:
     return os.environ.get(DIRECT_ENV, "1") != "0"
 
@@ -271,15 +321,16 @@ class Kernel:
 
     def _tune(self, grid, tensors, scalars, meta, configs, tune_key) -> TileConfig:
         """Time every candidate on the call's own arguments (kernels that only write their outputs
-        may run any number of times); a candidate that does not fit the GPU is skipped."""
-        from triton.runtime.errors import OutOfResources
+        may run any number of times); a candidate that does not fit the GPU or that the compiler
+        fails on is skipped (as Triton's own autotuner does)."""
+        from triton.runtime.errors import OutOfResources, PTXASError
         from triton.testing import do_bench
 
         times = {}
         for cfg in configs:
             try:
                 self.run(cfg, grid(cfg), tensors, scalars, meta)  # compiles outside the timing
-            except OutOfResources:
+            except (OutOfResources, PTXASError):
                 continue
             times[cfg] = do_bench(lambda: self.run(cfg, grid(cfg), tensors, scalars, meta), warmup=5, rep=25,
                                   return_mode="median")

@@ -46,11 +46,11 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  dot_precision, n_bucket, pinned_index)
+                                  dot_precision, ensure_descriptor_scratch, n_bucket, pinned_index, use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
-                                full_query_span_ignoring_padding, head_tile_ptrs, key_block_program, key_ranges,
-                                query_block_program, query_row_ranges, tile_visible,
+                                full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
+                                key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
                                 tile_visible_in_query_range)
 from attn.families.softmax import FAMILY
 from attn.masks import MaskSpec
@@ -61,6 +61,9 @@ LOG2E = 1.4426950408889634
 SUPPORTED_HEAD_DIMS = KERNEL_HEAD_DIMS
 # tuning keys' length buckets stop here (the best tiles stop changing past 8K)
 N_BUCKET_CAP = 16384
+# ATTNLAB_TMA=1 loads tiles through TMA descriptors in launches of at least this many query rows (shorter
+# ones are host-bound, and take configs untimed: some of those Triton 3.6 cannot compile with TMA)
+TMA_MIN_ROWS = 1024
 
 
 # --------------------------------------------------------------------------- caps
@@ -122,23 +125,28 @@ def _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.con
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi, kv_len, window,
+def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, offs_m, offs_n0, lo, hi, kv_len, window,
               hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
               CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, DOT_PREC: tl.constexpr, FIXED_MAX: tl.constexpr,
-              HAS_TEMP: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
+              HAS_TEMP: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One key tile of the online softmax. Without a temperature `row_scale` is a positive
     scalar, so max(g) * scale is the row max and g * scale - m is one FMA per score.
     DROPOUT: the normalizer l sums every p, the accumulator only the kept ones (the 1/(1-p)
-    rescale is applied once to the output)."""
+    rescale is applied once to the output). k_src / v_src: TMA descriptors (TMA) or the head's
+    pointers (k transposed)."""
     offs_n = start + offs_n0
-    if MASKED:
+    if TMA:  # keys past kv_len arrive as zeros, as the masked loads give them
+        k = tl.trans(load_head_rows(k_src, b, start, hk, BLOCK_N, HEAD_DIM))
+        v = load_head_rows(v_src, b, start, hk, BLOCK_N, HEAD_DIM)
+    elif MASKED:
         in_n = offs_n < kv_len
-        k = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)
-        v = tl.load(v_ptrs + offs_n[:, None] * stride_vn, mask=in_n[:, None], other=0.0)
+        k = tl.load(k_src + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)
+        v = tl.load(v_src + offs_n[:, None] * stride_vn, mask=in_n[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs + offs_n[None, :] * stride_kn)
-        v = tl.load(v_ptrs + offs_n[:, None] * stride_vn)
+        k = tl.load(k_src + offs_n[None, :] * stride_kn)
+        v = tl.load(v_src + offs_n[:, None] * stride_vn)
     x = tl.dot(q, k, input_precision=DOT_PREC)
     g, _ = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     if MASKED:
@@ -206,7 +214,7 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
     FIXED_MAX: tl.constexpr, DROPOUT: tl.constexpr, SPLIT_KV: tl.constexpr, HAS_LENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Query rows [m0, m0 + BLOCK_M) of one (batch, head). Query row i sits at key position
     i + kv_len - q_len (bottom-right alignment); every mask and tile range works on positions.
@@ -215,7 +223,8 @@ def _fwd_kernel(
     SPLIT_KV (flash-decoding): program_id(2) = s takes only keys [s split_len, (s+1) split_len)
     and writes its normalized partial output at O + s stride_os and its lse2 at
     LSE + s (B H q_len) (+inf where the split holds no visible key); `_combine_splits_kernel`
-    merges the splits."""
+    merges the splits.
+    TMA (not with SPLIT_KV or HAS_LENS): K and V tiles come through TMA descriptors."""
     bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
         BOUNDS, H, GROUP, q_len, kv_len, BLOCK_M, HAS_SEG, LENS, HAS_LENS)
     split = tl.program_id(2)
@@ -231,8 +240,13 @@ def _fwd_kernel(
         row_scale = t * out_scale
     else:
         row_scale = out_scale
-    k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
-    v_ptrs = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+    if TMA:
+        num_b = tl.num_programs(1) // H
+        k_src = head_descriptor(K, num_b, kv_len, H // GROUP, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_DIM)
+        v_src = head_descriptor(V, num_b, kv_len, H // GROUP, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_DIM)
+    else:
+        k_src = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
+        v_src = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -251,26 +265,27 @@ def _fwd_kernel(
     lo, hi = clip_to_key_split(lo, hi, split, split_len, SPLIT_KV)
     a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT, TMA, BLOCK_N, HEAD_DIM)
     for start in range(a, bnd, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT, TMA, BLOCK_N, HEAD_DIM)
     for start in range(bnd, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi, kv_len,
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, pos_m, offs_n0, lo, hi, kv_len,
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
-                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
+                                  FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT, TMA, BLOCK_N, HEAD_DIM)
     if HAS_SEG:  # candidates' own diagonal
         for start in range(lo2, hi2, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo2, hi2,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, pos_m, offs_n0, lo2, hi2,
                                       kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
                                       cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
-                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT)
+                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP, seed, bh, dropout_p,
+                                      DROPOUT, TMA, BLOCK_N, HEAD_DIM)
 
     seen = l_i != 0.0  # rows that saw nothing have l = 0 exactly; NaN (a NaN score) propagates, as in the reference
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
@@ -345,27 +360,35 @@ def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_od,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0, offs_n, lo, hi,
+def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0, offs_n, lo, hi,
                kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn, stride_dqn, out_scale, cap_value,
                alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
-               DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+               DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+               b, h, pos_offset, TMA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Query positions [start, start + BLOCK_M) against this program's keys; q_ptrs, do_ptrs,
     lse_ptr, delta_ptr, t_ptr and dq_ptrs are indexed by key position (the kernel shifts them by
     the queries' offset), and only positions of real query rows are visited.
     DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
     dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped).
-    ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs."""
+    ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs.
+    q_src / do_src: TMA descriptors indexed by query row (TMA; rows past q_len arrive as zeros) or
+    pointers indexed by key position (q transposed)."""
     offs_m = start + offs_m0
     in_m = offs_m < kv_len
+    if TMA:
+        q = tl.trans(load_head_rows(q_src, b, start - pos_offset, h, BLOCK_M, HEAD_DIM))  # (D, BM)
+        do = load_head_rows(do_src, b, start - pos_offset, h, BLOCK_M, HEAD_DIM)  # (BM, D)
+    elif MASKED:
+        q = tl.load(q_src + offs_m[None, :] * stride_qn, mask=in_m[None, :], other=0.0)
+        do = tl.load(do_src + offs_m[:, None] * stride_don, mask=in_m[:, None], other=0.0)
+    else:
+        q = tl.load(q_src + offs_m[None, :] * stride_qn)
+        do = tl.load(do_src + offs_m[:, None] * stride_don)
     if MASKED:
-        q = tl.load(q_ptrs + offs_m[None, :] * stride_qn, mask=in_m[None, :], other=0.0)  # (D, BM)
-        do = tl.load(do_ptrs + offs_m[:, None] * stride_don, mask=in_m[:, None], other=0.0)  # (BM, D)
         lse = tl.load(lse_ptr + offs_m, mask=in_m, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=in_m, other=0.0)
     else:
-        q = tl.load(q_ptrs + offs_m[None, :] * stride_qn)
-        do = tl.load(do_ptrs + offs_m[:, None] * stride_don)
         lse = tl.load(lse_ptr + offs_m)
         delta = tl.load(delta_ptr + offs_m)
     col_scale = tl.zeros_like(delta) + out_scale
@@ -419,9 +442,11 @@ def _dkdv_kernel(
     qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head). ATOMIC_DQ (the one-pass backward):
+    """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head); TMA: q and do tiles through TMA
+    descriptors. ATOMIC_DQ (the one-pass backward):
     the same tiles also add each query row's dq share, unscaled, to the zeroed fp32 DQ_ACC
     (B, N, H, D), in whatever order the programs run, so the sum is not bitwise repeatable."""
     b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, H_KV, BLOCK_N, HAS_SEG)
@@ -445,39 +470,47 @@ def _dkdv_kernel(
                                         HAS_SEG)
     a, bnd = full_query_span_ignoring_padding(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL,
                                               HAS_WINDOW, HAS_SEG)
+    if TMA:
+        num_b = tl.num_programs(1) // H_KV
+        q_desc = head_descriptor(Q, num_b, q_len, H, stride_qb, stride_qn, stride_qh, BLOCK_M, HEAD_DIM)
+        do_desc = head_descriptor(DO, num_b, q_len, H, stride_dob, stride_don, stride_doh, BLOCK_M, HEAD_DIM)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
         bh = b * H + h
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd - pos_offset * stride_qn
-        do_ptrs = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod - pos_offset * stride_don
+        if TMA:
+            q_src = q_desc
+            do_src = do_desc
+        else:
+            q_src = Q + b * stride_qb + h * stride_qh + offs_d[:, None] * stride_qd - pos_offset * stride_qn
+            do_src = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod - pos_offset * stride_don
         lse_ptr = LSE + (b * H + h) * q_len - pos_offset
         delta_ptr = DELTA + (b * H + h) * q_len - pos_offset
         dq_ptrs = DQ_ACC + b * stride_dqb + h * stride_dqh + offs_d[None, :] * stride_dqd - pos_offset * stride_dqn
         for start in range(lo, a, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
         for start in range(a, bnd, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
         for start in range(bnd, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
         if HAS_SEG:
             for start in range(lo2, hi2, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start,
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start,
                                     offs_m0, offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
                                     stride_tn, stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST,
                                     True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p,
-                                    DROPOUT, ATOMIC_DQ)
+                                    DROPOUT, ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
     dk = dk * grad_scale
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
@@ -488,19 +521,25 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, offs_m, offs_n0, lo, hi,
+def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, offs_m, offs_n0, lo, hi,
              kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g, qk_scale,
              CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
              HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr,
-             DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr):
+             DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, b, hk, TMA: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """k_src / v_src: TMA descriptors (TMA; keys past kv_len arrive as zeros) or the head's pointers
+    (tiles transposed)."""
     offs_n = start + offs_n0
-    if MASKED:
+    if TMA:
+        kT = tl.trans(load_head_rows(k_src, b, start, hk, BLOCK_N, HEAD_DIM))  # (D, BN)
+        vT = tl.trans(load_head_rows(v_src, b, start, hk, BLOCK_N, HEAD_DIM))  # (D, BN)
+    elif MASKED:
         in_n = offs_n < kv_len
-        kT = tl.load(k_ptrs + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)  # (D, BN)
-        vT = tl.load(v_ptrs + offs_n[None, :] * stride_vn, mask=in_n[None, :], other=0.0)  # (D, BN)
+        kT = tl.load(k_src + offs_n[None, :] * stride_kn, mask=in_n[None, :], other=0.0)
+        vT = tl.load(v_src + offs_n[None, :] * stride_vn, mask=in_n[None, :], other=0.0)
     else:
-        kT = tl.load(k_ptrs + offs_n[None, :] * stride_kn)
-        vT = tl.load(v_ptrs + offs_n[None, :] * stride_vn)
+        kT = tl.load(k_src + offs_n[None, :] * stride_kn)
+        vT = tl.load(v_src + offs_n[None, :] * stride_vn)
     x = tl.dot(q, kT, input_precision=DOT_PREC)
     g, fprime = _cap(x, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
     p = tl.exp2(g * row_scale[:, None] - lse[:, None])
@@ -535,8 +574,11 @@ def _dq_kernel(
     qk_scale, out_scale, grad_scale, dt_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, NEED_DT: tl.constexpr, FAST: tl.constexpr,
-    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    """dq (and the rows' d-temperature sums) of query rows [m0, m0 + BLOCK_M) of one (batch, head);
+    TMA: k and v tiles through TMA descriptors."""
     bh, b, h, hk, kv_len, offs_m, pos_m, p0, hs, he, cs, ce = query_block_program(
         BOUNDS, H, GROUP, q_len, kv_len, BLOCK_M, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -555,31 +597,39 @@ def _dq_kernel(
     if HAS_TEMP:
         t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
         row_scale = row_scale * t
-    k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
-    v_ptrs = V + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd
+    if TMA:
+        num_b = tl.num_programs(1) // H
+        k_src = head_descriptor(K, num_b, kv_len, H // GROUP, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_DIM)
+        v_src = head_descriptor(V, num_b, kv_len, H // GROUP, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_DIM)
+    else:
+        k_src = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
+        v_src = V + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dt = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     lo, hi, lo2, hi2 = key_ranges(p0, kv_len, window, hs, he, cs, ce, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_SEG)
     a, bnd = full_key_span_ignoring_padding(lo, hi, p0, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for start in range(lo, a, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, pos_m, offs_n0, lo, hi,
                           kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed,
+                          bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
     for start in range(a, bnd, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, pos_m, offs_n0, lo, hi,
                           kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                          qk_scale, CAP, FAST, False, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed,
+                          bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
     for start in range(bnd, hi, BLOCK_N):
-        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0, lo, hi,
+        dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, pos_m, offs_n0, lo, hi,
                           kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
-                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                          qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed,
+                          bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
     if HAS_SEG:
         for start in range(lo2, hi2, BLOCK_N):
-            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_ptrs, v_ptrs, start, pos_m, offs_n0,
+            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, pos_m, offs_n0,
                               lo2, hi2, kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
                               alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
-                              DOT_PREC, seed, bh, dropout_p, DROPOUT)
+                              DOT_PREC, seed, bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
     dq = dq * grad_scale
     tl.store(head_tile_ptrs(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqn, stride_dqh, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
@@ -655,6 +705,9 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
                 DROPOUT=dropout_p > 0.0, HAS_LENS=key_lengths is not None)
+    meta["TMA"] = splits == 1 and key_lengths is None and n >= TMA_MIN_ROWS and use_tma(k, v)
+    if meta["TMA"] and q.is_cuda:
+        ensure_descriptor_scratch()
     lens = key_lengths if key_lengths is not None else lse  # dummy pointer without HAS_LENS, never read
     if splits > 1:
         _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
@@ -719,12 +772,15 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
+    tma = n >= TMA_MIN_ROWS and use_tma(q, k, v, do)
+    if tma and q.is_cuda:
+        ensure_descriptor_scratch()
     seed_arg = seed_operand(dropout_p, seed, lse)
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
     kv_configs = CONFIG_TABLE.candidates("kv", n=kv_len)
 
     def kv_key(atomic: bool) -> tuple:
-        return (q.dtype, *nb, group, *kv_meta.values(), atomic)
+        return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma)
 
     def dkdv(dq_acc=None):
         atomic = dq_acc is not None
@@ -735,11 +791,11 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
              *(dq_acc.stride() if atomic else (0, 0, 0, 0)), *st,
              h, h_kv, group, n, kv_len, window,
              qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-            {**kv_meta, "ATOMIC_DQ": atomic}, kv_configs, kv_key(atomic))
+            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma}, kv_configs, kv_key(atomic))
 
     def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
         dkdv()
-        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
+        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0, TMA=tma)
         _DQ.launch(
             lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
             (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),

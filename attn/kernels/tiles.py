@@ -126,6 +126,21 @@ def head_tile_ptrs(base, batch, head, rows, cols, stride_b, stride_n, stride_h, 
 
 
 @triton.jit
+def head_descriptor(base, num_batches, n_rows, num_heads, stride_b, stride_n, stride_h,
+                    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A TMA descriptor of a (B, N, H, D) tensor (unit stride in D) whose boxes are BLOCK rows of one
+    head: the copy engine moves the tile and rows at or past n_rows read as 0 (no mask, no pointers)."""
+    return tl.make_tensor_descriptor(base, shape=[num_batches, n_rows, num_heads, HEAD_DIM],
+                                     strides=[stride_b, stride_n, stride_h, 1], block_shape=[1, BLOCK, 1, HEAD_DIM])
+
+
+@triton.jit
+def load_head_rows(desc, batch, row0, head, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of one head through a `head_descriptor`, as a (BLOCK, HEAD_DIM) tile."""
+    return desc.load([batch, row0, head, 0]).reshape(BLOCK, HEAD_DIM)
+
+
+@triton.jit
 def tile_visible(
     offs_m, offs_n, lo, hi, seq_len, window, hs, he, cs, ce,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr,
