@@ -202,6 +202,27 @@ CONFIG_TABLE = ConfigTable({("fwd",): FWD_CONFIGS, ("kv",): DKDV_CONFIGS, ("q",)
 
 
 @triton.jit
+def _key_tile_sources(K, V, b, hk, H, GROUP, kv_len, stride_kb, stride_kn, stride_kh, stride_kd,
+                      stride_vb, stride_vn, stride_vh, stride_vd, V_TRANSPOSED: tl.constexpr, TMA: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Where a query-block program's key and value tiles come from: TMA descriptors of K and V, or
+    pointers to kv head hk's keys with D along rows (k transposed for q k^T) and v as (keys, D), or
+    transposed too (V_TRANSPOSED, dq's d o v^T); a tile's key offsets are added by the caller."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if TMA:
+        num_b = tl.num_programs(1) // H
+        k_src = head_descriptor(K, num_b, kv_len, H // GROUP, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_DIM)
+        v_src = head_descriptor(V, num_b, kv_len, H // GROUP, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_DIM)
+    else:
+        k_src = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
+        if V_TRANSPOSED:
+            v_src = V + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd
+        else:
+            v_src = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+    return k_src, v_src
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, TEMP, BOUNDS, SEED, LENS,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -240,13 +261,8 @@ def _fwd_kernel(
         row_scale = t * out_scale
     else:
         row_scale = out_scale
-    if TMA:
-        num_b = tl.num_programs(1) // H
-        k_src = head_descriptor(K, num_b, kv_len, H // GROUP, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_DIM)
-        v_src = head_descriptor(V, num_b, kv_len, H // GROUP, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_DIM)
-    else:
-        k_src = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
-        v_src = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+    k_src, v_src = _key_tile_sources(K, V, b, hk, H, GROUP, kv_len, stride_kb, stride_kn, stride_kh, stride_kd,
+                                     stride_vb, stride_vn, stride_vh, stride_vd, False, TMA, BLOCK_N, HEAD_DIM)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -597,13 +613,8 @@ def _dq_kernel(
     if HAS_TEMP:
         t = tl.load(TEMP + b * stride_tb + offs_m * stride_tn, mask=in_m, other=0.0).to(tl.float32)
         row_scale = row_scale * t
-    if TMA:
-        num_b = tl.num_programs(1) // H
-        k_src = head_descriptor(K, num_b, kv_len, H // GROUP, stride_kb, stride_kn, stride_kh, BLOCK_N, HEAD_DIM)
-        v_src = head_descriptor(V, num_b, kv_len, H // GROUP, stride_vb, stride_vn, stride_vh, BLOCK_N, HEAD_DIM)
-    else:
-        k_src = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd
-        v_src = V + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd
+    k_src, v_src = _key_tile_sources(K, V, b, hk, H, GROUP, kv_len, stride_kb, stride_kn, stride_kh, stride_kd,
+                                     stride_vb, stride_vn, stride_vh, stride_vd, True, TMA, BLOCK_N, HEAD_DIM)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dt = tl.zeros([BLOCK_M], dtype=tl.float32)
 
