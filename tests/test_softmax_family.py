@@ -357,6 +357,29 @@ def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form):
     assert {name for name, _ in launched} == names and all(tma for _, tma in launched), launched
 
 
+@pytest.mark.parametrize("form", ["separate", "one_pass"])
+def test_tma_loads_with_longer_keys(monkeypatch, form):
+    """Queries against more keys (bottom-right aligned, a prefill after a cache): the TMA tiles give what
+    the pointer loads give (which tests/test_kernels_longer_keys.py checks against the reference)."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setattr(sf, "TMA_MIN_ROWS", 1)
+    monkeypatch.setenv(sf.DQ_FORM_ENV, form)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 37, 4, 16, generator=gen)
+    k, v = (torch.randn(2, 101, 2, 16, generator=gen) for _ in range(2))
+    do = torch.randn_like(q)
+    results = []
+    for tma in ("0", "1"):
+        monkeypatch.setenv("ATTNLAB_TMA", tma)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fused_attention(*leaves, make_spec("tanh"), MaskSpec(causal=True, window=50))
+        out.backward(do)
+        results.append([out.detach(), *(x.grad for x in leaves)])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_tma_skips_short_launches(monkeypatch):
     """Below TMA_MIN_ROWS query rows (host-bound launches with untimed configs) the pointer loads run."""
     from attn.kernels import softmax_family as sf

@@ -382,9 +382,9 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, 
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
                DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                b, h, pos_offset, TMA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Query positions [start, start + BLOCK_M) against this program's keys; q_ptrs, do_ptrs,
-    lse_ptr, delta_ptr, t_ptr and dq_ptrs are indexed by key position (the kernel shifts them by
-    the queries' offset), and only positions of real query rows are visited.
+    """Query positions [start, start + BLOCK_M) against this program's keys; the pointers (lse_ptr,
+    delta_ptr, t_ptr, dq_ptrs, and q_src / do_src without TMA) are indexed by key position (the kernel
+    shifts them by the queries' offset), and only positions of real query rows are visited.
     DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
     dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped).
     ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs.
@@ -462,9 +462,9 @@ def _dkdv_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head); TMA: q and do tiles through TMA
-    descriptors. ATOMIC_DQ (the one-pass backward):
-    the same tiles also add each query row's dq share, unscaled, to the zeroed fp32 DQ_ACC
-    (B, N, H, D), in whatever order the programs run, so the sum is not bitwise repeatable."""
+    descriptors. ATOMIC_DQ (the one-pass backward): the same tiles also add each query row's dq share,
+    unscaled, to the zeroed fp32 DQ_ACC (B, N, H, D), in whatever order the programs run, so the sum
+    is not bitwise repeatable."""
     b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, H_KV, BLOCK_N, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
