@@ -7,7 +7,7 @@ options are timed in rounds (A B C, A B C, ...) and each keeps its fastest round
 drift of the GPU (clocks, heat) does not favour the option timed first.
 
     python3 scripts/ab_kernel_options.py --out gpu_out/ab \\
-        --option base: --option tma:ATTNLAB_TMA=1 --option online:ATTNLAB_FIXED_SHIFT=0
+        --option base: --option tma:ATTNLAB_TMA=1 --option tma_fwd_dq:ATTNLAB_TMA=fwd,dq
     python3 scripts/ab_kernel_options.py --dry-run --option base: --option tma:ATTNLAB_TMA=1  # CPU
 
 Writes OUT.json and OUT.md (date, GPU, versions, commit).
@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -53,12 +54,13 @@ DRY_CASES = [("dry tanh causal", 1, 2, 1, 40, 16, "tanh", CAUSAL, None),
 
 
 def parse_option(text: str) -> tuple[str, dict[str, str]]:
-    """'name:VAR=value,VAR2=value2' (settings may be empty) -> (name, settings)."""
+    """'name:ATTNLAB_A=value,ATTNLAB_B=value' (settings may be empty; a value may hold commas, a
+    setting starts at ',ATTNLAB_') -> (name, settings)."""
     name, sep, rest = text.partition(":")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"an option is 'name:VAR=value,...', got {text!r}")
     settings = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, re.split(r",(?=ATTNLAB_)", rest)):
         var, eq, value = item.partition("=")
         if not eq or not var.startswith("ATTNLAB_"):
             raise argparse.ArgumentTypeError(f"option {name!r}: a setting is ATTNLAB_VAR=value, got {item!r}")

@@ -10,7 +10,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
-            host time (bench_attention_call.py)
+            host time (bench_attention_call.py); the opt-in kernel options against the defaults
+            (ab_kernel_options.py: TMA loads, the online-softmax forward)
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA; two deterministic runs bitwise equal, the captured step bitwise
             the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
@@ -114,6 +115,10 @@ PHASES: dict[str, list[Step]] = {
         Step("targets", 330, (PY, "scripts/bench_attention.py", "--only", "issue15", "--prewarm", "6",
                               "--out", "{dir}/bench_targets")),
         Step("call", 150, (PY, "scripts/bench_attention_call.py", "--out", "{dir}/attention_call")),
+        # the opt-in kernel options against the defaults, one process per case
+        Step("options", 450, (PY, "scripts/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
+                              "--option", "tma:ATTNLAB_TMA=1", "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
+                              "--option", "online_softmax:ATTNLAB_FIXED_SHIFT=0", "--out", "{dir}/ab_kernel_options")),
     ],
     "train": [
         # train.py (the captured step) against the plain loop with torch.compile's CUDA graphs

@@ -19,6 +19,8 @@ def test_options_are_a_name_and_attnlab_settings():
     assert ab.parse_option("base:") == ("base", {})
     assert ab.parse_option("both:ATTNLAB_FIXED_SHIFT=1,ATTNLAB_SOFTMAX_DQ=one_pass") == (
         "both", {"ATTNLAB_FIXED_SHIFT": "1", "ATTNLAB_SOFTMAX_DQ": "one_pass"})
+    assert ab.parse_option("tma_fwd_dq:ATTNLAB_TMA=fwd,dq,ATTNLAB_FIXED_SHIFT=0") == (
+        "tma_fwd_dq", {"ATTNLAB_TMA": "fwd,dq", "ATTNLAB_FIXED_SHIFT": "0"})
     for bad in ("base", ":ATTNLAB_X=1", "x:PATH=/tmp", "x:ATTNLAB_X"):
         with pytest.raises(argparse.ArgumentTypeError):
             ab.parse_option(bad)

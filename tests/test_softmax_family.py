@@ -331,17 +331,17 @@ def test_fixed_shift_setting_is_0_or_1(monkeypatch):
         run_case("tanh", 5, 1, MaskSpec(causal=True), False, False, torch.float32, batch=1, h_kv=1)
 
 
-@pytest.mark.parametrize("cap,mask,n,group,temp,form", [
-    ("none", "causal", 127, 2, False, "separate"), ("tanh", "ranker+window", 200, 1, True, "separate"),
-    ("alsc", "full", 17, 4, False, "one_pass"), ("soft_sign", "window", 1, 1, False, "separate"),
-    ("none", "ranker+causal", 333, 2, False, "one_pass")])
-def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form):
+@pytest.mark.parametrize("cap,mask,n,group,temp,form,kernels", [
+    ("none", "causal", 127, 2, False, "separate", "1"), ("tanh", "ranker+window", 200, 1, True, "separate", "1"),
+    ("alsc", "full", 17, 4, False, "one_pass", "1"), ("soft_sign", "window", 1, 1, False, "separate", "1"),
+    ("none", "ranker+causal", 333, 2, False, "one_pass", "1"), ("tanh", "causal", 200, 2, False, "separate", "fwd,dq")])
+def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form, kernels):
     """The kernels with their tiles through TMA descriptors (ATTNLAB_TMA=1: forward k / v, dk/dv q / do,
     dq k / v; rows past the end arrive as zeros instead of through masked loads) meet the same rule on
     every mask kind, GQA, temperature, both backward forms."""
     from attn.kernels import softmax_family as sf
 
-    monkeypatch.setenv("ATTNLAB_TMA", "1")
+    monkeypatch.setenv("ATTNLAB_TMA", kernels)
     monkeypatch.setattr(sf, "TMA_MIN_ROWS", 1)  # the test's short sequences too
     monkeypatch.setenv(sf.DQ_FORM_ENV, form)
     launched = []
@@ -354,7 +354,10 @@ def test_tma_loads(nan_poison, monkeypatch, cap, mask, n, group, temp, form):
     spec, seg = MASKS[mask]
     run_case(cap, n, group, spec, seg, temp, torch.float32, pad_row=seg)
     names = {"softmax_family_fwd", "softmax_family_dkdv"} | ({"softmax_family_dq"} if form == "separate" else set())
-    assert {name for name, _ in launched} == names and all(tma for _, tma in launched), launched
+    wanted = {f"softmax_family_{k}" for k in ("fwd", "dkdv", "dq")} if kernels == "1" else {
+        f"softmax_family_{k}" for k in kernels.split(",")}
+    assert {name for name, _ in launched} == names, launched
+    assert all(tma == (name in wanted) for name, tma in launched), launched
 
 
 @pytest.mark.parametrize("form", ["separate", "one_pass"])
@@ -393,9 +396,10 @@ def test_tma_skips_short_launches(monkeypatch):
     assert launched == [False]
 
 
-def test_tma_is_opt_in_and_needs_its_layout(monkeypatch):
+def test_tma_is_opt_in_per_kernel_and_needs_its_layout(monkeypatch):
     """TMA descriptors need unit stride in D and 16-byte strides and base; anything else takes the
-    pointer loads. ATTNLAB_TMA takes 0 or 1 (default 0); on a GPU only with tuned configs."""
+    pointer loads. ATTNLAB_TMA: 0 (default), 1 (every kernel) or a comma list of kernels; on a GPU
+    only with tuned configs."""
     from attn.kernels import runtime
     from attn.kernels.runtime import TMA_ENV, tma_layout, use_tma
 
@@ -403,27 +407,30 @@ def test_tma_is_opt_in_and_needs_its_layout(monkeypatch):
     assert tma_layout(x) and tma_layout(x[:, :, :2])
     assert not tma_layout(x[..., ::2]) and not tma_layout(x[..., 1:]) and not tma_layout(torch.zeros(2, 8, 4, 17)[..., :16])
     monkeypatch.delenv(TMA_ENV, raising=False)
-    assert not use_tma(x)
+    assert not any(use_tma(kernel, x) for kernel in runtime.TMA_KERNELS)
     monkeypatch.setenv(TMA_ENV, "1")
-    assert use_tma(x) and not use_tma(x[..., 1:])  # the interpreter: wherever the layout allows
+    assert all(use_tma(kernel, x) for kernel in runtime.TMA_KERNELS) and not use_tma("fwd", x[..., 1:])
+    monkeypatch.setenv(TMA_ENV, "fwd,dq")
+    assert use_tma("fwd", x) and use_tma("dq", x) and not use_tma("dkdv", x)
     monkeypatch.setenv(TMA_ENV, "0")
-    assert not use_tma(x)
+    assert not use_tma("fwd", x)
     monkeypatch.setenv(TMA_ENV, "1")
     monkeypatch.setattr(runtime, "interpreting", lambda: False)  # the GPU's rule, here on the CPU
-    assert not use_tma(x)  # CPU tensors: no TMA
+    assert not use_tma("fwd", x)  # CPU tensors: no TMA
     monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
-    assert use_tma(x)
+    assert use_tma("fwd", x)
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
-    assert not use_tma(x)  # pinned configs
+    assert not use_tma("fwd", x)  # pinned configs
     monkeypatch.delenv("ATTNLAB_AUTOTUNE")
     monkeypatch.setattr(runtime, "_capability", lambda device: (8, 0))
-    assert not use_tma(x)
-    monkeypatch.setenv(TMA_ENV, "yes")
-    with pytest.raises(ValueError, match="ATTNLAB_TMA must be 0 or 1"):
-        use_tma(x)
+    assert not use_tma("fwd", x)
+    for bad in ("yes", "fwd,bwd", ""):
+        monkeypatch.setenv(TMA_ENV, bad)
+        with pytest.raises(ValueError, match="ATTNLAB_TMA must be 0, 1 or a comma list of fwd, dkdv, dq"):
+            use_tma("fwd", x)
 
 
 def test_tuning_skips_configs_the_compiler_fails_on(monkeypatch):

@@ -239,16 +239,31 @@ def tma_layout(*tensors: torch.Tensor) -> bool:
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
-def use_tma(*tensors: torch.Tensor) -> bool:
-    """Whether a launch loads its tiles through TMA descriptors: with ATTNLAB_TMA=1 (opt-in until
-    measured faster on the GPU) where the layout allows, on a GPU with TMA (compute capability 9+)
-    or under the interpreter (tests), and only while configs are tuned: tuning skips the candidates
-    Triton cannot compile with TMA (Triton 3.6's ptxas fails on some 2-stage query-block tiles),
-    a pinned config cannot be skipped."""
+TMA_KERNELS = ("fwd", "dkdv", "dq")
+
+
+def tma_kernels() -> frozenset[str]:
+    """The kernels ATTNLAB_TMA asks to load through TMA descriptors: 0 (default) none, 1 all, or a comma
+    list of TMA_KERNELS (per-kernel comparisons: the descriptors free registers in some kernels and
+    cost instructions in others)."""
     raw = os.environ.get(TMA_ENV, "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{TMA_ENV} must be 0 or 1, got {raw!r}")
-    if raw == "0" or not tma_layout(*tensors):
+    if raw == "0":
+        return frozenset()
+    if raw == "1":
+        return frozenset(TMA_KERNELS)
+    names = frozenset(name.strip() for name in raw.split(","))
+    if not names <= set(TMA_KERNELS):
+        raise ValueError(f"{TMA_ENV} must be 0, 1 or a comma list of {', '.join(TMA_KERNELS)}, got {raw!r}")
+    return names
+
+
+def use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether `kernel` (one of TMA_KERNELS) loads these tensors' tiles through TMA descriptors: where
+    ATTNLAB_TMA names it (opt-in until measured faster on the GPU) and the layout allows, on a GPU
+    with TMA (compute capability 9+) or under the interpreter (tests), and only while configs are
+    tuned: tuning skips the candidates Triton cannot compile with TMA (Triton 3.6's ptxas fails on
+    some 2-stage query-block tiles), a pinned config cannot be skipped."""
+    if kernel not in tma_kernels() or not tma_layout(*tensors):
         return False
     if interpreting():
         return True

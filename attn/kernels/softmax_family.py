@@ -716,7 +716,7 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
                 HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
                 DROPOUT=dropout_p > 0.0, HAS_LENS=key_lengths is not None)
-    meta["TMA"] = splits == 1 and key_lengths is None and n >= TMA_MIN_ROWS and use_tma(k, v)
+    meta["TMA"] = splits == 1 and key_lengths is None and n >= TMA_MIN_ROWS and use_tma("fwd", k, v)
     if meta["TMA"] and q.is_cuda:
         ensure_descriptor_scratch()
     lens = key_lengths if key_lengths is not None else lse  # dummy pointer without HAS_LENS, never read
@@ -783,15 +783,16 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
-    tma = n >= TMA_MIN_ROWS and use_tma(q, k, v, do)
-    if tma and q.is_cuda:
+    tma_kv = n >= TMA_MIN_ROWS and use_tma("dkdv", q, do)
+    tma_q = n >= TMA_MIN_ROWS and use_tma("dq", k, v)
+    if (tma_kv or tma_q) and q.is_cuda:
         ensure_descriptor_scratch()
     seed_arg = seed_operand(dropout_p, seed, lse)
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
     kv_configs = CONFIG_TABLE.candidates("kv", n=kv_len)
 
     def kv_key(atomic: bool) -> tuple:
-        return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma)
+        return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma_kv)
 
     def dkdv(dq_acc=None):
         atomic = dq_acc is not None
@@ -802,11 +803,11 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
              *(dq_acc.stride() if atomic else (0, 0, 0, 0)), *st,
              h, h_kv, group, n, kv_len, window,
              qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma}, kv_configs, kv_key(atomic))
+            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma_kv}, kv_configs, kv_key(atomic))
 
     def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
         dkdv()
-        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0, TMA=tma)
+        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0, TMA=tma_q)
         _DQ.launch(
             lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
             (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
