@@ -8,7 +8,7 @@ drift of the GPU (clocks, heat) does not favour the option timed first.
 
     python3 scripts/ab_kernel_options.py --out gpu_out/ab \\
         --option base: --option tma:ATTNLAB_TMA=1 --option tma_fwd_dq:ATTNLAB_TMA=fwd,dq
-    python3 scripts/ab_kernel_options.py --dry-run --option base: --option tma:ATTNLAB_TMA=1  # CPU
+    python3 scripts/ab_kernel_options.py --dry-run --option base: --option online:ATTNLAB_FIXED_SHIFT=0  # CPU
 
 Writes OUT.json and OUT.md (date, GPU, versions, commit).
 """
