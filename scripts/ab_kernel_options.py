@@ -31,7 +31,7 @@ if not torch.cuda.is_available():  # CPU (--dry-run, tests): Triton runs in its 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_attention import random_qkv, ranker_layout, spec_for, useful_flops  # noqa: E402
+from bench_attention import case_env, random_qkv, ranker_layout, spec_for, useful_flops  # noqa: E402
 from bench_train import git_commit  # noqa: E402
 
 from attn.kernels.softmax_family import fused_attention  # noqa: E402
@@ -66,24 +66,6 @@ def parse_option(text: str) -> tuple[str, dict[str, str]]:
             raise argparse.ArgumentTypeError(f"option {name!r}: a setting is ATTNLAB_VAR=value, got {item!r}")
         settings[var] = value
     return name, settings
-
-
-class Environment:
-    """Sets one option's variables, restoring the previous values on exit."""
-
-    def __init__(self, settings: dict[str, str]):
-        self.settings = settings
-
-    def __enter__(self):
-        self.saved = {var: os.environ.get(var) for var in self.settings}
-        os.environ.update(self.settings)
-
-    def __exit__(self, *exc):
-        for var, value in self.saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
 
 
 def results(call, do):
@@ -124,7 +106,7 @@ def run_case(case, options, rounds: int, device: str, timed: bool) -> dict:
     working = []
     for opt, settings in options:  # warm-up (tuning, compiling) and the outputs of each option
         try:
-            with Environment(settings):
+            with case_env(settings):
                 got = results(ours, ours.do)
         except Exception as e:  # report, keep going with the other options
             row["options"][opt] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -149,7 +131,7 @@ def run_case(case, options, rounds: int, device: str, timed: bool) -> dict:
     for _ in range(rounds):
         for opt, settings in [*working, *((y, {}) for y in yard)]:
             fn = yard.get(opt, ours)
-            with Environment(settings):
+            with case_env(settings):
                 for key, grad in (("fwd_ms", False), ("fwdbwd_ms", True)):
                     ms = time_ms(fn, grad)
                     slot = best.setdefault(opt, {})

@@ -25,9 +25,9 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from unittest import mock
 import traceback
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

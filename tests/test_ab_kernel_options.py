@@ -29,7 +29,7 @@ def test_options_are_a_name_and_attnlab_settings():
 def test_settings_hold_only_inside(monkeypatch):
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", "0")
     monkeypatch.delenv("ATTNLAB_SOFTMAX_DQ", raising=False)
-    with ab.Environment({"ATTNLAB_FIXED_SHIFT": "1", "ATTNLAB_SOFTMAX_DQ": "one_pass"}):
+    with ab.case_env({"ATTNLAB_FIXED_SHIFT": "1", "ATTNLAB_SOFTMAX_DQ": "one_pass"}):
         assert os.environ["ATTNLAB_FIXED_SHIFT"] == "1" and os.environ["ATTNLAB_SOFTMAX_DQ"] == "one_pass"
     assert os.environ["ATTNLAB_FIXED_SHIFT"] == "0" and "ATTNLAB_SOFTMAX_DQ" not in os.environ
 

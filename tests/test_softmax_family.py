@@ -9,6 +9,7 @@ that see nothing. bf16 is checked on the GPU (scripts/check_softmax_family_gpu.p
 
 import os
 import zlib
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -417,7 +418,7 @@ def test_tma_is_opt_in_per_kernel_and_needs_its_layout(monkeypatch):
     monkeypatch.setenv(TMA_ENV, "1")
     monkeypatch.setattr(runtime, "interpreting", lambda: False)  # the GPU's rule, here on the CPU
     assert not use_tma("fwd", x)  # CPU tensors: no TMA
-    monkeypatch.setattr(runtime, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(runtime, "_properties", lambda device: SimpleNamespace(major=9))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
@@ -425,7 +426,7 @@ def test_tma_is_opt_in_per_kernel_and_needs_its_layout(monkeypatch):
     monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
     assert not use_tma("fwd", x)  # pinned configs
     monkeypatch.delenv("ATTNLAB_AUTOTUNE")
-    monkeypatch.setattr(runtime, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(runtime, "_properties", lambda device: SimpleNamespace(major=8))
     assert not use_tma("fwd", x)
     for bad in ("yes", "fwd,bwd", ""):
         monkeypatch.setenv(TMA_ENV, bad)

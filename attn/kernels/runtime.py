@@ -36,6 +36,9 @@ DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
 # key-block kernels BN x BM)
 INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
+# 0, 1 or a comma list of TMA_KERNELS: the kernels that load tiles through TMA descriptors (`use_tma`)
+TMA_ENV = "ATTNLAB_TMA"
+TMA_KERNELS = ("fwd", "dkdv", "dq")
 # "BLOCK_N,warps,stages": the split-key forward's tiles (sweeps; 16 query rows always)
 DECODE_TILES_ENV = "ATTNLAB_DECODE_TILES"
 # the split-key (flash-decoding) forward serves calls with at most this many queries
@@ -200,8 +203,13 @@ class AutogradOp:
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties_of(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def _properties(device: torch.device):
+    """The CUDA device's properties (read once per device)."""
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: torch.device) -> int:
@@ -224,12 +232,9 @@ def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: 
         return max(1, min(int(raw), tiles))
     if interpreting() or device.type != "cuda":
         return 1
-    wanted = -(-2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    wanted = -(-2 * _properties(device).multi_processor_count
                // max(programs, 1))
     return max(1, min(wanted, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
-
-
-TMA_ENV = "ATTNLAB_TMA"
 
 
 def tma_layout(*tensors: torch.Tensor) -> bool:
@@ -237,9 +242,6 @@ def tma_layout(*tensors: torch.Tensor) -> bool:
     strides and the base address multiples of 16 bytes."""
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
-
-
-TMA_KERNELS = ("fwd", "dkdv", "dq")
 
 
 def tma_kernels() -> frozenset[str]:
@@ -267,16 +269,7 @@ def use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
         return False
     if interpreting():
         return True
-    return tensors[0].is_cuda and _capability(tensors[0].device)[0] >= 9 and pinned_index() is None
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_of(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+    return tensors[0].is_cuda and _properties(tensors[0].device).major >= 9 and pinned_index() is None
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
