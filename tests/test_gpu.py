@@ -111,6 +111,35 @@ def test_direct_launches_equal_launches_through_the_jit(variant, mask, monkeypat
         assert ratio <= 1, (key, ratio)
 
 
+# ------------------------------------------------------------------------------ one-pass dq by TMA reduce
+
+
+@pytest.mark.parametrize("mask", list(DIRECT_MASKS))
+@pytest.mark.parametrize("variant", ["softmax", "softcap_tanh", "alsc"])
+def test_one_pass_dq_added_by_tma_reduce_meets_the_rule(variant, mask, monkeypatch, nan_poison):
+    """The one-pass backward with its dq tiles added by TMA bulk reduce (ATTNLAB_TMA=dq_add; the
+    interpreter has no descriptor reduce, so only a GPU runs it) against the float64 reference, odd
+    length, GQA 2:1, every mask kind; the launches did take that path."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv("ATTNLAB_TMA", "dq_add")
+    monkeypatch.setenv(sf.DQ_FORM_ENV, "one_pass")
+    monkeypatch.setattr(sf, "TMA_MIN_ROWS", 1)
+    launched, run = [], sf._DKDV.run
+    monkeypatch.setattr(sf._DKDV, "run", lambda cfg, grid, tensors, scalars, meta: (
+        launched.append((meta["ATOMIC_DQ"], meta["DQ_TMA"])), run(cfg, grid, tensors, scalars, meta))[1])
+    spec = attn.get_variant(variant).make_spec(**DIRECT_VARIANTS[variant])
+    x, ids = direct_launch_inputs(variant, mask, torch.Generator().manual_seed(2), n=1037)
+    x.pop("temperature", None)  # d-temperature takes the separate form
+    fused = direct_launch_outputs(spec, mask, x, ids, torch.bfloat16, "triton")
+    assert launched and all(launched), launched
+    ref = direct_launch_outputs(spec, mask, x, ids, torch.float64, "reference")
+    same = direct_launch_outputs(spec, mask, x, ids, torch.bfloat16, "reference")
+    for key in ref:
+        ratio = error_ratio(fused[key], same[key], ref[key], floor=1e-3 * max(1.0, ref[key].abs().max().item()))
+        assert ratio <= 1, (key, ratio)
+
+
 # ------------------------------------------------------------------------------ the captured step
 
 

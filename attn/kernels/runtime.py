@@ -38,7 +38,7 @@ INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
 # 0, 1 or a comma list of TMA_KERNELS: the kernels that load tiles through TMA descriptors (`use_tma`)
 TMA_ENV = "ATTNLAB_TMA"
-TMA_KERNELS = ("fwd", "dkdv", "dq")
+TMA_KERNELS = ("fwd", "dkdv", "dq", "dq_add")
 # "BLOCK_N,warps,stages": the split-key forward's tiles (sweeps; 16 query rows always)
 DECODE_TILES_ENV = "ATTNLAB_DECODE_TILES"
 # the split-key (flash-decoding) forward serves calls with at most this many queries

@@ -381,7 +381,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, 
                alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr,
                DOT_PREC: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-               b, h, pos_offset, TMA: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+               b, h, pos_offset, TMA: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
     """Query positions [start, start + BLOCK_M) against this program's keys; the pointers (lse_ptr,
     delta_ptr, t_ptr, dq_ptrs, and q_src / do_src without TMA) are indexed by key position (the kernel
     shifts them by the queries' offset), and only positions of real query rows are visited.
@@ -435,11 +436,12 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, 
     dk = tl.dot(dsT, tl.trans(q), dk, input_precision=DOT_PREC)
     if ATOMIC_DQ:
         dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC)  # (BM, D)
-        dq_tile = dq_ptrs + offs_m[:, None] * stride_dqn
-        if MASKED:
-            tl.atomic_add(dq_tile, dq, mask=in_m[:, None], sem="relaxed")
+        if DQ_TMA:  # one bulk reduce-add of the tile (rows past q_len are clipped by the copy engine)
+            dq_ptrs.atomic_add([b, start - pos_offset, h, 0], dq.reshape(1, BLOCK_M, 1, HEAD_DIM))
+        elif MASKED:
+            tl.atomic_add(dq_ptrs + offs_m[:, None] * stride_dqn, dq, mask=in_m[:, None], sem="relaxed")
         else:
-            tl.atomic_add(dq_tile, dq, sem="relaxed")
+            tl.atomic_add(dq_ptrs + offs_m[:, None] * stride_dqn, dq, sem="relaxed")
     return dk, dv
 
 
@@ -458,8 +460,8 @@ def _dkdv_kernel(
     qk_scale, out_scale, grad_scale, cap_value, alsc_a, alsc_g, dropout_p,
     HEAD_DIM: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SEG: tl.constexpr, HAS_TEMP: tl.constexpr, FAST: tl.constexpr, DOT_PREC: tl.constexpr,
-    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr, DQ_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head); TMA: q and do tiles through TMA
     descriptors. ATOMIC_DQ (the one-pass backward): the same tiles also add each query row's dq share,
@@ -490,6 +492,9 @@ def _dkdv_kernel(
         num_b = tl.num_programs(1) // H_KV
         q_desc = head_descriptor(Q, num_b, q_len, H, stride_qb, stride_qn, stride_qh, BLOCK_M, HEAD_DIM)
         do_desc = head_descriptor(DO, num_b, q_len, H, stride_dob, stride_don, stride_doh, BLOCK_M, HEAD_DIM)
+    if DQ_TMA:
+        dq_desc = head_descriptor(DQ_ACC, tl.num_programs(1) // H_KV, q_len, H, stride_dqb, stride_dqn, stride_dqh,
+                                  BLOCK_M, HEAD_DIM)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
         bh = b * H + h
@@ -501,32 +506,35 @@ def _dkdv_kernel(
             do_src = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod - pos_offset * stride_don
         lse_ptr = LSE + (b * H + h) * q_len - pos_offset
         delta_ptr = DELTA + (b * H + h) * q_len - pos_offset
-        dq_ptrs = DQ_ACC + b * stride_dqb + h * stride_dqh + offs_d[None, :] * stride_dqd - pos_offset * stride_dqn
+        if DQ_TMA:
+            dq_ptrs = dq_desc
+        else:
+            dq_ptrs = DQ_ACC + b * stride_dqb + h * stride_dqh + offs_d[None, :] * stride_dqd - pos_offset * stride_dqn
         for start in range(lo, a, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
         for start in range(a, bnd, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, False, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
         for start in range(bnd, hi, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start, offs_m0,
                                 offs_n, lo, hi, kv_len, window, hs, he, cs, ce, stride_qn, stride_don, stride_tn,
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
-                                ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
+                                ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
         if HAS_SEG:
             for start in range(lo2, hi2, BLOCK_M):
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start,
                                     offs_m0, offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
                                     stride_tn, stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST,
                                     True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p,
-                                    DROPOUT, ATOMIC_DQ, b, h, pos_offset, TMA, BLOCK_M, HEAD_DIM)
+                                    DROPOUT, ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
     dk = dk * grad_scale
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
@@ -785,14 +793,17 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
     tma_kv = n >= TMA_MIN_ROWS and use_tma("dkdv", q, do)
     tma_q = n >= TMA_MIN_ROWS and use_tma("dq", k, v)
-    if (tma_kv or tma_q) and q.is_cuda:
+    # the one-pass form's dq tiles added by TMA bulk reduce (the interpreter has no descriptor reduce);
+    # its fp32 dq is laid out as q
+    tma_dq_add = q.is_cuda and n >= TMA_MIN_ROWS and use_tma("dq_add", q)
+    if (tma_kv or tma_q or tma_dq_add) and q.is_cuda:
         ensure_descriptor_scratch()
     seed_arg = seed_operand(dropout_p, seed, lse)
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
     kv_configs = CONFIG_TABLE.candidates("kv", n=kv_len)
 
     def kv_key(atomic: bool) -> tuple:
-        return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma_kv)
+        return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma_kv, atomic and tma_dq_add)
 
     def dkdv(dq_acc=None):
         atomic = dq_acc is not None
@@ -803,7 +814,8 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
              *(dq_acc.stride() if atomic else (0, 0, 0, 0)), *st,
              h, h_kv, group, n, kv_len, window,
              qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma_kv}, kv_configs, kv_key(atomic))
+            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma_kv, "DQ_TMA": atomic and tma_dq_add}, kv_configs,
+            kv_key(atomic))
 
     def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
         dkdv()
