@@ -204,11 +204,21 @@ def main(argv=None) -> int:
         rows.append(run_case(case, args.options, args.rounds, device, not args.dry_run))
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         out.with_suffix(".md").write_text(report(meta, rows))
+    print("\n".join(summary_lines(rows)))
+    return 1 if any("error" in e for r in rows for e in r["options"].values()) else 0
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """Per case and option: its error, or how far its outputs moved from the first option's (the
+    SDPA yardstick is timed, not compared)."""
+    lines = []
     for r in rows:
         for opt, e in r["options"].items():
-            print(f"{r['name']:26} {opt:14} " + (e["error"] if "error" in e else
-                                                  f"max relative change {e['max_relative_change']:.2e}"))
-    return 1 if any("error" in e for r in rows for e in r["options"].values()) else 0
+            if "error" in e:
+                lines.append(f"{r['name']:26} {opt:14} {e['error']}")
+            elif "max_relative_change" in e:
+                lines.append(f"{r['name']:26} {opt:14} max relative change {e['max_relative_change']:.2e}")
+    return lines
 
 
 if __name__ == "__main__":

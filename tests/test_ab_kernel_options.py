@@ -48,3 +48,15 @@ def test_dry_run_compares_every_option(tmp_path, monkeypatch):
     assert "Kernel option A/B" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):  # option names must differ
         ab.main(["--dry-run", "--option", "a:", "--option", "a:ATTNLAB_FIXED_SHIFT=1", "--out", str(out)])
+
+
+def test_summary_names_errors_and_changes_and_leaves_the_yardstick_out():
+    """The closing summary of a GPU run: plain-softmax cases carry an SDPA row with times only."""
+    rows = [{"name": "main softmax causal", "options": {
+        "base": {"max_relative_change": 0.0, "fwd_ms": 1.0},
+        "tma": {"error": "PTXASError: ptxas exited with -11"},
+        "sdpa": {"fwd_ms": 0.8, "fwdbwd_ms": 2.0}}}]
+    lines = ab.summary_lines(rows)
+    assert len(lines) == 2
+    assert "base" in lines[0] and "max relative change 0.00e+00" in lines[0]
+    assert "tma" in lines[1] and "ptxas exited with -11" in lines[1]

@@ -36,7 +36,8 @@ DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
 # key-block kernels BN x BM)
 INTERPRET_BLOCKS_ENV = "ATTNLAB_INTERPRET_BLOCKS"
 DECODE_SPLITS_ENV = "ATTNLAB_DECODE_SPLITS"
-# 0, 1 or a comma list of TMA_KERNELS: the kernels that load tiles through TMA descriptors (`use_tma`)
+# 0, 1 or a comma list of TMA_KERNELS: the kernels that load tiles through TMA descriptors (`use_tma`);
+# dq_add: the one-pass backward adds its dq tiles by TMA bulk reduce
 TMA_ENV = "ATTNLAB_TMA"
 TMA_KERNELS = ("fwd", "dkdv", "dq", "dq_add")
 # "BLOCK_N,warps,stages": the split-key forward's tiles (sweeps; 16 query rows always)
