@@ -11,7 +11,9 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
             host time (bench_attention_call.py); the opt-in kernel options against the defaults
-            (ab_kernel_options.py: TMA loads, the online-softmax forward)
+            (ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
+            dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
+            (probe_warp_specialize.py)
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA; two deterministic runs bitwise equal, the captured step bitwise
             the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
@@ -117,8 +119,12 @@ PHASES: dict[str, list[Step]] = {
         Step("call", 150, (PY, "scripts/bench_attention_call.py", "--out", "{dir}/attention_call")),
         # the opt-in kernel options against the defaults, one process per case
         Step("options", 450, (PY, "scripts/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
-                              "--option", "tma:ATTNLAB_TMA=1", "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
-                              "--option", "online_softmax:ATTNLAB_FIXED_SHIFT=0", "--out", "{dir}/ab_kernel_options")),
+                              "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
+                              "--option", "online_softmax:ATTNLAB_FIXED_SHIFT=0",
+                              "--option", "one_pass_tma_reduce:ATTNLAB_SOFTMAX_DQ=one_pass,ATTNLAB_TMA=dq_add",
+                              "--out", "{dir}/ab_kernel_options")),
+        # Triton's Hopper warp specialization on a minimal attention loop, against the same loop and SDPA
+        Step("warp_specialize", 90, (PY, "scripts/probe_warp_specialize.py", "--out", "{dir}/probe_warp_specialize.json")),
     ],
     "train": [
         # train.py (the captured step) against the plain loop with torch.compile's CUDA graphs
