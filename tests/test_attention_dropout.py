@@ -238,6 +238,9 @@ KERNEL_CASES = [
     ("softcap_softsign", {"cap": 2.0}, "full", False, 1, 2, 2, 16, False, torch.float32, 0.3),
     ("softmax", {}, "full", True, 40, 2, 2, 32, False, torch.float32, 0.1),
     ("softmax", {}, "window", False, 37, 2, 1, 16, True, torch.float16, 0.3),
+    # long enough that a key block holds only candidates (the ranker's own-key path in every kernel)
+    ("softcap_tanh", {"cap": 2.0}, "full", True, 200, 2, 1, 16, True, torch.float32, 0.3),
+    ("softmax", {}, "causal", True, 200, 4, 2, 16, False, torch.float32, 0.2),
     ("threshold", {"beta": 0.5, "power": 2.0}, "causal", False, 17, 2, 1, 16, False, torch.float32, 0.3),
     ("threshold", {"beta": -1.0, "power": 1.0}, "window", False, 45, 4, 2, 16, False, torch.float32, 0.5),
     ("threshold", {"beta": 0.5, "power": 1.5}, "full", True, 33, 2, 2, 16, False, torch.float32, 0.2),
