@@ -181,36 +181,6 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, offs_m, offs_n0, lo,
         return acc, l_i, m_new
 
 
-@triton.jit
-def _fwd_own_key(acc, l_i, m_i, q, K, V, b, hk, pos_m, kv_len, cs, ce, stride_kb, stride_kn, stride_kh, stride_kd,
-                 stride_vb, stride_vn, stride_vh, stride_vd, row_scale, cap_value, alsc_a, alsc_g, qk_scale,
-                 CAP: tl.constexpr, FAST: tl.constexpr, FIXED_MAX: tl.constexpr, HAS_TEMP: tl.constexpr, seed, bh,
-                 dropout_p, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The ranker's candidate rows see one key besides the history: their own. One score per row
-    (a row dot product, no key tile), added to the online softmax as a one-key tile would be."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    own = (pos_m >= cs) & (pos_m < ce) & (pos_m < kv_len)
-    kd = tl.load(head_tile_ptrs(K, b, hk, pos_m, offs_d, stride_kb, stride_kn, stride_kh, stride_kd),
-                 mask=own[:, None], other=0.0)
-    vd = tl.load(head_tile_ptrs(V, b, hk, pos_m, offs_d, stride_vb, stride_vn, stride_vh, stride_vd),
-                 mask=own[:, None], other=0.0).to(tl.float32)
-    g, _ = _cap(tl.sum(q.to(tl.float32) * kd.to(tl.float32), 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
-    z = tl.where(own, g * row_scale, float("-inf"))
-    if FIXED_MAX:
-        p = tl.exp2(z - m_i)
-        l_i = l_i + p
-    else:
-        m_new = tl.maximum(m_i, z)
-        p = tl.exp2(z - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None]
-        m_i = m_new
-    if DROPOUT:
-        p = tl.where(dropout_keep(seed, bh, pos_m, pos_m, kv_len, dropout_p), p, 0.0)
-    return acc + p[:, None] * vd, l_i, m_i
-
-
 # GPU candidates, one list per kernel whatever the head dim and cap; N <= 64 runs one untimed: the
 # forward SMALL_FWD_CONFIG, the backward kernels their first. The first is the pinned default
 # (ATTNLAB_AUTOTUNE=0: deterministic runs and the ablation, whose measured numbers use it); the small
@@ -325,11 +295,13 @@ def _fwd_kernel(
                                   window, hs, he, cs, ce, stride_kn, stride_vn, row_scale, cap_value, alsc_a,
                                   alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, DOT_PREC,
                                   FIXED_MAX, HAS_TEMP, seed, bh, dropout_p, DROPOUT, TMA, BLOCK_N, HEAD_DIM)
-    if HAS_SEG:  # candidates' own keys
-        acc, l_i, m_i = _fwd_own_key(acc, l_i, m_i, q, K, V, b, hk, pos_m, kv_len, cs, ce, stride_kb, stride_kn,
-                                     stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd, row_scale,
-                                     cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, FIXED_MAX, HAS_TEMP, seed, bh,
-                                     dropout_p, DROPOUT, HEAD_DIM)
+    if HAS_SEG:  # candidates' own diagonal
+        for start in range(lo2, hi2, BLOCK_N):
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b, hk, start, pos_m, offs_n0, lo2, hi2,
+                                      kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, row_scale,
+                                      cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
+                                      HAS_WINDOW, HAS_SEG, DOT_PREC, FIXED_MAX, HAS_TEMP, seed, bh, dropout_p,
+                                      DROPOUT, TMA, BLOCK_N, HEAD_DIM)
 
     seen = l_i != 0.0  # rows that saw nothing have l = 0 exactly; NaN (a NaN score) propagates, as in the reference
     if HAS_SEG:  # padding rows see nothing (unmasked tiles may have touched them)
@@ -474,50 +446,6 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, 
 
 
 @triton.jit
-def _dkdv_own_queries(dk, dv, k, v, Q, DO, DQ_ACC, lse_ptr, delta_ptr, t_ptr, b, h, offs_n, lo2, hi2, pos_offset,
-                      stride_qb, stride_qn, stride_qh, stride_qd, stride_dob, stride_don, stride_doh, stride_dod,
-                      stride_dqb, stride_dqn, stride_dqh, stride_dqd, stride_tn, out_scale, cap_value, alsc_a, alsc_g,
-                      qk_scale, kv_len, CAP: tl.constexpr, FAST: tl.constexpr, HAS_TEMP: tl.constexpr, seed, bh,
-                      dropout_p, DROPOUT: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A key block of ranker candidates only: each key is seen by one query row, its own ([lo2, hi2)
-    from query_ranges, empty where the block holds history keys and the main loops cover it). Row dot
-    products instead of a query tile; ATOMIC_DQ: the rows' dq shares too."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    own = (offs_n >= lo2) & (offs_n < hi2) & (offs_n >= pos_offset)
-    rows = offs_n - pos_offset
-    qd = tl.load(head_tile_ptrs(Q, b, h, rows, offs_d, stride_qb, stride_qn, stride_qh, stride_qd),
-                 mask=own[:, None], other=0.0).to(tl.float32)
-    do = tl.load(head_tile_ptrs(DO, b, h, rows, offs_d, stride_dob, stride_don, stride_doh, stride_dod),
-                 mask=own[:, None], other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + offs_n, mask=own, other=float("inf"))
-    delta = tl.load(delta_ptr + offs_n, mask=own, other=0.0)
-    col_scale = tl.zeros_like(delta) + out_scale
-    if HAS_TEMP:
-        t = tl.load(t_ptr + offs_n * stride_tn, mask=own, other=0.0).to(tl.float32)
-        col_scale = col_scale * t
-    kf = k.to(tl.float32)
-    g, fprime = _cap(tl.sum(kf * qd, 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
-    p = tl.where(own, tl.exp2(g * col_scale - lse), 0.0)
-    dp = tl.sum(v.to(tl.float32) * do, 1)
-    if DROPOUT:
-        keep = dropout_keep(seed, bh, offs_n, offs_n, kv_len, dropout_p)
-        dv += tl.where(keep, p, 0.0)[:, None] * do
-        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    else:
-        dv += p[:, None] * do
-    ds = tl.where(own, p * (dp - delta), 0.0)
-    if HAS_TEMP:
-        ds = ds * t
-    if CAP != 0:
-        ds = ds * fprime
-    dk += ds[:, None] * qd
-    if ATOMIC_DQ:
-        tl.atomic_add(head_tile_ptrs(DQ_ACC, b, h, rows, offs_d, stride_dqb, stride_dqn, stride_dqh, stride_dqd),
-                      ds[:, None] * kf, mask=own[:, None], sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, TEMP, BOUNDS, SEED,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -600,12 +528,13 @@ def _dkdv_kernel(
                                 stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, True, CAUSAL,
                                 HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p, DROPOUT,
                                 ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
-        if HAS_SEG:  # candidate keys: their own query rows
-            dk, dv = _dkdv_own_queries(dk, dv, k, v, Q, DO, DQ_ACC, lse_ptr, delta_ptr, t_ptr, b, h, offs_n, lo2, hi2,
-                                       pos_offset, stride_qb, stride_qn, stride_qh, stride_qd, stride_dob, stride_don,
-                                       stride_doh, stride_dod, stride_dqb, stride_dqn, stride_dqh, stride_dqd,
-                                       stride_tn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, kv_len, CAP, FAST,
-                                       HAS_TEMP, seed, bh, dropout_p, DROPOUT, ATOMIC_DQ, HEAD_DIM)
+        if HAS_SEG:
+            for start in range(lo2, hi2, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, start,
+                                    offs_m0, offs_n, lo2, hi2, kv_len, window, hs, he, cs, ce, stride_qn, stride_don,
+                                    stride_tn, stride_dqn, out_scale, cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST,
+                                    True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, DOT_PREC, seed, bh, dropout_p,
+                                    DROPOUT, ATOMIC_DQ, b, h, pos_offset, TMA, DQ_TMA, BLOCK_M, HEAD_DIM)
     dk = dk * grad_scale
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))
@@ -654,33 +583,6 @@ def _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, offs_
         ds = ds * fprime
     dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PREC)
     return dq, dt
-
-
-@triton.jit
-def _dq_own_key(dq, dt, q, do, lse, delta, row_scale, t, K, V, b, hk, pos_m, kv_len, cs, ce,
-                stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
-                cap_value, alsc_a, alsc_g, qk_scale, CAP: tl.constexpr, FAST: tl.constexpr, HAS_TEMP: tl.constexpr,
-                NEED_DT: tl.constexpr, seed, bh, dropout_p, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dq's share of the candidate rows' own keys (see _fwd_own_key): row dot products, no key tile."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    own = (pos_m >= cs) & (pos_m < ce) & (pos_m < kv_len)
-    kd = tl.load(head_tile_ptrs(K, b, hk, pos_m, offs_d, stride_kb, stride_kn, stride_kh, stride_kd),
-                 mask=own[:, None], other=0.0).to(tl.float32)
-    vd = tl.load(head_tile_ptrs(V, b, hk, pos_m, offs_d, stride_vb, stride_vn, stride_vh, stride_vd),
-                 mask=own[:, None], other=0.0).to(tl.float32)
-    g, fprime = _cap(tl.sum(q.to(tl.float32) * kd, 1), cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST)
-    p = tl.exp2(g * row_scale - lse)
-    dp = tl.sum(do.to(tl.float32) * vd, 1)
-    if DROPOUT:
-        dp = tl.where(dropout_keep(seed, bh, pos_m, pos_m, kv_len, dropout_p), dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = tl.where(own, p * (dp - delta), 0.0)
-    if NEED_DT:
-        dt += ds * g
-    if HAS_TEMP:
-        ds = ds * t
-    if CAP != 0:
-        ds = ds * fprime
-    return dq + ds[:, None] * kd, dt
 
 
 @triton.jit
@@ -741,11 +643,12 @@ def _dq_kernel(
                           kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a, alsc_g,
                           qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT, DOT_PREC, seed,
                           bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
-    if HAS_SEG:  # candidates' own keys
-        dq, dt = _dq_own_key(dq, dt, q, do, lse, delta, row_scale, t, K, V, b, hk, pos_m, kv_len, cs, ce,
-                             stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
-                             cap_value, alsc_a, alsc_g, qk_scale, CAP, FAST, HAS_TEMP, NEED_DT, seed, bh, dropout_p,
-                             DROPOUT, HEAD_DIM)
+    if HAS_SEG:
+        for start in range(lo2, hi2, BLOCK_N):
+            dq, dt = _dq_tile(dq, dt, q, do, lse, delta, row_scale, t, k_src, v_src, start, pos_m, offs_n0,
+                              lo2, hi2, kv_len, window, hs, he, cs, ce, stride_kn, stride_vn, cap_value, alsc_a,
+                              alsc_g, qk_scale, CAP, FAST, True, CAUSAL, HAS_WINDOW, HAS_SEG, HAS_TEMP, NEED_DT,
+                              DOT_PREC, seed, bh, dropout_p, DROPOUT, b, hk, TMA, BLOCK_N, HEAD_DIM)
     dq = dq * grad_scale
     tl.store(head_tile_ptrs(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqn, stride_dqh, stride_dqd),
              dq.to(DQ.dtype.element_ty), mask=in_m[:, None])
