@@ -38,6 +38,7 @@ from training.config_checks import check_config, cuda_graphs_enabled
 from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
 from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
+from training.process_settings import restored_process_settings
 from training.quiet_logs import silence_third_party_notices
 from training.resume import resume_checkpoint, resumed_state
 from training.run_files import RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs
@@ -92,7 +93,8 @@ def run(cfg: DictConfig) -> dict:
         output_dir = original
     output_dir.mkdir(parents=True, exist_ok=True)
     # ranks other than 0 write into rank 0's directory by design; rank 0 holds it against other runs
-    with RunDirectoryLock(output_dir) if is_global_rank_zero() else contextlib.nullcontext():
+    with RunDirectoryLock(output_dir) if is_global_rank_zero() else contextlib.nullcontext(), \
+            restored_process_settings():
         return _run(cfg, output_dir)
 
 

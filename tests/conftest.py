@@ -36,8 +36,9 @@ def _offline_env(monkeypatch, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _restore_torch_deterministic_mode():
-    """A run with deterministic=true turns on torch.use_deterministic_algorithms for the whole process
-    (Lightning's Trainer sets it and leaves it); tests that read the mode get it as it was before."""
+    """Lightning's Trainer sets torch.use_deterministic_algorithms for the whole process (train.run
+    gives the mode back itself; a test that builds a Trainer might not); tests that read the mode get
+    it as it was before."""
     mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     torch.use_deterministic_algorithms(mode, warn_only=warn_only)

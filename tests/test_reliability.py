@@ -839,11 +839,12 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
     scripts/check_train_determinism.py)."""
     import train
 
-    # deterministic=true pins the kernel configs through ATTNLAB_AUTOTUNE: set it here first so
-    # that monkeypatch records it and removes it after the test (delenv of an unset variable
-    # records nothing, and the pin would leak into later tests of this worker)
-    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "1")
-    monkeypatch.delenv("ATTNLAB_AUTOTUNE")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    cublas_before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    pinned_while_running = []
+    build_model = train.build_model
+    monkeypatch.setattr(train, "build_model", lambda *args, **kwargs: (
+        pinned_while_running.append(os.environ.get("ATTNLAB_AUTOTUNE")), build_model(*args, **kwargs))[1])
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     runs = []
@@ -855,7 +856,11 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
         runs.append((train_losses(tmp_path / name / "run"), results["val_loss"]))
     (losses_a, val_a), (losses_b, val_b) = runs
     assert len(losses_a) == 5 and losses_a == losses_b and val_a == val_b
-    assert os.environ.get("ATTNLAB_AUTOTUNE") == "0"  # kernel tiles pinned (GPU: no timing-based choice)
+    assert pinned_while_running == ["0", "0"]  # kernel tiles pinned (GPU: no timing-based choice)
+    # and given back: the next run in this process (a multirun's next job) is neither pinned nor
+    # in torch's deterministic mode unless it asks
+    assert "ATTNLAB_AUTOTUNE" not in os.environ and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == cublas_before
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 # ======================================================================== 6. security
