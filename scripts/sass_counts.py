@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attn.families import family_of  # noqa: E402
 from attn.kernels import runtime  # noqa: E402
-from attn.masks import MaskSpec  # noqa: E402
+from attn.masks import CANDIDATE, HISTORY, MaskSpec  # noqa: E402
 from attn.registry import VARIANTS  # noqa: E402
 
 FAMILY_DEFAULT_VARIANT = {"softmax": "softmax", "threshold": "threshold", "sigmoid": "sigmoid"}
@@ -64,7 +64,21 @@ LINE_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH_RE = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
 
 
-def record_launches(variant: str, shape, dtype: torch.dtype, backward: bool, dkdv_form: str | None) -> list:
+# --mask: causal (default), full, or the ranker layout (first half history, second half candidates)
+MASKS = {"causal": MaskSpec(causal=True), "full": MaskSpec(causal=False), "ranker": MaskSpec(causal=False)}
+
+
+def mask_inputs(mask: str, batch: int, n: int) -> tuple[MaskSpec, torch.Tensor | None]:
+    """(MaskSpec, segment ids or None) of a --mask name."""
+    if mask != "ranker":
+        return MASKS[mask], None
+    ids = torch.full((batch, n), HISTORY, dtype=torch.int64)
+    ids[:, n // 2:] = CANDIDATE
+    return MASKS[mask], ids
+
+
+def record_launches(variant: str, shape, dtype: torch.dtype, backward: bool, dkdv_form: str | None,
+                    mask: str = "causal") -> list:
     """The launches one call (and its backward) makes on a GPU: [(Kernel, tensors, scalars, meta, configs)]."""
     spec = VARIANTS[variant].make_spec()
     family = family_of(spec)
@@ -86,7 +100,8 @@ def record_launches(variant: str, shape, dtype: torch.dtype, backward: bool, dkd
                 stack.enter_context(mock.patch.object(module, "interpreting", lambda: False))
         stack.enter_context(mock.patch.object(runtime.Kernel, "launch", record))
         stack.enter_context(mock.patch.dict(os.environ, env))
-        out = fused_attention(q, k, v, spec, MaskSpec(causal=True), None, None, extra=extra or None)
+        mask_spec, segment_ids = mask_inputs(mask, b, n)
+        out = fused_attention(q, k, v, spec, mask_spec, segment_ids, None, extra=extra or None)
         if backward:
             out.backward(torch.empty_like(out))
     return launches
@@ -185,14 +200,16 @@ def count(kernel, tensors, scalars, meta, cfg, arch: int, sass_out: Path | None 
 
 
 def kernel_rows(variant: str, kinds, shape, dtype, arch: int, config_index: int, sass_dir: Path | None,
-                tiles: runtime.TileConfig | None = None, meta_overrides: dict | None = None) -> list[dict]:
+                tiles: runtime.TileConfig | None = None, meta_overrides: dict | None = None,
+                mask: str = "causal") -> list[dict]:
     """One row per kernel of `kinds` (the differential dk/dv in both forms); `tiles` and `meta_overrides`
     replace the launch's config and constexprs (what-if compiles of changes the code does not make)."""
     diff = "diff" in variant
     backward = any(kind != "fwd" for kind in kinds)
-    launches = record_launches(variant, shape, dtype, backward, "fused" if diff and "dkdv" in kinds else None)
+    launches = record_launches(variant, shape, dtype, backward, "fused" if diff and "dkdv" in kinds else None, mask)
     if diff and "dkdv" in kinds:  # the split form's two launches too
-        launches += [x for x in record_launches(variant, shape, dtype, True, "split") if x[0].name.endswith("dkdv")]
+        launches += [x for x in record_launches(variant, shape, dtype, True, "split", mask)
+                     if x[0].name.endswith("dkdv")]
     rows, seen = [], set()
     for kernel, tensors, scalars, meta, configs in launches:
         kind = kernel.name.rsplit("_", 1)[-1]
@@ -223,7 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--family", choices=sorted(FAMILY_DEFAULT_VARIANT), help="its plain variant, without --variant")
     ap.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), help="registry names (attn/registry.py)")
     ap.add_argument("--kernel", nargs="+", choices=["fwd", "dq", "dkdv"], default=["fwd", "dq", "dkdv"])
-    ap.add_argument("--shape", default="4,16,4096,128", help="B,H,N,D (causal, H_kv = H); default issue 15's")
+    ap.add_argument("--shape", default="4,16,4096,128", help="B,H,N,D (H_kv = H); default issue 15's")
+    ap.add_argument("--mask", choices=sorted(MASKS), default="causal",
+                    help="ranker: first half history, second half candidates (not causal)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--config", type=int, default=0, help="candidate index of each kernel's list (0: pinned)")
     ap.add_argument("--tiles", help="BLOCK_M,BLOCK_N,warps,stages instead of the candidate list (what-if)")
@@ -243,7 +262,7 @@ def main(argv=None) -> int:
     tiles = runtime.TileConfig(*(int(x) for x in args.tiles.split(","))) if args.tiles else None
     overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.meta)}
     rows = [row for v in variants for row in kernel_rows(v, args.kernel, shape, DTYPES[args.dtype], args.arch,
-                                                         args.config, args.sass, tiles, overrides)]
+                                                         args.config, args.sass, tiles, overrides, args.mask)]
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

@@ -54,3 +54,30 @@ def test_refuses_interpreted_kernels():
     run = subprocess.run([sys.executable, str(SCRIPT), "--variant", "threshold", "--kernel", "fwd"], cwd=ROOT,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "TRITON_INTERPRET" in run.stderr
+
+
+def test_masks_record_the_kernels_their_calls_run():
+    """--mask picks the launch recorded: ranker with segment ids (HAS_SEG, not causal), causal without."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_counts
+
+    for mask, seg, causal in (("ranker", True, False), ("causal", False, True), ("full", False, False)):
+        launches = sass_counts.record_launches("softcap_tanh", (1, 2, 256, 64), torch.float16, True, None, mask)
+        assert {kernel.name for kernel, *_ in launches} >= {"softmax_family_fwd", "softmax_family_dkdv"}
+        for kernel, tensors, scalars, meta, configs in launches:
+            if "HAS_SEG" in meta:
+                assert (meta["HAS_SEG"], meta["CAUSAL"]) == (seg, causal), (mask, kernel.name)
+
+
+@pytest.mark.skipif(not _tools_present(), reason="Triton's ptxas / cuobjdump not available")
+def test_ranker_mask_compiles(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "ranker.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--variant", "softmax", "--kernel", "fwd", "--mask", "ranker",
+                          "--shape", "1,2,256,64", "--dtype", "fp16", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["kernel"] == "softmax_family_fwd" and row["loop"] > 0 and row["tc"] > 0
