@@ -388,7 +388,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, t_ptr, dq_ptrs, 
     shifts them by the queries' offset), and only positions of real query rows are visited.
     DROPOUT (m the keep mask, r = 1/(1-p)): dv += (m p)^T do (r applied once at the end),
     dp = m r (v . do), ds = p (dp - delta) with delta = do . out (out already dropped).
-    ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs.
+    ATOMIC_DQ: also adds this tile's ds k (the rows' dq share, unscaled) to the fp32 rows at dq_ptrs
+    (DQ_TMA: dq_ptrs is a TMA descriptor of those rows and the tile goes in one bulk reduce-add).
     q_src / do_src: TMA descriptors indexed by query row (TMA; rows past q_len arrive as zeros) or
     pointers indexed by key position (q transposed)."""
     offs_m = start + offs_m0
@@ -466,7 +467,7 @@ def _dkdv_kernel(
     """dk, dv of keys [n0, n0 + BLOCK_N) of one (batch, kv head); TMA: q and do tiles through TMA
     descriptors. ATOMIC_DQ (the one-pass backward): the same tiles also add each query row's dq share,
     unscaled, to the zeroed fp32 DQ_ACC (B, N, H, D), in whatever order the programs run, so the sum
-    is not bitwise repeatable."""
+    is not bitwise repeatable; DQ_TMA: by TMA bulk reduce (GPU only) instead of per-element atomics."""
     b, hk, n0, offs_n, hs, he, cs, ce = key_block_program(BOUNDS, H_KV, BLOCK_N, HAS_SEG)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
