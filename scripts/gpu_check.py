@@ -124,7 +124,8 @@ PHASES: dict[str, list[Step]] = {
                               "--option", "one_pass_tma_reduce:ATTNLAB_SOFTMAX_DQ=one_pass,ATTNLAB_TMA=dq_add",
                               "--out", "{dir}/ab_kernel_options")),
         # Triton's Hopper warp specialization on a minimal attention loop, against the same loop and SDPA
-        Step("warp_specialize", 90, (PY, "scripts/probe_warp_specialize.py", "--out", "{dir}/probe_warp_specialize.json")),
+        Step("warp_specialize", 90, (PY, "scripts/probe_warp_specialize.py",
+                                     "--out", "{dir}/probe_warp_specialize.json")),
     ],
     "train": [
         # train.py (the captured step) against the plain loop with torch.compile's CUDA graphs

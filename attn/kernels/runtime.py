@@ -262,9 +262,9 @@ def tma_kernels() -> frozenset[str]:
 
 def use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
     """Whether `kernel` (one of TMA_KERNELS) loads these tensors' tiles through TMA descriptors: where
-    ATTNLAB_TMA names it (opt-in until measured faster on the GPU) and the layout allows, on a GPU
-    with TMA (compute capability 9+) or under the interpreter (tests), and only while configs are
-    tuned: tuning skips the candidates Triton cannot compile with TMA (Triton 3.6's ptxas fails on
+    ATTNLAB_TMA names it (opt-in: on an H200 it is no faster, docs/results/kernel_options_ab/) and the
+    layout allows, on a GPU with TMA (compute capability 9+) or under the interpreter (tests), and
+    only while configs are tuned: tuning skips the candidates Triton cannot compile with TMA (Triton 3.6's ptxas fails on
     some 2-stage query-block tiles), a pinned config cannot be skipped."""
     if kernel not in tma_kernels() or not tma_layout(*tensors):
         return False

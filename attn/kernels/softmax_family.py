@@ -489,13 +489,12 @@ def _dkdv_kernel(
                                         HAS_SEG)
     a, bnd = full_query_span_ignoring_padding(lo, hi, n0, kv_len, window, hs, he, BLOCK_M, BLOCK_N, CAUSAL,
                                               HAS_WINDOW, HAS_SEG)
+    num_b = tl.num_programs(1) // H_KV
     if TMA:
-        num_b = tl.num_programs(1) // H_KV
         q_desc = head_descriptor(Q, num_b, q_len, H, stride_qb, stride_qn, stride_qh, BLOCK_M, HEAD_DIM)
         do_desc = head_descriptor(DO, num_b, q_len, H, stride_dob, stride_don, stride_doh, BLOCK_M, HEAD_DIM)
     if DQ_TMA:
-        dq_desc = head_descriptor(DQ_ACC, tl.num_programs(1) // H_KV, q_len, H, stride_dqb, stride_dqn, stride_dqh,
-                                  BLOCK_M, HEAD_DIM)
+        dq_desc = head_descriptor(DQ_ACC, num_b, q_len, H, stride_dqb, stride_dqn, stride_dqh, BLOCK_M, HEAD_DIM)
     for gi in range(0, GROUP):  # GQA: the query heads of this kv head, reduced in registers
         h = hk * GROUP + gi
         bh = b * H + h
