@@ -22,7 +22,9 @@ no key (output 0); under the full mask every query sees the L_b keys.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -74,10 +76,12 @@ def segment_bounds(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([start, start + count], dim=-1).reshape(-1, 4).to(torch.int32)
 
 
-def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) -> None:
-    """Shape, values and contiguity checks. Syncs with the device: call in eager mode only."""
+def check_segment_ids_layout(segment_ids, batch: int, seq_len: int, device: torch.device | None = None) -> None:
+    """The host-side checks of segment ids (no device sync): a signed integer (B, N) tensor, on
+    `device` when given."""
     if not isinstance(segment_ids, torch.Tensor):
-        raise ValueError(f"segment_ids must be a (B, N) integer tensor, got {type(segment_ids).__name__}")
+        raise ValueError(f"segment_ids must be a (B, N) integer tensor or an attn.SegmentMask, "
+                         f"got {type(segment_ids).__name__}")
     if segment_ids.shape != (batch, seq_len):
         raise ValueError(
             f"segment_ids must have shape (B, N) = ({batch}, {seq_len}), got {tuple(segment_ids.shape)}"
@@ -85,15 +89,95 @@ def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) ->
     if segment_ids.dtype.is_floating_point or segment_ids.dtype == torch.bool or not segment_ids.dtype.is_signed:
         # unsigned ids cannot hold -1 (candidate): uint8's 255 would compare equal to it
         raise ValueError(f"segment_ids must be an integer tensor, signed (values 1, -1, 0), got dtype {segment_ids.dtype}")
+    if device is not None and segment_ids.device != device:
+        raise ValueError(f"segment_ids must be on the device of q ({device}), got {segment_ids.device}")
+
+
+def validate_segment_ids(segment_ids: torch.Tensor, batch: int, seq_len: int) -> None:
+    """Shape, values and contiguity checks. One device sync (every value check is read in one
+    transfer): call in eager mode, outside CUDA-graph captures."""
+    check_segment_ids_layout(segment_ids, batch, seq_len)
     bad = ~((segment_ids == HISTORY) | (segment_ids == CANDIDATE) | (segment_ids == PADDING))
-    if bool(bad.any()):
+    member = torch.stack([segment_ids == HISTORY, segment_ids == CANDIDATE], dim=1)  # (B, 2, N)
+    start, end = _range_of(member)  # first and last position, whatever lies between
+    split = (member.sum(dim=-1) != (end - start)).any(dim=0)  # (2,): a kind with a gap in some row
+    bad_value, history_split, candidate_split = torch.cat([bad.any().reshape(1), split]).tolist()
+    if bad_value:
         raise ValueError("segment_ids values must be in {1 (history), -1 (candidate), 0 (padding)}")
-    for value in (HISTORY, CANDIDATE):
-        start, end = _range_of(segment_ids == value)  # first and last position, whatever lies between
-        count = (segment_ids == value).sum(dim=-1)
-        if bool((count != (end - start)).any()):
-            name = "history (1)" if value == HISTORY else "candidate (-1)"
+    for name, is_split in (("history (1)", history_split), ("candidate (-1)", candidate_split)):
+        if is_split:
             raise ValueError(f"segment_ids: the {name} positions must form one contiguous range per row")
+
+
+class SegmentMask(NamedTuple):
+    """Segment ids with their kernel bounds, built once (`segments`) and passed as `segment_ids=` to
+    every `attn.attention` / `AttentionCall` call of a batch, as FlexAttention's BlockMask is: the
+    calls then neither check the ids nor compute bounds. segment_ids (B, N) as given; bounds (B, 4)
+    int32 (`segment_bounds`)."""
+
+    segment_ids: torch.Tensor
+    bounds: torch.Tensor
+
+
+def segments(segment_ids: torch.Tensor, *, check: bool = True) -> SegmentMask:
+    """The reusable ranker mask of a batch's segment ids (B, N): values 1 (history), -1
+    (candidate), 0 (padding), each kind one contiguous range per row.
+
+    check=True validates the values (one device sync, here and never in the calls that use the
+    mask); check=False skips that (inside a CUDA-graph capture or compiled code, or for ids known
+    to be valid): the bounds are then computed by device ops only, so a mask built inside a capture
+    follows new ids written into the same buffer at replay."""
+    if not isinstance(segment_ids, torch.Tensor) or segment_ids.ndim != 2:
+        got = tuple(segment_ids.shape) if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__
+        raise ValueError(f"segment_ids must be a (B, N) integer tensor, got {got}")
+    if check:
+        validate_segment_ids(segment_ids, *segment_ids.shape)
+    else:
+        check_segment_ids_layout(segment_ids, *segment_ids.shape)
+    return SegmentMask(segment_ids, segment_bounds(segment_ids))
+
+
+class _CheckedSegmentIds:
+    """Bounds of the segment-id tensors calls have seen, validated once per tensor: keyed by the
+    tensor's identity, valid while it is alive and unchanged (its version counter counts in-place
+    writes). A few entries: a model's layers and a benchmark's repeats reuse one tensor."""
+
+    MAX_ENTRIES = 16
+
+    def __init__(self):
+        self._seen: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def bounds(self, segment_ids: torch.Tensor) -> torch.Tensor:
+        entry = self._seen.get(id(segment_ids))
+        if entry is not None and entry[0]() is segment_ids and entry[1] == segment_ids._version:
+            return entry[2]
+        validate_segment_ids(segment_ids, *segment_ids.shape)
+        bounds = segment_bounds(segment_ids)
+        if len(self._seen) >= self.MAX_ENTRIES:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[id(segment_ids)] = (weakref.ref(segment_ids), segment_ids._version, bounds)
+        return bounds
+
+
+_CHECKED = _CheckedSegmentIds()
+
+
+def segment_mask_of(segment_ids, batch: int, seq_len: int, device: torch.device) -> SegmentMask | None:
+    """The SegmentMask a call uses for its `segment_ids` argument (None, a SegmentMask, or ids).
+
+    A SegmentMask is used as built (its batch and length checked). Ids are checked on the host; their
+    values once per tensor (`_CheckedSegmentIds`: one device sync the first time a tensor is seen),
+    except inside compiled code or a CUDA-graph capture, where nothing may sync: there the bounds
+    are computed by device ops in the call, from whatever the buffer holds."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, SegmentMask):
+        check_segment_ids_layout(segment_ids.segment_ids, batch, seq_len, device)
+        return segment_ids
+    check_segment_ids_layout(segment_ids, batch, seq_len, device)
+    if torch.compiler.is_compiling() or (segment_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return SegmentMask(segment_ids, segment_bounds(segment_ids))
+    return SegmentMask(segment_ids, _CHECKED.bounds(segment_ids))
 
 
 def _key_length(seq_len: int, kv_len: int | None, segment_ids) -> int:

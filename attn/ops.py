@@ -7,6 +7,7 @@ reference path never imports Triton.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Mapping
@@ -17,10 +18,10 @@ import torch.nn.functional as F
 from attn.dropout import check_dropout_p, draw_seed, seed_tensor
 from attn.families import FAMILIES, family_of
 from attn.kernels.env import PIN_ENV, interpreting
-from attn.masks import MaskSpec
+from attn.masks import MaskSpec, SegmentMask, segment_mask_of
 from attn.reference import reference_attention
 from attn.registry import family_kernel
-from attn.validation import check_attention_inputs, check_kernel_inputs, check_key_length_values, check_key_lengths
+from attn.validation import check_attention_inputs, check_kernel_inputs, check_key_lengths
 
 log = logging.getLogger(__name__)
 # sdpa: torch's scaled_dot_product_attention, plain softmax only (the speed yardstick)
@@ -45,11 +46,28 @@ def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
     if device.type != "cuda" and not interpreting():
         return False
+    return _triton_importable()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+_MASK_SPECS: dict[tuple, MaskSpec] = {}
+
+
+def mask_spec(causal: bool, window) -> MaskSpec:
+    """MaskSpec(causal, window), built once per distinct pair (its checks run on the first)."""
+    key = (causal, window, type(window))
+    mask = _MASK_SPECS.get(key)
+    if mask is None:
+        mask = _MASK_SPECS[key] = MaskSpec(causal=causal, window=window)
+    return mask
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -134,8 +152,15 @@ def attention(
     Softmax family: optional per-query `temperature` (B, N). `extra`: the family's extra per-call
     tensors, a mapping whose keys are exactly `attn.family_of(spec).extra_inputs(spec)` (None or
     empty where it names none; the differential threshold's are the second view 'q2' (B,N,H,D),
-    'k2' (B,KV,H_kv,D) and the per-head lambda 'lam' (H,)). Every argument is validated on every
-    call (segment ids with a device sync); a model calls `AttentionCall` instead, which checks once.
+    'k2' (B,KV,H_kv,D) and the per-head lambda 'lam' (H,)).
+
+    `segment_ids`: (B, N) ids (1 history, -1 candidate, 0 padding), or the `attn.segments(ids)` mask
+    built once for every call of a batch (FlexAttention's BlockMask habit: the calls then do no mask
+    work at all). A call never waits for the device: shapes, dtypes and devices are checked on the
+    host; the values of an ids tensor are checked the first time a call sees that tensor (one sync,
+    then remembered while the tensor is unchanged), never inside compiled code or a CUDA-graph capture
+    (there the bounds come from the buffer's values by device ops, so a captured call follows new ids
+    written into it). `attn.check_inputs` runs every value check explicitly.
 
     `dropout_p` in [0, 1) drops attention weights (attn/dropout.py), whatever the module's mode:
     pass 0 at evaluation. `dropout_seed` (int or one-element integer tensor) fixes the mask: the
@@ -150,23 +175,23 @@ def attention(
     with key_lengths[b] < N puts its first queries at negative positions: under a causal or window
     mask they see no key and output 0, under the full mask every query sees the filled keys.
     Forward only (inference): a ValueError if an input requires grad (with grad mode on), with
-    segment_ids or with dropout_p > 0. Values must lie in [0, KV]: checked here with a device sync,
-    except inside a CUDA-graph capture or compiled code (there, and in `AttentionCall`, values
-    outside are clamped to [0, KV]). The fused kernels read the lengths on the device, so their
-    launches do not depend on the values (a call can be captured in a CUDA graph and replayed as
-    the cache fills); backend='sdpa' sends these calls to the reference.
+    segment_ids or with dropout_p > 0. Values outside [0, KV] are clamped to it by every backend
+    (`attn.check_inputs` refuses them; a call does not read them, since that would wait for the
+    device). The fused kernels read the lengths on the device, so their launches do not depend on
+    the values (a call can be captured in a CUDA graph and replayed as the cache fills);
+    backend='sdpa' sends these calls to the reference.
     """
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     check_attention_inputs(q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature,
                            extra=extra)
     dropout_p = check_dropout_p(dropout_p)
-    mask = MaskSpec(causal=causal, window=window)
+    mask = mask_spec(causal, window)
+    segments = segment_mask_of(segment_ids, q.shape[0], q.shape[1], q.device)
+    segment_ids = segments.segment_ids if segments is not None else None
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
                           tensors=(v, temperature, *extra_values(extra)))
-        if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-            check_key_length_values(key_lengths, k.shape[1])
         backend = longer_keys_backend(backend)
     elif k.shape[1] != q.shape[1]:
         if backend == "sdpa":
@@ -185,7 +210,8 @@ def attention(
     seed = None
     if dropout_p > 0.0:
         seed = draw_seed(q.device) if dropout_seed is None else seed_tensor(dropout_seed, q.device)
-    return family_kernel(spec)(q, k, v, spec, mask, segment_ids, temperature, extra=extra,
+    return family_kernel(spec)(q, k, v, spec, mask, None, temperature, extra=extra,
+                               bounds=segments.bounds if segments is not None else None,
                                dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
 
 
@@ -202,10 +228,10 @@ class AttentionCall:
 
     The spec, mask and backend are checked at construction; a call does no input validation (the
     backend choice is a string comparison or two), and takes the batch's `bounds`
-    (`attn.segment_bounds(segment_ids)`, computed once per batch instead of once per layer). The
-    caller owns what the public `attention` checks per call: tensor shapes and dtypes (the model's
-    own projections) and segment ids (`attn.masks.validate_segment_ids`, once per batch, eagerly,
-    since it syncs with the device). `dropout_p` (checked by the caller, e.g. the model's config
+    (`attn.segment_bounds(segment_ids)`, computed once per batch instead of once per layer), or
+    `segment_ids=attn.segments(ids)`, which carries both. The caller owns what the public `attention`
+    checks per call: tensor shapes and dtypes (the model's own projections) and segment ids
+    (`attn.segments` checks them once per batch). `dropout_p` (checked by the caller, e.g. the model's config
     check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
     k / v may hold more positions than q (a decode step, bottom-right aligned): the backend for
     those calls is `longer_keys_backend`'s. `key_lengths` (B,) int32: per-row filled lengths of a
@@ -226,6 +252,8 @@ class AttentionCall:
 
     def __call__(self, q, k, v, *, segment_ids=None, bounds=None, temperature=None, extra=None,
                  dropout_p: float = 0.0, key_lengths=None):
+        if isinstance(segment_ids, SegmentMask):
+            segment_ids, bounds = segment_ids.segment_ids, segment_ids.bounds
         # resolved per call, no state: a cache filled during a trace would make torch.compile recompile
         if k.shape[1] == q.shape[1] and key_lengths is None:
             backend = self.backend

@@ -6,7 +6,8 @@ import torch
 
 from attn.families import family_of
 from attn.families.base import check_tensor
-from attn.masks import segment_bounds, validate_segment_ids
+from attn.dropout import check_dropout_p
+from attn.masks import SegmentMask, segment_bounds, validate_segment_ids
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -14,6 +15,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, extra) -> None:
+    """The host-side checks of `attn.attention`'s inputs: types, shapes, dtypes, devices, the spec's
+    own (no device sync; segment ids' values are `attn.masks.segment_mask_of`'s, once per tensor)."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4:
         raise ValueError(f"q must be a (B, N, H, D) tensor, got {getattr(q, 'shape', type(q).__name__)}")
     if q.dtype not in FLOAT_DTYPES:
@@ -33,8 +36,6 @@ def check_attention_inputs(q, k, v, spec, *, window, segment_ids, temperature, e
         raise ValueError(f"the number of query heads ({h}) must be divisible by k's heads H_kv ({k.shape[2]})")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if segment_ids is not None and not torch.compiler.is_compiling():
-        validate_segment_ids(segment_ids, b, n)
     family_of(spec).validate(spec, q, k, temperature=temperature, extra=extra)
 
 
@@ -85,8 +86,30 @@ def check_key_lengths(key_lengths, q, k, *, segment_ids=None, bounds=None, dropo
 
 
 def check_key_length_values(key_lengths: torch.Tensor, kv_len: int) -> None:
-    """0 <= key_lengths <= KV. Syncs with the device: the public `attn.attention` calls it outside
-    CUDA-graph captures and compiled code; elsewhere the backends clamp the values to [0, KV]."""
+    """0 <= key_lengths <= KV. Syncs with the device: `check_inputs` runs it; calls do not (every
+    backend clamps the values to [0, KV])."""
     if bool(((key_lengths < 0) | (key_lengths > kv_len)).any()):
         raise ValueError(f"key_lengths values must lie in [0, KV] = [0, {kv_len}], got values from "
                          f"{int(key_lengths.min())} to {int(key_lengths.max())}")
+
+
+def check_inputs(q, k, v, spec, *, causal: bool = True, window: int | None = None, segment_ids=None,
+                 temperature=None, extra=None, dropout_p: float = 0.0, key_lengths=None) -> None:
+    """Every check of `attn.attention`'s inputs, the values of its index tensors included: what a call
+    checks on the host, plus the segment ids' values and contiguity and key_lengths in [0, KV].
+
+    Reads tensor values, so it syncs with the device once or twice: call it where that is fine (a
+    data pipeline's first batch, a test, a debugging session). `attn.attention` itself checks segment
+    ids once per tensor and never key_lengths' values (every backend clamps them to [0, KV])."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    check_attention_inputs(q, k, v, spec, window=window, segment_ids=segment_ids, temperature=temperature,
+                           extra=extra)
+    dropout_p = check_dropout_p(dropout_p)
+    if segment_ids is not None:
+        ids = segment_ids.segment_ids if isinstance(segment_ids, SegmentMask) else segment_ids
+        validate_segment_ids(ids, q.shape[0], q.shape[1])
+    if key_lengths is not None:
+        check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
+                          tensors=(v, temperature, *(extra.values() if isinstance(extra, dict) else ())))
+        check_key_length_values(key_lengths, k.shape[1])

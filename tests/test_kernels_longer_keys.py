@@ -366,9 +366,10 @@ def test_key_lengths_are_checked():
             attn.attention(q, k, k, spec, key_lengths=lens.long(), backend=backend)
         with pytest.raises(ValueError, match=r"key_lengths must be a \(B,\) = \(2,\) int32 tensor"):
             attn.attention(q, k, k, spec, key_lengths=lens[:1], backend=backend)
+        # a call does not read the values (that would wait for the device); the explicit check does
         with pytest.raises(ValueError, match=r"key_lengths values must lie in \[0, KV\] = \[0, 9\]"):
-            attn.attention(q, k, k, spec, key_lengths=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE),
-                           backend=backend)
+            attn.check_inputs(q, k, k, spec, key_lengths=torch.tensor([3, 10], dtype=torch.int32, device=DEVICE))
+        attn.check_inputs(q, k, k, spec, key_lengths=lens)
         with pytest.raises(ValueError, match="key_lengths is for inference: dropout_p must be 0"):
             attn.attention(q, k, k, spec, key_lengths=lens, dropout_p=0.1, backend=backend)
         with pytest.raises(ValueError, match="key_lengths is forward-only"):

@@ -7,6 +7,23 @@ from __future__ import annotations
 
 import os
 
+# os.environ.get costs a microsecond or more (an encode, a decode and the Mapping machinery) and the
+# launch path reads a dozen settings per call; on POSIX CPython os.environ keeps its bytes in `_data`,
+# which every os.environ / monkeypatch.setenv change updates, so a lookup there sees the same values
+_RAW_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENCODED_NAMES: dict[str, bytes] = {}
+
+
+def setting(name: str, default: str | None = None) -> str | None:
+    """os.environ.get(name, default), read at a dict lookup's cost where the platform allows."""
+    if _RAW_ENVIRON is None:
+        return os.environ.get(name, default)
+    key = _ENCODED_NAMES.get(name)
+    if key is None:
+        key = _ENCODED_NAMES[name] = os.fsencode(name)
+    raw = _RAW_ENVIRON.get(key)
+    return default if raw is None else os.fsdecode(raw)
+
 # "0": no timing; every kernel runs one fixed tile config, the first unless the family lets an
 # environment variable pick it (`attn.pin_kernel_configs`, deterministic=true)
 PIN_ENV = "ATTNLAB_AUTOTUNE"
@@ -14,9 +31,9 @@ PIN_ENV = "ATTNLAB_AUTOTUNE"
 
 def interpreting() -> bool:
     """Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests): one config, no timing."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return setting("TRITON_INTERPRET") == "1"
 
 
 def autotune_pinned() -> bool:
     """Pinned to one config, so two processes sum in the same order (read at each tuning)."""
-    return os.environ.get(PIN_ENV, "1") == "0"
+    return setting(PIN_ENV, "1") == "0"

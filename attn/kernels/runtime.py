@@ -22,13 +22,12 @@ possible, because at training shapes a call's host work can exceed its GPU time:
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from attn.kernels.env import autotune_pinned, interpreting
+from attn.kernels.env import autotune_pinned, interpreting, setting
 
 CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
 DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
@@ -110,7 +109,7 @@ class ConfigTable:
         return configs
 
     def interpreter_blocks(self, kind: str) -> tuple[int, int]:
-        raw = os.environ.get(INTERPRET_BLOCKS_ENV) if self.env_blocks else None
+        raw = setting(INTERPRET_BLOCKS_ENV) if self.env_blocks else None
         if raw is None:
             return self.interpreter[kind]
         bm, bn = (int(x) for x in raw.split(","))
@@ -129,7 +128,7 @@ def decode_config() -> TileConfig:
     ATTNLAB_DECODE_TILES="BLOCK_N,warps,stages" sets the GPU's (for sweeps, scripts/bench_decode.py)."""
     if interpreting():
         return TileConfig(16, 16, 4, 1)
-    raw = os.environ.get(DECODE_TILES_ENV)
+    raw = setting(DECODE_TILES_ENV)
     if raw is None:
         return TileConfig(16, 64, 4, 2)
     fields = raw.split(",")
@@ -146,7 +145,7 @@ def tuned_configs(kernels) -> dict[str, str]:
 
 def pinned_index() -> int | None:
     """The candidate every kernel runs without timing, or None (tune)."""
-    raw = os.environ.get(CONFIG_ENV)
+    raw = setting(CONFIG_ENV)
     if raw is not None:
         if not raw.isdigit():
             raise ValueError(f"{CONFIG_ENV} must be a non-negative integer (a candidate index), got {raw!r}")
@@ -193,10 +192,14 @@ class AutogradOp:
                                                               "backward": staticmethod(eager_backward)})
 
     def __call__(self, args: tuple, watched: tuple):
-        """The public result, differentiable: through the op when a tensor of `watched` is traced."""
+        """The public result, differentiable: through the op when a tensor of `watched` is traced;
+        eager calls that need no gradient (grad mode off, or no tensor of `watched` requires one)
+        run the forward alone, without an autograd node."""
         if traced(*watched):
             return self.result(self.op(*args))
-        return self.eager.apply(*args)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in watched):
+            return self.eager.apply(*args)
+        return self.result(self.forward(*args))
 
     def inference(self, args: tuple, watched: tuple):
         """The public result without an autograd node (forward-only calls)."""
@@ -226,7 +229,7 @@ def decode_splits(q_len: int, kv_len: int, programs: int, block_n: int, device: 
     if q_len > DECODE_MAX_QUERIES:
         return 1
     tiles = -(-kv_len // block_n)
-    raw = os.environ.get(DECODE_SPLITS_ENV)
+    raw = setting(DECODE_SPLITS_ENV)
     if raw is not None:
         if not raw.isdigit():
             raise ValueError(f"{DECODE_SPLITS_ENV} must be a non-negative integer (a number of key ranges), got {raw!r}")
@@ -249,7 +252,7 @@ def tma_kernels() -> frozenset[str]:
     """The kernels ATTNLAB_TMA asks to load through TMA descriptors: 0 (default) none, 1 all, or a comma
     list of TMA_KERNELS (per-kernel comparisons: the descriptors free registers in some kernels and
     cost instructions in others)."""
-    raw = os.environ.get(TMA_ENV, "0")
+    raw = setting(TMA_ENV, "0")
     if raw == "0":
         return frozenset()
     if raw == "1":
@@ -289,7 +292,7 @@ def ensure_descriptor_scratch() -> None:
 
 
 def _direct_launches() -> bool:
-    return os.environ.get(DIRECT_ENV, "1") != "0"
+    return setting(DIRECT_ENV, "1") != "0"
 
 
 class Kernel:

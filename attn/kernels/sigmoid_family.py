@@ -49,7 +49,6 @@ dtype with fp32 accumulation; fp32 inputs use IEEE fp32 products (no tf32).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -57,7 +56,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
-from attn.kernels.env import interpreting
+from attn.kernels.env import interpreting, setting
 from attn.kernels.fast_math import ex2, exp2_parts, rcp, rcp_newton
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
@@ -405,7 +404,7 @@ def sigmoid_path(dtype: torch.dtype, forward: bool) -> dict:
     """The constexprs NEWTON (steps, 0: off), EXP2_POLY (degree, 0: off) and FAST_MUFU of a launch of
     the forward (or of a backward kernel) on inputs of `dtype`, by ATTNLAB_SIGMOID_PATH (module
     docstring). Launches outside the interpreter run on a GPU: the PTX forms need no device check."""
-    path = os.environ.get(PATH_ENV, "auto")
+    path = setting(PATH_ENV, "auto")
     if path not in PATHS:
         raise ValueError(f"{PATH_ENV} must be one of {', '.join(PATHS)}, got {path!r}")
     gpu_16bit = dtype != torch.float32 and not interpreting()

@@ -36,7 +36,6 @@ registry points at. This module never imports `attn.reference`.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -44,7 +43,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
-from attn.kernels.env import interpreting
+from attn.kernels.env import interpreting, setting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, ensure_descriptor_scratch, n_bucket, pinned_index, use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
@@ -691,7 +690,7 @@ FIXED_SHIFT_ENV = "ATTNLAB_FIXED_SHIFT"
 def fixed_shift_enabled() -> bool:
     """Whether capped forwards may shift by the diagonal logit instead of a running max (ATTNLAB_FIXED_SHIFT,
     default 1; 0 gives the online-softmax forward, for comparisons)."""
-    raw = os.environ.get(FIXED_SHIFT_ENV, "1")
+    raw = setting(FIXED_SHIFT_ENV, "1")
     if raw not in ("0", "1"):
         raise ValueError(f"{FIXED_SHIFT_ENV} must be 0 or 1, got {raw!r}")
     return raw == "1"
@@ -863,7 +862,7 @@ def _dq_form(key: tuple, forms: dict, need_dt: bool, eligible: bool) -> str:
     under pinned configs (ATTNLAB_AUTOTUNE=0, deterministic runs), torch.use_deterministic_algorithms,
     the interpreter, and when d-temperature is asked for (only the dq kernel sums it);
     ATTNLAB_SOFTMAX_DQ=one_pass|separate pins a form at any shape (one_pass still yields to d-temperature)."""
-    pinned = os.environ.get(DQ_FORM_ENV)
+    pinned = setting(DQ_FORM_ENV)
     if pinned is not None and pinned not in forms:
         raise ValueError(f"{DQ_FORM_ENV} must be one of {tuple(forms)}, got {pinned!r}")
     if need_dt:

@@ -45,7 +45,6 @@ the dk/dv form. Measurements: docs/results/bench_threshold.md.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -53,7 +52,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
-from attn.kernels.env import interpreting
+from attn.kernels.env import interpreting, setting
 from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
@@ -80,50 +79,56 @@ _TINY = 1.1754943508222875e-38
 
 
 @triton.jit
+def _relu(x):
+    """max(x, 0) that keeps a NaN score NaN, as the reference does (plain max(NaN, 0) gives 0): one
+    NaN-propagating max instruction, so propagation costs nothing per score."""
+    return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _rectified_power(x, power, POWER_MODE: tl.constexpr):
-    """relu(x)^p (fp32). POWER_MODE 1 / 2: p = 1 / 2 fast paths; 0: any p > 0."""
-    r = tl.maximum(x, 0.0)
+    """relu(x)^p (fp32; NaN for a NaN score). POWER_MODE 1 / 2: p = 1 / 2 fast paths; 0: any p > 0."""
+    r = _relu(x)
     if POWER_MODE == 1:
         w = r
     elif POWER_MODE == 2:
         w = r * r
     else:
-        w = tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
-    return tl.where(x != x, x, w)  # a NaN score stays NaN (max(NaN, 0) would hide it), as in the reference
+        # r is 0 for x <= 0 and NaN for a NaN score, so it stands in where the power is not taken
+        w = tl.where(x > 0.0, tl.exp2(power * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), r)
+    return w
 
 
 @triton.jit
 def _rectified_power_and_grad(x, power, POWER_MODE: tl.constexpr):
-    """(relu(x)^p, p relu(x)^(p-1) [0 where x <= 0]) in fp32."""
+    """(relu(x)^p, p relu(x)^(p-1) [0 where x <= 0]) in fp32; both NaN for a NaN score."""
     positive = x > 0.0
-    r = tl.maximum(x, 0.0)
+    r = _relu(x)
     if POWER_MODE == 1:
         w = r
-        g = tl.where(positive, 1.0, 0.0)
+        g = tl.where(positive, 1.0, r)
     elif POWER_MODE == 2:
         w = r * r
         g = 2.0 * r
     else:
-        pm1 = tl.where(positive, tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0)
+        pm1 = tl.where(positive, tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), r)
         w = pm1 * r
         g = power * pm1
-    nan = x != x  # NaN scores propagate (see _rectified_power)
-    return tl.where(nan, x, w), tl.where(nan, x, g)
+    return w, g
 
 
 @triton.jit
 def _rectified_power_grad(x, power, POWER_MODE: tl.constexpr):
-    """p relu(x)^(p-1), 0 where x <= 0 (fp32)."""
-    positive = x > 0.0
+    """p relu(x)^(p-1), 0 where x <= 0 (fp32; NaN for a NaN score)."""
     if POWER_MODE == 1:
-        g = tl.where(positive, 1.0, 0.0)
+        g = tl.where(x > 0.0, 1.0, _relu(x))
     elif POWER_MODE == 2:
-        g = 2.0 * tl.maximum(x, 0.0)
+        g = 2.0 * _relu(x)
     else:
         g = tl.where(
-            positive, power * tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), 0.0
+            x > 0.0, power * tl.exp2((power - 1.0) * tl.log2(tl.maximum(x, 1.1754943508222875e-38))), _relu(x)
         )
-    return tl.where(x != x, x, g)  # NaN scores propagate (see _rectified_power)
+    return g
 
 
 @triton.jit
@@ -674,7 +679,7 @@ def _dkdv_diff(dkdv, key) -> None:
         dkdv(2)
 
     forms = {"fused": fused, "split": split}
-    pinned = os.environ.get("ATTNLAB_DIFF_DKDV")
+    pinned = setting("ATTNLAB_DIFF_DKDV")
     if pinned is not None and pinned not in forms:
         raise ValueError(f"ATTNLAB_DIFF_DKDV must be one of {tuple(forms)}, got {pinned!r}")
     if pinned is not None or interpreting() or pinned_index() is not None:  # pinned, or no timing: split
