@@ -143,3 +143,11 @@ def nonfinite_pattern(spec, tensors: dict, backend: str) -> tuple[torch.Tensor, 
                          temperature=leaves.get("temperature"), extra=extra)
     out.backward(torch.ones_like(out))
     return torch.isnan(out.detach()).cpu(), all(bool(torch.isfinite(x.grad).all()) for x in leaves.values())
+
+
+def opcheck_launcher(op, args: tuple) -> None:
+    """torch.library.opcheck of a kernel launcher op (schema, fake, dispatch, AOT tracing) on `args`
+    with every tensor detached: the launchers have no autograd of their own (their family's
+    autograd.Function differentiates through them), so no input may ask for a gradient."""
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(op, detached)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tolerance import assert_within_reference_error
 
 import attn
+from attn.testing import opcheck_launcher
 from attn.dropout import draw_seed
 from attn.kernels import sigmoid_family as sg
 from attn.kernels import softmax_family as sf
@@ -402,12 +403,12 @@ def test_opcheck_with_dropout():
     dout = dout.to(DEVICE, torch.float32)
     seed = torch.tensor([17], device=DEVICE)
     args = (x["q"], x["k"], x["v"], None, None, 0, 30.0, 0.5, 0.25, True, 0, 0.3, seed)
-    torch.library.opcheck(sf.softmax_family_fwd, args)
+    opcheck_launcher(sf.softmax_family_fwd, args)
     out, lse = sf.softmax_family_fwd(*args)
-    torch.library.opcheck(sf.softmax_family_bwd, (dout.float(), x["q"], x["k"], x["v"], out, lse, None, None,
+    opcheck_launcher(sf.softmax_family_bwd, (dout.float(), x["q"], x["k"], x["v"], out, lse, None, None,
                                                   False, 0, 30.0, 0.5, 0.25, True, 0, 0.3, seed))
     scalars = (0.5, 2.0, True, 0, 0.3, seed)
-    torch.library.opcheck(tf.threshold_attention_op, (x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], None,
+    opcheck_launcher(tf.threshold_attention_op, (x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], None,
                                                       *scalars))
-    torch.library.opcheck(tf.diff_threshold_attention_backward_op,
+    opcheck_launcher(tf.diff_threshold_attention_backward_op,
                           (dout.float(), x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], None, *scalars))

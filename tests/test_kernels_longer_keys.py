@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
+from attn.testing import opcheck_launcher
 from attn.kernels import runtime
 from attn.kernels import softmax_family as sf
 from attn.kernels import sigmoid_family as sg
@@ -398,10 +399,10 @@ def test_key_lengths_custom_ops_and_compile():
     x, lens = key_length_inputs("diff_threshold", 2, 40, 2, (40, 13), seed=9)
     t = {key: v.float().to(DEVICE) for key, v in x.items()}
     lens = lens.to(DEVICE)
-    torch.library.opcheck(tf.threshold_attention_op, (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], None,
+    opcheck_launcher(tf.threshold_attention_op, (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], None,
                                                       0.2, 1.5, True, 0, 0.0, None, lens))
     q, k, v = (make_inputs("alsc", 2, 2, 40, 4, 2, 16, seed=3)[key].float().to(DEVICE) for key in ("q", "k", "v"))
-    torch.library.opcheck(sf.softmax_family_fwd, (q, k, v, None, None, sf.CAP_IDS["alsc"], 2.0, 0.5, 0.25, True, 7,
+    opcheck_launcher(sf.softmax_family_fwd, (q, k, v, None, None, sf.CAP_IDS["alsc"], 2.0, 0.5, 0.25, True, 7,
                                                   0.0, None, lens))
     spec = attn.get_variant("alsc").make_spec(**VARIANTS["alsc"])
 

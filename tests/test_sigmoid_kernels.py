@@ -24,7 +24,7 @@ from attn.kernels import sigmoid_family as sg  # noqa: E402
 from attn.masks import MaskSpec, dense_mask, visible_key_counts  # noqa: E402
 from attn.reference import reference_attention, sigmoid_family_weights  # noqa: E402
 from attn.specs import SigmoidFamilySpec  # noqa: E402
-from attn.testing import outputs_and_grads, random_qkv, random_segment_ids  # noqa: E402
+from attn.testing import opcheck_launcher, outputs_and_grads, random_qkv, random_segment_ids  # noqa: E402
 
 # absolute error allowances; fp32's is tight enough that the rule, not the floor, decides
 FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
@@ -251,11 +251,13 @@ def _op_args(with_seg):
 
 @pytest.mark.parametrize("with_seg,bias", [(False, None), (True, -1.0)])
 def test_custom_op_matches_eager_path(with_seg, bias):
-    """Eager calls skip the custom-op layer (same implementation); traced calls use the op."""
+    """Eager calls run the impls, traced calls the op and its backward op (same implementation): the
+    Function compiled (fullgraph) gives bitwise the eager Function's output and gradients."""
     x, bounds, dout = _op_args(with_seg)
     args = (x["q"], x["k"], x["v"], bounds, bias, 0.25, True, 0)
     results = []
-    for fn in (sg.sigmoid_attention_op, sg._EagerSigmoidAttention.apply):
+    function = sg._ATTENTION.function.apply
+    for fn in (function, torch.compile(function, fullgraph=True)):
         out = fn(*args)
         results.append((out, *torch.autograd.grad(out, list(x.values()), dout)))
     for a, b in zip(*results):
@@ -266,10 +268,10 @@ def test_custom_op_matches_eager_path(with_seg, bias):
 def test_opcheck(with_seg, bias):
     x, bounds, dout = _op_args(with_seg)
     scalars = (bias, 0.25, True, 0)
-    torch.library.opcheck(sg.sigmoid_attention_op, (x["q"], x["k"], x["v"], bounds, *scalars))
+    opcheck_launcher(sg.sigmoid_attention_op, (x["q"], x["k"], x["v"], bounds, *scalars))
     # the backward op is not differentiable itself (no double backward): plain inputs
     x = {name: t.detach() for name, t in x.items()}
-    torch.library.opcheck(sg.sigmoid_attention_backward_op, (dout, x["q"], x["k"], x["v"], bounds, *scalars))
+    opcheck_launcher(sg.sigmoid_attention_backward_op, (dout, x["q"], x["k"], x["v"], bounds, *scalars))
 
 
 def test_torch_compile_fullgraph_matches_eager():

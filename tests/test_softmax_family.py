@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import attn
+from attn.testing import opcheck_launcher
 from attn.kernels.softmax_family import CAP_IDS, fused_attention, softmax_family_bwd, softmax_family_fwd
 from attn.testing import random_segment_ids, softmax_family_outputs_and_grads
 from attn.masks import MaskSpec, segment_bounds
@@ -233,14 +234,14 @@ def _op_args(with_seg, with_temp, requires_grad):
 def test_opcheck(with_seg, with_temp):
     q, k, v, bounds, t = _op_args(with_seg, with_temp, requires_grad=True)
     args = (q, k, v, bounds, t, CAP_IDS["alsc"], 2.0, 0.5, 0.25, True, 0 if with_seg else 7)
-    torch.library.opcheck(softmax_family_fwd, args)
+    opcheck_launcher(softmax_family_fwd, args)
     with torch.no_grad():
         out, lse = softmax_family_fwd(*args)
     do = torch.randn_like(out)
     bwd_args = (do, q.detach(), k.detach(), v.detach(), out, lse, bounds,
                 t.detach() if t is not None else None, with_temp, CAP_IDS["alsc"], 2.0, 0.5, 0.25, True,
                 0 if with_seg else 7)
-    torch.library.opcheck(softmax_family_bwd, bwd_args)
+    opcheck_launcher(softmax_family_bwd, bwd_args)
 
 
 class TinyAttentionModel(torch.nn.Module):

@@ -19,7 +19,7 @@ from tolerance import assert_within_reference_error  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import threshold_family as tf  # noqa: E402
-from attn.testing import outputs_and_grads, random_qkv, random_segment_ids
+from attn.testing import opcheck_launcher, outputs_and_grads, random_qkv, random_segment_ids  # noqa: E402
 from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
@@ -306,11 +306,13 @@ def _op_args(differential, with_seg):
 
 @pytest.mark.parametrize("differential,with_seg", [(False, False), (True, True)])
 def test_custom_op_matches_eager_path(differential, with_seg):
-    """Eager calls skip the custom-op layer (same implementation); traced calls use the op."""
+    """Eager calls run the impls, traced calls the op and its backward op (same implementation): the
+    Function compiled (fullgraph) gives bitwise the eager Function's output and gradients."""
     x, bounds, dout = _op_args(differential, with_seg)
     args = (x["q"], x["k"], x["v"], x.get("q2"), x.get("k2"), x.get("lam"), bounds, 0.2, 1.5, True, 0)
     results = []
-    for fn in (tf.threshold_attention_op, tf._EagerThresholdAttention.apply):
+    function = tf._ATTENTION.function.apply
+    for fn in (function, torch.compile(function, fullgraph=True)):
         out = fn(*args)
         results.append((out, *torch.autograd.grad(out, list(x.values()), dout)))
     for a, b in zip(*results):
@@ -322,15 +324,15 @@ def test_opcheck(differential, with_seg):
     x, bounds, dout = _op_args(differential, with_seg)
     q2, k2, lam = x.get("q2"), x.get("k2"), x.get("lam")
     scalars = (0.2, 2.0, True, 0)
-    torch.library.opcheck(tf.threshold_attention_op, (x["q"], x["k"], x["v"], q2, k2, lam, bounds, *scalars))
+    opcheck_launcher(tf.threshold_attention_op, (x["q"], x["k"], x["v"], q2, k2, lam, bounds, *scalars))
     # the backward ops are not differentiable themselves (no double backward): plain inputs
     x = {name: t.detach() for name, t in x.items()}
     q2, k2, lam = x.get("q2"), x.get("k2"), x.get("lam")
     if differential:
-        torch.library.opcheck(tf.diff_threshold_attention_backward_op,
+        opcheck_launcher(tf.diff_threshold_attention_backward_op,
                               (dout, x["q"], x["k"], x["v"], q2, k2, lam, bounds, *scalars))
     else:
-        torch.library.opcheck(tf.threshold_attention_backward_op, (dout, x["q"], x["k"], x["v"], bounds, *scalars))
+        opcheck_launcher(tf.threshold_attention_backward_op, (dout, x["q"], x["k"], x["v"], bounds, *scalars))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -160,45 +160,64 @@ def traced(*tensors) -> bool:
     return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
 
 
-class AutogradOp:
-    """A family's differentiable fused attention in its two forms, which run the same impls and so give
-    the same numbers: `op`, the torch custom op (its fake registered by the family, its autograd here)
-    that traced calls go through, and `eager`, an autograd.Function named `name` over the impls, for
-    eager calls (see `traced`).
+# The kernel launchers' torch ops (FlashAttention's layering): each a launcher with a fake
+# implementation and no autograd of its own; AutogradOp's autograd.Function differentiates through
+# them. Defined through torch.library's low-level API, so a call costs the dispatcher and one Python
+# function (torch.library.custom_op adds Python layers that cost more than the launch itself).
+KERNEL_LIBRARY = torch.library.Library("attnlab", "FRAGMENT")
 
-    forward(*args): the op's impl. setup_context(ctx, inputs, output): saves what backward needs, in
-    both forms. backward(ctx, grad_out, ops): one gradient per op input (the eager form's inputs stop
-    before the op's last defaults; autograd drops their Nones), from the gradient of the first output,
-    through the family's backward custom ops (ops=True, traced) or their impls (ops=False, eager).
-    result(output): the public value of an output (default: the output itself).
+
+def kernel_op(name: str):
+    """Decorator: `fn` (annotated as torch.library.custom_op's functions are) becomes the CPU and CUDA
+    kernel of the op attnlab::name, whose schema is inferred from the annotations; returns the op
+    (register its fake with torch.library.register_fake(op, lib=KERNEL_LIBRARY))."""
+
+    def register(fn):
+        KERNEL_LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        for key in ("CPU", "CUDA"):
+            KERNEL_LIBRARY.impl(name, fn, key)
+        return getattr(torch.ops.attnlab, name).default
+
+    return register
+
+
+class AutogradOp:
+    """A family's differentiable fused attention: one autograd.Function named `name` whose forward runs
+    the launcher op `op` when traced (torch.compile traces the Function, its op's fake and its
+    backward's ops into one graph) and the op's impl `forward` otherwise (eager calls skip the
+    dispatcher); both give the same numbers.
+
+    forward(*args): the op's impl. setup_context(ctx, inputs, output): saves what backward needs.
+    backward(ctx, grad_out, ops): one gradient per op input (trailing ones beyond the call's inputs are
+    dropped), from the gradient of the first output, through the family's backward ops (ops=True,
+    traced) or their impls (ops=False, eager). result(output): the public value of an output (default:
+    the output itself).
     """
 
     def __init__(self, op, forward, setup_context, backward, name: str, result=None):
         self.op = op
         self.forward = forward
         self.result = result if result is not None else (lambda output: output)
-        op.register_autograd(lambda ctx, grad_out, *_: backward(ctx, grad_out, True), setup_context=setup_context)
         keep = self.result
 
-        def eager_forward(ctx, *args):
-            output = forward(*args)
+        def function_forward(ctx, *args):
+            output = op(*args) if traced(*(a for a in args if isinstance(a, torch.Tensor))) else forward(*args)
             setup_context(ctx, args, output)
+            ctx.num_inputs = len(args)
             return keep(output)
 
-        def eager_backward(ctx, grad_out):
-            return backward(ctx, grad_out, False)
+        def function_backward(ctx, grad_out):
+            return tuple(backward(ctx, grad_out, traced(grad_out)))[:ctx.num_inputs]
 
-        self.eager = type(name, (torch.autograd.Function,), {"forward": staticmethod(eager_forward),
-                                                              "backward": staticmethod(eager_backward)})
+        self.function = type(name, (torch.autograd.Function,), {"forward": staticmethod(function_forward),
+                                                                 "backward": staticmethod(function_backward)})
 
     def __call__(self, args: tuple, watched: tuple):
-        """The public result, differentiable: through the op when a tensor of `watched` is traced;
-        eager calls that need no gradient (grad mode off, or no tensor of `watched` requires one)
-        run the forward alone, without an autograd node."""
-        if traced(*watched):
-            return self.result(self.op(*args))
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in watched):
-            return self.eager.apply(*args)
+        """The public result, differentiable in the tensors of `watched`: through the Function when a
+        gradient may be asked for (or the call is traced), else the forward alone, without an autograd
+        node (grad mode off, or no tensor of `watched` requires a gradient)."""
+        if traced(*watched) or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in watched)):
+            return self.function.apply(*args)
         return self.result(self.forward(*args))
 
     def inference(self, args: tuple, watched: tuple):

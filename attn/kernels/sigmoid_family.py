@@ -58,7 +58,8 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
 from attn.kernels.fast_math import ex2, exp2_parts, rcp, rcp_newton
-from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
+                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
@@ -498,7 +499,7 @@ def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropou
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("attnlab::sigmoid_attention", mutates_args=())
+@kernel_op("sigmoid_attention")
 def sigmoid_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
     bias: Optional[float], sm_scale: float, causal: bool, window: int,
@@ -510,12 +511,12 @@ def sigmoid_attention_op(
     return _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p, seed, key_lengths)
 
 
-@sigmoid_attention_op.register_fake
+@torch.library.register_fake(sigmoid_attention_op, lib=KERNEL_LIBRARY)
 def _(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("attnlab::sigmoid_attention_backward", mutates_args=())
+@kernel_op("sigmoid_attention_backward")
 def sigmoid_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
     bias: Optional[float], sm_scale: float, causal: bool, window: int,
@@ -525,7 +526,7 @@ def sigmoid_attention_backward_op(
     return _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p, seed)
 
 
-@sigmoid_attention_backward_op.register_fake
+@torch.library.register_fake(sigmoid_attention_backward_op, lib=KERNEL_LIBRARY)
 def _(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -547,10 +548,8 @@ def _backward(ctx, dout, ops):
     return (*backward(dout, q, k, v, bounds, *ctx.scalars, seed), *_NO_GRADS)
 
 
-# Eager calls take `_EagerSigmoidAttention` (the same impls without the dispatcher's Python custom-op
-# layer); traced calls go through `attnlab::sigmoid_attention` (fake and autograd registered).
-_ATTENTION = AutogradOp(sigmoid_attention_op, _forward_impl, _setup_context, _backward, "_EagerSigmoidAttention")
-_EagerSigmoidAttention = _ATTENTION.eager
+# One autograd.Function: eager calls run the impls directly, traced calls the ops (their fakes trace)
+_ATTENTION = AutogradOp(sigmoid_attention_op, _forward_impl, _setup_context, _backward, "SigmoidAttentionFunction")
 
 
 def fused_attention(q, k, v, spec: SigmoidFamilySpec, mask: MaskSpec, segment_ids=None, temperature=None, *,

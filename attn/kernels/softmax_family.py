@@ -44,7 +44,8 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
-from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
+                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, ensure_descriptor_scratch, n_bucket, pinned_index, use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
@@ -893,7 +894,7 @@ def tuned_configs() -> dict[str, str]:
 # --------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("attnlab::softmax_family_fwd", mutates_args=())
+@kernel_op("softmax_family_fwd")
 def softmax_family_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Optional[torch.Tensor],
     temperature: Optional[torch.Tensor], cap: int, cap_value: float, knee: float, sm_scale: float,
@@ -907,14 +908,14 @@ def softmax_family_fwd(
                      key_lengths)
 
 
-@softmax_family_fwd.register_fake
+@torch.library.register_fake(softmax_family_fwd, lib=KERNEL_LIBRARY)
 def _(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, causal, window, dropout_p=0.0, seed=None,
       key_lengths=None):
     bsz, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((bsz, h, n), dtype=torch.float32)
 
 
-@torch.library.custom_op("attnlab::softmax_family_bwd", mutates_args=())
+@kernel_op("softmax_family_bwd")
 def softmax_family_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     bounds: Optional[torch.Tensor], temperature: Optional[torch.Tensor], need_dt: bool, cap: int,
@@ -926,7 +927,7 @@ def softmax_family_bwd(
                      causal, window, dropout_p, seed)
 
 
-@softmax_family_bwd.register_fake
+@torch.library.register_fake(softmax_family_bwd, lib=KERNEL_LIBRARY)
 def _(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
       dropout_p=0.0, seed=None):
     if need_dt and temperature is not None:
@@ -958,8 +959,8 @@ def _backward(ctx, grad_out, ops):
     return dq, dk, dv, None, (dt if need_dt else None), None, None, None, None, None, None, None, None, None
 
 
-# traced calls: the custom ops; eager calls: the same impls without the dispatcher's Python layer
-_ATTENTION = AutogradOp(softmax_family_fwd, _fwd_impl, _setup_context, _backward, "_EagerSoftmaxFamily",
+# One autograd.Function: traced calls run the ops (their fakes trace), eager calls the same impls directly
+_ATTENTION = AutogradOp(softmax_family_fwd, _fwd_impl, _setup_context, _backward, "SoftmaxFamilyFunction",
                         result=lambda output: output[0])
 
 

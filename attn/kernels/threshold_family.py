@@ -53,7 +53,8 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
-from attn.kernels.runtime import (AutogradOp, ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
+from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
+                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
                                   dot_precision, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
@@ -747,7 +748,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("attnlab::threshold_attention", mutates_args=())
+@kernel_op("threshold_attention")
 def threshold_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2: Optional[torch.Tensor], k2: Optional[torch.Tensor], lam: Optional[torch.Tensor],
@@ -760,12 +761,12 @@ def threshold_attention_op(
     return _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed, key_lengths)
 
 
-@threshold_attention_op.register_fake
+@torch.library.register_fake(threshold_attention_op, lib=KERNEL_LIBRARY)
 def _(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("attnlab::threshold_attention_backward", mutates_args=())
+@kernel_op("threshold_attention_backward")
 def threshold_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bounds: Optional[torch.Tensor], beta: float, power: float, causal: bool, window: int,
@@ -775,12 +776,12 @@ def threshold_attention_backward_op(
     return _backward_impl(dout, q, k, v, None, None, None, bounds, beta, power, causal, window, dropout_p, seed)
 
 
-@threshold_attention_backward_op.register_fake
+@torch.library.register_fake(threshold_attention_backward_op, lib=KERNEL_LIBRARY)
 def _(dout, q, k, v, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.custom_op("attnlab::diff_threshold_attention_backward", mutates_args=())
+@kernel_op("diff_threshold_attention_backward")
 def diff_threshold_attention_backward_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,
@@ -791,7 +792,7 @@ def diff_threshold_attention_backward_op(
     return _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p, seed)
 
 
-@diff_threshold_attention_backward_op.register_fake
+@torch.library.register_fake(diff_threshold_attention_backward_op, lib=KERNEL_LIBRARY)
 def _(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q2.new_empty(q2.shape), k2.new_empty(k2.shape), lam.new_empty(lam.shape))
@@ -823,12 +824,11 @@ def _backward(ctx, dout, ops):
     return dq, dk, dv, None, None, None, *_NO_GRADS
 
 
-# Eager calls take `_EagerThresholdAttention`: the same `_forward_impl` / `_backward_impl` without the
-# dispatcher's Python custom-op layer (~0.2 ms of host time per forward + backward, most of a step at
-# small sizes). Anything traced (torch.compile, export, fake or subclass tensors) goes through
-# `attnlab::threshold_attention`, whose fake and autograd registrations make it traceable.
-_ATTENTION = AutogradOp(threshold_attention_op, _forward_impl, _setup_context, _backward, "_EagerThresholdAttention")
-_EagerThresholdAttention = _ATTENTION.eager
+# One autograd.Function: eager calls run `_forward_impl` / `_backward_impl` directly (no dispatcher);
+# anything traced (torch.compile, export, fake or subclass tensors) runs `attnlab::threshold_attention`
+# and its backward ops, whose fakes make the Function traceable.
+_ATTENTION = AutogradOp(threshold_attention_op, _forward_impl, _setup_context, _backward,
+                        "ThresholdAttentionFunction")
 
 
 def _second_view(spec: ThresholdFamilySpec, extra) -> tuple:

@@ -1,0 +1,252 @@
+"""What a user of `attn.attention` feels, in one process, and the speed regression gate.
+
+Every row times the public function as a user calls it (validation and mask preparation included,
+except the `attn.segments` row, whose mask is built once outside the timing as FlexAttention's
+BlockMask is), with triton.testing.do_bench medians after warm-up, beside its yardstick:
+
+  call      (16,12,1024,64) causal bf16 fwd+bwd: SDPA, each variant eager, each variant inside
+            torch.compile(fullgraph=True) (the call alone compiled)
+  decode    one query against a 4K-key cache, (B,H,D) = (8,16,128), no grad: SDPA, each variant
+  ranker    2048 history + 2048 candidates, softcap_tanh, (4,16,4096,128), fwd and fwd+bwd:
+            segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
+            and the full mask
+  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, softmax, threshold
+
+    python scripts/bench_public_path.py --out gpu_out/public_path [--baseline FILE] [--noise 0.08]
+    python scripts/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
+
+--baseline compares each row's time with the file's (rows of the same GPU name only) and exits 1 when
+one is slower by more than --noise (a fraction); the rows' own spread over the --repeats rounds is
+printed beside it, so a failure can be told from noise. Baselines are committed per GPU kind under
+docs/results/baselines/ (`--write-baseline` writes one from this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from triton.testing import do_bench  # noqa: E402
+
+import attn  # noqa: E402
+
+PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 30.0}, "softcap_softsign": {"cap": 30.0},
+          "alsc": {"cap": 30.0, "knee": 0.5}, "threshold": {"beta": 1.0, "power": 2.0},
+          "diff_threshold": {"beta": 1.0, "power": 2.0}, "sigmoid": {}}
+CALL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
+DECODE_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid"]
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def tensors(variant: str, b: int, n: int, h: int, d: int, grad: bool, kv: int | None = None) -> dict:
+    unit = variant in ("threshold", "diff_threshold")
+
+    def rand(length):
+        x = torch.randn(b, length, h, d, device="cuda")
+        return (F.normalize(x, dim=-1) if unit else x).to(torch.bfloat16).requires_grad_(grad)
+
+    kv = n if kv is None else kv
+    x = {"q": rand(n), "k": rand(kv), "v": rand(kv), "extra": None}
+    if variant == "diff_threshold":
+        x["extra"] = {"q2": rand(n), "k2": rand(kv),
+                      "lam": torch.full((h,), 0.5, device="cuda", dtype=torch.bfloat16, requires_grad=grad)}
+    return x
+
+
+def sdpa(q, k, v, causal: bool):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal).transpose(1, 2)
+
+
+def call_rows() -> dict[str, float]:
+    b, h, n, d = 16, 12, 1024, 64
+    rows = {}
+    x = tensors("softmax", b, n, h, d, True)
+    do = torch.randn_like(x["q"])
+    rows["call sdpa fwd+bwd"] = bench(lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do))
+    for variant in CALL_VARIANTS:
+        spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+        x = tensors(variant, b, n, h, d, True)
+
+        def call(x=x, spec=spec):
+            return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
+
+        compiled = torch.compile(call, fullgraph=True)
+        for fn in (call, compiled):
+            fn().backward(do)
+        rows[f"call {variant} eager fwd+bwd"] = bench(lambda: call().backward(do))
+        rows[f"call {variant} compiled fwd+bwd"] = bench(lambda: compiled().backward(do))
+    return rows
+
+
+def decode_rows() -> dict[str, float]:
+    b, h, d, cache = 8, 16, 128, 4096
+    rows = {}
+    with torch.no_grad():
+        x = tensors("softmax", b, 1, h, d, False, kv=cache)
+        rows["decode sdpa"] = bench(lambda: sdpa(x["q"], x["k"], x["v"], False))
+        for variant in DECODE_VARIANTS:
+            spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+            x = tensors(variant, b, 1, h, d, False, kv=cache)
+
+            def call(x=x, spec=spec):
+                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
+
+            call()
+            rows[f"decode {variant}"] = bench(call)
+    return rows
+
+
+def ranker_rows() -> dict[str, float]:
+    b, h, n, d = 4, 16, 4096, 128
+    spec = attn.get_variant("softcap_tanh").make_spec(**PARAMS["softcap_tanh"])
+    x = tensors("softcap_tanh", b, n, h, d, True)
+    do = torch.randn_like(x["q"])
+    ids = torch.ones(b, n, dtype=torch.int64, device="cuda")
+    ids[:, n // 2:] = -1
+    masks = {"segment_ids": ids, "segments": attn.segments(ids), "full mask": None}
+    rows = {}
+    for name, segment_ids in masks.items():
+        def call(segment_ids=segment_ids):
+            return attn.attention(x["q"], x["k"], x["v"], spec, causal=False, segment_ids=segment_ids)
+
+        call().backward(do)
+        with torch.no_grad():
+            rows[f"ranker {name} fwd"] = bench(call)
+        rows[f"ranker {name} fwd+bwd"] = bench(lambda: call().backward(do))
+    return rows
+
+
+def kernel_rows() -> dict[str, float]:
+    b, h, n, d = 4, 16, 4096, 128
+    rows = {}
+    for variant in ("sdpa", "softmax", "threshold"):
+        x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
+        do = torch.randn_like(x["q"])
+        if variant == "sdpa":
+            def call(x=x):
+                return sdpa(x["q"], x["k"], x["v"], True)
+        else:
+            spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+
+            def call(x=x, spec=spec):
+                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True)
+        call().backward(do)
+        with torch.no_grad():
+            rows[f"kernels {variant} fwd"] = bench(call)
+        rows[f"kernels {variant} fwd+bwd"] = bench(lambda: call().backward(do))
+    return rows
+
+
+SUITES = {"call": call_rows, "decode": decode_rows, "ranker": ranker_rows, "kernels": kernel_rows}
+
+
+def ratios(rows: dict[str, float]) -> dict[str, float]:
+    """The issue's target ratios from one round's rows (time over the yardstick's time)."""
+    out = {}
+    for name, ms in rows.items():
+        suite, *rest = name.split(" ")
+        if suite == "call" and "sdpa" not in name:
+            out[f"{name} / SDPA"] = ms / rows["call sdpa fwd+bwd"]
+        elif suite == "decode" and "sdpa" not in name:
+            out[f"{name} / SDPA"] = ms / rows["decode sdpa"]
+        elif suite == "ranker" and "full mask" not in name:
+            out[f"{name} / full mask"] = ms / rows[f"ranker full mask {rest[-1]}"]
+        elif suite == "kernels" and "sdpa" not in name:
+            out[f"{name}: SDPA / ours"] = rows[f"kernels sdpa {rest[-1]}"] / ms
+    return out
+
+
+def compare(rows: dict[str, float], spread: dict[str, float], baseline: dict, noise: float) -> list[str]:
+    """Rows slower than the baseline's by more than `noise` (a fraction), as report lines."""
+    failures = []
+    for name, ms in rows.items():
+        base = baseline["rows"].get(name)
+        if base is None:
+            continue
+        if ms > base * (1.0 + noise):
+            failures.append(f"REGRESSION {name}: {ms:.4f} ms vs baseline {base:.4f} ms (+{ms / base - 1:.1%}, "
+                            f"allowed +{noise:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
+    return failures
+
+
+def markdown(meta: dict, rows: dict, spread: dict, failures: list[str]) -> str:
+    lines = [f"# The public attention path, {meta['date']}", "",
+             f"{meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit {meta['commit']} · "
+             f"median of {meta['repeats']} rounds (each a do_bench median)", "",
+             "| row | ms | spread over rounds |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {ms:.4f} | {spread[name]:.1%} |" for name, ms in rows.items()]
+    lines += ["", "| ratio | value |", "| --- | ---: |"]
+    lines += [f"| {name} | {value:.2f} |" for name, value in ratios(rows).items()]
+    if meta.get("baseline"):
+        lines += ["", f"Against {meta['baseline']} (noise allowed {meta['noise']:.0%}): "
+                  + ("no regression." if not failures else "")]
+        lines += [f"- {line}" for line in failures]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_out/public_path")
+    ap.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every suite; rows report the median")
+    ap.add_argument("--baseline", default=None, help="a committed baseline JSON to compare with")
+    ap.add_argument("--noise", type=float, default=0.08, help="allowed slowdown against the baseline (fraction)")
+    ap.add_argument("--write-baseline", default=None, help="write this run's rows as a baseline JSON here")
+    args = ap.parse_args()
+    import triton
+
+    suites = args.suites.split(",")
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        raise SystemExit(f"--suites: unknown {sorted(unknown)}; allowed: {', '.join(SUITES)}")
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "repeats": args.repeats,
+            "baseline": args.baseline, "noise": args.noise}
+    rounds: dict[str, list[float]] = {}
+    for r in range(args.repeats):
+        for suite in suites:
+            for name, ms in SUITES[suite]().items():
+                rounds.setdefault(name, []).append(ms)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.4f}" for n, v in rounds.items()), flush=True)
+    rows = {name: statistics.median(values) for name, values in rounds.items()}
+    spread = {name: (max(values) - min(values)) / statistics.median(values) for name, values in rounds.items()}
+    failures = []
+    if args.baseline:
+        baseline = json.loads(Path(args.baseline).read_text())
+        if baseline["meta"]["gpu"] != meta["gpu"]:
+            raise SystemExit(f"--baseline {args.baseline} was measured on {baseline['meta']['gpu']}, this is "
+                             f"{meta['gpu']}: compare with a baseline of the same GPU kind")
+        failures = compare(rows, spread, baseline, args.noise)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "rows": rows, "spread": spread, "rounds": rounds, "ratios": ratios(rows),
+              "failures": failures}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(meta, rows, spread, failures)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    if args.write_baseline:
+        Path(args.write_baseline).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write_baseline).write_text(json.dumps({"meta": meta, "rows": rows, "spread": spread}, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
