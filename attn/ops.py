@@ -7,7 +7,7 @@ reference path never imports Triton.
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import logging
 import os
 from typing import Mapping
@@ -46,16 +46,11 @@ def triton_usable(device: torch.device) -> bool:
     """Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (tests)."""
     if device.type != "cuda" and not interpreting():
         return False
-    return _triton_importable()
+    return _TRITON_INSTALLED
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# looked up once, without importing it (the reference path never imports Triton)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 _MASK_SPECS: dict[tuple, MaskSpec] = {}

@@ -15,10 +15,11 @@ BlockMask is), with triton.testing.do_bench medians after warm-up, beside its ya
     python scripts/bench_public_path.py --out gpu_out/public_path [--baseline FILE] [--noise 0.08]
     python scripts/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
 
---baseline compares each row's time with the file's (rows of the same GPU name only) and exits 1 when
+--baseline compares each row's time with the file's (measured on the same GPU name) and exits 1 when
 one is slower by more than --noise (a fraction); the rows' own spread over the --repeats rounds is
 printed beside it, so a failure can be told from noise. Baselines are committed per GPU kind under
-docs/results/baselines/ (`--write-baseline` writes one from this run).
+docs/results/baselines/, named after the GPU (`--baseline auto` picks this GPU's; `--write-baseline`
+writes one from this run).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -185,6 +187,11 @@ def compare(rows: dict[str, float], spread: dict[str, float], baseline: dict, no
     return failures
 
 
+def baseline_path(gpu_name: str) -> Path:
+    """docs/results/baselines/<GPU name, lower case, runs of other characters as '_'>.json"""
+    return ROOT / "docs" / "results" / "baselines" / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
+
+
 def markdown(meta: dict, rows: dict, spread: dict, failures: list[str]) -> str:
     lines = [f"# The public attention path, {meta['date']}", "",
              f"{meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit {meta['commit']} · "
@@ -228,6 +235,12 @@ def main() -> int:
     rows = {name: statistics.median(values) for name, values in rounds.items()}
     spread = {name: (max(values) - min(values)) / statistics.median(values) for name, values in rounds.items()}
     failures = []
+    if args.baseline == "auto":
+        args.baseline = str(baseline_path(meta["gpu"]))
+        meta["baseline"] = args.baseline
+        if not Path(args.baseline).exists():
+            raise SystemExit(f"--baseline auto: no baseline for {meta['gpu']} ({args.baseline}); write one with "
+                             "--write-baseline")
     if args.baseline:
         baseline = json.loads(Path(args.baseline).read_text())
         if baseline["meta"]["gpu"] != meta["gpu"]:

@@ -13,7 +13,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             host time (bench_attention_call.py); the opt-in kernel options against the defaults
             (ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
-            (probe_warp_specialize.py)
+            (probe_warp_specialize.py); the public function as users call it (bench_public_path.py),
+            failing on a regression against docs/results/baselines/<GPU>.json
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA; two deterministic runs bitwise equal, the captured step bitwise
             the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
@@ -117,6 +118,9 @@ PHASES: dict[str, list[Step]] = {
         Step("targets", 330, (PY, "scripts/bench_attention.py", "--only", "issue15", "--prewarm", "6",
                               "--out", "{dir}/bench_targets")),
         Step("call", 150, (PY, "scripts/bench_attention_call.py", "--out", "{dir}/attention_call")),
+        # what users of the public function feel, against the committed baseline of this GPU kind:
+        # fails on a row slower than the baseline beyond the measured noise (the regression gate)
+        Step("public", 420, (PY, "scripts/bench_public_path.py", "--baseline", "auto", "--out", "{dir}/public_path")),
         # the opt-in kernel options against the defaults, one process per case
         Step("options", 450, (PY, "scripts/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
                               "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",

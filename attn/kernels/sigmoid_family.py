@@ -461,7 +461,7 @@ def _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0
         scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
         _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
                                (*operands, part, q, lens),
-                               (*_strides(q, k, v), *part[0].stride(), part.stride(0), *scalars),
+                               (*_strides(q, k, v), *part.stride()[1:], part.stride(0), *scalars),
                                {**meta, "SPLIT_KV": True}, [cfg], ())
         return part.sum(dim=0).to(q.dtype)
     _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),

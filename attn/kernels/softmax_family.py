@@ -756,14 +756,14 @@ def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_s
     splits = cdiv(kv_len, split_len)
     part_out = torch.empty((splits, bsz, n, h, d), device=q.device, dtype=torch.float32)
     part_lse = torch.empty((splits, bsz, h, n), device=q.device, dtype=torch.float32)
-    po = part_out[0]
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *po.stride(), part_out.stride(0), *st,
+    po_strides = part_out.stride()[1:]  # one split's (B, N, H, D) strides, without a view's host cost
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *po_strides, part_out.stride(0), *st,
                h, h // h_kv, n, kv_len, window, split_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
     _FWD.launch(lambda c: (cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse, lens),
                 scalars, {**meta, "SPLIT_KV": True}, [cfg], ())
     _COMBINE.launch(lambda c: (cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
-                    (*po.stride(), part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
+                    (*po_strides, part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
                     [TileConfig(16, 16, 4, 1)], ())
 
 

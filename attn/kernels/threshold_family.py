@@ -654,7 +654,7 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
         part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
         scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
         _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
-                               (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part[0].stride(),
+                               (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part.stride()[1:],
                                                       part.stride(0), *scalars),
                                {**meta, "SPLIT_KV": True}, [cfg], ())
         return part.sum(dim=0).to(q.dtype)

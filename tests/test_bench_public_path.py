@@ -1,0 +1,49 @@
+"""The regression gate's arithmetic (scripts/bench_public_path.py) on made-up rows: no GPU needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_public_path as bp  # noqa: E402
+
+ROWS = {"call sdpa fwd+bwd": 0.40, "call softmax eager fwd+bwd": 0.50, "decode sdpa": 0.08, "decode threshold": 0.10,
+        "ranker segments fwd": 0.70, "ranker full mask fwd": 1.20, "kernels sdpa fwd": 0.50, "kernels threshold fwd": 0.48}
+
+
+def test_ratios_put_each_row_against_its_yardstick():
+    r = bp.ratios(ROWS)
+    assert r["call softmax eager fwd+bwd / SDPA"] == pytest.approx(1.25)
+    assert r["decode threshold / SDPA"] == pytest.approx(1.25)
+    assert r["ranker segments fwd / full mask"] == pytest.approx(0.7 / 1.2)
+    assert r["kernels threshold fwd: SDPA / ours"] == pytest.approx(0.5 / 0.48)
+    assert not any("sdpa" in name.split(" / ")[0] for name in r)
+
+
+def test_a_row_slower_than_the_baseline_beyond_the_noise_fails():
+    baseline = {"rows": dict(ROWS)}
+    assert bp.compare(ROWS, {}, baseline, 0.08) == []
+    slower = {**ROWS, "decode threshold": 0.10 * 1.09, "kernels threshold fwd": 0.48 * 1.07}
+    failures = bp.compare(slower, {"decode threshold": 0.02}, baseline, 0.08)
+    assert len(failures) == 1 and failures[0].startswith("REGRESSION decode threshold") and "+9.0%" in failures[0]
+    assert bp.compare({**ROWS, "a new row": 9.0}, {}, baseline, 0.08) == []  # rows the baseline lacks pass
+
+
+def test_baselines_are_named_after_the_gpu():
+    assert bp.baseline_path("NVIDIA H200").name == "nvidia_h200.json"
+    assert bp.baseline_path("NVIDIA H100 80GB HBM3").name == "nvidia_h100_80gb_hbm3.json"
+
+
+def test_the_committed_baselines_hold_rows_the_benchmark_writes():
+    folder = Path(bp.ROOT) / "docs" / "results" / "baselines"
+    files = sorted(folder.glob("*.json"))
+    assert files, "no committed baseline"
+    for path in files:
+        data = json.loads(path.read_text())
+        assert bp.baseline_path(data["meta"]["gpu"]) == path
+        suites = {name.split(" ")[0] for name in data["rows"]}
+        assert suites <= set(bp.SUITES) and all(ms > 0 for ms in data["rows"].values())
