@@ -12,12 +12,15 @@ BlockMask is), with triton.testing.do_bench medians after warm-up, beside its ya
             and the full mask
   kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, threshold
 
-    python scripts/bench_public_path.py --out gpu_out/public_path [--baseline FILE] [--noise 0.08]
+    python scripts/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
     python scripts/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
 
---baseline compares each row's time with the file's (measured on the same GPU name) and exits 1 when
-one is slower by more than --noise (a fraction); the rows' own spread over the --repeats rounds is
-printed beside it, so a failure can be told from noise. Baselines are committed per GPU kind under
+Rows report the median over the --repeats rounds; the gate reads each row's best round. --baseline
+compares each row's best round with the file's (measured on the same GPU name) and exits 1 when one
+is slower by more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites
+(ranker, kernels: their rounds spread 0.2-4.6% on an H200) and --host-noise (default 30%) for the
+host-bound ones (call, decode: the same row's rounds differed by up to 2x there, with SDPA's rows
+steady, so the host, not the GPU, varied; their gate catches only large regressions). Baselines are committed per GPU kind under
 docs/results/baselines/, named after the GPU (`--baseline auto` picks this GPU's; `--write-baseline`
 writes one from this run).
 """
@@ -175,16 +178,22 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def compare(rows: dict[str, float], spread: dict[str, float], baseline: dict, noise: float) -> list[str]:
-    """Rows slower than the baseline's by more than `noise` (a fraction), as report lines."""
+HOST_BOUND_SUITES = ("call", "decode")
+
+
+def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, noise: float,
+            host_noise: float) -> list[str]:
+    """Rows whose best round is slower than the baseline's best by more than their suite's allowance
+    (`host_noise` for HOST_BOUND_SUITES, `noise` for the others; fractions), as report lines."""
     failures = []
-    for name, ms in rows.items():
-        base = baseline["rows"].get(name)
+    for name, ms in best.items():
+        base = baseline["best"].get(name)
         if base is None:
             continue
-        if ms > base * (1.0 + noise):
+        allowed = host_noise if name.split(" ")[0] in HOST_BOUND_SUITES else noise
+        if ms > base * (1.0 + allowed):
             failures.append(f"REGRESSION {name}: {ms:.4f} ms vs baseline {base:.4f} ms (+{ms / base - 1:.1%}, "
-                            f"allowed +{noise:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
+                            f"allowed +{allowed:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
     return failures
 
 
@@ -193,16 +202,18 @@ def baseline_path(gpu_name: str) -> Path:
     return ROOT / "docs" / "results" / "baselines" / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
 
 
-def markdown(meta: dict, rows: dict, spread: dict, failures: list[str]) -> str:
+def markdown(meta: dict, rows: dict, best: dict, spread: dict, failures: list[str]) -> str:
     lines = [f"# The public attention path, {meta['date']}", "",
              f"{meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit {meta['commit']} · "
              f"median of {meta['repeats']} rounds (each a do_bench median)", "",
-             "| row | ms | spread over rounds |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {ms:.4f} | {spread[name]:.1%} |" for name, ms in rows.items()]
-    lines += ["", "| ratio | value |", "| --- | ---: |"]
-    lines += [f"| {name} | {value:.2f} |" for name, value in ratios(rows).items()]
+             "| row | ms (median) | ms (best round) | spread over rounds |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {ms:.4f} | {best[name]:.4f} | {spread[name]:.1%} |" for name, ms in rows.items()]
+    best_ratios = ratios(best)
+    lines += ["", "| ratio | median rounds | best rounds |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {value:.2f} | {best_ratios[name]:.2f} |" for name, value in ratios(rows).items()]
     if meta.get("baseline"):
-        lines += ["", f"Against {meta['baseline']} (noise allowed {meta['noise']:.0%}): "
+        lines += ["", f"Best rounds against {meta['baseline']} (allowed: {meta['noise']:.0%} GPU-bound, "
+                  f"{meta['host_noise']:.0%} host-bound): "
                   + ("no regression." if not failures else "")]
         lines += [f"- {line}" for line in failures]
     return "\n".join(lines) + "\n"
@@ -214,7 +225,10 @@ def main() -> int:
     ap.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every suite; rows report the median")
     ap.add_argument("--baseline", default=None, help="a committed baseline JSON to compare with")
-    ap.add_argument("--noise", type=float, default=0.08, help="allowed slowdown against the baseline (fraction)")
+    ap.add_argument("--noise", type=float, default=0.08,
+                    help="allowed slowdown of a GPU-bound row against the baseline (fraction)")
+    ap.add_argument("--host-noise", type=float, default=0.30,
+                    help="allowed slowdown of a host-bound row (call, decode) against the baseline (fraction)")
     ap.add_argument("--write-baseline", default=None, help="write this run's rows as a baseline JSON here")
     args = ap.parse_args()
     import triton
@@ -226,7 +240,7 @@ def main() -> int:
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "repeats": args.repeats,
-            "baseline": args.baseline, "noise": args.noise}
+            "baseline": args.baseline, "noise": args.noise, "host_noise": args.host_noise}
     rounds: dict[str, list[float]] = {}
     for r in range(args.repeats):
         for suite in suites:
@@ -234,6 +248,7 @@ def main() -> int:
                 rounds.setdefault(name, []).append(ms)
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.4f}" for n, v in rounds.items()), flush=True)
     rows = {name: statistics.median(values) for name, values in rounds.items()}
+    best = {name: min(values) for name, values in rounds.items()}
     spread = {name: (max(values) - min(values)) / statistics.median(values) for name, values in rounds.items()}
     failures = []
     if args.baseline == "auto":
@@ -247,18 +262,19 @@ def main() -> int:
         if baseline["meta"]["gpu"] != meta["gpu"]:
             raise SystemExit(f"--baseline {args.baseline} was measured on {baseline['meta']['gpu']}, this is "
                              f"{meta['gpu']}: compare with a baseline of the same GPU kind")
-        failures = compare(rows, spread, baseline, args.noise)
+        failures = compare(best, spread, baseline, args.noise, args.host_noise)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"meta": meta, "rows": rows, "spread": spread, "rounds": rounds, "ratios": ratios(rows),
+    result = {"meta": meta, "rows": rows, "best": best, "spread": spread, "rounds": rounds, "ratios": ratios(rows),
               "failures": failures}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    text = markdown(meta, rows, spread, failures)
+    text = markdown(meta, rows, best, spread, failures)
     out.with_suffix(".md").write_text(text)
     print(text)
     if args.write_baseline:
         Path(args.write_baseline).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write_baseline).write_text(json.dumps({"meta": meta, "rows": rows, "spread": spread}, indent=1))
+        Path(args.write_baseline).write_text(json.dumps({"meta": meta, "rows": rows, "best": best, "spread": spread},
+                                                        indent=1))
     return 1 if failures else 0
 
 
