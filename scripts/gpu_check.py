@@ -6,7 +6,8 @@
 Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
-            test_kv_cache.py, test_extra_inputs.py), check_softmax_family_gpu.py, check_threshold_gpu.py
+            test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py), check_softmax_family_gpu.py,
+            check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
@@ -70,7 +71,7 @@ MIN_START_S = 60  # a step is not started with less of the budget left
 # the kernel test files whose cases matter natively: bf16 (skipped under the interpreter), GPU-only
 # checks, and the entry points' handling of CUDA inputs
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
-             "tests/test_kv_cache.py", "tests/test_extra_inputs.py"]
+             "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py"]
 
 
 @dataclasses.dataclass(frozen=True)
