@@ -155,8 +155,8 @@ def pinned_index() -> int | None:
 
 def traced(*tensors) -> bool:
     """Whether a call is being traced (torch.compile, export, fake or subclass tensors): traced calls
-    go through the families' custom ops (fake and autograd registered); eager calls through their
-    autograd Functions, which skip the dispatcher's Python custom-op layer (~0.1 ms per fwd+bwd)."""
+    run the families' launcher ops (their fakes trace); eager calls run the impls directly, without
+    the dispatcher."""
     return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
 
 

@@ -495,7 +495,7 @@ def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropou
 
 
 # ----------------------------------------------------------------------------------------
-# torch custom ops (fakes + autograd) and the public entry point
+# launcher ops (fakes; autograd by the family's Function) and the public entry point
 # ----------------------------------------------------------------------------------------
 
 

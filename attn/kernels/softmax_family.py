@@ -26,11 +26,10 @@ p (normalized before dropout) and out = r sum_j m_ij p_ij v_j / l. Backward: dv 
 dp = r m (dO v^T), dz = p (dp - delta); delta_i = sum_j p_ij dp_ij = dO_i . O_i still, because
 O holds the dropped weights.
 
-Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch
-custom ops with fake implementations (`attnlab::softmax_family_fwd/_bwd`) -> autograd
-registered by `runtime.AutogradOp` (which also gives eager calls an autograd.Function over the
-same impls) -> `fused_attention`, the public function the
-registry points at. This module never imports `attn.reference`.
+Layers (FlashAttention's shape): Triton kernels -> launchers registered as torch ops with fake
+implementations and no autograd (`attnlab::softmax_family_fwd/_bwd`) -> one autograd.Function
+(`runtime.AutogradOp`: the ops when traced, the same impls eagerly) -> `fused_attention`, the
+function the registry points at. This module never imports `attn.reference`.
 """
 
 from __future__ import annotations
@@ -891,7 +890,7 @@ def tuned_configs() -> dict[str, str]:
     return out
 
 
-# --------------------------------------------------------------------- custom ops
+# ------------------------------------------------------------------- launcher ops
 
 
 @kernel_op("softmax_family_fwd")

@@ -744,7 +744,7 @@ def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, wind
 
 
 # ----------------------------------------------------------------------------------------
-# torch custom ops (fakes + autograd) and the public entry point
+# launcher ops (fakes; autograd by the family's Function) and the public entry point
 # ----------------------------------------------------------------------------------------
 
 
