@@ -57,7 +57,10 @@ _MASK_SPECS: dict[tuple, MaskSpec] = {}
 
 
 def mask_spec(causal: bool, window) -> MaskSpec:
-    """MaskSpec(causal, window), built once per distinct pair (its checks run on the first)."""
+    """MaskSpec(causal, window), built once per distinct pair (its checks run on the first); traced
+    calls build it (a cache that a trace reads and fills would be guarded on, and recompile)."""
+    if torch.compiler.is_compiling():
+        return MaskSpec(causal=causal, window=window)
     key = (causal, window, type(window))
     mask = _MASK_SPECS.get(key)
     if mask is None:
@@ -226,8 +229,8 @@ class AttentionCall:
     (`attn.segment_bounds(segment_ids)`, computed once per batch instead of once per layer), or
     `segment_ids=attn.segments(ids)`, which carries both. The caller owns what the public `attention`
     checks per call: tensor shapes and dtypes (the model's own projections) and segment ids
-    (`attn.segments` checks them once per batch). `dropout_p` (checked by the caller, e.g. the model's config
-    check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
+    (`attn.segments` checks them once per batch). `dropout_p` (checked by the caller, e.g. the model's
+    config check) drops attention weights; the kernels' seed is drawn per call from torch's generator.
     k / v may hold more positions than q (a decode step, bottom-right aligned): the backend for
     those calls is `longer_keys_backend`'s. `key_lengths` (B,) int32: per-row filled lengths of a
     static KV cache, as in `attention` (forward only; values are not checked, the backends clamp

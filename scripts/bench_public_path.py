@@ -20,9 +20,9 @@ compares each row's best round with the file's (measured on the same GPU name) a
 is slower by more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites
 (ranker, kernels: their rounds spread 0.2-4.6% on an H200) and --host-noise (default 30%) for the
 host-bound ones (call, decode: the same row's rounds differed by up to 2x there, with SDPA's rows
-steady, so the host, not the GPU, varied; their gate catches only large regressions). Baselines are committed per GPU kind under
-docs/results/baselines/, named after the GPU (`--baseline auto` picks this GPU's; `--write-baseline`
-writes one from this run).
+steady, so the host, not the GPU, varied; their gate catches only large regressions). Baselines are
+committed per GPU kind under docs/results/baselines/, named after the GPU (`--baseline auto` picks
+this GPU's; `--write-baseline` writes one from this run).
 """
 
 from __future__ import annotations

@@ -408,7 +408,8 @@ def test_the_small_input_holes_are_named_errors():
     with pytest.raises(ValueError, match=r"q must have B, N, H, D >= 1"):
         attn.attention(q[..., :0], k[..., :0], v[..., :0], spec, backend="reference")
     b, n = q.shape[:2]
-    with pytest.raises(ValueError, match=r"segment_ids must be a \(B, N\) integer tensor or an attn.SegmentMask, got list"):
+    with pytest.raises(ValueError,
+                       match=r"segment_ids must be a \(B, N\) integer tensor or an attn.SegmentMask, got list"):
         attn.attention(q, k, v, spec, causal=False, segment_ids=[[1] * n] * b, backend="reference")
     unsigned = torch.ones(b, n, dtype=torch.uint8)
     unsigned[:, -1] = 255

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_public_path as bp  # noqa: E402
 
 ROWS = {"call sdpa fwd+bwd": 0.40, "call softmax eager fwd+bwd": 0.50, "decode sdpa": 0.08, "decode threshold": 0.10,
-        "ranker segments fwd": 0.70, "ranker full mask fwd": 1.20, "kernels sdpa fwd": 0.50, "kernels threshold fwd": 0.48}
+        "ranker segments fwd": 0.70, "ranker full mask fwd": 1.20, "kernels sdpa fwd": 0.50,
+        "kernels threshold fwd": 0.48}
 
 
 def test_ratios_put_each_row_against_its_yardstick():
