@@ -833,7 +833,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
             dkdv(dq_acc)
             dq_acc.zero_()
         dkdv(dq_acc)
-        dq.copy_(dq_acc.mul_(grad_scale))
+        torch.mul(dq_acc, grad_scale, out=dq)  # scaled and cast in one kernel
 
     forms = {"separate": separate, "one_pass": one_pass}
     forms[_dq_form(kv_key(False), forms, need_dt, d <= ONE_PASS_MAX_HEAD_DIM and kv_len >= ONE_PASS_MIN_KEYS)]()
@@ -848,9 +848,12 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
 _dq_forms: dict[tuple, str] = {}
 DQ_FORM_ENV = "ATTNLAB_SOFTMAX_DQ"
 # where tuning considers the one-pass form: on an H200 it won at head dim 64 with 2048 keys (7-8%
-# faster fwd+bwd) and lost at head dim 128 (4096 keys) and with 512 keys (docs/results/kernel_tile_sweep/)
+# faster fwd+bwd) and lost at head dim 128 (4096 keys) and with 512 keys (docs/results/kernel_tile_sweep/);
+# at 1024 keys the fwd+bwd call is host-bound, where the form's extra launches (zero fill, scaled copy)
+# cost more than its atomics save (the softmax call 1.9x SDPA's time there, the other families
+# 1.0-1.6x: docs/results/public_path/)
 ONE_PASS_MAX_HEAD_DIM = 64
-ONE_PASS_MIN_KEYS = 1024
+ONE_PASS_MIN_KEYS = 2048
 
 
 def _dq_form(key: tuple, forms: dict, need_dt: bool, eligible: bool) -> str:
