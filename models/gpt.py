@@ -230,9 +230,11 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)
-        if isinstance(offset, torch.Tensor) and self.qk_norm != "rms":
-            # a decode step (host-bound: fewer ops count): every q and k head at once, since the
-            # per-head norm and RoPE act on each head alike and the views lie side by side, q then k
+        if self.qk_norm != "rms":
+            # every q and k head at once (one norm, one RoPE, one cast instead of one per view and
+            # kind: an eager step and a decode step are host-bound, so op counts count), since the
+            # parameter-free per-head norm and RoPE act on each head alike and the views lie side
+            # by side, q then k; q and k are then views into one tensor (the kernels take strides)
             v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
             heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
             heads = self.rope(_qk_normalize(heads, self.qk_norm, None), offset).to(v.dtype)
