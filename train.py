@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import logging
@@ -40,20 +41,25 @@ from training.launch import devices_per_run, launched_rank_argv, output_dir_chos
 from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
 from training.process_settings import restored_process_settings
 from training.quiet_logs import silence_third_party_notices
-from training.resume import resume_checkpoint, resumed_state
-from training.run_files import RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs
+from training.resume import resume_changes, resume_checkpoint, resumed_state
+from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
+                                 refuse_replacing_a_run, write_hydra_record)
 import training.run_label  # noqa: F401  (registers the attnlab_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
+
+
+def model_config(cfg: DictConfig) -> dict:
+    """The model dict LitGPT records in its checkpoints (hyper_parameters["model"]), without the
+    vocabulary size (the tokenizer's): cfg.model with cfg.attn under "attn"."""
+    return {**OmegaConf.to_container(cfg.model, resolve=True), "attn": OmegaConf.to_container(cfg.attn, resolve=True)}
 
 
 def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict, tokenizer: dict | None = None) -> LitGPT:
     cuda = torch.cuda.is_available() and cfg.trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda")
     cuda_graphs, why = cuda_graphs_enabled(cfg.train, devices_per_run(cfg.trainer), cuda)
     log.info("CUDA graphs: %s", why)
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    model["vocab_size"] = vocab_size
-    model["attn"] = OmegaConf.to_container(cfg.attn, resolve=True)
+    model = {**model_config(cfg), "vocab_size": vocab_size}
     return LitGPT(
         model=model, optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         scheduler=OmegaConf.to_container(cfg.scheduler, resolve=True),
@@ -81,6 +87,7 @@ def run(cfg: DictConfig) -> dict:
     Resuming from a run's checkpoint without naming an output directory continues in that run's
     directory (its CSV log, checkpoints and wandb run); this invocation's Hydra files stay in the
     directory Hydra made for it."""
+    task_cfg = copy.deepcopy(cfg)  # as composed: the run's .hydra/config.yaml
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
     original = checkpoint_run_dir(cfg.ckpt_path) if not output_dir_chosen() else None
@@ -95,6 +102,9 @@ def run(cfg: DictConfig) -> dict:
     # ranks other than 0 write into rank 0's directory by design; rank 0 holds it against other runs
     with RunDirectoryLock(output_dir) if is_global_rank_zero() else contextlib.nullcontext(), \
             restored_process_settings():
+        if is_global_rank_zero():
+            refuse_replacing_a_run(output_dir, cfg.ckpt_path, cfg.train.overwrite)
+            write_hydra_record(task_cfg)
         return _run(cfg, output_dir)
 
 
@@ -108,7 +118,13 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         attn.pin_kernel_configs(True)
 
     ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
-    resume_run_id, resumed_tokenizer = resumed_state(ckpt_path)
+    resumed = resumed_state(ckpt_path)
+    resume_run_id, resumed_tokenizer = resumed.wandb_run_id, resumed.tokenizer
+    changed_on_resume = {}
+    if ckpt_path is not None:  # before any data work: a resume that would change the model is refused
+        changed_on_resume = resume_changes(
+            ckpt_path, resumed.hyper_parameters, model_config(cfg),
+            OmegaConf.to_container(cfg.optimizer, resolve=True), OmegaConf.to_container(cfg.scheduler, resolve=True))
     try:
         # a resumed run tokenizes with its checkpoint's tokenizer, never with one the data config would
         # train now (another attnlab's BPE training)
@@ -206,6 +222,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         "best_checkpoint": checkpointing.best_model_path if checkpointing is not None else None,
         "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
     }
+    if changed_on_resume:  # settings this invocation changed from the checkpoint's: {path: [before, now]}
+        results["changed_on_resume"] = changed_on_resume
     if results["nonfinite_steps"]:
         log.warning("%d of %d steps were skipped for a non-finite loss or gradient (train.nonfinite=%s): their "
                     "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)

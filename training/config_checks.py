@@ -94,6 +94,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"train.stop_at_time must be null or a unix time in seconds, got {stop_at_time!r}")
     if stop_at_time is not None and cfg.trainer.get("max_time") is not None:
         raise ValueError("set one of train.stop_at_time (a deadline) and trainer.max_time (a duration), not both")
+    if not isinstance(t.overwrite, bool):
+        raise ValueError(f"train.overwrite must be true or false, got {t.overwrite!r}")
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")

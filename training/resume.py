@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from data.tokenizers import Tokenizer, tokenizer_from_record
 from training.checkpoint_io import load_checkpoint
@@ -25,12 +26,71 @@ def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
     return None
 
 
-def resumed_state(ckpt_path: str | None) -> tuple[str | None, Tokenizer | None]:
-    """(wandb run id, tokenizer) recorded in the checkpoint a run resumes from; (None, None) for a
-    fresh start, None for what a checkpoint does not record."""
+class ResumedState(NamedTuple):
+    """What the checkpoint a run resumes from recorded about the run (None where it records nothing,
+    or for a fresh start)."""
+
+    wandb_run_id: str | None
+    tokenizer: Tokenizer | None
+    hyper_parameters: dict | None
+
+
+def resumed_state(ckpt_path: str | None) -> ResumedState:
     if not ckpt_path:
-        return None, None
+        return ResumedState(None, None, None)
     checkpoint = load_checkpoint(ckpt_path)
     record = checkpoint.get("tokenizer")
     tokenizer = tokenizer_from_record(record, f"checkpoint {ckpt_path}") if record is not None else None
-    return checkpoint.get("wandb_run_id"), tokenizer
+    return ResumedState(checkpoint.get("wandb_run_id"), tokenizer, checkpoint.get("hyper_parameters"))
+
+
+# model fields a resume may change: they regularize training and define no parameter or computation
+# of the trained model (the attention backend computes the same function)
+CHANGEABLE_MODEL_FIELDS = frozenset({"model.dropout", "model.attn_dropout", "model.embed_dropout", "attn.backend"})
+
+
+def _flat(tree, prefix: str) -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}"))
+    return out
+
+
+def _model_fields(model: dict) -> dict:
+    """A checkpoint's (or a config's) model dict as config paths: model.* and attn.* (the vocabulary
+    size comes from the tokenizer, which a resume takes from the checkpoint)."""
+    model = {k: v for k, v in model.items() if k != "vocab_size"}
+    attn_cfg = model.pop("attn", {})
+    return {**_flat(model, "model"), **_flat(attn_cfg, "attn")}
+
+
+def _changes(old: dict, new: dict) -> dict[str, list]:
+    """{path: [old, new]} of the paths both hold with different values (a field one of them lacks, as a
+    checkpoint from before it existed, is not a change)."""
+    return {key: [old[key], new[key]] for key in sorted(old.keys() & new.keys()) if old[key] != new[key]}
+
+
+def resume_changes(ckpt_path: str, hyper_parameters: dict | None, model: dict, optimizer: dict,
+                   scheduler: dict) -> dict[str, list]:
+    """Compare the run a checkpoint was trained as with the config resuming it. A change to the model
+    or its attention (what the weights mean) is refused with a one-line diff; the changes a resume may
+    make on purpose (optimizer, schedule, dropout, attention backend) are returned as {path: [old,
+    new]}, for results.json and a warning. model: the config's model dict with its `attn` dict."""
+    if not isinstance(hyper_parameters, dict) or not isinstance(hyper_parameters.get("model"), dict):
+        return {}
+    changes = _changes(_model_fields(hyper_parameters["model"]), _model_fields(model))
+    refused = {key: change for key, change in changes.items() if key not in CHANGEABLE_MODEL_FIELDS}
+    if refused:
+        diff = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in refused.items())
+        raise ValueError(f"ckpt_path={ckpt_path} was trained as another model ({diff}): resume it with its own "
+                         "settings, or start a fresh run in a new hydra.run.dir")
+    for name, now in (("optimizer", optimizer), ("scheduler", scheduler)):
+        before = hyper_parameters.get(name)
+        if isinstance(before, dict):
+            changes.update(_changes(_flat(before, name), _flat(now, name)))
+    if changes:
+        log.warning("resuming with changed settings: %s",
+                    "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items()))
+    return changes

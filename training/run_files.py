@@ -43,6 +43,52 @@ class RunDirectoryLock:
             self._handle.close()  # closing releases the lock
 
 
+def previous_run_files(run_dir: Path) -> list[str]:
+    """What a run left in `run_dir` that a fresh run would replace: its results, checkpoints and
+    metric log (Hydra's own files and logs are not a run's results)."""
+    found = []
+    if (run_dir / "results.json").is_file():
+        found.append("results.json")
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+    if checkpoints:
+        found.append(f"checkpoints/ ({', '.join(checkpoints[:3])}{', ...' if len(checkpoints) > 3 else ''})")
+    if (run_dir / "csv" / "metrics.csv").is_file():
+        found.append("csv/metrics.csv")
+    return found
+
+
+def refuse_replacing_a_run(run_dir: Path, ckpt_path: str | None, overwrite: bool) -> None:
+    """A fresh run (no ckpt_path) into a directory that holds a run would replace its checkpoints and
+    logs: refused, naming the directory and the ways on, unless train.overwrite=true."""
+    if ckpt_path or overwrite:
+        return
+    found = previous_run_files(run_dir)
+    if found:
+        raise ValueError(f"run directory {run_dir} already holds a run ({'; '.join(found)}): resume it with "
+                         "ckpt_path=auto, give this run a new hydra.run.dir, or replace it with train.overwrite=true")
+
+
+def write_hydra_record(task_cfg) -> Path | None:
+    """Write Hydra's record of this invocation (.hydra/config.yaml, hydra.yaml, overrides.yaml in its
+    output directory, as Hydra writes them) now that the run holds its directory: configs/train.yaml
+    sets hydra.output_subdir to null so that Hydra does not write them before the directory lock and
+    the refusals (a refused run rewrote the record of the live or finished run there). `task_cfg`: the
+    composed config as the task received it. None (nothing written) outside @hydra.main or where
+    hydra.output_subdir names a folder (Hydra wrote it)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized() or HydraConfig.get().output_subdir is not None:
+        return None
+    hydra_cfg = HydraConfig.instance().cfg
+    folder = Path(hydra_cfg.hydra.runtime.output_dir) / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, content in (("config.yaml", task_cfg), ("hydra.yaml", hydra_cfg),
+                          ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+        (folder / name).write_text(OmegaConf.to_yaml(content), encoding="utf-8")
+    return folder
+
+
 def is_global_rank_zero() -> bool:
     """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
