@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from attn.families import family_of
@@ -111,5 +113,5 @@ def check_inputs(q, k, v, spec, *, causal: bool = True, window: int | None = Non
         validate_segment_ids(ids, q.shape[0], q.shape[1])
     if key_lengths is not None:
         check_key_lengths(key_lengths, q, k, segment_ids=segment_ids, dropout_p=dropout_p,
-                          tensors=(v, temperature, *(extra.values() if isinstance(extra, dict) else ())))
+                          tensors=(v, temperature, *(extra.values() if isinstance(extra, Mapping) else ())))
         check_key_length_values(key_lengths, k.shape[1])

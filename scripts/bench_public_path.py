@@ -18,9 +18,9 @@ BlockMask is), with triton.testing.do_bench medians after warm-up, beside its ya
 Rows report the median over the --repeats rounds; the gate reads each row's best round. --baseline
 compares each row's best round with the file's (measured on the same GPU name) and exits 1 when one
 is slower by more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites
-(ranker, kernels: their rounds spread 0.2-4.6% on an H200) and --host-noise (default 30%) for the
-host-bound ones (call, decode: the same row's rounds differed by up to 2x there, with SDPA's rows
-steady, so the host, not the GPU, varied; their gate catches only large regressions). Baselines are
+(ranker, kernels) and --host-noise (default 30%) for the host-bound ones (call, decode), whose rounds
+follow the host's load and vary far more (the measured spreads: docs/results/public_path/); the
+host-bound gate catches only large regressions. Baselines are
 committed per GPU kind under docs/results/baselines/, named after the GPU (`--baseline auto` picks
 this GPU's; `--write-baseline` writes one from this run).
 """

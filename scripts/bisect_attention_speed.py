@@ -3,7 +3,7 @@
 The device machine's copy of the tree has no .git, so the commits' `attn/` packages are unpacked
 here first, into an ignored folder that the device call carries:
 
-    python scripts/bisect_attention_speed.py prepare 0082fe5 774ecb2 HEAD     # here: .bisect/<commit>/attn
+    python scripts/bisect_attention_speed.py prepare OLD MIDDLE HEAD     # here: .bisect/<commit>/attn
     run(command="python3 scripts/bisect_attention_speed.py time --out $OUT/bisect", carry=[".bisect"])
 
 `time` runs one subprocess per snapshot (each imports only its own `attn`, with the snapshot first

@@ -39,6 +39,12 @@ def _inputs(name, b, n, h, d, gen, kv=None):
     return x
 
 
+def _case(name, b, n, h, d, kv=None):
+    """(generator, spec, inputs) of one case: fresh bf16 inputs of the variant, its test parameters."""
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    return gen, attn.get_variant(name).make_spec(**PARAMS[name]), _inputs(name, b, n, h, d, gen, kv=kv)
+
+
 def _capture(fn):
     """fn captured in a CUDA graph (warmed up on a side stream first, as torch.cuda.graphs asks)."""
     stream = torch.cuda.Stream()
@@ -55,10 +61,8 @@ def _capture(fn):
 
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_segment_ids_and_temperature_replayed_with_new_values_give_the_eager_result(name):
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    spec = attn.get_variant(name).make_spec(**PARAMS[name])
     b, n, h, d = 2, 200, 4, 64
-    x = _inputs(name, b, n, h, d, gen)
+    gen, spec, x = _case(name, b, n, h, d)
     ids = random_segment_ids(b, n, torch.Generator().manual_seed(1), min_history=20).to(CUDA)
     softmax_family = attn.family_of(spec).name == "softmax"
     temp = torch.rand(b, n, generator=gen, device=CUDA) + 0.5 if softmax_family else None
@@ -81,9 +85,7 @@ def test_segment_ids_and_temperature_replayed_with_new_values_give_the_eager_res
 
 @pytest.mark.parametrize("name", ["softmax", "threshold", "sigmoid"])
 def test_dropout_seed_replayed_with_a_new_value_gives_the_eager_result(name):
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    spec = attn.get_variant(name).make_spec(**PARAMS[name])
-    x = _inputs(name, 2, 130, 2, 64, gen)
+    _, spec, x = _case(name, 2, 130, 2, 64)
     seed = torch.tensor([11], device=CUDA, dtype=torch.int64)
 
     def call():
@@ -103,10 +105,8 @@ def test_dropout_seed_replayed_with_a_new_value_gives_the_eager_result(name):
 
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_a_decode_step_replayed_as_the_cache_fills_gives_the_eager_result(name):
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    spec = attn.get_variant(name).make_spec(**PARAMS[name])
     b, capacity, h, d = 3, 512, 4, 64
-    x = _inputs(name, b, 1, h, d, gen, kv=capacity)
+    gen, spec, x = _case(name, b, 1, h, d, kv=capacity)
     lengths = torch.tensor([1, 100, 300], dtype=torch.int32, device=CUDA)
 
     def call():
@@ -124,9 +124,7 @@ def test_a_decode_step_replayed_as_the_cache_fills_gives_the_eager_result(name):
 
 @pytest.mark.parametrize("name", ["softcap_tanh", "threshold", "sigmoid"])
 def test_the_segment_mask_object_gives_the_ids_result_forward_and_backward(name):
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    spec = attn.get_variant(name).make_spec(**PARAMS[name])
-    x = _inputs(name, 2, 257, 4, 64, gen)
+    _, spec, x = _case(name, 2, 257, 4, 64)
     ids = random_segment_ids(2, 257, torch.Generator().manual_seed(4), min_history=30).to(CUDA)
     mask = attn.segments(ids)
     results = []
@@ -143,9 +141,7 @@ def test_the_segment_mask_object_gives_the_ids_result_forward_and_backward(name)
 @pytest.mark.parametrize("name", ["softmax", "threshold"])
 def test_calls_do_not_wait_for_the_device(name):
     """torch.cuda.set_sync_debug_mode('error') raises on any synchronizing CUDA call."""
-    gen = torch.Generator(device=CUDA).manual_seed(0)
-    spec = attn.get_variant(name).make_spec(**PARAMS[name])
-    x = _inputs(name, 2, 300, 4, 64, gen)
+    _, spec, x = _case(name, 2, 300, 4, 64)
     ids = random_segment_ids(2, 300, torch.Generator().manual_seed(5), min_history=30).to(CUDA)
     mask = attn.segments(ids)  # the one sync: the mask's check
     lengths = torch.tensor([10, 300], dtype=torch.int32, device=CUDA)

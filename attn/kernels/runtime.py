@@ -353,9 +353,8 @@ class Kernel:
     def _tune(self, grid, tensors, scalars, meta, configs, tune_key) -> TileConfig:
         """Time every candidate on the call's own arguments (kernels that only write their outputs
         may run any number of times), as long as Triton's own autotuner does (25 ms warm-up, 100 ms
-        timed: with 25 ms the threshold forward's candidates, 2-7% apart, were picked wrongly); a
-        candidate that does not fit the GPU or that the compiler fails on is skipped (as Triton's
-        autotuner does)."""
+        timed: candidates a few percent apart need that to be told apart); a candidate that does not
+        fit the GPU or that the compiler fails on is skipped (as Triton's autotuner does)."""
         from triton.runtime.errors import OutOfResources, PTXASError
         from triton.testing import do_bench
 

@@ -850,8 +850,7 @@ DQ_FORM_ENV = "ATTNLAB_SOFTMAX_DQ"
 # where tuning considers the one-pass form: on an H200 it won at head dim 64 with 2048 keys (7-8%
 # faster fwd+bwd) and lost at head dim 128 (4096 keys) and with 512 keys (docs/results/kernel_tile_sweep/);
 # at 1024 keys the fwd+bwd call is host-bound, where the form's extra launches (zero fill, scaled copy)
-# cost more than its atomics save (the softmax call 1.9x SDPA's time there, the other families
-# 1.0-1.6x: docs/results/public_path/)
+# cost more than its atomics save (docs/results/public_path/)
 ONE_PASS_MAX_HEAD_DIM = 64
 ONE_PASS_MIN_KEYS = 2048
 
