@@ -104,6 +104,25 @@ def outputs_and_grads(fn, tensors: dict, dout: torch.Tensor) -> dict:
     return {"out": out, **{f"d{name}": g for name, g in zip(tensors, grads)}}
 
 
+def rounding_sensitivity(reference64, tensors: dict, dout: torch.Tensor, dtype: torch.dtype,
+                         seed: int = 0) -> dict[str, float]:
+    """Per output of `outputs_and_grads(reference64, ...)`: how far the float64 result moves when
+    every input is perturbed by one unit roundoff of `dtype` (random sign per element).
+
+    This is the error any algorithm in `dtype` may show without being wrong (the backward-error
+    view): about eps x magnitude where the function is well conditioned, far more where it is
+    not (p < 1 threshold gradients near tau, large reduced sums such as d-lambda). Kernel tests
+    add it to the rule's absolute floor, as FlashAttention's tests scale theirs with the result."""
+    gen = torch.Generator().manual_seed(seed)
+    eps = torch.finfo(dtype).eps
+    exact = {name: t.detach().double() for name, t in tensors.items()}
+    moved = {name: (t * (1 + eps * (2 * torch.randint(0, 2, t.shape, generator=gen) - 1))).requires_grad_()
+             for name, t in exact.items()}
+    base = outputs_and_grads(reference64, {n: t.clone().requires_grad_() for n, t in exact.items()}, dout.double())
+    shifted = outputs_and_grads(reference64, moved, dout.double())
+    return {name: max_error(shifted[name], base[name]) for name in base}
+
+
 def nonfinite_cases(name: str, device: torch.device, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """(label, tensors) with one non-finite input each, for variant `name`: a NaN query row, a NaN key
     and, for the softmax family, a NaN and an infinite temperature of one row (tests and GPU checks)."""

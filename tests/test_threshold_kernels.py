@@ -19,7 +19,8 @@ from tolerance import assert_within_reference_error  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import threshold_family as tf  # noqa: E402
-from attn.testing import opcheck_launcher, outputs_and_grads, random_qkv, random_segment_ids  # noqa: E402
+from attn.testing import (opcheck_launcher, outputs_and_grads, random_qkv, random_segment_ids,  # noqa: E402
+                          rounding_sensitivity)
 from attn.masks import MaskSpec, dense_mask  # noqa: E402
 from attn.reference import exact_zero_fraction, reference_attention, threshold_family_weights  # noqa: E402
 from attn.specs import ThresholdFamilySpec  # noqa: E402
@@ -64,14 +65,21 @@ def check_against_reference(spec, mask, seg, tensors, dout, dtype):
     def fused(q, k, v, **extra):
         return tf.fused_attention(q, k, v, spec, mask, seg, None, extra=extra)
 
+    def reference64(q, k, v, **extra):
+        return reference_attention(q, k, v, spec, mask, seg, None, extra=extra)
+
     ref64 = reference(torch.float64)
     same = reference(dtype)
     got = outputs_and_grads(fused, _as(tensors, dtype), dout)
+    # the floor grows with what one rounding of the inputs does to the exact result: d-lambda is a
+    # sum of N^2 terms, and p < 1 gradients are unbounded at the threshold
+    sensitivity = rounding_sensitivity(reference64, tensors, dout, dtype)
     ratios = {}
     for name in ref64:
         assert got[name].shape == ref64[name].shape, name
         assert got[name].dtype == same[name].dtype, name
-        ratios[name] = assert_within_reference_error(name, got[name], same[name], ref64[name], FLOOR[dtype])
+        ratios[name] = assert_within_reference_error(name, got[name], same[name], ref64[name],
+                                                     FLOOR[dtype] + sensitivity[name])
     return ratios
 
 
