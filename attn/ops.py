@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from attn.kernels.runtime import clear_launch_plans  # noqa: E402
 from attn.testing import nan_poisoned_empty  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tolerance.py and friends
@@ -42,3 +43,12 @@ def _restore_torch_deterministic_mode():
     mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     yield
     torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Kernel launch plans are built from module state that some tests patch (interpreting, device
+    properties, row limits): every test starts and ends without any."""
+    clear_launch_plans()
+    yield
+    clear_launch_plans()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -73,6 +74,8 @@ class Family:
         the unexpected or missing key and the allowed names otherwise. The values are checked by
         `validate`."""
         allowed = self.extra_inputs(spec)
+        if not allowed and (extra is None or (type(extra) is dict and not extra)):
+            return {}  # the common call: a family without extra tensors, given none
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):

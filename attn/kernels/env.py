@@ -24,6 +24,20 @@ def setting(name: str, default: str | None = None) -> str | None:
     raw = _RAW_ENVIRON.get(key)
     return default if raw is None else os.fsdecode(raw)
 
+_ENCODED_GROUPS: dict[tuple[str, ...], tuple] = {}
+
+
+def settings_values(names: tuple[str, ...]) -> tuple:
+    """The raw values of several settings at once (None where unset), for keys of what was built from
+    them; as cheap as `setting` per name."""
+    if _RAW_ENVIRON is None:
+        return tuple(os.environ.get(name) for name in names)
+    keys = _ENCODED_GROUPS.get(names)
+    if keys is None:
+        keys = _ENCODED_GROUPS[names] = tuple(os.fsencode(name) for name in names)
+    return tuple(map(_RAW_ENVIRON.get, keys))
+
+
 # "0": no timing; every kernel runs one fixed tile config, the first unless the family lets an
 # environment variable pick it (`attn.pin_kernel_configs`, deterministic=true)
 PIN_ENV = "ATTNLAB_AUTOTUNE"

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from attn.kernels.env import autotune_pinned, interpreting, setting
+from attn.kernels.env import PIN_ENV, autotune_pinned, interpreting, setting, settings_values
 
 CONFIG_ENV = "ATTNLAB_KERNEL_CONFIG"
 DIRECT_ENV = "ATTNLAB_DIRECT_LAUNCH"
@@ -157,7 +157,12 @@ def traced(*tensors) -> bool:
     """Whether a call is being traced (torch.compile, export, fake or subclass tensors): traced calls
     run the families' launcher ops (their fakes trace); eager calls run the impls directly, without
     the dispatcher."""
-    return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:  # a loop, not any(generator): this runs on every eager call
+        if t is not None and type(t) is not torch.Tensor:
+            return True
+    return False
 
 
 # The kernel launchers' torch ops (FlashAttention's layering): each a launcher with a fake
@@ -308,6 +313,59 @@ def ensure_descriptor_scratch() -> None:
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(_scratch)
+
+
+# the settings every family's launch plans read (a family adds its own)
+PLAN_SETTINGS = ("TRITON_INTERPRET", PIN_ENV, CONFIG_ENV, INTERPRET_BLOCKS_ENV, DECODE_SPLITS_ENV, DECODE_TILES_ENV,
+                 TMA_ENV)
+_ALL_PLANS: list["LaunchPlans"] = []
+
+
+class LaunchPlans:
+    """One kernel entry's launch plans: a plan is what a call's launches need that follows from the
+    call's signature alone (shapes, strides, dtypes, the device, flags, scalars, the launch settings
+    named in `settings`): tile-config candidates, tuning keys, kernel scalars and meta-parameters.
+    `build(*args)` makes one at a signature's first call; later calls with that signature reuse it
+    and only allocate outputs and launch (at training shapes a call's host work rivals its GPU time).
+    The settings' values are part of the key, so changing one takes effect at the next call."""
+
+    def __init__(self, build: Callable, settings: tuple[str, ...] = PLAN_SETTINGS):
+        self.build = build
+        self.settings = settings
+        self.plans: dict[tuple, object] = {}
+        _ALL_PLANS.append(self)
+
+    def get(self, signature: tuple, *args):
+        key = (signature, settings_values(self.settings))
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) > 1024:  # shapes that keep changing (evaluation sweeps): start over
+                self.plans.clear()
+            plan = self.plans[key] = self.build(*args)
+        return plan
+
+
+def clear_launch_plans() -> None:
+    """Forget every plan (tests that patch the module state plans are built from call it)."""
+    for plans in _ALL_PLANS:
+        plans.plans.clear()
+
+
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides torch.empty(shape) gives."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def tma_alignment(*tensors: torch.Tensor) -> tuple | None:
+    """What TMA decisions read from tensors beyond their signature (base addresses' 16-byte alignment),
+    for plan signatures; None while ATTNLAB_TMA asks for no TMA kernel (the default)."""
+    if setting(TMA_ENV, "0") == "0":
+        return None
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _direct_launches() -> bool:

@@ -58,9 +58,9 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
 from attn.kernels.fast_math import ex2, exp2_parts, rcp, rcp_newton
-from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
-                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  dot_precision, n_bucket)
+from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, ConfigTable, Kernel, LaunchPlans,
+                                  TileConfig, cdiv, contiguous_strides, decode_config, decode_splits, dot_precision,
+                                  kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
@@ -387,9 +387,10 @@ _KERNELS = {"fwd": Kernel(_fwd_kernel, "sigmoid_fwd"), "dq": Kernel(_dq_kernel, 
             "dkdv": Kernel(_dkdv_kernel, "sigmoid_dkdv")}
 
 
-def _launch(kind: str, grid, tensors: tuple, scalars: tuple, meta: dict, buckets: tuple, dtype):
-    configs = CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"])
-    _KERNELS[kind].launch(grid, tensors, scalars, meta, configs, (dtype, buckets, *meta.values()))
+def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype) -> tuple:
+    """(configs, tuning key) of kernel `kind`: candidates per head dim; keys: dtype, the (query, key)
+    length buckets and every constexpr."""
+    return CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"]), (dtype, buckets, *meta.values())
 
 
 def tuned_configs() -> dict[str, str]:
@@ -416,13 +417,13 @@ def sigmoid_path(dtype: torch.dtype, forward: bool) -> dict:
             "FAST_MUFU": gpu_16bit and path != "mufu"}
 
 
-def _meta(q, bias, causal, window, bounds, forward: bool):
+def _meta(q, bias, causal, window, has_bounds: bool, forward: bool):
     return dict(
         HEAD_DIM=q.shape[-1],
         HAS_BIAS=bias is not None,
         CAUSAL=bool(causal or window > 0),
         HAS_WINDOW=window > 0,
-        HAS_SEG=bounds is not None,
+        HAS_SEG=has_bounds,
         DOT_PREC=dot_precision(q.dtype),
         **sigmoid_path(q.dtype, forward),
     )
@@ -433,23 +434,34 @@ def _scales(sm_scale: float, bias: Optional[float]):
     return sm_scale * LOG2E, (bias * LOG2E if bias is not None else 0.0)
 
 
+def _signature(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p) -> tuple:
+    """What a call's launch plan follows from (LaunchPlans)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bounds is not None, bias,
+            sm_scale, causal, window, dropout_p)
+
+
 def _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None, key_lengths=None):
     """The forward's output; with `key_lengths` (B,) int32 the launches depend on the capacity
     k.shape[1] only, and the kernel reads each row's length on the device."""
+    signature = (_signature(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p), key_lengths is not None)
+    plan = _FWD_PLANS.get(signature, q, k, v, bounds is not None, bias, sm_scale, causal, window, dropout_p,
+                          key_lengths is not None)
+    return plan(q, k, v, bounds, seed, key_lengths)
+
+
+def _forward_plan(q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p, has_lens):
+    """The forward's launches for one signature: (q, k, v, bounds, seed, key_lengths) -> out."""
     bsz, n, heads, d = q.shape
     kv_len = k.shape[1]
     group = heads // k.shape[2]
-    out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    out_shape = (bsz, n, heads, d)
     if n == 0 or bsz == 0:
-        return out
-    meta = {**_meta(q, bias, causal, window, bounds, True), "DROPOUT": dropout_p > 0.0,
-            "HAS_LENS": key_lengths is not None}
-    lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
-    operands = (q, k, v, bounds if bounds is not None else q)
+        return lambda q, *rest: torch.empty(out_shape, device=q.device, dtype=q.dtype)
+    meta = {**_meta(q, bias, causal, window, has_bounds, True), "DROPOUT": dropout_p > 0.0, "HAS_LENS": has_lens}
     qk_scale2, bias2 = _scales(sm_scale, bias)
     scalars = (n, kv_len, heads, group, window, kv_len, qk_scale2, bias2, n_bucket(kv_len), float(dropout_p))
     splits = 1
-    if bounds is None and dropout_p == 0.0:
+    if not has_bounds and dropout_p == 0.0:
         splits = decode_splits(n, kv_len, bsz * heads, decode_config().block_n, q.device)
     if splits > 1:
         # flash-decoding: each split sums its key range into fp32 partials; no row max or normalizer,
@@ -457,41 +469,77 @@ def _forward_impl(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0
         cfg = decode_config()
         split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
         splits = cdiv(kv_len, split_len)
-        part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
-        scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
-        _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
-                               (*operands, part, q, lens),
-                               (*_strides(q, k, v), *part.stride()[1:], part.stride(0), *scalars),
-                               {**meta, "SPLIT_KV": True}, [cfg], ())
-        return part.sum(dim=0).to(q.dtype)
-    _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
-            (*operands, out, seed_operand(dropout_p, seed, q), lens),
-            (*_strides(q, k, v), *out.stride(), 0, *scalars), {**meta, "SPLIT_KV": False},
-            (n_bucket(n), n_bucket(kv_len)), q.dtype)
-    return out
+        part_shape = (splits, bsz, n, heads, d)
+        part_strides = contiguous_strides(part_shape)
+        split_scalars = (*_strides(q, k, v), *part_strides[1:], part_strides[0], n, kv_len, heads, group, window,
+                         split_len, *scalars[6:])
+        split_meta = {**meta, "SPLIT_KV": True}
+        split_grid = (lambda c: (cdiv(n, c.block_m), bsz * heads, splits))
+
+        def split_forward(q, k, v, bounds, seed, key_lengths):
+            part = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+            _KERNELS["fwd"].launch(split_grid, (q, k, v, bounds if has_bounds else q, part, q,
+                                                key_lengths if has_lens else q),
+                                   split_scalars, split_meta, [cfg], ())
+            return part.sum(dim=0).to(q.dtype)
+        return split_forward
+
+    full_scalars = (*_strides(q, k, v), *contiguous_strides(out_shape), 0, *scalars)
+    full_meta = {**meta, "SPLIT_KV": False}
+    configs, tune_key = _launch_settings("fwd", full_meta, (n_bucket(n), n_bucket(kv_len)), q.dtype)
+    grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * heads))
+
+    def forward(q, k, v, bounds, seed, key_lengths):
+        out = torch.empty(out_shape, device=q.device, dtype=q.dtype)
+        _KERNELS["fwd"].launch(grid, (q, k, v, bounds if has_bounds else q, out, seed_operand(dropout_p, seed, q),
+                                      key_lengths if has_lens else q),  # q: never read
+                               full_scalars, full_meta, configs, tune_key)
+        return out
+    return forward
 
 
 def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None):
+    signature = (_signature(q, k, v, bounds, bias, sm_scale, causal, window, dropout_p), dout.stride())
+    plan = _BWD_PLANS.get(signature, dout, q, k, v, bounds is not None, bias, sm_scale, causal, window, dropout_p)
+    return plan(dout, q, k, v, bounds, seed)
+
+
+def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p):
+    """The backward's launches for one signature: (dout, q, k, v, bounds, seed) -> (dq, dk, dv)."""
     bsz, n, heads, d = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    dq = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=k.dtype)
-    dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
+    q_shape, k_shape = (bsz, n, heads, d), (bsz, kv_len, kv_heads, d)
     if n == 0 or bsz == 0:
-        return dq, dk.zero_(), dv.zero_()
-    meta = {**_meta(q, bias, causal, window, bounds, False), "DROPOUT": dropout_p > 0.0}
-    ops = (q, k, v, bounds if bounds is not None else q)
-    seed_arg = seed_operand(dropout_p, seed, q)
+        def no_queries(dout, q, k, v, bounds, seed):
+            return (torch.empty(q_shape, device=q.device, dtype=q.dtype),
+                    torch.zeros(k_shape, device=q.device, dtype=k.dtype),
+                    torch.zeros(k_shape, device=q.device, dtype=v.dtype))
+        return no_queries
+    meta = {**_meta(q, bias, causal, window, has_bounds, False), "DROPOUT": dropout_p > 0.0}
     qk_scale2, bias2 = _scales(sm_scale, bias)
     scalars = (*_strides(q, k, v), *dout.stride(), n, kv_len, heads, group, window, qk_scale2, bias2,
                float(sm_scale), n_bucket(kv_len), float(dropout_p))
     buckets = (n_bucket(n), n_bucket(kv_len))
-    _launch("dq", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads), (*ops, dout, dq, seed_arg), scalars, meta,
-            buckets, q.dtype)
-    _launch("dkdv", lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads), (*ops, dout, dk, dv, seed_arg),
-            scalars, meta, buckets, q.dtype)
-    return dq, dk, dv
+    dq_configs, dq_key = _launch_settings("dq", meta, buckets, q.dtype)
+    dkdv_configs, dkdv_key = _launch_settings("dkdv", meta, buckets, q.dtype)
+    query_grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * heads))
+    key_grid = (lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads))
+
+    def backward(dout, q, k, v, bounds, seed):
+        dq = torch.empty(q_shape, device=q.device, dtype=q.dtype)
+        dk = torch.empty(k_shape, device=q.device, dtype=k.dtype)
+        dv = torch.empty(k_shape, device=q.device, dtype=v.dtype)
+        ops = (q, k, v, bounds if has_bounds else q)
+        seed_arg = seed_operand(dropout_p, seed, q)
+        _KERNELS["dq"].launch(query_grid, (*ops, dout, dq, seed_arg), scalars, meta, dq_configs, dq_key)
+        _KERNELS["dkdv"].launch(key_grid, (*ops, dout, dk, dv, seed_arg), scalars, meta, dkdv_configs, dkdv_key)
+        return dq, dk, dv
+    return backward
+
+
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV,))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV,))
 
 
 # ----------------------------------------------------------------------------------------

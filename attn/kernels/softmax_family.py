@@ -43,9 +43,10 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
-from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
-                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  dot_precision, ensure_descriptor_scratch, n_bucket, pinned_index, use_tma)
+from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, ConfigTable, Kernel, LaunchPlans,
+                                  TileConfig, cdiv, decode_config, decode_splits, dot_precision,
+                                  ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
+                                  use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
@@ -701,43 +702,70 @@ def _fwd_impl(q, k, v, bounds, temperature, cap, cap_value, knee, sm_scale, caus
     """(out, lse2); with `key_lengths` (B,) int32 the launches (grid, splits, configs) depend on the
     capacity k.shape[1] only, and the kernels read each row's length on the device. The operands
     are those `fused_attention` checked."""
+    signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, bounds is not None,
+                 None if temperature is None else temperature.stride(), key_lengths is not None, cap, cap_value,
+                 knee, sm_scale, causal, window, dropout_p, tma_alignment(k, v))
+    plan = _FWD_PLANS.get(signature, q, k, v, temperature, bounds is not None, key_lengths is not None, cap,
+                          cap_value, knee, sm_scale, causal, window, dropout_p)
+    return plan(q, k, v, bounds, temperature, seed, key_lengths)
+
+
+def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, sm_scale, causal, window,
+              dropout_p):
+    """The forward's launches for one signature: (q, k, v, bounds, temperature, seed, key_lengths) ->
+    (out, lse2)."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     qk_scale, out_scale, _, _, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
     fast, prec = _flags(q)
-    temp = temperature if temperature is not None else lse  # dummy pointer, never read
-    st = (temperature.stride(0), temperature.stride(1)) if temperature is not None else (0, 0)
-    bnd = bounds if bounds is not None else lse
-    seed_arg = seed_operand(dropout_p, seed, lse)
+    has_temp = temperature is not None
+    st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
     splits = 1
-    if bounds is None and dropout_p == 0.0:
+    if not has_bounds and dropout_p == 0.0:
         splits = decode_splits(n, kv_len, bsz * h, decode_config().block_n, q.device)
     # a cap bounds |z| by c (log2 units: c log2e); without a temperature the forward can then
     # shift by the diagonal logit instead of a running max: p = exp2(z - z_ii) lies in
     # [2^-2B, 2^2B], B = c log2e, and l <= KV 2^2B; bf16/fp32 keep that range (fp16 p would
     # not), with 2^18 headroom in fp32 for |v| in acc = sum p v
-    fixed_max = (cap != 0 and temperature is None and q.dtype != torch.float16 and splits == 1 and key_lengths is None
+    fixed_max = (cap != 0 and not has_temp and q.dtype != torch.float16 and splits == 1 and not has_lens
                  and 2.0 * float(cap_value) * LOG2E + math.log2(max(kv_len, 2)) <= 108.0 and fixed_shift_enabled())
-    meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
-                HAS_TEMP=temperature is not None, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
-                DROPOUT=dropout_p > 0.0, HAS_LENS=key_lengths is not None)
-    meta["TMA"] = splits == 1 and key_lengths is None and n >= TMA_MIN_ROWS and use_tma("fwd", k, v)
-    if meta["TMA"] and q.is_cuda:
-        ensure_descriptor_scratch()
-    lens = key_lengths if key_lengths is not None else lse  # dummy pointer without HAS_LENS, never read
+    meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=has_bounds,
+                HAS_TEMP=has_temp, FAST=fast, DOT_PREC=prec, FIXED_MAX=fixed_max,
+                DROPOUT=dropout_p > 0.0, HAS_LENS=has_lens)
+    tma = splits == 1 and not has_lens and n >= TMA_MIN_ROWS and use_tma("fwd", k, v)
+    meta["TMA"] = tma
+    lse_shape = (bsz, h, n)
     if splits > 1:
-        _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
-                          window, lens)
-        return out, lse
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), 0, *st,
+        def split_forward(q, k, v, bounds, temperature, seed, key_lengths):
+            out = torch.empty_like(q)
+            lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+            _split_kv_forward(q, k, v, out, lse, temperature if has_temp else lse, st, splits, meta, qk_scale,
+                              out_scale, cap_value, alsc_a, alsc_g, window, key_lengths if has_lens else lse)
+            return out, lse
+        return split_forward
+
+    out_strides = torch.empty_like(q).stride()  # what every call's torch.empty_like(q) gives
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *out_strides, 0, *st,
                h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
-    _FWD.launch(lambda cfg: (cdiv(n, cfg.block_m), bsz * h), (q, k, v, out, lse, temp, bnd, seed_arg, lens), scalars,
-                {**meta, "SPLIT_KV": False}, CONFIG_TABLE.candidates("fwd", n=n),
-                (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values()))
-    return out, lse
+    meta = {**meta, "SPLIT_KV": False}
+    configs = CONFIG_TABLE.candidates("fwd", n=n)
+    tune_key = (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values())
+    grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * h))
+
+    def forward(q, k, v, bounds, temperature, seed, key_lengths):
+        out = torch.empty_like(q)
+        lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+        if tma:
+            ensure_descriptor_scratch()
+        tensors = (q, k, v, out, lse, temperature if has_temp else lse, bounds if has_bounds else lse,
+                   seed_operand(dropout_p, seed, lse), key_lengths if has_lens else lse)  # lse: never read
+        _FWD.launch(grid, tensors, scalars, meta, configs, tune_key)
+        return out, lse
+    return forward
+
+
+_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV,))
 
 
 def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
@@ -768,25 +796,29 @@ def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_s
 
 def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
               dropout_p=0.0, seed=None):
+    need_dt = bool(need_dt and temperature is not None)
+    signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), do.stride(), q.dtype,
+                 q.device, bounds is not None, None if temperature is None else temperature.stride(), need_dt,
+                 cap, cap_value, knee, sm_scale, causal, window, dropout_p, tma_alignment(q, k, v, do),
+                 torch.are_deterministic_algorithms_enabled())
+    plan = _BWD_PLANS.get(signature, do, q, k, v, out, temperature, bounds is not None, need_dt, cap, cap_value,
+                          knee, sm_scale, causal, window, dropout_p)
+    return plan(do, q, k, v, out, lse, bounds, temperature, seed)
+
+
+def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value, knee, sm_scale, causal, window,
+              dropout_p):
+    """The backward's launches for one signature: (do, q, k, v, out, lse, bounds, temperature, seed) ->
+    (dq, dk, dv, dt)."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     group = h // h_kv
     qk_scale, out_scale, grad_scale, f_scale, alsc_a, alsc_g = _scalars(cap, cap_value, knee, sm_scale)
     fast, prec = _flags(q)
-    delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    _PREPROCESS.launch(lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
-                       (out, do, delta), (*out.stride(), *do.stride(), h, n), {"HEAD_DIM": d},
-                       _PREPROCESS_CONFIG, ())
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     has_temp = temperature is not None
-    need_dt = bool(need_dt and has_temp)
-    temp = temperature if has_temp else lse
     st = (temperature.stride(0), temperature.stride(1)) if has_temp else (0, 0)
-    bnd = bounds if bounds is not None else lse
     nb = (n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP))
-    mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=bounds is not None,
+    mask_meta = dict(HEAD_DIM=d, CAP=cap, CAUSAL=causal or window > 0, HAS_WINDOW=window > 0, HAS_SEG=has_bounds,
                      HAS_TEMP=has_temp)
     # the kernels' dk/dq sums carry t * F'; the constant factor dx/dsum is grad_scale
     kv_meta = dict(**mask_meta, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0)
@@ -795,53 +827,73 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     # the one-pass form's dq tiles added by TMA bulk reduce (the interpreter has no descriptor reduce);
     # its fp32 dq is laid out as q
     tma_dq_add = q.is_cuda and n >= TMA_MIN_ROWS and use_tma("dq_add", q)
-    if (tma_kv or tma_q or tma_dq_add) and q.is_cuda:
-        ensure_descriptor_scratch()
-    seed_arg = seed_operand(dropout_p, seed, lse)
-    dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse
+    any_tma = (tma_kv or tma_q or tma_dq_add) and q.is_cuda
     kv_configs = CONFIG_TABLE.candidates("kv", n=kv_len)
+    q_configs = CONFIG_TABLE.candidates("q", n=n)
+    dq_strides, dk_strides, dv_strides = (torch.empty_like(x).stride() for x in (q, k, v))
+    delta_shape = (bsz, h, n)
+    preprocess_scalars = (*out.stride(), *do.stride(), h, n)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    kv_scalars = (*dk_strides, *dv_strides)
+    kv_tail = (*st, h, h_kv, group, n, kv_len, window,
+               qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p))
+    q_scalars = (*common, *dq_strides, *st, h, group, n, kv_len, window,
+                 qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p))
+    q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0, TMA=tma_q)
+    q_key = (q.dtype, *nb, *q_meta.values())
 
     def kv_key(atomic: bool) -> tuple:
         return (q.dtype, *nb, group, *kv_meta.values(), atomic, tma_kv, atomic and tma_dq_add)
 
-    def dkdv(dq_acc=None):
-        atomic = dq_acc is not None
-        _DKDV.launch(
-            lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * h_kv),
-            (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, temp, bnd, seed_arg),
-            (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-             *(dq_acc.stride() if atomic else (0, 0, 0, 0)), *st,
-             h, h_kv, group, n, kv_len, window,
-             qk_scale, out_scale, grad_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-            {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma_kv, "DQ_TMA": atomic and tma_dq_add}, kv_configs,
-            kv_key(atomic))
+    kv_metas = {atomic: {**kv_meta, "ATOMIC_DQ": atomic, "TMA": tma_kv, "DQ_TMA": atomic and tma_dq_add}
+                for atomic in (False, True)}
+    kv_keys = {atomic: kv_key(atomic) for atomic in (False, True)}
+    key_grid = (lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * h_kv))
+    query_grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * h))
+    eligible = d <= ONE_PASS_MAX_HEAD_DIM and kv_len >= ONE_PASS_MIN_KEYS
+    no_dq_acc = (0, 0, 0, 0)
 
-    def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
-        dkdv()
-        q_meta = dict(**mask_meta, NEED_DT=need_dt, FAST=fast, DOT_PREC=prec, DROPOUT=dropout_p > 0.0, TMA=tma_q)
-        _DQ.launch(
-            lambda cfg: (cdiv(n, cfg.block_m), bsz * h),
-            (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg),
-            (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *st,
-             h, group, n, kv_len, window,
-             qk_scale, out_scale, grad_scale, f_scale, float(cap_value), alsc_a, alsc_g, float(dropout_p)),
-            q_meta, CONFIG_TABLE.candidates("q", n=n), (q.dtype, *nb, *q_meta.values()))
+    def backward(do, q, k, v, out, lse, bounds, temperature, seed):
+        delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
+        _PREPROCESS.launch(query_grid, (out, do, delta), preprocess_scalars, {"HEAD_DIM": d},
+                           _PREPROCESS_CONFIG, ())
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        if any_tma:
+            ensure_descriptor_scratch()
+        seed_arg = seed_operand(dropout_p, seed, lse)
+        dt_rows = torch.empty(delta_shape, device=q.device, dtype=torch.float32) if need_dt else lse
+        temp = temperature if has_temp else lse
+        bnd = bounds if has_bounds else lse
 
-    def one_pass():  # dk/dv and dq from the same tiles, dq summed in fp32 by atomic adds
-        dq_acc = torch.zeros((bsz, n, h, d), device=q.device, dtype=torch.float32)
-        if _DKDV.tunes(kv_configs, kv_key(True)):  # tuning runs the kernel many times: sum once more
+        def dkdv(dq_acc=None):
+            atomic = dq_acc is not None
+            _DKDV.launch(key_grid, (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, temp, bnd, seed_arg),
+                         (*common, *kv_scalars, *(dq_acc.stride() if atomic else no_dq_acc), *kv_tail),
+                         kv_metas[atomic], kv_configs, kv_keys[atomic])
+
+        def separate():  # dk/dv, then a query-block kernel for dq (recomputing p and dp)
+            dkdv()
+            _DQ.launch(query_grid, (q, k, v, do, dq, lse, delta, temp, dt_rows, bnd, seed_arg), q_scalars, q_meta,
+                       q_configs, q_key)
+
+        def one_pass():  # dk/dv and dq from the same tiles, dq summed in fp32 by atomic adds
+            dq_acc = torch.zeros((bsz, n, h, d), device=q.device, dtype=torch.float32)
+            if _DKDV.tunes(kv_configs, kv_keys[True]):  # tuning runs the kernel many times: sum once more
+                dkdv(dq_acc)
+                dq_acc.zero_()
             dkdv(dq_acc)
-            dq_acc.zero_()
-        dkdv(dq_acc)
-        torch.mul(dq_acc, grad_scale, out=dq)  # scaled and cast in one kernel
+            torch.mul(dq_acc, grad_scale, out=dq)  # scaled and cast in one kernel
 
-    forms = {"separate": separate, "one_pass": one_pass}
-    forms[_dq_form(kv_key(False), forms, need_dt, d <= ONE_PASS_MAX_HEAD_DIM and kv_len >= ONE_PASS_MIN_KEYS)]()
-    if need_dt:
-        dt = dt_rows.sum(dim=1).to(temperature.dtype)
-    else:
-        dt = q.new_empty(0)
-    return dq, dk, dv, dt
+        forms = {"separate": separate, "one_pass": one_pass}
+        forms[_dq_form(kv_keys[False], forms, need_dt, eligible)]()
+        dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else q.new_empty(0)
+        return dq, dk, dv, dt
+    return backward
+
+
+_BWD_PLANS = LaunchPlans(_bwd_plan)
 
 
 # the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"

@@ -53,9 +53,9 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
-from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, kernel_op,
-                                  ConfigTable, Kernel, TileConfig, cdiv, decode_config, decode_splits,
-                                  dot_precision, n_bucket, pinned_index)
+from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, ConfigTable, Kernel, LaunchPlans, TileConfig, cdiv,
+                                  contiguous_strides, decode_config, decode_splits, dot_precision, kernel_op, n_bucket,
+                                  pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
@@ -573,13 +573,13 @@ _KERNELS = {"fwd": Kernel(_fwd_kernel, "threshold_fwd"), "dq": Kernel(_dq_kernel
 _dkdv_diff_form: dict[tuple, str] = {}
 
 
-def _launch(kind: str, grid, tensors: tuple, scalars: tuple, meta: dict, buckets: tuple, dtype, views: int = 0):
-    """Kernel `kind` with the runtime's config for its variant (head dim, differential, dk/dv views);
-    tuning keys: dtype, the (query, key) length buckets and every constexpr."""
+def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype, views: int = 0) -> tuple:
+    """(meta, configs, tuning key) of kernel `kind` for its variant (head dim, differential, dk/dv
+    views); tuning keys: dtype, the (query, key) length buckets and every constexpr."""
     if kind == "dkdv":
         meta = {**meta, "VIEWS": views}
     configs = CONFIG_TABLE.candidates(kind, meta["HEAD_DIM"], meta["DIFF"], views)
-    _KERNELS[kind].launch(grid, tensors, scalars, meta, configs, (dtype, buckets, *meta.values()))
+    return meta, configs, (dtype, buckets, *meta.values())
 
 
 def tuned_configs() -> dict[str, str]:
@@ -606,14 +606,14 @@ def _common_args(q, k, v, q2, k2, lam):
     )
 
 
-def _meta(q, k, power, causal, window, bounds, differential):
+def _meta(q, k, power, causal, window, has_bounds: bool, differential):
     head_dim = q.shape[-1]
     return dict(
         HEAD_DIM=head_dim,
         POWER_MODE=_power_mode(power),
         CAUSAL=bool(causal or window > 0),
         HAS_WINDOW=window > 0,
-        HAS_SEG=bounds is not None,
+        HAS_SEG=has_bounds,
         DIFF=differential,
         DOT_PREC=dot_precision(q.dtype),
     )
@@ -623,27 +623,50 @@ def _tau_scale(beta: float, head_dim: int) -> float:
     return beta * math.sqrt(2.0 / head_dim)
 
 
+def _stride_of(t: Optional[torch.Tensor]):
+    return None if t is None else t.stride()
+
+
+def _signature(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p) -> tuple:
+    """What a call's launch plan follows from (LaunchPlans)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), _stride_of(q2), _stride_of(k2), _stride_of(lam),
+            q.dtype, q.device, bounds is not None, beta, power, causal, window, dropout_p)
+
+
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None,
                   key_lengths=None):
     """The forward's output; with `key_lengths` (B,) int32 the launches (grid, splits, configs)
     depend on the capacity k.shape[1] only, and the kernel reads each row's length on the device."""
+    signature = (_signature(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p),
+                 key_lengths is not None)
+    plan = _FWD_PLANS.get(signature, q, k, v, q2, k2, lam, bounds is not None, beta, power, causal, window,
+                          dropout_p, key_lengths is not None)
+    return plan(q, k, v, q2, k2, lam, bounds, seed, key_lengths)
+
+
+def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window, dropout_p, has_lens):
+    """The forward's launches for one signature: (q, k, v, q2, k2, lam, bounds, seed, key_lengths) -> out."""
     bsz, n, heads, d = q.shape
     kv_len = k.shape[1]
     group = heads // k.shape[2]
-    out = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
+    out_shape = (bsz, n, heads, d)
     if n == 0 or bsz == 0:
-        return out
+        return lambda q, *rest: torch.empty(out_shape, device=q.device, dtype=q.dtype)
     differential = q2 is not None
-    meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0,
-            "HAS_LENS": key_lengths is not None}
-    lens = key_lengths if key_lengths is not None else q  # dummy pointer without HAS_LENS, never read
-    operands = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-                bounds if bounds is not None else q)
+    meta = {**_meta(q, k, power, causal, window, has_bounds, differential), "DROPOUT": dropout_p > 0.0,
+            "HAS_LENS": has_lens}
+    common = _common_args(q, k, v, q2, k2, lam)
     scalars = (n, kv_len, heads, group, window, kv_len, _tau_scale(beta, d), float(power), n_bucket(kv_len),
                float(dropout_p))
     splits = 1
-    if bounds is None and dropout_p == 0.0:
+    if not has_bounds and dropout_p == 0.0:
         splits = decode_splits(n, kv_len, bsz * heads, decode_config().block_n, q.device)
+
+    def operands(q, k, v, q2, k2, lam, bounds):  # q stands in for the tensors a variant does not read
+        if differential:
+            return q, k, v, q2, k2, lam, bounds if has_bounds else q
+        return q, k, v, q, k, q, bounds if has_bounds else q
+
     if splits > 1:
         # flash-decoding: each split sums its key range into fp32 partials; nothing to rescale
         # (no row max, no normalizer), so merging is a plain sum (a split past a row's key length
@@ -651,18 +674,36 @@ def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dro
         cfg = decode_config()
         split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
         splits = cdiv(kv_len, split_len)
-        part = torch.empty((splits, bsz, n, heads, d), device=q.device, dtype=torch.float32)
-        scalars = (n, kv_len, heads, group, window, split_len, *scalars[6:])
-        _KERNELS["fwd"].launch(lambda c: (cdiv(n, c.block_m), bsz * heads, splits),
-                               (*operands, part, q, lens), (*_common_args(q, k, v, q2, k2, lam), *part.stride()[1:],
-                                                      part.stride(0), *scalars),
-                               {**meta, "SPLIT_KV": True}, [cfg], ())
-        return part.sum(dim=0).to(q.dtype)
-    _launch("fwd", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
-            (*operands, out, seed_operand(dropout_p, seed, q), lens),
-            (*_common_args(q, k, v, q2, k2, lam), *out.stride(), 0, *scalars), {**meta, "SPLIT_KV": False},
-            (n_bucket(n), n_bucket(kv_len)), q.dtype)
-    return out
+        part_shape = (splits, bsz, n, heads, d)
+        part_strides = contiguous_strides(part_shape)
+        split_scalars = (*common, *part_strides[1:], part_strides[0], n, kv_len, heads, group, window, split_len,
+                         *scalars[6:])
+        split_meta = {**meta, "SPLIT_KV": True}
+        split_grid = (lambda c: (cdiv(n, c.block_m), bsz * heads, splits))
+
+        def split_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+            part = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+            _KERNELS["fwd"].launch(split_grid, (*operands(q, k, v, q2, k2, lam, bounds), part, q,
+                                                key_lengths if has_lens else q),
+                                   split_scalars, split_meta, [cfg], ())
+            return part.sum(dim=0).to(q.dtype)
+        return split_forward
+
+    full_scalars = (*common, *contiguous_strides(out_shape), 0, *scalars)
+    full_meta, configs, tune_key = _launch_settings("fwd", {**meta, "SPLIT_KV": False}, (n_bucket(n), n_bucket(kv_len)),
+                                                    q.dtype)
+    grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * heads))
+
+    def forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+        out = torch.empty(out_shape, device=q.device, dtype=q.dtype)
+        _KERNELS["fwd"].launch(grid, (*operands(q, k, v, q2, k2, lam, bounds), out, seed_operand(dropout_p, seed, q),
+                                      key_lengths if has_lens else q),
+                               full_scalars, full_meta, configs, tune_key)
+        return out
+    return forward
+
+
+_FWD_PLANS = LaunchPlans(_forward_plan)
 
 
 def _dkdv_diff(dkdv, key) -> None:
@@ -699,48 +740,70 @@ def _dkdv_diff(dkdv, key) -> None:
 
 
 def _backward_impl(dout, q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None):
+    signature = (_signature(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p), dout.stride())
+    plan = _BWD_PLANS.get(signature, dout, q, k, v, q2, k2, lam, bounds is not None, beta, power, causal, window,
+                          dropout_p)
+    return plan(dout, q, k, v, q2, k2, lam, bounds, seed)
+
+
+def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window, dropout_p):
+    """The backward's launches for one signature: (dout, q, k, v, q2, k2, lam, bounds, seed) -> (dq, dk, dv)
+    or, differential, (dq, dk, dv, dq2, dk2, dlam)."""
     bsz, n, heads, d = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     differential = q2 is not None
-    dq = torch.empty((bsz, n, heads, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=k.dtype)
-    dv = torch.empty((bsz, kv_len, kv_heads, d), device=q.device, dtype=v.dtype)
-    dq2 = torch.empty_like(dq) if differential else None
-    dk2 = torch.empty_like(dk) if differential else None
+    q_shape, k_shape = (bsz, n, heads, d), (bsz, kv_len, kv_heads, d)
     dlam_slots = cdiv(max(kv_len, 1), _DLAM_SLOT)
-    dlam_part = torch.empty((bsz, heads, dlam_slots), device=q.device, dtype=torch.float32) if differential else None
-    if n > 0 and bsz > 0:
-        common = _common_args(q, k, v, q2, k2, lam)
-        meta = {**_meta(q, k, power, causal, window, bounds, differential), "DROPOUT": dropout_p > 0.0}
-        ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
-               bounds if bounds is not None else q)
-        seed_arg = seed_operand(dropout_p, seed, q)
-        scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), n_bucket(kv_len))
-        buckets = (n_bucket(n), n_bucket(kv_len))
-        _launch("dq", lambda cfg: (cdiv(n, cfg.block_m), bsz * heads),
-                (*ops, dout, dq, dq2 if differential else dq, seed_arg),
-                (*common, *dout.stride(), *scalars, float(dropout_p)), meta, buckets, q.dtype)
-        dkdv_tensors = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq, seed_arg)
-        dkdv_scalars = (*common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
-        dkdv_meta = {**meta, "DLAM_SLOT": _DLAM_SLOT}
+    dlam_shape = (bsz, heads, dlam_slots)
+    empty = n == 0 or bsz == 0
+    common = _common_args(q, k, v, q2, k2, lam)
+    meta = {**_meta(q, k, power, causal, window, has_bounds, differential), "DROPOUT": dropout_p > 0.0}
+    scalars = (n, kv_len, heads, group, window, _tau_scale(beta, d), float(power), n_bucket(kv_len))
+    buckets = (n_bucket(n), n_bucket(kv_len))
+    dq_scalars = (*common, *dout.stride(), *scalars, float(dropout_p))
+    dq_meta, dq_configs, dq_key = _launch_settings("dq", meta, buckets, q.dtype)
+    dkdv_scalars = (*common, *dout.stride(), *scalars, dlam_slots, float(dropout_p))
+    dkdv_settings = {views: _launch_settings("dkdv", {**meta, "DLAM_SLOT": _DLAM_SLOT}, buckets, q.dtype, views)
+                     for views in ((0, 1, 2) if differential else (0,))}
+    query_grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * heads))
+    key_grid = (lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads))
+    diff_key = (d, q.dtype, buckets, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"], meta["DROPOUT"])
 
-        def dkdv(views):
-            _launch("dkdv", lambda cfg: (cdiv(kv_len, cfg.block_n), bsz * kv_heads),
-                    dkdv_tensors, dkdv_scalars, dkdv_meta, buckets, q.dtype, views)
+    def backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+        dq = torch.empty(q_shape, device=q.device, dtype=q.dtype)
+        dk = torch.empty(k_shape, device=q.device, dtype=k.dtype)
+        dv = torch.empty(k_shape, device=q.device, dtype=v.dtype)
+        dq2 = torch.empty_like(dq) if differential else None
+        dk2 = torch.empty_like(dk) if differential else None
+        dlam_part = torch.empty(dlam_shape, device=q.device, dtype=torch.float32) if differential else None
+        if not empty:
+            ops = (q, k, v, q2 if differential else q, k2 if differential else k, lam if differential else q,
+                   bounds if has_bounds else q)
+            seed_arg = seed_operand(dropout_p, seed, q)
+            _KERNELS["dq"].launch(query_grid, (*ops, dout, dq, dq2 if differential else dq, seed_arg), dq_scalars,
+                                  dq_meta, dq_configs, dq_key)
+            dkdv_tensors = (*ops, dout, dk, dv, dk2 if differential else dk, dlam_part if differential else dq,
+                            seed_arg)
 
-        if differential:
-            _dkdv_diff(dkdv, (d, q.dtype, buckets, meta["CAUSAL"], meta["HAS_WINDOW"], meta["HAS_SEG"],
-                                     meta["DROPOUT"]))
-        else:
-            dkdv(0)
-    if not differential:
-        return dq, dk, dv
-    if n == 0 or bsz == 0:
-        dlam_part.zero_()
-    # fixed-order reduction of the per-(batch, head, key block) partials: deterministic
-    dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
-    return dq, dk, dv, dq2, dk2, dlam
+            def dkdv(views):
+                _KERNELS["dkdv"].launch(key_grid, dkdv_tensors, dkdv_scalars, *dkdv_settings[views])
+
+            if differential:
+                _dkdv_diff(dkdv, diff_key)
+            else:
+                dkdv(0)
+        if not differential:
+            return dq, dk, dv
+        if empty:
+            dlam_part.zero_()
+        # fixed-order reduction of the per-(batch, head, key block) partials: deterministic
+        dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
+        return dq, dk, dv, dq2, dk2, dlam
+    return backward
+
+
+_BWD_PLANS = LaunchPlans(_backward_plan)
 
 
 # ----------------------------------------------------------------------------------------
@@ -915,7 +978,7 @@ def zero_fraction(q, k, spec: ThresholdFamilySpec, mask: MaskSpec, segment_ids=N
             bounds if bounds is not None else q, zeros,
             *q.stride(), *k.stride(), *_strides(q2, q), *_strides(k2, k), lam.stride(0) if differential else 0,
             n, heads, heads // k.shape[2], window, _tau_scale(beta, d), power,
-            **_meta(q, k, power, causal, window, bounds, differential),
+            **_meta(q, k, power, causal, window, bounds is not None, differential),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
         visible = visible_key_counts(mask, n, segment_ids, device=q.device).double().expand(bsz, n).sum()
