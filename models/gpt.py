@@ -82,13 +82,23 @@ def block_norm(cfg: GPTConfig) -> nn.Module:
 class RoPE(nn.Module):
     def __init__(self, head_dim: int, base: float, max_len: int):
         super().__init__()
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
         # cos/sin tables up to the training context, built once: inside a compiled step the
         # fused kernel otherwise recomputes them for every batch element and head
-        cos, sin = self._tables(max_len)
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
+        self.register_buffer("cos_table", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin_table", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """Compute the frequency and cos/sin buffers in place (they are not in state dicts, so a model
+        materialized from the meta device, as transformers loads one, computes them again here)."""
+        arange = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+        self.inv_freq.copy_(self.base ** (-arange / self.head_dim))
+        cos, sin = self._tables(self.cos_table.shape[0])
+        self.cos_table.copy_(cos)
+        self.sin_table.copy_(sin)
 
     def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)

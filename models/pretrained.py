@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from data.tokenizers import HFTokenizer, Tokenizer, describe_tokenizer
 from models.gpt import GPT, GPTConfig
 
 log = logging.getLogger("attnlab.pretrained")
@@ -35,6 +36,8 @@ HUB_FILES = [CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # the block switches of models.gpt.GPTConfig that GPT-2's weights need (configs/model/gpt2_compat.yaml)
 GPT2_BLOCKS = {"positions": "learned", "norm": "layer", "bias": True}
+TOKENIZER_PROBE = "Hello world! Ünïcode, digits 12345 and\n  spaces:\tdone."
+TOKENIZER_ADVICE = "train with its tokenizer: data/tokenizer=pretrained data.tokenizer.path={path}"
 
 
 def resolve_folder(name_or_folder: str, argument: str = "train.init_from") -> Path:
@@ -99,6 +102,22 @@ class GPT2Weights:
             raise ValueError(f"{self.argument} loads GPT-2 blocks; the model config has "
                              + ", ".join(f"model.{k}={v!r}" for k, v in wrong.items())
                              + ": use model=gpt2_compat")
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Refuse a tokenizer with more tokens than the pretrained vocabulary, or one that encodes a
+        probe text unlike the folder's tokenizer.json (when the folder has one)."""
+        path = self.folder / "tokenizer.json"
+        advice = TOKENIZER_ADVICE.format(path=path if path.is_file() else "<the model's tokenizer.json>")
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ValueError(f"{self.argument}: the data's tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                             f"pretrained vocabulary ({self.vocab_size}); {advice}")
+        if path.is_file():
+            from tokenizers import Tokenizer as RustTokenizer
+
+            theirs = HFTokenizer(RustTokenizer.from_file(str(path)), kind="pretrained")
+            if tokenizer.encode(TOKENIZER_PROBE) != theirs.encode(TOKENIZER_PROBE):
+                raise ValueError(f"{self.argument}: the data's tokenizer ({describe_tokenizer(tokenizer)}) is not the "
+                                 f"pretrained model's {path}; {advice}")
 
     def state_dict(self, cfg: GPTConfig) -> dict[str, torch.Tensor]:
         """GPT-2's tensors under models.gpt.GPT's names, for a GPT of config cfg (q/k/v as the first view)."""
