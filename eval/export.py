@@ -19,7 +19,8 @@ The folder holds
                             pretrained tokenizer.json ones are tokenizer.json itself)
     generation_config.json  end-of-text id, greedy by default
 
-    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True); AutoTokenizer.from_pretrained(DIR)
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+    AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)  # transformers 5 reads config.json first
 
 `load_exported(folder)` rebuilds (model, tokenizer) for attnlab from config.json, the weights and
 the tokenizer record alone: it parses JSON and reads safetensors, runs no code from the folder

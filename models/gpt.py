@@ -83,11 +83,11 @@ class RoPE(nn.Module):
     def __init__(self, head_dim: int, base: float, max_len: int):
         super().__init__()
         self.head_dim, self.base = head_dim, base
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
         # cos/sin tables up to the training context, built once: inside a compiled step the
         # fused kernel otherwise recomputes them for every batch element and head
-        self.register_buffer("cos_table", torch.empty(max_len, head_dim // 2), persistent=False)
-        self.register_buffer("sin_table", torch.empty(max_len, head_dim // 2), persistent=False)
+        for name in ("cos_table", "sin_table"):
+            self.register_buffer(name, torch.empty(max_len, head_dim // 2, dtype=torch.float32), persistent=False)
         self.reset_tables()
 
     @torch.no_grad()
