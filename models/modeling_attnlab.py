@@ -6,7 +6,7 @@
 
 eval.export copies this file into the folder, and config.json's `auto_map` names its two classes:
 this file is the one piece of code an export holds, and transformers runs it only with
-`trust_remote_code=True`. It needs the attnlab package installed (`pip install -e .` in a clone, or
+`trust_remote_code=True`. It needs transformers >= 5 and the attnlab package installed (`pip install -e .` in a clone, or
 its wheel): the model is attnlab's `models.gpt.GPT`, whose attention layer calls `attn.attention`,
 the PyTorch reference backend on CPU and the fused Triton kernels on CUDA (config.attn["backend"]
 "auto"; "reference" or "triton" force one).
@@ -31,12 +31,7 @@ from dataclasses import asdict, fields
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationMixin, PreTrainedModel
-
-try:
-    from transformers import PreTrainedConfig
-except ImportError:  # transformers < 5
-    from transformers import PretrainedConfig as PreTrainedConfig
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from models.gpt import GPT, AttnConfig, GPTConfig, RoPE

@@ -6,8 +6,8 @@ and `model.safetensors`. Both are read as data (JSON, safetensors); nothing in t
 transformers is not needed. A name that is not a folder is downloaded from the Hugging Face Hub
 (those two files and the tokenizer's) when huggingface_hub can reach it.
 
-`GPT2Weights(folder)` reads the config: `model_fields()` gives the sizes GPT fixes from it (layers,
-width, heads, context, vocabulary, MLP ratio, norm eps), `check_blocks(cfg)` refuses a model config
+`GPT2Weights(folder)` reads the config: `model_fields()` gives the model.* values it fixes (layers,
+width, heads, context, activation, MLP ratio, norm eps; `vocab_size` the vocabulary), `check_blocks(cfg)` refuses a model config
 whose blocks are not GPT-2's, and `load_into(model)` copies the weights into a GPT built with any
 attention variant: GPT-2's fused q/k/v projection becomes the first q/k view and the values
 (Conv1D weights are stored (in, out) and are transposed); what the variant adds and GPT-2 lacks (a
