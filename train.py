@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import attn
 from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
+from models.pretrained import GPT2Weights
 from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE, CheckpointOnSigterm, WandbRunIdInCheckpoint
 from training.callbacks.configured import build_configured_callbacks
 from training.callbacks.nonfinite_guard import NonFiniteGuard
@@ -71,6 +72,20 @@ def build_model(cfg: DictConfig, vocab_size: int, bytes_per_token: dict, tokeniz
 
 # dense bf16 tensor-core peaks (TFLOP/s) by device name, for MFU when train.peak_tflops is null
 KNOWN_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "4090": 165.2}
+
+
+def pretrained_weights(cfg: DictConfig) -> GPT2Weights | None:
+    """train.init_from's GPT-2-family folder (None when unset), its sizes written into cfg.model
+    (the preset's blocks must be GPT-2's: model=gpt2_compat)."""
+    if not cfg.train.init_from:
+        return None
+    weights = GPT2Weights(str(cfg.train.init_from))
+    weights.check_blocks(cfg.model)
+    with open_dict(cfg):
+        for key, value in weights.model_fields().items():
+            cfg.model[key] = value
+    log.info("train.init_from=%s: model sizes %s", cfg.train.init_from, weights.model_fields())
+    return weights
 
 
 def peak_tflops(configured: float | None) -> float | None:
@@ -117,6 +132,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
         attn.pin_kernel_configs(True)
 
+    pretrained = pretrained_weights(cfg)  # before the resume check, which compares model sizes
     ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
     resumed = resumed_state(ckpt_path)
     resume_run_id, resumed_tokenizer = resumed.wandb_run_id, resumed.tokenizer
@@ -137,7 +153,13 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     datamodule.setup("fit")
     bytes_per_token = {s: datamodule.bytes_per_token(s) for s in ("train", "val")}
     # every checkpoint carries the tokenizer itself, so evaluation and export need no data config
-    model = build_model(cfg, datamodule.vocab_size, bytes_per_token, tokenizer_record(datamodule.tokenizer))
+    vocab_size = datamodule.vocab_size
+    if pretrained is not None:
+        pretrained.check_tokenizer(datamodule.tokenizer)
+        vocab_size = pretrained.vocab_size
+    model = build_model(cfg, vocab_size, bytes_per_token, tokenizer_record(datamodule.tokenizer))
+    if pretrained is not None and ckpt_path is None:  # a resume takes every weight from its checkpoint
+        pretrained.load_into(model.model)
     n_params = model.model.num_params()  # counted now: after fit, FSDP leaves each rank its shard only
     log.info(
         "model: %s, %.2fM parameters, %.3g training FLOPs/token",

@@ -115,6 +115,12 @@ class Tokenizer(ABC):
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "hash": self.hash}
 
+    @abstractmethod
+    def hf_tokenizer(self):
+        """The same tokenizer as a Hugging Face `tokenizers.Tokenizer` (same ids for every text; what
+        an export's tokenizer.json holds for transformers' AutoTokenizer). It encodes special tokens
+        written in the text as the special token, where `encode` encodes them as plain text."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, hash={self.hash[:12]})"
 
@@ -141,6 +147,10 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         # A window can cut a multi-byte character; show it as U+FFFD instead of failing.
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def hf_tokenizer(self):
+        """Byte-level BPE without merges: one token per byte, id = the byte."""
+        return _byte_level_bpe({bytes([b]): b for b in range(256)}, [], pattern=None)
 
 
 class CharTokenizer(Tokenizer):
@@ -188,6 +198,16 @@ class CharTokenizer(Tokenizer):
 
     def to_json(self) -> str:
         return json.dumps({"format": "attnlab-char-tokenizer-v1", "chars": self.chars}, ensure_ascii=True)
+
+    def hf_tokenizer(self):
+        """A BPE without merges over the characters; the unknown id is written U+FFFD (as `decode` does)."""
+        from tokenizers import Tokenizer as RustTokenizer, decoders, models
+
+        unknown = UNKNOWN_CHAR if UNKNOWN_CHAR not in self.chars else "<unk>"
+        vocab = {c: i for i, c in enumerate(self.chars)} | {unknown: self.unk_id}
+        tokenizer = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unknown))
+        tokenizer.decoder = decoders.Fuse()
+        return tokenizer
 
     @classmethod
     def from_json(cls, text: str) -> "CharTokenizer":
@@ -239,6 +259,11 @@ class HFTokenizer(Tokenizer):
     def to_json(self) -> str:
         return self.tokenizer.to_str()
 
+    def hf_tokenizer(self):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return RustTokenizer.from_str(self.to_json())
+
 
 class TiktokenTokenizer(Tokenizer):
     """A named tiktoken encoding (e.g. gpt2). Special tokens in the text are encoded as plain
@@ -280,6 +305,65 @@ class TiktokenTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.encoding.decode([int(i) for i in ids], errors="replace")
+
+    def hf_tokenizer(self):
+        """Byte-level BPE with the encoding's ranks as vocabulary, each rank's merge (the two tokens
+        that byte-pair encoding joins into it) as merges in rank order, its split pattern and its
+        special tokens."""
+        ranks = self.encoding._mergeable_ranks
+        merges = [_merge_of(ranks, token, rank) for token, rank in sorted(ranks.items(), key=lambda item: item[1])
+                  if len(token) > 1]
+        return _byte_level_bpe(ranks, merges, self.encoding._pat_str, self.encoding._special_tokens)
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (byte-level BPE vocabularies are written in them)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    alphabet, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[byte] = chr(byte)
+        else:
+            alphabet[byte], extra = chr(256 + extra), extra + 1
+    return alphabet
+
+
+def _merge_of(ranks: Mapping[bytes, int], token: bytes, rank: int) -> tuple[bytes, bytes]:
+    """The two tokens that byte-pair encoding with the ranks below `rank` joins into `token`."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        best, i = min(pairs)
+        if best >= rank:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise ValueError(f"token {token!r} (rank {rank}) is not the merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+def _byte_level_bpe(ranks: Mapping[bytes, int], merges: list, pattern: str | None,
+                    special_tokens: Mapping[str, int] | None = None):
+    """A Hugging Face byte-level BPE: vocabulary `ranks` (token bytes -> id), `merges` (pairs of
+    token bytes, by priority), text split by the regex `pattern` first (None: not split)."""
+    from tokenizers import AddedToken, Regex, Tokenizer as RustTokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_level_alphabet()
+
+    def written(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+
+    tokenizer = RustTokenizer(models.BPE(vocab={written(t): i for t, i in ranks.items()},
+                                         merges=[(written(a), written(b)) for a, b in merges]))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = byte_level if pattern is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level])
+    tokenizer.decoder = decoders.ByteLevel()
+    for name, token_id in sorted((special_tokens or {}).items(), key=lambda item: item[1]):
+        tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False)])
+        if tokenizer.token_to_id(name) != token_id:
+            raise ValueError(f"special token {name!r} has id {token_id}, not the next free id: no tokenizer.json for it")
+    return tokenizer
 
 
 # --------------------------------------------------------------------------- training

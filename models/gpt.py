@@ -2,7 +2,11 @@
 
 Token embedding tied to the output head, RoPE, pre-norm RMSNorm, grouped-query
 attention, GELU or SwiGLU MLP, optional QK-norm, per-head output RMSNorm and
-differential heads for the threshold variants (DESIGN.md §4, model side). Generation
+differential heads for the threshold variants (DESIGN.md §4, model side). Three switches give
+GPT-2's blocks instead (configs/model/gpt2_compat.yaml, which models/pretrained.py loads GPT-2
+weights into): `positions=learned` (a position embedding added to the token embedding, no RoPE),
+`norm=layer` (LayerNorm) and `bias=true` (biases in every linear layer and norm), with
+`mlp=gelu_tanh` (GPT-2's tanh-approximated GELU). Generation
 decodes against a static KV cache (`KVCache`), one token per step (`GPT.decode_step`), on CUDA
 as a captured CUDA graph replayed per token (`DecodeStep`).
 """
@@ -21,7 +25,11 @@ import attn
 from models.captured_step import capture_cuda_graph
 
 QK_NORMS = ("none", "l2", "rms")
-MLP_KINDS = ("gelu", "swiglu")
+# the MLP's activation by kind; swiglu gates (its up projection is twice as wide)
+MLP_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "swiglu": None}
+MLP_KINDS = tuple(MLP_ACTIVATIONS)
+POSITION_KINDS = ("rope", "learned")
+NORM_KINDS = ("rms", "layer")
 LAMBDA_MODES = ("reparam", "clamp", "scalar_clamp")
 
 
@@ -47,9 +55,13 @@ class GPTConfig:
     n_head: int = 4
     n_kv_head: int = 4
     d_model: int = 256
-    mlp: str = "swiglu"
+    mlp: str = "swiglu"  # one of MLP_KINDS
     mlp_ratio: float = 4.0
+    positions: str = "rope"  # rope (rotary, in attention) | learned (an embedding of positions 0 .. context - 1)
     rope_base: float = 10000.0
+    norm: str = "rms"  # the blocks' and the final norm: rms (RMSNorm) | layer (LayerNorm)
+    norm_eps: float | None = None  # None: the norm's default (RMSNorm: the dtype's machine epsilon, LayerNorm: 1e-5)
+    bias: bool = False  # biases in the linear layers (attention, MLP) and in LayerNorm
     dropout: float = 0.0  # residual dropout (attention and MLP outputs)
     attn_dropout: float = 0.0  # attention-weight dropout inside the attention op, training mode only
     embed_dropout: float = 0.0  # dropout after the token embedding
@@ -60,16 +72,33 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
+def block_norm(cfg: GPTConfig) -> nn.Module:
+    """The norm of the blocks and of the output (cfg.norm)."""
+    if cfg.norm == "layer":
+        return nn.LayerNorm(cfg.d_model, eps=1e-5 if cfg.norm_eps is None else cfg.norm_eps, bias=cfg.bias)
+    return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
 class RoPE(nn.Module):
     def __init__(self, head_dim: int, base: float, max_len: int):
         super().__init__()
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
         # cos/sin tables up to the training context, built once: inside a compiled step the
         # fused kernel otherwise recomputes them for every batch element and head
-        cos, sin = self._tables(max_len)
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
+        for name in ("cos_table", "sin_table"):
+            self.register_buffer(name, torch.empty(max_len, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """Compute the frequency and cos/sin buffers in place (they are not in state dicts, so a model
+        materialized from the meta device, as transformers loads one, computes them again here)."""
+        arange = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+        self.inv_freq.copy_(self.base ** (-arange / self.head_dim))
+        cos, sin = self._tables(self.cos_table.shape[0])
+        self.cos_table.copy_(cos)
+        self.sin_table.copy_(sin)
 
     def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.outer(torch.arange(n, device=self.inv_freq.device, dtype=torch.float32), self.inv_freq)
@@ -186,10 +215,11 @@ class Attention(nn.Module):
         self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
         # one fused projection: views x (q, k) and a single v
-        self.qkv = nn.Linear(cfg.d_model, self.views * (q_dim + kv_dim) + kv_dim, bias=False)
-        self.proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, self.views * (q_dim + kv_dim) + kv_dim, bias=cfg.bias)
+        self.proj = nn.Linear(q_dim, cfg.d_model, bias=cfg.bias)
         self.proj.residual_projection = True
-        self.rope = RoPE(cfg.head_dim, cfg.rope_base, cfg.context)
+        # learned positions enter with the token embedding (GPT), so q and k are not rotated
+        self.rope = RoPE(cfg.head_dim, cfg.rope_base, cfg.context) if cfg.positions == "rope" else None
         self.q_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
         self.k_norm = nn.RMSNorm(cfg.head_dim) if self.qk_norm == "rms" else None
         # eps fixed, not the input dtype's machine epsilon: with eps ~1e-7 one tiny surviving weight
@@ -223,6 +253,10 @@ class Attention(nn.Module):
         produced = {"q2": qs[1], "k2": ks[1], "lam": self.differential_lambda().to(qs[0].dtype)}
         return {name: produced[name] for name in self.extra_names}
 
+    def rotate(self, x: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
+        """RoPE at positions offset .. (models with learned positions: x as it is)."""
+        return x if self.rope is None else self.rope(x, offset)
+
     def split_heads(self, x: torch.Tensor, offset: int | torch.Tensor = 0):
         """(B, N, C) at positions offset .. offset + N - 1 (or a decode step's (1,) device position)
         -> list of q/k views and v, each (B, N, heads, D), with RoPE and QK-norm."""
@@ -237,7 +271,7 @@ class Attention(nn.Module):
             # by side, q then k; q and k are then views into one tensor (the kernels take strides)
             v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
             heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
-            heads = self.rope(_qk_normalize(heads, self.qk_norm, None), offset).to(v.dtype)
+            heads = self.rotate(_qk_normalize(heads, self.qk_norm, None), offset).to(v.dtype)
             views = heads.split([h, h_kv] * self.views, dim=2)
             return list(views[0::2]), list(views[1::2]), v
         parts = qkv.split([q_dim, kv_dim] * self.views + [kv_dim], dim=-1)
@@ -245,8 +279,8 @@ class Attention(nn.Module):
         ks = [p.view(b, n, h_kv, d) for p in parts[1:-1:2]]
         v = parts[-1].view(b, n, h_kv, d)
         # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
-        qs = [self.rope(_qk_normalize(q, self.qk_norm, self.q_norm), offset).to(v.dtype) for q in qs]
-        ks = [self.rope(_qk_normalize(k, self.qk_norm, self.k_norm), offset).to(v.dtype) for k in ks]
+        qs = [self.rotate(_qk_normalize(q, self.qk_norm, self.q_norm), offset).to(v.dtype) for q in qs]
+        ks = [self.rotate(_qk_normalize(k, self.qk_norm, self.k_norm), offset).to(v.dtype) for k in ks]
         return qs, ks, v
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
@@ -280,30 +314,30 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.kind = cfg.mlp
+        self.activation = MLP_ACTIVATIONS[cfg.mlp]  # None: SwiGLU
         hidden = int(cfg.mlp_ratio * cfg.d_model)
-        if self.kind == "swiglu":
+        if self.activation is None:
             hidden = int(2 * hidden / 3)  # same parameter count as the GELU MLP
-            self.up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+            self.up = nn.Linear(cfg.d_model, 2 * hidden, bias=cfg.bias)
         else:
-            self.up = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+            self.up = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.down.residual_projection = True
 
     def forward(self, x):
         h = self.up(x)
-        if self.kind == "swiglu":
+        if self.activation is None:
             gate, up = h.chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
-        return self.down(F.gelu(h))
+        return self.down(self.activation(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_index: int):
         super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.norm1 = block_norm(cfg)
         self.attn = Attention(cfg, layer_index)
-        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.norm2 = block_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -318,9 +352,10 @@ class GPT(nn.Module):
         check_model_config(cfg)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position_embed = nn.Embedding(cfg.context, cfg.d_model) if cfg.positions == "learned" else None
         self.embed_drop = nn.Dropout(cfg.embed_dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = block_norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
         self.apply(self._init_weights)
@@ -349,7 +384,7 @@ class GPT(nn.Module):
         """
         if cache is not None and segment_ids is not None:
             raise ValueError("segment_ids and a KV cache cannot be combined")
-        x = self.embed_drop(self.embed(idx))
+        x = self.embed_tokens(idx, cache.length if cache is not None else 0)
         bounds = None
         if segment_ids is not None:  # checked and turned into kernel bounds once, not per layer
             if not torch.compiler.is_compiling():  # the check syncs with the device
@@ -364,6 +399,20 @@ class GPT(nn.Module):
             cache.set_length(cache.length + idx.shape[1])
         return self.output(x, targets)
 
+    def embed_tokens(self, idx: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """The token embedding of idx (B, N), plus with learned positions the embedding of positions
+        offset .. offset + N - 1 (`offset` may be a decode step's (1,) device position), then dropout."""
+        x = self.embed(idx)
+        if self.position_embed is not None:
+            if isinstance(offset, torch.Tensor):
+                x = x + self.position_embed(offset)
+            elif offset + idx.shape[1] > self.cfg.context:
+                raise ValueError(f"learned positions cover model.context = {self.cfg.context} positions; "
+                                 f"positions up to {offset + idx.shape[1] - 1} requested")
+            else:
+                x = x + self.position_embed.weight[offset:offset + idx.shape[1]]
+        return self.embed_drop(x)
+
     def decode_step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, 1, vocab) of one new token per row, idx (B, 1), against a static `cache` that a
         forward filled: the token's position, where its keys go and the key lengths attention reads
@@ -375,14 +424,14 @@ class GPT(nn.Module):
             raise ValueError(f"decode_step takes one token per row, idx of shape (B, 1), got {tuple(idx.shape)}")
         if cache.key_lengths is None:
             raise ValueError("a decode step needs a cache that a forward filled first (e.g. with the prompt)")
-        if cache.capacity > self.cfg.context:  # RoPE's tables end at the context
+        if cache.capacity > self.cfg.context:  # RoPE's tables and learned positions end at the context
             raise ValueError(f"a decode step serves caches of at most the context ({self.cfg.context} positions), "
                              f"got capacity {cache.capacity}")
         if cache.key_lengths.shape[0] != idx.shape[0]:
             raise ValueError(f"a decode step needs a cache that a forward of this batch size filled: idx has batch "
                              f"{idx.shape[0]}, the cache {cache.key_lengths.shape[0]}")
         cache.key_lengths.add_(1)  # the new token is one of the keys its query sees
-        x = self.embed_drop(self.embed(idx))
+        x = self.embed_tokens(idx, cache.position)
         for block in self.blocks:
             x = block(x, cache=cache, decode=True)
         cache.position.add_(1)
@@ -411,8 +460,12 @@ class GPT(nn.Module):
         self.output = torch.compile(self.output, fullgraph=True, **compile_kwargs)  # shadows the method
 
     def num_params(self, non_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())  # the tied head is counted once
-        return n - self.embed.weight.numel() if non_embedding else n
+        """Parameters (the tied head counted once); non_embedding: without the token and position
+        embeddings (a lookup, no FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        if not non_embedding:
+            return n
+        return n - sum(e.weight.numel() for e in (self.embed, self.position_embed) if e is not None)
 
     def flops_per_token(self, context: int | None = None) -> float:
         """Training FLOPs per token: 6 * non-embedding params + 6 * head matmul + attention.
@@ -564,8 +617,17 @@ def check_model_config(cfg: GPTConfig) -> None:
             raise ValueError(f"model.{name} must be a positive int, got {value!r}")
     if cfg.d_model % cfg.n_head != 0:
         raise ValueError(f"model.n_head ({cfg.n_head}) must divide model.d_model ({cfg.d_model})")
-    if cfg.head_dim % 2 != 0:
+    if cfg.positions not in POSITION_KINDS:
+        raise ValueError(f"model.positions must be one of {POSITION_KINDS}, got {cfg.positions!r}")
+    if cfg.positions == "rope" and cfg.head_dim % 2 != 0:
         raise ValueError(f"head dim d_model / n_head = {cfg.head_dim} must be even (RoPE)")
+    if cfg.norm not in NORM_KINDS:
+        raise ValueError(f"model.norm must be one of {NORM_KINDS}, got {cfg.norm!r}")
+    if cfg.norm_eps is not None and (isinstance(cfg.norm_eps, bool) or not isinstance(cfg.norm_eps, (int, float))
+                                     or cfg.norm_eps <= 0):
+        raise ValueError(f"model.norm_eps must be a number > 0 or null, got {cfg.norm_eps!r}")
+    if not isinstance(cfg.bias, bool):
+        raise ValueError(f"model.bias must be true or false, got {cfg.bias!r}")
     if cfg.n_head % cfg.n_kv_head != 0:
         raise ValueError(f"model.n_head ({cfg.n_head}) must be divisible by model.n_kv_head ({cfg.n_kv_head})")
     if cfg.mlp not in MLP_KINDS:

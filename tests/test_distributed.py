@@ -10,29 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from eval.run_logs import train_losses
-from train_helpers import compose_cfg, tiny_overrides, write_corpus
+from train_helpers import compose_cfg, run_train_py, tiny_overrides, write_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
-
-
-def run_train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # a clean environment for the run-dir hand-over (no inherited ATTNLAB_RUN_DIR / ranks)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ATTNLAB_RUN") and k not in ("ATTNLAB_JOB_OVERRIDES", "LOCAL_RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
 
 
 def ddp_args(tmp_path: Path, corpus: Path, per_rank_batch: int, **extra) -> list[str]:

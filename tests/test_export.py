@@ -1,5 +1,6 @@
-"""eval.export: a checkpoint as safetensors + JSON config + tokenizer file, rebuilt by load_exported
-from that folder alone with the checkpoint model's logits (bitwise, CPU reference backend)."""
+"""eval.export: a checkpoint as a Hugging Face model folder (safetensors, config.json, tokenizer files),
+rebuilt by load_exported from that folder alone with the checkpoint model's logits (bitwise, CPU
+reference backend). tests/test_hf_export.py loads the same folders with transformers."""
 
 import json
 import sys
@@ -45,10 +46,13 @@ def save_checkpoint(path, model, tokenizer):
 
 def test_export_rebuilds_the_checkpoints_model_and_tokenizer_exactly(char_run, tmp_path):
     out = export.run_export(export_cfg(f"ckpt={char_run}", f"out={tmp_path / 'export'}", "backend=reference"))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.attnlab.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "modeling_attnlab.py", "tokenizer.attnlab.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     config = json.loads((out / "config.json").read_text())
-    assert config["format"] == export.EXPORT_FORMAT and config["model"]["context"] == 16
-    assert config["tokenizer"]["kind"] == "char" and config["source"]["variant"] == "softmax"
+    record = config["attnlab"]
+    assert record["format"] == export.EXPORT_FORMAT and config["context"] == 16 and config["model_type"] == "attnlab_gpt"
+    assert record["tokenizer"]["kind"] == "char" and record["source"]["variant"] == "softmax"
 
     run = common.load_run(common.checkpoint_of_run(char_run), backend="reference")
     model, tokenizer = export.load_exported(out, backend="reference")
@@ -133,18 +137,38 @@ def test_tampered_or_foreign_export_folders_are_refused(tmp_path):
         export.load_exported(out)
     (out / "model.safetensors").write_bytes(weights)
 
-    for key, value, match in [
-        ("weights", {**config["weights"], "file": "../model.ckpt"}, "must be a file name inside the export folder"),
-        ("format", "something-else", "format must be 'attnlab-gpt-export-v1'"),
-        ("model", {**config["model"], "attn": {"name": "flash_magic"}}, "does not register"),
-        ("model", {**config["model"], "d_model": 64}, "weights do not fit"),
-        ("tokenizer", {**config["tokenizer"], "hash": "0" * 64}, "is not the recorded one"),
+    record = config["attnlab"]
+    for changed, match in [
+        ({"attnlab": {**record, "weights": {**record["weights"], "file": "../model.ckpt"}}},
+         "must be a file name inside the export folder"),
+        ({"attnlab": {**record, "format": "something-else"}}, "attnlab.format must be 'attnlab-gpt-export-v2'"),
+        ({"attn": {"name": "flash_magic"}}, "does not register"),
+        ({"d_model": 64}, "weights do not fit"),
+        ({"attnlab": {**record, "tokenizer": {**record["tokenizer"], "hash": "0" * 64}}}, "is not the recorded one"),
     ]:
-        (out / "config.json").write_text(json.dumps({**config, key: value}))
+        (out / "config.json").write_text(json.dumps({**config, **changed}))
         with pytest.raises(ValueError, match=match):
             export.load_exported(out)
     with pytest.raises(FileNotFoundError, match="not an attnlab export folder"):
         export.load_exported(tmp_path / "nowhere")
+
+
+def test_folders_of_the_first_export_format_still_load(tmp_path):
+    """attnlab-gpt-export-v1: the GPT config under "model", the weights under GPT's own names."""
+    from safetensors.torch import save_file
+
+    model, out = tiny_gpt(vocab=256), tmp_path / "v1"
+    export.write_export(model, ByteTokenizer(), out)
+    record = json.loads((out / "config.json").read_text())["attnlab"]
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "head.weight"},
+              str(out / "model.safetensors"))
+    record["weights"]["sha256"] = export._sha256_file(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({**record, "format": "attnlab-gpt-export-v1",
+                                                  "model": asdict(model.cfg)}))
+    loaded, _ = export.load_exported(out)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
 
 
 def test_a_checkpoint_without_a_tokenizer_record_takes_the_data_config(char_run, tmp_path):

@@ -215,3 +215,35 @@ def test_bad_options_are_named(harness_run, monkeypatch, capsys):
         lm_harness.main()
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "error: num_fewshot must be" in err and "Traceback" not in err
+
+
+def test_lm_evals_own_hf_model_scores_an_export_as_the_attnlab_model_does(tmp_path):
+    """An eval.export folder through lm_eval's standard `hf` model (transformers, trust_remote_code):
+    the same accuracy and bits per byte as the attnlab model on the same folder (a BPE tokenizer,
+    which has an end-of-text token for empty contexts)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import lm_eval
+    import lm_eval.models  # noqa: F401  (registers "hf")
+    from lm_eval.tasks import TaskManager
+
+    from data.tokenizers import train_bpe
+    from eval import export
+
+    (tmp_path / "tasks").mkdir()
+    task_manager = TaskManager(include_path=str(write_tasks(tmp_path / "tasks")))
+    tokenizer = train_bpe(["anna sees the cat and bert likes it. carl finds an old book; dora helps fred"] * 40,
+                          vocab_size=300)
+    cfg = GPTConfig(vocab_size=320, context=CONTEXT, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                    attn=AttnConfig(name="softcap_tanh", backend="reference"))
+    torch.manual_seed(0)
+    export.write_export(GPT(cfg), tokenizer, tmp_path / "export")
+    tasks = ["tiny_mc", "tiny_rolling"]
+    results = {name: lm_eval.simple_evaluate(model=name, model_args=args, tasks=tasks, task_manager=task_manager,
+                                             bootstrap_iters=0, batch_size=2)["results"]
+               for name, args in [("hf", f"pretrained={tmp_path / 'export'},trust_remote_code=True,device=cpu"),
+                                  ("attnlab", f"export={tmp_path / 'export'},backend=reference")]}
+    assert results["hf"]["tiny_mc"]["acc,none"] == results["attnlab"]["tiny_mc"]["acc,none"]
+    assert results["hf"]["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(
+        results["attnlab"]["tiny_rolling"]["bits_per_byte,none"], rel=1e-5)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
 
 
 def write_corpus(path: Path, lines: int = 3000, seed: int = 0) -> Path:
@@ -52,6 +56,19 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [k if v is None else f"{k}={v}" for k, v in base.items()]
+
+
+def run_train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python train.py *args` in cwd, in a clean environment; asserts it succeeded."""
+    # a clean environment for the run-dir hand-over (no inherited ATTNLAB_RUN_DIR / ranks)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ATTNLAB_RUN") and k not in ("ATTNLAB_JOB_OVERRIDES", "LOCAL_RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
 
 
 def compose_cfg(overrides: list[str]):

@@ -96,6 +96,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError("set one of train.stop_at_time (a deadline) and trainer.max_time (a duration), not both")
     if not isinstance(t.overwrite, bool):
         raise ValueError(f"train.overwrite must be true or false, got {t.overwrite!r}")
+    if t.init_from is not None and (not isinstance(t.init_from, str) or not t.init_from):
+        raise ValueError(f"train.init_from must be a model folder (or Hub name) or null, got {t.init_from!r}")
     every = t.ckpt_every_steps
     if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
         raise ValueError(f"train.ckpt_every_steps must be null or a positive int, got {every!r}")
