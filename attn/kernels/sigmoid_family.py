@@ -62,6 +62,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   TileConfig, cdiv, contiguous_strides, decode_config, decode_splits, dot_precision,
                                   kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
+from attn.kernels.splits import sum_key_splits
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -481,7 +482,7 @@ def _forward_plan(q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p
             _KERNELS["fwd"].launch(split_grid, (q, k, v, bounds if has_bounds else q, part, q,
                                                 key_lengths if has_lens else q),
                                    split_scalars, split_meta, [cfg], ())
-            return part.sum(dim=0).to(q.dtype)
+            return sum_key_splits(part, torch.empty(out_shape, device=q.device, dtype=q.dtype))
         return split_forward
 
     full_scalars = (*_strides(q, k, v), *contiguous_strides(out_shape), 0, *scalars)

@@ -57,6 +57,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, ConfigTable, Kerne
                                   contiguous_strides, decode_config, decode_splits, dot_precision, kernel_op, n_bucket,
                                   pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
+from attn.kernels.splits import sum_key_splits
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -686,7 +687,7 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
             _KERNELS["fwd"].launch(split_grid, (*operands(q, k, v, q2, k2, lam, bounds), part, q,
                                                 key_lengths if has_lens else q),
                                    split_scalars, split_meta, [cfg], ())
-            return part.sum(dim=0).to(q.dtype)
+            return sum_key_splits(part, torch.empty(out_shape, device=q.device, dtype=q.dtype))
         return split_forward
 
     full_scalars = (*common, *contiguous_strides(out_shape), 0, *scalars)
