@@ -11,7 +11,9 @@ so every tensor op the path runs costs what an allocation costs.
 Rows: fwd+bwd (inputs that require grad), fwd without grad, decode (one query against 256 keys,
 no grad, split into 4 key ranges as a GPU decode step is), and fwd+bwd inside
 torch.compile(fullgraph=True) (the call alone compiled; the compiled graph calls the launcher ops).
-Yardsticks, the costs torch itself puts on any such call: `q * 2` (one built-in op) and a no-op
+Each row also counts the Python and builtin function calls of one call (sys.setprofile), a measure of
+host work that does not move with the machine's load. Yardsticks, the costs torch itself puts on any
+such call: `q * 2` (one built-in op) and a no-op
 autograd.Function (the floor of a Python-defined differentiable op), eager and compiled.
 
     python scripts/host_cost_cpu.py [--variants softmax,threshold] [--profile softmax] [--out FILE]
@@ -128,6 +130,27 @@ def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
     return statistics.median(per_call), min(per_call)
 
 
+def calls_per_call(fn, calls: int = 20) -> int:
+    """Python and builtin function calls per call of fn (sys.setprofile events): a count of host work
+    that other processes' load does not change."""
+    for _ in range(5):
+        fn()
+    count = 0
+
+    def profiler(frame, event, arg):
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profiler)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return round(count / calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join([*YARDSTICKS, *PARAMS]))
@@ -145,9 +168,12 @@ def main() -> None:
             if variant in YARDSTICKS and mode == "decode":
                 continue
             with torch.no_grad() if mode in ("fwd", "decode") else torch.enable_grad():
-                median, best = host_us(make_call(variant, mode), args.calls, args.rounds)
-            rows[f"{variant} {mode}"] = {"median_us": median, "best_us": best}
-            print(f"{variant:16s} {mode:18s} {median:8.1f} us (best {best:.1f})", flush=True)
+                fn = make_call(variant, mode)
+                median, best = host_us(fn, args.calls, args.rounds)
+                python_calls = calls_per_call(fn)
+            rows[f"{variant} {mode}"] = {"median_us": median, "best_us": best, "python_calls": python_calls}
+            print(f"{variant:16s} {mode:18s} {median:8.1f} us (best {best:.1f}) {python_calls:6d} Python calls",
+                  flush=True)
     if args.profile:
         fn = make_call(args.profile, "fwd+bwd")
         fn()
