@@ -1,0 +1,388 @@
+"""Plain softmax attention forward in Gluon for sm_90 (Hopper), FlashAttention-3's schedule.
+
+Written against Triton 3.6's Gluon API (`triton.experimental.gluon`); Gluon changes between
+Triton releases, so `gluon_api_available()` says whether the installed Triton has what this file
+uses. Not wired into `attn.attention`: the portable kernels stay the default.
+
+Schedule (one program = BLOCK_M query rows of one (batch, head)):
+
+- a producer partition (one warp, few registers) issues TMA loads: the query tile once, then
+  the key and value tiles of every key block the rows can see, into a ring of STAGES
+  shared-memory slots. Each slot has a "ready" mbarrier per operand (the TMA completes it with
+  its byte count) and an "empty" mbarrier per operand (the consumer arrives when its wgmma has
+  read the slot); the producer waits on "empty" before it overwrites a slot.
+- two consumer warpgroups (the default partition and a 4-warp worker partition, 64 rows each,
+  each with its own register budget through setmaxnreg) share the ring: a slot's empty barriers
+  count one arrival per warpgroup. They are not tied to each other, so one's softmax can run
+  while the other's wgmma does (FA3's inter-warpgroup overlap, without FA3's explicit ping-pong
+  ordering). Each runs per key block: S = Q K^T as an async wgmma from shared memory, the online softmax in registers
+  (exp2 of log2-scaled scores, running max and sum, rescale of the accumulator), then
+  O += P V as an async wgmma with P from registers. Key blocks wholly visible to every row of
+  the tile run without mask arithmetic; the blocks on the causal diagonal and the ragged last
+  block run with the mask.
+- causal programs are issued longest first (the last query block first).
+
+Layouts as the portable kernels take them: q, out (B, N, H, D); k, v (B, KV, H_kv, D) with
+H % H_kv == 0 (GQA); lse2 (B, H, N) fp32, the base-2 logsumexp of sm_scale q.k
+(+inf for a row that sees no key, whose output is 0). Causal is bottom-right aligned: query row
+i sits at key position i + KV - N. The TMA descriptors view q as (B N, H D) and k, v as
+(B KV, H_kv D): a tile that runs past a batch's last row reads the next batch's rows, which the
+key mask (key < KV) and the row mask of the stores (row < N) discard.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+try:  # Triton 3.6's Gluon Hopper API (names moved or changed in other releases)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _IMPORT_ERROR = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = exc
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+NUM_WARPS = 4  # the default partition: one consumer warpgroup (the second is a worker partition)
+CONSUMER_REGS = gl.constexpr(240)  # setmaxnreg of the worker consumer warpgroup
+PRODUCER_REGS = gl.constexpr(24)  # and of the TMA producer warp
+
+
+def gluon_api_available() -> tuple[bool, str]:
+    """(usable, reason): whether the installed Triton has the Gluon Hopper API this kernel is
+    written against (Triton 3.6: warp_specialize([(fn, args), ...], warps, regs), gl.thread_barrier,
+    hopper tma / mbarrier / warpgroup_mma, host TensorDescriptor with an NVMMASharedLayout)."""
+    if _IMPORT_ERROR is not None:
+        return False, f"triton {triton.__version__}: Gluon Hopper imports failed ({_IMPORT_ERROR})"
+    import inspect
+
+    params = list(inspect.signature(gl.warp_specialize.__wrapped__ if hasattr(gl.warp_specialize, "__wrapped__")
+                                    else gl.warp_specialize).parameters)
+    if params[:3] != ["functions_and_args", "worker_num_warps", "worker_num_regs"]:
+        return False, (f"triton {triton.__version__}: gl.warp_specialize{tuple(params)} is not Triton 3.6's "
+                       "(functions_and_args, worker_num_warps, worker_num_regs)")
+    if not hasattr(gl, "thread_barrier"):
+        return False, f"triton {triton.__version__}: no gl.thread_barrier (renamed after Triton 3.6)"
+    if not hasattr(tma, "async_copy_global_to_shared"):
+        return False, f"triton {triton.__version__}: no hopper tma.async_copy_global_to_shared"
+    return True, f"triton {triton.__version__}"
+
+
+def tile_config(head_dim: int) -> dict:
+    """Constexprs per head dim: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
+    ring slot, STAGES ring slots (K and V: 2 BLOCK_N D 2 bytes a slot; Q: BLOCK_M D 2 bytes)."""
+    if head_dim == 64:
+        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=3)  # 3 x 32 KiB + 16 KiB
+    if head_dim == 128:
+        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=2)  # 2 x 64 KiB + 32 KiB
+    raise ValueError(f"gluon softmax forward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+              q_row, k_row, kv_col, q_col, n_tiles,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q once, then K and V of key blocks 0 .. n_tiles-1 into ring slot j % STAGES. A
+    slot is reused once the consumer has arrived on its empty barrier (phase parity starts at 1:
+    a fresh barrier's preceding phase counts as complete, so the first round does not wait)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        row = k_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(s), empty_phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), empty_phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                   pos_m, kv_len, qk_scale,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """Key block j: S = Q K^T (async wgmma), online softmax, O += P V (async wgmma, P in registers)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s = j % STAGES
+    phase = (j // STAGES) & 1
+    k_tile = k_smem.index(s)
+    v_tile = v_smem.index(s)
+
+    mbarrier.wait(k_ready.index(s), phase)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
+    gl.thread_barrier()  # the warpgroup's 4 warps have read the K slot before it is handed back
+    mbarrier.arrive(k_empty.index(s))
+
+    z = qk * qk_scale  # log2 units
+    if MASKED:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(offs_n < kv_len, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(pos_m, 1))
+        z = gl.where(visible, z, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(z, axis=1))  # m_i starts finite: alpha never NaN
+    p = gl.exp2(z - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+
+    mbarrier.wait(v_ready.index(s), phase)
+    acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+    gl.thread_barrier()
+    mbarrier.arrive(v_empty.index(s))
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+              O, LSE, o_base, stride_on, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
+              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: BLOCK_M (64) query rows from m0 against every key block of the program's
+    range (the two consumers share the ring, and so the range: a block wholly masked for these
+    rows gives p = 0). Stores its rows of out and lse2."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    pos_m = m0 + (kv_len - q_len) + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):
+        acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                       v_empty, pos_m, kv_len, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, STAGES, NUM_WARPS_C)
+    for j in range(n_full, n_tiles):
+        acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                                       v_empty, pos_m, kv_len, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N,
+                                       HEAD_DIM, STAGES, NUM_WARPS_C)
+
+    seen = l_i != 0.0  # a row that saw no key has l = 0 exactly
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = gl.where(seen, m_i + gl.log2(l_safe), float("inf"))
+    inv = gl.convert_layout(gl.where(seen, 1.0 / l_safe, 0.0), gl.SliceLayout(1, o_layout))
+    out = acc * gl.expand_dims(inv, 1)
+
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+    offs_l = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    gl.store(LSE + lse_base + offs_l, lse, mask=offs_l < q_len)
+
+
+@gluon.jit
+def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE,
+                              stride_ob, stride_on, stride_oh,
+                              H, GROUP, q_len, kv_len, qk_scale,
+                              CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
+    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    num_m = gl.cdiv(q_len, BLOCK_M)
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m  # longest rows first
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+
+    # key blocks: [0, n_full) visible to every row of the program, [n_full, n_tiles) need the mask
+    if CAUSAL:
+        p0 = m0 + kv_len - q_len  # key position of the program's first row
+        hi = gl.minimum(gl.maximum(p0 + BLOCK_M, 0), kv_len)
+        n_full = gl.minimum(gl.maximum(p0 + 1, 0), kv_len) // BLOCK_N
+    else:
+        hi = kv_len
+        n_full = kv_len // BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_full = gl.minimum(n_full, n_tiles)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    lse_base = bh.to(gl.int64) * q_len
+    gl.warp_specialize([
+        (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     O, LSE, o_base, stride_on, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     O, LSE, o_base, stride_on, lse_base, m0 + HALF_M, q_len, kv_len, n_full, n_tiles, qk_scale,
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def _gl_dtype(torch_dtype):
+    import torch
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
+
+
+def smem_layout(block_shape, gl_dtype):
+    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
+
+
+def _check(q, k, v, sm_scale, causal):
+    import torch
+
+    ok, why = gluon_api_available()
+    if not ok:
+        raise ValueError(f"gluon softmax forward needs Triton 3.6's Gluon Hopper API: {why}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"gluon softmax forward: {name} must be a 4-d tensor, got "
+                             f"{getattr(t, 'shape', type(t))}")
+        if not t.is_cuda:
+            raise ValueError(f"gluon softmax forward: {name} must be on a CUDA device (sm_90)")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"gluon softmax forward: {name} must be bfloat16 or float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"gluon softmax forward: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError("gluon softmax forward needs an sm_90 (Hopper) GPU, got capability "
+                         f"{torch.cuda.get_device_capability(q.device)}")
+    bsz, n, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"gluon softmax forward: k and v must be (B, KV, H_kv, D) = (B, KV, H_kv, {d}) with "
+                         f"B = {bsz}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"gluon softmax forward: head dim D must be one of {HEAD_DIMS}, got {d}")
+    h_kv = k.shape[2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"gluon softmax forward: H ({h}) must be a multiple of H_kv ({h_kv})")
+    if n == 0 or k.shape[1] == 0:
+        raise ValueError(f"gluon softmax forward: N and KV must be positive, got N={n}, KV={k.shape[1]}")
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"gluon softmax forward: sm_scale must be finite, got {sm_scale}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"gluon softmax forward: causal must be a bool, got {causal!r}")
+
+
+def _tma_view(t):
+    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: contiguous in (H, D),
+    rows of one batch consecutive, 16-byte aligned base and row stride (TMA's requirements). A
+    tensor without that layout is copied contiguous once."""
+    bsz, length, heads, d = t.shape
+    flat = (t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == length * t.stride(1))
+    if not flat or t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
+        t = t.contiguous()
+    return t, (bsz * length, heads * d), (t.stride(1), 1)
+
+
+def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
+    """(out (B, N, H, D) in q's dtype, lse2 (B, H, N) fp32) of plain softmax attention, Gluon /
+    sm_90. q (B, N, H, D); k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16.
+    Raises ValueError naming the requirement a call misses."""
+    import torch
+
+    _check(q, k, v, sm_scale, causal)
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    cfg = tile_config(d)
+    gdt = _gl_dtype(q.dtype)
+    q2, q_shape, q_strides = _tma_view(q)
+    k2, k_shape, k_strides = _tma_view(k)
+    v2, v_shape, v_strides = _tma_view(v)
+    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
+    q_desc = TensorDescriptor(q2, list(q_shape), list(q_strides), q_block, smem_layout(q_block, gdt))
+    k_desc = TensorDescriptor(k2, list(k_shape), list(k_strides), kv_block, smem_layout(kv_block, gdt))
+    v_desc = TensorDescriptor(v2, list(v_shape), list(v_strides), kv_block, smem_layout(kv_block, gdt))
+    out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
+    _gluon_softmax_fwd_kernel[grid](
+        q_desc, k_desc, v_desc, out, lse,
+        out.stride(0), out.stride(1), out.stride(2),
+        h, h // h_kv, n, kv_len, float(sm_scale) * LOG2E,
+        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    return out, lse
+
+
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90):
+    """The kernel compiled for sm_<arch> without a GPU (triton.compile on a GluonASTSource with a
+    GPUTarget): the CompiledKernel, whose .asm holds ttgir / ptx / cubin. Integer scalars are
+    compiled as a launch with unaligned values (no divisibility specialization)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = tile_config(head_dim)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    q_block, kv_block = [cfg["BLOCK_M"] // 2, head_dim], [cfg["BLOCK_N"], head_dim]
+
+    def desc(block):
+        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{smem_layout(block, gdt)!r}>"
+
+    fn = _gluon_softmax_fwd_kernel
+    signature = {"q_desc": desc(q_block), "k_desc": desc(kv_block), "v_desc": desc(kv_block),
+                 "O": f"*{dtype}", "LSE": "*fp32",
+                 "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
+                 "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "qk_scale": "fp32",
+                 "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                 "STAGES": "constexpr"}
+    constexprs = {"CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
+    names = list(fn.arg_names)
+    constexprs = {(names.index(k),): v for k, v in constexprs.items()}
+    attrs = {(names.index("O"),): [["tt.divisibility", 16]], (names.index("LSE"),): [["tt.divisibility", 16]]}
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    target = GPUTarget("cuda", arch, 128)
+    return triton.compile(src, target=target, options={"num_warps": NUM_WARPS})
