@@ -17,6 +17,9 @@ possible, because at training shapes a call's host work can exceed its GPU time:
   cache-key work. `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the yardstick the
   GPU check compares the direct path against). Tuning and first launches time and compile: they
   belong in warm-up steps, never inside a CUDA-graph capture.
+* plans: a family's entry keeps, per call signature (shapes, strides, dtypes, flags, scalars and
+  the launch settings), everything its launches derive from it (`LaunchPlans`), so a repeated call
+  allocates its outputs and launches without recomputing configs, keys or scalars.
 """
 
 from __future__ import annotations
