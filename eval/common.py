@@ -119,16 +119,17 @@ def find_run_dirs(root: str | os.PathLike) -> list[Path]:
 
 
 def checkpoint_of_run(run_dir: Path, which: str = "best") -> Path:
-    """The run's best (or last) checkpoint file; best falls back to last when there is none."""
+    """The run's best (or last) checkpoint file in the run directory itself, wherever it was moved or
+    copied; best falls back to last when there is none."""
     if which not in CHECKPOINT_CHOICES:
         raise ValueError(f"which must be one of {CHECKPOINT_CHOICES}, got {which!r}")
     candidates = []
     results = read_json_if_exists(run_dir / "results.json") or {}
     key = f"{which}_checkpoint"
     if results.get(key):
-        recorded = Path(results[key])
-        # the run may have moved since (copied off a GPU machine): try the file name in place too
-        candidates += [recorded, run_dir / "checkpoints" / recorded.name]
+        # only the recorded file's name: its absolute path is where the run was trained, and a moved or
+        # copied run directory must be evaluated from its own files (the original may have trained on)
+        candidates.append(run_dir / "checkpoints" / Path(results[key]).name)
     candidates.append(run_dir / "checkpoints" / f"{which}.ckpt")
     if which == "best":
         candidates.append(run_dir / "checkpoints" / "last.ckpt")

@@ -4,10 +4,11 @@ and a resume that changes the model. Each is refused before any work, in one lin
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from train_helpers import compose_cfg, tiny_overrides, write_corpus
+from train_helpers import compose_cfg, run_command, tiny_overrides, train_command, train_tiny_run, write_corpus
 
 SHORT = {"train.max_steps": 4, "train.val_every": 2}
 
@@ -76,23 +77,29 @@ def test_a_resume_records_the_settings_it_changed_on_purpose(tmp_path):
 def test_a_refused_run_leaves_the_runs_hydra_record_alone(tmp_path):
     """Hydra wrote .hydra/ before the run was refused: the refused invocation's settings replaced the
     record of the run the directory holds. train.py writes .hydra/ itself, once the run is allowed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     run = tmp_path / "kept"
-    overrides = [o for o in tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})
-                 if not o.startswith("paths.output_dir=")]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    command = [sys.executable, str(root / "train.py"), *overrides, f"hydra.run.dir={run}"]
-    subprocess.run(command, cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    command = train_command(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2}), run)
+    assert run_command(command, tmp_path).returncode == 0
     record = {name: (run / ".hydra" / name).read_text() for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
     assert "  n_layer: 2\n" in record["config.yaml"] and "- model.n_layer=2\n" in record["overrides.yaml"]
     assert f"dir: {run}" in record["hydra.yaml"]
-    refused = subprocess.run([*command, "train.lr=0.009", "model.n_layer=1"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True)
+    refused = run_command([*command, "train.lr=0.009", "model.n_layer=1"], tmp_path)
     assert refused.returncode != 0 and "already holds a run" in refused.stderr
     assert {name: (run / ".hydra" / name).read_text() for name in record} == record
+
+
+def test_a_copied_run_is_evaluated_from_its_own_files(tmp_path):
+    """results.json records the checkpoints' absolute paths where the run was trained: an evaluation of a
+    copy (cp -a orig backup) read and wrote the original's files, which may have trained on since."""
+    (tmp_path / "orig").mkdir()
+    original = train_tiny_run(tmp_path / "orig")
+    copy = tmp_path / "backup"
+    shutil.copytree(original, copy)
+    before = {p: p.stat().st_mtime_ns for p in original.rglob("*")}
+    done = run_command(["-m", "eval.perplexity", f"ckpt={copy}", "split=val", "contexts=[8]"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    written = list((copy / "checkpoints").glob("*.perplexity-val.contexts=8.json"))
+    assert len(written) == 1
+    assert json.loads(written[0].read_text())["model"]["checkpoint"].startswith(str(copy / "checkpoints"))
+    assert {p: p.stat().st_mtime_ns for p in original.rglob("*")} == before

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = str(ROOT / "configs")
 
 
 def write_corpus(path: Path, lines: int = 3000, seed: int = 0) -> Path:
@@ -52,6 +56,20 @@ def tiny_overrides(tmp_path: Path, corpus: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [k if v is None else f"{k}={v}" for k, v in base.items()]
+
+
+def run_command(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    """`python <args>` as a user runs it (a script path, or "-m", "eval.perplexity", ...) from `cwd`,
+    with this checkout importable; output captured, the exit status not checked."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True)
+
+
+def train_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """train.py's arguments for a run in `run_dir` (hydra.run.dir), for run_command; tiny_overrides'
+    paths.output_dir is dropped (Hydra sets it from hydra.run.dir)."""
+    kept = [o for o in overrides if not o.startswith("paths.output_dir=")]
+    return [str(ROOT / "train.py"), *kept, f"hydra.run.dir={run_dir}"]
 
 
 def compose_cfg(overrides: list[str]):
