@@ -30,8 +30,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import attn
 from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
-from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE, CheckpointOnSigterm, WandbRunIdInCheckpoint
+from training.callbacks.checkpoints import (PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LogsOnDiskWithCheckpoints,
+                                          WandbRunIdInCheckpoint)
 from training.callbacks.configured import build_configured_callbacks
+from training.callbacks.interrupted_validation import RerunInterruptedValidation
 from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
 from training.checkpoint_io import AtomicCheckpointIO
@@ -150,8 +152,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     guard = next((c for c in configured if isinstance(c, NonFiniteGuard)), None)  # None: callbacks.nonfinite_guard=null
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
     # built here, not in configs/callbacks/: the run's machinery (train.py reads the SIGTERM
-    # checkpoint; the final validation and a wandb resume depend on the others)
-    callbacks = [*configured, WandbRunIdInCheckpoint(), ValidateAtLastStep(), on_sigterm]
+    # checkpoint; the logs, the final validation, resumed validations and a wandb resume depend on the others)
+    callbacks = [*configured, LogsOnDiskWithCheckpoints(), WandbRunIdInCheckpoint(), ValidateAtLastStep(),
+                 RerunInterruptedValidation(), on_sigterm]
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)
