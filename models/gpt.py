@@ -583,7 +583,17 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"attn.qk_norm must be one of {QK_NORMS} or null, got {a.qk_norm!r}")
     if a.lambda_mode not in LAMBDA_MODES:
         raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {a.lambda_mode!r}")
+    # a setting the variant has no use for would train without it, silently: refused unless at its default
+    # (which every variant's config carries, and older checkpoints record)
+    if variant.views == 1 and a.lambda_mode != AttnConfig.lambda_mode:
+        differential = [name for name in attn.variant_names() if attn.get_variant(name).views == 2]
+        raise ValueError(f"attn.lambda_mode={a.lambda_mode} applies to the differential variants {differential} only: "
+                         f"attn={a.name} has no lambda (leave attn.lambda_mode out)")
     if not (isinstance(a.out_norm_eps, (int, float)) and not isinstance(a.out_norm_eps, bool) and a.out_norm_eps > 0):
         raise ValueError(f"attn.out_norm_eps must be a number > 0, got {a.out_norm_eps!r}")
+    out_norm = variant.out_norm if a.out_norm is None else a.out_norm
+    if not out_norm and a.out_norm_eps != AttnConfig.out_norm_eps:
+        raise ValueError(f"attn.out_norm_eps={a.out_norm_eps} applies only with the output norm on: attn={a.name} runs "
+                         "without it (set attn.out_norm=true, or leave attn.out_norm_eps out)")
     if a.window is not None and (not isinstance(a.window, int) or a.window < 1):
         raise ValueError(f"attn.window must be a positive int or null, got {a.window!r}")

@@ -108,6 +108,11 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("seed=abc", "seed must be an int"),
     ("+train.foo=1", r"unknown train fields \['foo'\]"),
     ("train.warmup_steps=1.5", "train.warmup_steps must be an int"),
+    # settings the variant has no use for (they would train without effect)
+    ("attn.lambda_mode=scalar_clamp", r"attn.lambda_mode=scalar_clamp applies to the differential variants "
+                                      r"\['diff_threshold'\] only: attn=softmax has no lambda"),
+    ("attn=threshold attn.lambda_mode=clamp", r"attn=threshold has no lambda"),
+    ("attn.out_norm_eps=1e-3", r"attn.out_norm_eps=0.001 applies only with the output norm on: attn=softmax runs without it"),
 ])
 def test_config_errors_are_caught_before_training(override, match, tmp_path):
     import train
