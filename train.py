@@ -22,6 +22,7 @@ os.environ.setdefault(
 import hydra  # noqa: E402
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -37,6 +38,7 @@ from training.callbacks.interrupted_validation import RerunInterruptedValidation
 from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
 from training.checkpoint_io import AtomicCheckpointIO
+from training.command_line import one_line_errors, run_with_one_line_errors
 from training.config_checks import check_config, cuda_graphs_enabled
 from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
@@ -45,7 +47,7 @@ from training.process_settings import restored_process_settings
 from training.quiet_logs import silence_third_party_notices
 from training.resume import resume_changes, resume_checkpoint, resumed_state
 from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
-                                 refuse_replacing_a_run, write_hydra_record)
+                                 refuse_replacing_a_run, removed_if_the_run_never_started, write_hydra_record)
 import training.run_label  # noqa: F401  (registers the attnlab_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
@@ -246,9 +248,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
+    with removed_if_the_run_never_started(Path(HydraConfig.get().runtime.output_dir)), one_line_errors():
+        return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
 
 
 if __name__ == "__main__":
-    sys.argv = launched_rank_argv(sys.argv)
-    main()
+    run_with_one_line_errors(main, launched_rank_argv(sys.argv))

@@ -4,6 +4,7 @@ and a resume that changes the model. Each is refused before any work, in one lin
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -103,3 +104,45 @@ def test_a_copied_run_is_evaluated_from_its_own_files(tmp_path):
     assert len(written) == 1
     assert json.loads(written[0].read_text())["model"]["checkpoint"].startswith(str(copy / "checkpoints"))
     assert {p: p.stat().st_mtime_ns for p in original.rglob("*")} == before
+
+
+@pytest.mark.parametrize("overrides,error", [
+    # item 8: a variant parameter without the + prefix reaches attnlab's check, not Hydra's struct error
+    (["attn.params.capp=3"], r"attn=softmax does not take \['capp'\]; allowed parameters: \['sm_scale'\]"),
+    (["attn.params.cap=5"], r"attn=softmax does not take \['cap'\]; allowed parameters: \['sm_scale'\]"),
+    (["attn.lambda_mode=scalar_clamp"], r"attn.lambda_mode=scalar_clamp applies to the differential variants "
+                                        r"\['diff_threshold'\] only: attn=softmax has no lambda \(leave attn.lambda_mode out\)"),
+    (["train.lr=-1e-3"], r"train.lr must be > 0, got -0.001"),
+    (["ckpt_path=missing.ckpt"], r"ckpt_path: checkpoint not found: missing.ckpt \(a .ckpt file, or auto: .*\)"),
+    (["attn=tanh"], r"In 'train': Could not find 'attn/tanh'; available options: alsc, diff_threshold, sigmoid, "
+                    r"softcap_softsign, softcap_tanh, softmax, threshold"),
+    (["train.lrr=1"], r"Could not override 'train.lrr'. To append to your config use \+train.lrr=1 Key 'lrr' is "
+                      r"not in struct"),
+], ids=["unknown_param", "param_of_another_variant", "unused_setting", "bad_value", "missing_checkpoint",
+        "unknown_option", "unknown_key"])
+def test_a_bad_command_line_is_one_error_line_and_leaves_no_run_folder(tmp_path, overrides, error):
+    """Bad settings, a missing checkpoint, an unknown config option: one `error:` line on stderr, exit
+    status 2, before any work, and no run folder left in outputs/ (Hydra makes one before the task runs)."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
+    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
+                                                       if not o.startswith("paths.output_dir=")], *overrides]
+    done = run_command(command, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.fullmatch(f"error: {error}", done.stderr.strip()), done.stderr[-3000:]
+    assert not list((tmp_path / "outputs").rglob("*_s0")) and not (tmp_path / "cache").exists()
+
+
+def test_a_run_failing_after_it_started_leaves_no_run_folder_and_v_shows_the_traceback(tmp_path):
+    """A missing data file is found after the run took its directory (lock, .hydra/ record, job log): the
+    folder is removed all the same, the last line is the error; -v shows the traceback."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
+    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
+                                                       if not o.startswith("paths.output_dir=")],
+               f"data.source.path={tmp_path / 'missing.txt'}"]
+    done = run_command(command, tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"error: data.source.path: file not found: '{tmp_path / 'missing.txt'}' (resolved to {tmp_path / 'missing.txt'})")
+    assert "Traceback" not in done.stderr and not list((tmp_path / "outputs").rglob("*_s0"))
+    verbose = run_command([*command, "-v"], tmp_path)
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1].startswith("ValueError: data.source.path: file not found")

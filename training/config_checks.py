@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 
 from hydra.utils import get_object
@@ -71,6 +72,10 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"bad model/attn config fields: {e}") from e
     check_model_config(gpt)
 
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path not in (None, "auto") and not Path(os.path.expanduser(str(ckpt_path))).is_file():
+        raise FileNotFoundError(f"ckpt_path: checkpoint not found: {ckpt_path} (a .ckpt file, or auto: the run "
+                                "directory's own checkpoints/last.ckpt when there is one)")
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     t = cfg.train
