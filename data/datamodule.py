@@ -143,6 +143,14 @@ class TokenDataModule(L.LightningDataModule):
             return self.use_tokenizer
         return build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=allow_training)
 
+    def tokenizer_without_training(self) -> Tokenizer | None:
+        """The tokenizer this data module tokenizes with, where getting it trains nothing (byte,
+        pretrained, one given, a trained one in the cache); None where prepare_data would train one."""
+        try:
+            return self._tokenizer(allow_training=False)
+        except TokenizerNotCached:
+            return None
+
     def prepare_data(self) -> None:
         ensure_token_cache(self.cache_dir, self.source, self._tokenizer(allow_training=True), verify_checksums=True)
 
