@@ -117,10 +117,6 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     # every file this run writes goes under one of these two (plus Hydra's files in the run dir)
     log.info("run dir: %s", output_dir.resolve())
     log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())
-    L.seed_everything(cfg.seed, workers=True)
-    if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
-        attn.pin_kernel_configs(True)
-
     ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
     resumed = resumed_state(ckpt_path)
     resume_run_id, resumed_tokenizer = resumed.wandb_run_id, resumed.tokenizer
@@ -129,6 +125,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         changed_on_resume = resume_changes(
             ckpt_path, resumed.hyper_parameters, model_config(cfg),
             OmegaConf.to_container(cfg.optimizer, resolve=True), OmegaConf.to_container(cfg.scheduler, resolve=True))
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
+        attn.pin_kernel_configs(True)
     try:
         # a resumed run tokenizes with its checkpoint's tokenizer, never with one the data config would
         # train now (another attnlab's BPE training)

@@ -146,3 +146,20 @@ def test_a_run_failing_after_it_started_leaves_no_run_folder_and_v_shows_the_tra
     verbose = run_command([*command, "-v"], tmp_path)
     assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
     assert verbose.stderr.strip().splitlines()[-1].startswith("ValueError: data.source.path: file not found")
+
+
+def test_a_file_that_is_no_checkpoint_is_one_line_without_advice_to_load_it_unsafely(tmp_path):
+    """torch.load's refusal of a pickle advises re-running it with weights_only=False (running code from
+    a file someone handed over) or allow-listing its globals: the eval commands and train.py print only
+    what is wrong with the file."""
+    import pickle
+
+    handed_over = tmp_path / "model.ckpt"
+    handed_over.write_bytes(pickle.dumps({"state_dict": {}, "note": "not a torch file"}))
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
+    expected = (re.escape(f"error: checkpoint {handed_over} cannot be read safely (corrupt, truncated or not a torch "
+                          "file): it holds what a safe load refuses (Unsupported operand ") + r"\d+\)")
+    for command in (["-m", "eval.perplexity", f"ckpt={handed_over}"],
+                    train_command(tiny_overrides(tmp_path, corpus, ckpt_path=str(handed_over)), tmp_path / "run")):
+        done = run_command(command, tmp_path)
+        assert done.returncode == 2 and re.fullmatch(expected, done.stderr.strip()), done.stderr[-3000:]
