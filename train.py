@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
+from data.atomic import atomic_write_text
 from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
 from training.callbacks.checkpoints import (PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LogsOnDiskWithCheckpoints,
@@ -232,11 +233,13 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         log.warning("%d of %d steps were skipped for a non-finite loss or gradient (train.nonfinite=%s): their "
                     "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)
     if trainer.is_global_zero:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-        # written before the evaluations too: a process killed during one keeps the training result
+        # replaced atomically: a kill or a full disk during the write leaves the previous file, never an
+        # empty one (which every eval command would refuse). Written before the evaluations too: a
+        # process killed during one keeps the training result
+        atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
         if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
             results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
-            (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+            atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
         print(
             f"\n[{cfg.attn.name}] val loss {nats:.4f} nats/token | perplexity {results['val_ppl']:.2f} | "
             f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f} bits/byte)\n"

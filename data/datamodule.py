@@ -255,7 +255,8 @@ class TokenDataModule(L.LightningDataModule):
         if n_windows == 0:
             raise ValueError(
                 f"the {split} split has {n_tokens} tokens and data.val_tokens={self.val_tokens}: no window of "
-                f"seq_len={self.seq_len} inputs (+1 target) fits; lower seq_len or raise val_tokens"
+                f"seq_len={self.seq_len} inputs (+1 target) fits; use a shorter seq_len (model.context) or raise "
+                "val_tokens (train.val_tokens)"
             )
         rank, world_size = self._rank_and_world_size()
         return self._loader(EvalWindows(self._shards[split], self.seq_len, self.batch_size, n_windows, rank, world_size))

@@ -556,6 +556,10 @@ def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_model_config(cfg: GPTConfig) -> None:
     """Config errors caught before any training: each names the field and what is allowed."""
     for name in ("vocab_size", "context", "n_layer", "n_head", "n_kv_head", "d_model"):
@@ -570,6 +574,11 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"model.n_head ({cfg.n_head}) must be divisible by model.n_kv_head ({cfg.n_kv_head})")
     if cfg.mlp not in MLP_KINDS:
         raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {cfg.mlp!r}")
+    if not (_is_finite_number(cfg.mlp_ratio) and cfg.mlp_ratio > 0):
+        raise ValueError(f"model.mlp_ratio must be a number > 0, got {cfg.mlp_ratio!r}")
+    # RoPE's wavelengths 2 pi base^(2i/D) grow along the head dim only for base > 1 (0 gives inf, then NaN)
+    if not (_is_finite_number(cfg.rope_base) and cfg.rope_base > 1):
+        raise ValueError(f"model.rope_base must be a number > 1, got {cfg.rope_base!r}")
     for name in ("dropout", "attn_dropout", "embed_dropout"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:

@@ -163,3 +163,29 @@ def test_a_file_that_is_no_checkpoint_is_one_line_without_advice_to_load_it_unsa
                     train_command(tiny_overrides(tmp_path, corpus, ckpt_path=str(handed_over)), tmp_path / "run")):
         done = run_command(command, tmp_path)
         assert done.returncode == 2 and re.fullmatch(expected, done.stderr.strip()), done.stderr[-3000:]
+
+
+def test_results_json_is_replaced_atomically(tmp_path, monkeypatch):
+    """An empty results.json (a kill or a full disk during its write) broke every eval command: a failure
+    while results.json is written leaves the previous complete file."""
+    import errno
+    import os
+
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
+    train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT)))
+    results = tmp_path / "run" / "results.json"
+    before = results.read_text()
+    real_fsync = os.fsync
+
+    def full_disk_for_results(fd):
+        if "results.json" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_for_results)
+    with pytest.raises(OSError, match="No space left on device"):
+        train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT, ckpt_path="auto")))  # rewrites results.json
+    assert results.read_text() == before and json.loads(before)["steps"] == 4
+    assert [p.name for p in results.parent.iterdir() if "results.json" in p.name] == ["results.json"]
