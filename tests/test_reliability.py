@@ -6,6 +6,7 @@ run and cache directories)."""
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import logging
 import math
@@ -386,6 +387,34 @@ def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monk
     monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**12, 10**9, 10**11))
     with pytest.raises(RuntimeError, match="inline_container"):
         atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+
+
+@pytest.mark.parametrize("code,named", [(errno.EFBIG, "File too large"), (errno.EDQUOT, "Disk quota exceeded")])
+def test_a_file_size_limit_or_quota_is_named_as_such_not_as_a_full_disk(tmp_path, monkeypatch, code, named):
+    """torch.save wraps the OS's error in "[enforce fail at inline_container.cc] . unexpected pos ..." (seen
+    with a file size limit: the OSError is its context); with little space left on the device it was
+    reported as a full disk. The OS's own reason is named, with the file."""
+    from collections import namedtuple
+
+    import training.checkpoint_io as checkpoint_io
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def failing_save(obj, f):
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726") from None
+
+    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(1, 1, 4096))
+    with pytest.raises(OSError, match=rf"^\[Errno {code}\] {named} writing checkpoint {re.escape(str(path))} \(the "
+                                      rf"previous last.ckpt is intact\)") as info:
+        atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+    assert info.value.errno == code and "no space left" not in str(info.value)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 CACHE_BUILD = r"""

@@ -64,9 +64,16 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:
         Path(tmp).unlink(missing_ok=True)
-        # torch.save reports a full disk as "[enforce fail at inline_container.cc] ... file write failed"
         free = shutil.disk_usage(path.parent).free
-        if getattr(error, "errno", None) == errno.ENOSPC or free < 64 * 2**20:
+        # torch.save wraps the OS's error (a file too large, a quota) in an "[enforce fail at
+        # inline_container.cc] ..." RuntimeError that carries it as its context
+        os_error = next((e for e in (error, error.__cause__, error.__context__)
+                         if isinstance(e, OSError) and e.errno is not None), None)
+        if os_error is not None and os_error.errno != errno.ENOSPC:
+            raise OSError(os_error.errno, f"{os_error.strerror} writing checkpoint {path} (the previous {path.name} "
+                          f"is intact): {error}") from None
+        # a full disk; torch's own message may carry no errno at all: then judged by the space left
+        if os_error is not None or free < 64 * 2**20:
             raise OSError(errno.ENOSPC, f"no space left on the device writing checkpoint {path} "
                           f"({free / 2**20:.0f} MiB free there; the previous {path.name} is intact): {error}") from None
         raise
