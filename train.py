@@ -23,6 +23,7 @@ import hydra  # noqa: E402
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -250,7 +251,12 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    with removed_if_the_run_never_started(Path(HydraConfig.get().runtime.output_dir)), one_line_errors():
+    hydra_cfg = HydraConfig.get()
+    # in a multirun a job's error goes to Hydra, which runs the other jobs, then raises it (one line
+    # from run_with_one_line_errors); exiting here would end the sweep at the failing job
+    single_run = hydra_cfg.mode == RunMode.RUN
+    with removed_if_the_run_never_started(Path(hydra_cfg.runtime.output_dir)), \
+            one_line_errors() if single_run else contextlib.nullcontext():
         return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
 
 

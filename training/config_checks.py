@@ -24,7 +24,7 @@ LOGGER_KINDS = ("wandb", "csv", "tensorboard", "none")
 # metrics logged at every validation: what a callback's `monitor` may name
 VALIDATION_METRICS = ("val/loss", "val/ppl", "val/bpb")
 NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
-# what each may be, checked before the optimizer and schedule are built (after the data): (test, as named)
+# what each may be (the optimizer or schedule would refuse it only after the data is built): (test, as named)
 NUMBER_RANGES = {
     "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
     "weight_decay": (lambda x: x >= 0, ">= 0"),

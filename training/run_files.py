@@ -10,6 +10,8 @@ import os
 import shutil
 from pathlib import Path
 
+from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE
+
 
 class RunDirectoryLock:
     """An exclusive lock on <run dir>/.run.lock for the run's lifetime: a second live run given the
@@ -142,13 +144,15 @@ def _only_start_files(directory: Path) -> bool:
 def removed_if_the_run_never_started(run_dir: Path):
     """A run that fails before writing anything of its own (a bad value, a missing checkpoint) leaves no
     folder: on an error, the directory Hydra made for this invocation is removed when it still holds only
-    Hydra's job log, the run lock and the invocation's .hydra/ record. Only a directory that held nothing but an empty job log when the
-    invocation began: the directory of a live or an earlier run is never touched."""
+    Hydra's job log, the run lock and the invocation's .hydra/ record. Only a directory that held nothing
+    but an empty job log when the invocation began: the directory of a live or an earlier run is never
+    touched. A SIGTERM stop is no error (the invocation's record stays, as after a finished run)."""
     fresh = run_dir.is_dir() and all(p.suffix == ".log" and p.stat().st_size == 0 for p in run_dir.iterdir())
     try:
         yield
-    except BaseException:
-        if fresh and run_dir.is_dir() and _only_start_files(run_dir):
+    except BaseException as error:
+        preempted = isinstance(error, SystemExit) and error.code == PREEMPTED_EXIT_CODE
+        if fresh and not preempted and run_dir.is_dir() and _only_start_files(run_dir):
             for handler in _file_log_handlers(run_dir):
                 logging.getLogger().removeHandler(handler)
                 handler.close()

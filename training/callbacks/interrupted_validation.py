@@ -25,7 +25,8 @@ class RerunInterruptedValidation(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         # a validation's own checkpoint (ModelCheckpoint, at its end) is written after its last batch
-        if not trainer.validating or trainer.sanity_checking or trainer.fit_loop.epoch_loop.val_loop.batch_progress.is_last_batch:
+        finished = trainer.fit_loop.epoch_loop.val_loop.batch_progress.is_last_batch
+        if not trainer.validating or trainer.sanity_checking or finished:
             return
         progress = checkpoint["loops"]["fit_loop"][VAL_PROGRESS]
         earlier = progress["total"]["completed"] - progress["current"]["completed"]  # batches of earlier validations
