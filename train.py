@@ -22,20 +22,26 @@ os.environ.setdefault(
 import hydra  # noqa: E402
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
+from data.atomic import atomic_write_text
 from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
 from models.pretrained import GPT2Weights
-from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE, CheckpointOnSigterm, WandbRunIdInCheckpoint
+from training.callbacks.checkpoints import (PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LogsOnDiskWithCheckpoints,
+                                          WandbRunIdInCheckpoint)
 from training.callbacks.configured import build_configured_callbacks
+from training.callbacks.interrupted_validation import RerunInterruptedValidation
 from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
 from training.checkpoint_io import AtomicCheckpointIO
+from training.command_line import one_line_errors, run_with_one_line_errors
 from training.config_checks import check_config, cuda_graphs_enabled
 from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
@@ -44,7 +50,7 @@ from training.process_settings import restored_process_settings
 from training.quiet_logs import silence_third_party_notices
 from training.resume import resume_changes, resume_checkpoint, resumed_state
 from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
-                                 refuse_replacing_a_run, write_hydra_record)
+                                 refuse_replacing_a_run, removed_if_the_run_never_started, write_hydra_record)
 import training.run_label  # noqa: F401  (registers the attnlab_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
@@ -128,10 +134,6 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     # every file this run writes goes under one of these two (plus Hydra's files in the run dir)
     log.info("run dir: %s", output_dir.resolve())
     log.info("cache dir: %s", Path(str(cfg.data.get("cache_dir", cfg.paths.cache_dir))).expanduser().resolve())
-    L.seed_everything(cfg.seed, workers=True)
-    if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
-        attn.pin_kernel_configs(True)
-
     pretrained = pretrained_weights(cfg)  # before the resume check, which compares model sizes
     ckpt_path = resume_checkpoint(cfg.ckpt_path, output_dir)
     resumed = resumed_state(ckpt_path)
@@ -141,6 +143,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         changed_on_resume = resume_changes(
             ckpt_path, resumed.hyper_parameters, model_config(cfg),
             OmegaConf.to_container(cfg.optimizer, resolve=True), OmegaConf.to_container(cfg.scheduler, resolve=True))
+    L.seed_everything(cfg.seed, workers=True)
+    if cfg.deterministic:  # autotuning by timing could pick another tile (summation order) per process
+        attn.pin_kernel_configs(True)
     try:
         # a resumed run tokenizes with its checkpoint's tokenizer, never with one the data config would
         # train now (another attnlab's BPE training)
@@ -172,8 +177,9 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     guard = next((c for c in configured if isinstance(c, NonFiniteGuard)), None)  # None: callbacks.nonfinite_guard=null
     on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
     # built here, not in configs/callbacks/: the run's machinery (train.py reads the SIGTERM
-    # checkpoint; the final validation and a wandb resume depend on the others)
-    callbacks = [*configured, WandbRunIdInCheckpoint(), ValidateAtLastStep(), on_sigterm]
+    # checkpoint; the logs, the final validation, resumed validations and a wandb resume depend on the others)
+    callbacks = [*configured, LogsOnDiskWithCheckpoints(), WandbRunIdInCheckpoint(), ValidateAtLastStep(),
+                 RerunInterruptedValidation(), on_sigterm]
     if cfg.trainer.get("enable_progress_bar", True):
         # the values change once per log interval: refresh then (refresh_rate counts batches,
         # micro-batches under gradient accumulation)
@@ -250,11 +256,13 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         log.warning("%d of %d steps were skipped for a non-finite loss or gradient (train.nonfinite=%s): their "
                     "updates are missing from this run", results["nonfinite_steps"], results["steps"], cfg.train.nonfinite)
     if trainer.is_global_zero:
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2))
-        # written before the evaluations too: a process killed during one keeps the training result
+        # replaced atomically: a kill or a full disk during the write leaves the previous file, never an
+        # empty one (which every eval command would refuse). Written before the evaluations too: a
+        # process killed during one keeps the training result
+        atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
         if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
             results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
-            (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+            atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
         print(
             f"\n[{cfg.attn.name}] val loss {nats:.4f} nats/token | perplexity {results['val_ppl']:.2f} | "
             f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f} bits/byte)\n"
@@ -265,9 +273,14 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
-    return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
+    hydra_cfg = HydraConfig.get()
+    # in a multirun a job's error goes to Hydra, which runs the other jobs, then raises it (one line
+    # from run_with_one_line_errors); exiting here would end the sweep at the failing job
+    single_run = hydra_cfg.mode == RunMode.RUN
+    with removed_if_the_run_never_started(Path(hydra_cfg.runtime.output_dir)), \
+            one_line_errors() if single_run else contextlib.nullcontext():
+        return run(cfg)["val_loss"]  # the value a Hydra sweeper would minimize
 
 
 if __name__ == "__main__":
-    sys.argv = launched_rank_argv(sys.argv)
-    main()
+    run_with_one_line_errors(main, launched_rank_argv(sys.argv))

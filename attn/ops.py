@@ -205,6 +205,9 @@ def attention(
             raise ValueError("backend='sdpa' draws its dropout mask from torch's generator; dropout_seed must be None")
         return sdpa_attention(q, k, v, spec, mask, segment_ids, temperature, dropout_p)
     check_kernel_inputs(q)
+    if q.device.type != "cuda" and q.dtype == torch.bfloat16:
+        raise ValueError("q.dtype bfloat16 cannot run on the Triton interpreter (TRITON_INTERPRET=1 on CPU computes it "
+                         "wrongly): use float16 or float32 there, backend='reference', or a CUDA device")
     seed = None
     if dropout_p > 0.0:
         seed = draw_seed(q.device) if dropout_seed is None else seed_tensor(dropout_seed, q.device)

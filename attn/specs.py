@@ -8,6 +8,16 @@ from dataclasses import dataclass
 from attn.caps import CAP_METHODS
 
 
+def _finite_number(value) -> bool:
+    """A real number (not a bool, a string or None) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_sm_scale(sm_scale) -> None:
+    if sm_scale is not None and not (_finite_number(sm_scale) and sm_scale > 0):
+        raise ValueError(f"attn.sm_scale must be > 0 and finite, or null (D^-1/2), got {sm_scale!r}")
+
+
 @dataclass(frozen=True)
 class SoftmaxFamilySpec:
     """softmax / softcap / alsc: z = t_i * cap(sm_scale * q.k), softmax over visible keys."""
@@ -20,14 +30,11 @@ class SoftmaxFamilySpec:
     def __post_init__(self):
         if self.cap not in CAP_METHODS:
             raise ValueError(f"attn.cap must be one of {CAP_METHODS}, got {self.cap!r}")
-        if self.cap != "none" and not (
-            isinstance(self.cap_value, (int, float)) and 0 < self.cap_value < math.inf
-        ):
+        if self.cap != "none" and not (_finite_number(self.cap_value) and self.cap_value > 0):
             raise ValueError(f"attn.cap (the cap value c) must be > 0 and finite for cap method {self.cap!r}, got {self.cap_value!r}")
-        if self.cap == "alsc" and not (0.0 <= self.knee < 1.0):
+        if self.cap == "alsc" and not (_finite_number(self.knee) and 0.0 <= self.knee < 1.0):
             raise ValueError(f"attn.knee (kappa) must be in [0, 1), got {self.knee!r}")
-        if self.sm_scale is not None and not self.sm_scale > 0:
-            raise ValueError(f"attn.sm_scale must be > 0 or null, got {self.sm_scale!r}")
+        _check_sm_scale(self.sm_scale)
 
     def scale(self, head_dim: int) -> float:
         return self.sm_scale if self.sm_scale is not None else head_dim**-0.5
@@ -42,9 +49,9 @@ class ThresholdFamilySpec:
     differential: bool = False
 
     def __post_init__(self):
-        if not (isinstance(self.power, (int, float)) and self.power > 0 and math.isfinite(self.power)):
+        if not (_finite_number(self.power) and self.power > 0):
             raise ValueError(f"attn.power (p) must be a finite float > 0, got {self.power!r}")
-        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta)):
+        if not _finite_number(self.beta):
             raise ValueError(f"attn.beta must be a finite float, got {self.beta!r}")
 
 
@@ -56,15 +63,9 @@ class SigmoidFamilySpec:
     sm_scale: float | None = None  # default D^-1/2
 
     def __post_init__(self):
-        if self.bias is not None and not (
-            isinstance(self.bias, (int, float)) and not isinstance(self.bias, bool) and math.isfinite(self.bias)
-        ):
+        if self.bias is not None and not _finite_number(self.bias):
             raise ValueError(f"attn.bias must be a finite float or null (-ln(n_i)), got {self.bias!r}")
-        if self.sm_scale is not None and not (
-            isinstance(self.sm_scale, (int, float)) and not isinstance(self.sm_scale, bool)
-            and 0 < self.sm_scale < math.inf
-        ):
-            raise ValueError(f"attn.sm_scale must be > 0 and finite, or null, got {self.sm_scale!r}")
+        _check_sm_scale(self.sm_scale)
 
     def scale(self, head_dim: int) -> float:
         return self.sm_scale if self.sm_scale is not None else head_dim**-0.5

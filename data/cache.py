@@ -118,6 +118,12 @@ def check_cache(directory: Path, source: Source, tokenizer: Tokenizer, verify_ch
             )
         if verify_checksums and sha256_file(path) != entry["sha256"]:
             raise CacheInvalid(f"shard {path.name} fails its sha256 checksum (corrupted)")
+        # a shard rewritten with its manifest passes the checksum: ids the model has no embedding for
+        # would fail deep in training (an IndexError on CPU, a device assert on a GPU)
+        largest = int(np.memmap(path, dtype=manifest["dtype"], mode="r").max()) if verify_checksums and expected_bytes else 0
+        if largest >= tokenizer.vocab_size:
+            raise CacheInvalid(f"shard {path.name} holds token ids outside [0, {tokenizer.vocab_size}) (the tokenizer's "
+                               "vocabulary)")
     return manifest
 
 
@@ -211,7 +217,10 @@ def ensure_token_cache(
                 logger.warning("token cache %s is invalid: %s; rebuilding", directory, problem)
             else:
                 logger.info("building token cache %s", directory)
-        manifest = build_cache(directory, source, tokenizer)
+        try:
+            manifest = build_cache(directory, source, tokenizer)
+        finally:
+            source.release()
     return directory, manifest
 
 

@@ -143,6 +143,14 @@ class TokenDataModule(L.LightningDataModule):
             return self.use_tokenizer
         return build_tokenizer(self.tokenizer_config, self.source, self.cache_dir, allow_training=allow_training)
 
+    def tokenizer_without_training(self) -> Tokenizer | None:
+        """The tokenizer this data module tokenizes with, where getting it trains nothing (byte,
+        pretrained, one given, a trained one in the cache); None where prepare_data would train one."""
+        try:
+            return self._tokenizer(allow_training=False)
+        except TokenizerNotCached:
+            return None
+
     def prepare_data(self) -> None:
         ensure_token_cache(self.cache_dir, self.source, self._tokenizer(allow_training=True), verify_checksums=True)
 
@@ -247,7 +255,8 @@ class TokenDataModule(L.LightningDataModule):
         if n_windows == 0:
             raise ValueError(
                 f"the {split} split has {n_tokens} tokens and data.val_tokens={self.val_tokens}: no window of "
-                f"seq_len={self.seq_len} inputs (+1 target) fits; lower seq_len or raise val_tokens"
+                f"seq_len={self.seq_len} inputs (+1 target) fits; use a shorter seq_len (model.context) or raise "
+                "val_tokens (train.val_tokens)"
             )
         rank, world_size = self._rank_and_world_size()
         return self._loader(EvalWindows(self._shards[split], self.seq_len, self.batch_size, n_windows, rank, world_size))

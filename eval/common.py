@@ -119,16 +119,17 @@ def find_run_dirs(root: str | os.PathLike) -> list[Path]:
 
 
 def checkpoint_of_run(run_dir: Path, which: str = "best") -> Path:
-    """The run's best (or last) checkpoint file; best falls back to last when there is none."""
+    """The run's best (or last) checkpoint file in the run directory itself, wherever it was moved or
+    copied; best falls back to last when there is none."""
     if which not in CHECKPOINT_CHOICES:
         raise ValueError(f"which must be one of {CHECKPOINT_CHOICES}, got {which!r}")
     candidates = []
     results = read_json_if_exists(run_dir / "results.json") or {}
     key = f"{which}_checkpoint"
     if results.get(key):
-        recorded = Path(results[key])
-        # the run may have moved since (copied off a GPU machine): try the file name in place too
-        candidates += [recorded, run_dir / "checkpoints" / recorded.name]
+        # only the recorded file's name: its absolute path is where the run was trained, and a moved or
+        # copied run directory must be evaluated from its own files (the original may have trained on)
+        candidates.append(run_dir / "checkpoints" / Path(results[key]).name)
     candidates.append(run_dir / "checkpoints" / f"{which}.ckpt")
     if which == "best":
         candidates.append(run_dir / "checkpoints" / "last.ckpt")
@@ -313,9 +314,27 @@ def _refuse_code(node, where: str) -> None:
             _refuse_code(value, f"{where}[{i}]")
 
 
-def build_datamodule(data_cfg: DictConfig, use_tokenizer: Tokenizer | None = None):
+def refuse_another_tokenizer(checkpoint_tokenizer: Tokenizer, data_tokenizer: Tokenizer | None,
+                             data_kind: str | None = None) -> None:
+    """A data config whose tokenizer is not the checkpoint's is refused, naming both. `data_tokenizer`
+    None: the data config would train a tokenizer of kind `data_kind` (on its own corpus: another one)."""
+    if data_tokenizer is not None and data_tokenizer.hash == checkpoint_tokenizer.hash:
+        return
+    theirs = (describe_tokenizer(data_tokenizer) if data_tokenizer is not None
+              else f"a kind={data_kind} tokenizer not trained yet (evaluating would train one on its corpus)")
+    raise ValueError(
+        f"data/tokenizer mismatch: the checkpoint's tokenizer is {describe_tokenizer(checkpoint_tokenizer)}, the data "
+        f"config's is {theirs}; evaluate on data tokenized with the checkpoint's tokenizer (leave data= out to use "
+        "the run's own data config)"
+    )
+
+
+def build_datamodule(data_cfg: DictConfig, use_tokenizer: Tokenizer | None = None,
+                     checkpoint_tokenizer: Tokenizer | None = None):
     """Construct (from an allow-list, with plain values only; with `use_tokenizer`, that tokenizer
-    instead of the config's), prepare (builds or verifies the token cache) and set up the data module."""
+    instead of the config's), prepare (builds or verifies the token cache) and set up the data module.
+    With `checkpoint_tokenizer`, a data config whose tokenizer is another one is refused first, before
+    a tokenizer is trained or a corpus tokenized."""
     from data.datamodule import TokenDataModule
 
     values = OmegaConf.to_container(data_cfg, resolve=True)
@@ -325,6 +344,9 @@ def build_datamodule(data_cfg: DictConfig, use_tokenizer: Tokenizer | None = Non
                          f"named in a run's config), got {target!r}")
     _refuse_code(values, "data")
     datamodule = TokenDataModule(**values, use_tokenizer=use_tokenizer)
+    if checkpoint_tokenizer is not None:
+        refuse_another_tokenizer(checkpoint_tokenizer, datamodule.tokenizer_without_training(),
+                                 datamodule.tokenizer_config["kind"])
     datamodule.prepare_data()
     datamodule.setup("test")
     return datamodule
@@ -536,14 +558,10 @@ class DataModuleCache:
         key = json.dumps([OmegaConf.to_container(data_cfg, resolve=True), given.hash if given else None],
                          sort_keys=True, default=str)
         if key not in self._modules:
-            self._modules[key] = build_datamodule(data_cfg, use_tokenizer=given)
+            self._modules[key] = build_datamodule(data_cfg, use_tokenizer=given, checkpoint_tokenizer=tokenizer)
         datamodule = self._modules[key]
-        if tokenizer is not None and datamodule.tokenizer.hash != tokenizer.hash:
-            raise ValueError(
-                f"data/tokenizer mismatch: the checkpoint's tokenizer is {describe_tokenizer(tokenizer)}, the data "
-                f"config's is {describe_tokenizer(datamodule.tokenizer)}; evaluate on data tokenized with the "
-                "checkpoint's tokenizer (leave data= out to use the run's own data config)"
-            )
+        if tokenizer is not None:
+            refuse_another_tokenizer(tokenizer, datamodule.tokenizer)
         if vocab_size is not None and datamodule.vocab_size != vocab_size:
             raise ValueError(
                 f"data/tokenizer mismatch: the data config gives vocabulary size {datamodule.vocab_size}, "

@@ -609,6 +609,10 @@ def _sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_model_config(cfg: GPTConfig) -> None:
     """Config errors caught before any training: each names the field and what is allowed."""
     for name in ("vocab_size", "context", "n_layer", "n_head", "n_kv_head", "d_model"):
@@ -632,6 +636,11 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"model.n_head ({cfg.n_head}) must be divisible by model.n_kv_head ({cfg.n_kv_head})")
     if cfg.mlp not in MLP_KINDS:
         raise ValueError(f"model.mlp must be one of {MLP_KINDS}, got {cfg.mlp!r}")
+    if not (_is_finite_number(cfg.mlp_ratio) and cfg.mlp_ratio > 0):
+        raise ValueError(f"model.mlp_ratio must be a number > 0, got {cfg.mlp_ratio!r}")
+    # RoPE's wavelengths 2 pi base^(2i/D) grow along the head dim only for base > 1 (0 gives inf, then NaN)
+    if not (_is_finite_number(cfg.rope_base) and cfg.rope_base > 1):
+        raise ValueError(f"model.rope_base must be a number > 1, got {cfg.rope_base!r}")
     for name in ("dropout", "attn_dropout", "embed_dropout"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -645,7 +654,17 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"attn.qk_norm must be one of {QK_NORMS} or null, got {a.qk_norm!r}")
     if a.lambda_mode not in LAMBDA_MODES:
         raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {a.lambda_mode!r}")
+    # a setting the variant has no use for would train without it, silently: refused unless at its default
+    # (which every variant's config carries, and older checkpoints record)
+    if variant.views == 1 and a.lambda_mode != AttnConfig.lambda_mode:
+        differential = [name for name in attn.variant_names() if attn.get_variant(name).views == 2]
+        raise ValueError(f"attn.lambda_mode={a.lambda_mode} applies to the differential variants {differential} only: "
+                         f"attn={a.name} has no lambda (leave attn.lambda_mode out)")
     if not (isinstance(a.out_norm_eps, (int, float)) and not isinstance(a.out_norm_eps, bool) and a.out_norm_eps > 0):
         raise ValueError(f"attn.out_norm_eps must be a number > 0, got {a.out_norm_eps!r}")
+    out_norm = variant.out_norm if a.out_norm is None else a.out_norm
+    if not out_norm and a.out_norm_eps != AttnConfig.out_norm_eps:
+        raise ValueError(f"attn.out_norm_eps={a.out_norm_eps} applies only with the output norm on: attn={a.name} runs "
+                         "without it (set attn.out_norm=true, or leave attn.out_norm_eps out)")
     if a.window is not None and (not isinstance(a.window, int) or a.window < 1):
         raise ValueError(f"attn.window must be a positive int or null, got {a.window!r}")

@@ -196,7 +196,7 @@ class LitGPT(L.LightningModule):
         # the host at the log step itself would idle the GPU while the logs are written.
         # Throughput: over the batches between two log steps, timed on the device's stream
         # between batch ends (the optimizer step included).
-        self._write_log_step()
+        self.write_log_step()
         first_batch = self._window is None
         if first_batch:
             self._window = {"start": self._stream_clock().stamp(), "tokens": 0, "first_step": self.global_step}
@@ -231,9 +231,9 @@ class LitGPT(L.LightningModule):
         return StreamClock(self.device)
 
     def on_train_end(self):
-        self._write_log_step(progress_bar=False)  # the last log step (self.log is closed here)
+        self.write_log_step(progress_bar=False)  # the last log step (self.log is closed here)
 
-    def _write_log_step(self, progress_bar: bool = True) -> None:
+    def write_log_step(self, progress_bar: bool = True) -> None:
         """Write the sealed log step's values, with its throughput window, at its own step index."""
         sealed = self.log_step_metrics.take()
         if sealed is None:

@@ -372,10 +372,26 @@ def test_beta_must_be_finite(beta):
         get_variant("threshold").make_spec(beta=beta)
 
 
-@pytest.mark.parametrize("sm_scale", [0.0, -0.125])
-def test_sm_scale_must_be_positive(sm_scale):
-    with pytest.raises(ValueError, match=r"attn\.sm_scale must be > 0 or null"):
-        get_variant("softmax").make_spec(sm_scale=sm_scale)
+@pytest.mark.parametrize("name", ["softmax", "alsc", "sigmoid"])
+@pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("inf"), float("nan"), "abc", True])
+def test_sm_scale_must_be_positive_and_finite(name, sm_scale):
+    """inf was accepted (and returned NaN), a string raised a TypeError naming nothing."""
+    with pytest.raises(ValueError, match=r"attn\.sm_scale must be > 0 and finite, or null \(D\^-1/2\), got "):
+        get_variant(name).make_spec(sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("knee", ["abc", None, float("nan")])
+def test_kappa_that_is_no_number_is_named(knee):
+    with pytest.raises(ValueError, match=r"attn\.knee \(kappa\) must be in \[0, 1\)"):
+        get_variant("alsc").make_spec(knee=knee)
+
+
+def test_bf16_under_the_triton_interpreter_is_refused(monkeypatch):
+    """The interpreter mishandles bf16 (outputs of 1e8 instead of the reference's values): refused by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = inputs(torch.bfloat16, d=16)
+    with pytest.raises(ValueError, match=r"q\.dtype bfloat16 cannot run on the Triton interpreter"):
+        call(q, k, v, backend="triton")
 
 
 def test_unknown_cap_method():

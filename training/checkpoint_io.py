@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -62,9 +64,16 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:
         Path(tmp).unlink(missing_ok=True)
-        # torch.save reports a full disk as "[enforce fail at inline_container.cc] ... file write failed"
         free = shutil.disk_usage(path.parent).free
-        if getattr(error, "errno", None) == errno.ENOSPC or free < 64 * 2**20:
+        # torch.save wraps the OS's error (a file too large, a quota) in an "[enforce fail at
+        # inline_container.cc] ..." RuntimeError that carries it as its context
+        os_error = next((e for e in (error, error.__cause__, error.__context__)
+                         if isinstance(e, OSError) and e.errno is not None), None)
+        if os_error is not None and os_error.errno != errno.ENOSPC:
+            raise OSError(os_error.errno, f"{os_error.strerror} writing checkpoint {path} (the previous {path.name} "
+                          f"is intact): {error}") from None
+        # a full disk; torch's own message may carry no errno at all: then judged by the space left
+        if os_error is not None or free < 64 * 2**20:
             raise OSError(errno.ENOSPC, f"no space left on the device writing checkpoint {path} "
                           f"({free / 2**20:.0f} MiB free there; the previous {path.name} is intact): {error}") from None
         raise
@@ -78,15 +87,30 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         os.close(dir_fd)
 
 
+def load_failure(error: Exception) -> str:
+    """What torch.load(weights_only=True) found wrong, in one line, without torch's advice to load the
+    file with weights_only=False or to allow-list its globals (that would run code from a file someone
+    handed over)."""
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\s+was not an allowed global|\n\n|$)", text, re.DOTALL)
+    if found:  # a pickled object or an instruction the safe unpickler refuses
+        return f"it holds what a safe load refuses ({' '.join(found.group(1).split())})"
+    first_sentence = re.split(r"(?<=\.)\s", text.strip(), maxsplit=1)[0]
+    return f"{type(error).__name__}: {' '.join(first_sentence.split())}"
+
+
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Load a checkpoint with weights_only=True; errors name the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a file's pickle protocol: not about a checkpoint of ours
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated, bit-flipped or not a checkpoint at all
-        raise ValueError(f"checkpoint {path} cannot be read safely (corrupt, truncated or not a torch file): {e}") from e
+        raise ValueError(f"checkpoint {path} cannot be read safely (corrupt, truncated or not a torch file): "
+                         f"{load_failure(e)}") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"checkpoint {path} is not an attnlab training checkpoint (no state_dict / hyper_parameters)")
     expected = ckpt.pop(CHECKSUM_KEY, None)  # absent in checkpoints written before the checksum existed

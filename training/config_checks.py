@@ -5,9 +5,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
+import os
 from pathlib import Path
+from typing import get_args
 
 from hydra.utils import get_object
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+from lightning.fabric.utilities.seed import max_seed_value, min_seed_value
 from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
@@ -19,6 +24,15 @@ LOGGER_KINDS = ("wandb", "csv", "tensorboard", "none")
 # metrics logged at every validation: what a callback's `monitor` may name
 VALIDATION_METRICS = ("val/loss", "val/ppl", "val/bpb")
 NUMBER_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2")
+# what each may be (the optimizer or schedule would refuse it only after the data is built): (test, as named)
+NUMBER_RANGES = {
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "weight_decay": (lambda x: x >= 0, ">= 0"),
+    "beta1": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "beta2": (lambda x: 0 <= x < 1, "in [0, 1)"),
+}
+# trainer.precision values Lightning takes (its own list: the strings and their int forms)
+PRECISIONS = tuple(value for literal in get_args(_PRECISION_INPUT) for value in get_args(literal))
 
 
 @functools.cache
@@ -71,15 +85,26 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"bad model/attn config fields: {e}") from e
     check_model_config(gpt)
 
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
-        raise ValueError(f"seed must be an int, got {cfg.seed!r}")
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path not in (None, "auto") and not Path(os.path.expanduser(str(ckpt_path))).is_file():
+        raise FileNotFoundError(f"ckpt_path: checkpoint not found: {ckpt_path} (a .ckpt file, or auto: the run "
+                                "directory's own checkpoints/last.ckpt when there is one)")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not min_seed_value <= cfg.seed <= max_seed_value:
+        raise ValueError(f"seed must be an int in [{min_seed_value}, {max_seed_value}], got {cfg.seed!r}")
+    precision = cfg.trainer.get("precision")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision must be null (bf16-mixed on CUDA, 32-true elsewhere) or one of "
+                         f"{[str(p) for p in PRECISIONS if isinstance(p, str)]}, got {precision!r}")
     t = cfg.train
     unknown = sorted(set(t) - set(train_keys()))
     if unknown:
         raise ValueError(f"unknown train fields {unknown}; allowed: {sorted(train_keys())}")
     for name in NUMBER_FIELDS:
-        if not _is_number(t[name]):
+        if not _is_number(t[name]) or not math.isfinite(t[name]):
             raise ValueError(f"train.{name} must be a number, got {t[name]!r}")
+    for name, (allowed, what) in NUMBER_RANGES.items():
+        if not allowed(t[name]):
+            raise ValueError(f"train.{name} must be {what}, got {t[name]!r}")
     if t.grad_clip is not None and not _is_number(t.grad_clip):
         raise ValueError(f"train.grad_clip must be a number > 0 or null, got {t.grad_clip!r}")
     if not isinstance(t.warmup_steps, int) or isinstance(t.warmup_steps, bool):

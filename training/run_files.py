@@ -1,12 +1,16 @@
-"""A training run's directory: a lock against a second live run, and the checkpoint's run directory
-that a resume continues in, its log files following (docs/reliability.md)."""
+"""A training run's directory: a lock against a second live run, the checkpoint's run directory that a
+resume continues in, its log files following, and no directory left by a run that never started
+(docs/reliability.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
+from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE
 
 
 class RunDirectoryLock:
@@ -111,14 +115,46 @@ def move_file_logs(old_dir: Path, new_dir: Path) -> list[Path]:
     file of the same name in `new_dir`, appending; returns the new files."""
     moved = []
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == old_dir.resolve():
-            target = new_dir / Path(handler.baseFilename).name
-            replacement = logging.FileHandler(target, mode="a", encoding=handler.encoding)
-            replacement.setLevel(handler.level)
-            replacement.setFormatter(handler.formatter)
-            root.removeHandler(handler)
-            handler.close()
-            root.addHandler(replacement)
-            moved.append(target)
+    for handler in _file_log_handlers(old_dir):
+        target = new_dir / Path(handler.baseFilename).name
+        replacement = logging.FileHandler(target, mode="a", encoding=handler.encoding)
+        replacement.setLevel(handler.level)
+        replacement.setFormatter(handler.formatter)
+        root.removeHandler(handler)
+        handler.close()
+        root.addHandler(replacement)
+        moved.append(target)
     return moved
+
+
+def _file_log_handlers(directory: Path) -> list[logging.FileHandler]:
+    root = logging.getLogger()
+    return [h for h in root.handlers
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == directory.resolve()]
+
+
+def _only_start_files(directory: Path) -> bool:
+    """Whether `directory` holds nothing but what starting a run writes: Hydra's job log (*.log), the run
+    lock and the invocation's record (.hydra/)."""
+    return all((p.is_file() and (p.suffix == ".log" or p.name == ".run.lock")) or (p.is_dir() and p.name == ".hydra")
+               for p in directory.iterdir())
+
+
+@contextlib.contextmanager
+def removed_if_the_run_never_started(run_dir: Path):
+    """A run that fails before writing anything of its own (a bad value, a missing checkpoint) leaves no
+    folder: on an error, the directory Hydra made for this invocation is removed when it still holds only
+    Hydra's job log, the run lock and the invocation's .hydra/ record. Only a directory that held nothing
+    but an empty job log when the invocation began: the directory of a live or an earlier run is never
+    touched. A SIGTERM stop is no error (the invocation's record stays, as after a finished run)."""
+    fresh = run_dir.is_dir() and all(p.suffix == ".log" and p.stat().st_size == 0 for p in run_dir.iterdir())
+    try:
+        yield
+    except BaseException as error:
+        preempted = isinstance(error, SystemExit) and error.code == PREEMPTED_EXIT_CODE
+        if fresh and not preempted and run_dir.is_dir() and _only_start_files(run_dir):
+            for handler in _file_log_handlers(run_dir):
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+            shutil.rmtree(run_dir)
+        raise

@@ -1,6 +1,6 @@
 """Checkpoints a run writes besides the validation's ModelCheckpoint (configs/callbacks/): last.ckpt
-every N steps, a checkpoint at SIGTERM, and the wandb run id inside every checkpoint, so that a
-resumed run continues the same wandb run (docs/reliability.md)."""
+every N steps, a checkpoint at SIGTERM, the logs on disk with every checkpoint, and the wandb run id
+inside every checkpoint, so that a resumed run continues the same wandb run (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,17 @@ class CheckpointOnSigterm(L.Callback):
             if not (self._checkpointed_step == trainer.global_step and self.path.is_file()):
                 trainer.save_checkpoint(str(self.path))
             self.saved_step = trainer.global_step
+
+
+class LogsOnDiskWithCheckpoints(L.Callback):
+    """Everything logged up to a checkpoint is on disk with it: the log step LitGPT defers to the next
+    batch end is written and the loggers are flushed (Lightning's CSV logger writes its file every 100
+    steps only), so a kill loses no row of the steps a resume will not run again."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        pl_module.write_log_step(progress_bar=False)
+        for logger in trainer.loggers:
+            logger.save()
 
 
 class WandbRunIdInCheckpoint(L.Callback):
