@@ -302,15 +302,22 @@ def _yaml_field(text: str, key: str) -> str | None:
 
 
 def _task_files(folder: Path, names: set[str]) -> dict[str, Path]:
-    """name -> the YAML file below `folder` that defines task `name` (those of `names` found)."""
-    found: dict[str, Path] = {}
+    """name -> the YAML file below `folder` that defines task `name` (those of `names` found). Files
+    named after a task are read first (lm_eval's usual layout); the rest only for names still missing."""
+    named, others = [], []
     for dirpath, _, files in os.walk(folder):
-        for file in sorted(files):
-            if file.endswith((".yaml", ".yml")):
-                path = Path(dirpath, file)
-                name = _yaml_field(path.read_text(encoding="utf-8", errors="replace"), "task")
-                if name in names and name not in found:
-                    found[name] = path
+        for file in files:
+            stem, suffix = os.path.splitext(file)
+            if suffix in (".yaml", ".yml"):
+                (named if stem in names else others).append(os.path.join(dirpath, file))
+    found: dict[str, Path] = {}
+    for path in sorted(named) + sorted(others):
+        if len(found) == len(names):
+            break
+        with open(path, encoding="utf-8", errors="replace") as f:
+            name = _yaml_field(f.read(), "task")
+        if name in names and name not in found:
+            found[name] = Path(path)
     return found
 
 
