@@ -37,13 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 import attn
 from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
 from training.checkpoint_io import load_checkpoint
+from training.config_dir import CONFIG_DIR  # absolute: the entry points find it however they are started
 from models.gpt import GPT, GPTConfig
 from models.lit import gpt_config_from_dict
 
 log = logging.getLogger("attnlab.eval")
 
-# absolute, so the entry points find their configs however the module is imported
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 CHECKPOINT_CHOICES = ("best", "last")
 PRECISIONS = ("auto", "32", "bf16", "fp16")
 

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on a trained run (pip install -e '.[lmeval]').
+"""lm-evaluation-harness on a trained run (the `eval` extra: pip install ".[eval]").
 
     python -m eval.lm_harness ckpt=RUN_DIR tasks=[lambada_openai,hellaswag] [num_fewshot=0] [limit=100]
         [batch_size=8] [include_path=DIR_OF_TASK_YAMLS] [max_gen_toks=256]
@@ -25,13 +25,20 @@ How requests are scored (HarnessScorer):
     the end-of-text token (a document's end), whichever comes first.
 Batches: requests sorted by length, right-padded (the model is causal, so padding after a row
 changes none of its logits); generation batches rows of one context length.
+
+Offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set): one of lm_eval's own tasks whose data set is a
+Hub data set missing from the local caches is refused before lm_eval starts (its task index alone
+takes half a minute), in one line naming the task, the data set and the local-task alternative
+(hub_tasks_missing_offline).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -283,12 +290,87 @@ def check_options(cfg: DictConfig) -> list[str]:
     return tasks
 
 
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+LOCAL_DATASET_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' builders that read files
+
+
+def _yaml_field(text: str, key: str) -> str | None:
+    """A top-level `key: value` of a task YAML, read as text (lm_eval's own loader parses every task
+    file it has, tens of seconds)."""
+    match = re.search(rf"^{key}:[ \t]*['\"]?([^'\"#\s]+)", text, re.M)
+    return match.group(1) if match else None
+
+
+def _task_files(folder: Path, names: set[str]) -> dict[str, Path]:
+    """name -> the YAML file below `folder` that defines task `name` (those of `names` found). Files
+    named after a task are read first (lm_eval's usual layout); the rest only for names still missing."""
+    named, others = [], []
+    for dirpath, _, files in os.walk(folder):
+        for file in files:
+            stem, suffix = os.path.splitext(file)
+            if suffix in (".yaml", ".yml"):
+                (named if stem in names else others).append(os.path.join(dirpath, file))
+    found: dict[str, Path] = {}
+    for path in sorted(named) + sorted(others):
+        if len(found) == len(names):
+            break
+        with open(path, encoding="utf-8", errors="replace") as f:
+            name = _yaml_field(f.read(), "task")
+        if name in names and name not in found:
+            found[name] = Path(path)
+    return found
+
+
+def _dataset_of(task_file: Path, depth: int = 0) -> str | None:
+    """The task's dataset_path, from its file or the templates it includes."""
+    text = task_file.read_text(encoding="utf-8", errors="replace")
+    dataset, include = _yaml_field(text, "dataset_path"), _yaml_field(text, "include")
+    if dataset is None and include is not None and depth < 4 and (task_file.parent / include).is_file():
+        return _dataset_of(task_file.parent / include, depth + 1)
+    return dataset
+
+
+def hub_tasks_missing_offline(tasks: Sequence[str], include_path: str | None) -> dict[str, str]:
+    """With the Hub switched off (OFFLINE_VARIABLES), the tasks among `tasks` that are lm_eval's own
+    (not defined in include_path) and read a Hub data set that neither the datasets cache nor the
+    Hub cache holds: {task: data set}. Empty when online, and for names that are not single tasks
+    (groups, tags), which lm_eval resolves itself."""
+    if not any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE") for name in OFFLINE_VARIABLES):
+        return {}
+    names = set(tasks)
+    if include_path:
+        names -= set(_task_files(Path(os.path.expanduser(include_path)), names))
+    spec = importlib.util.find_spec("lm_eval")
+    if not names or spec is None or spec.origin is None:
+        return {}
+    from datasets import config as datasets_config
+    from huggingface_hub import constants as hub_constants
+
+    missing = {}
+    for task, task_file in _task_files(Path(spec.origin).parent / "tasks", names).items():
+        dataset = _dataset_of(task_file)
+        if dataset is None or dataset in LOCAL_DATASET_BUILDERS or Path(dataset).expanduser().exists():
+            continue
+        cached = (Path(datasets_config.HF_DATASETS_CACHE) / dataset.replace("/", "___"),
+                  Path(hub_constants.HF_HUB_CACHE) / f"datasets--{dataset.replace('/', '--')}")
+        if not any(path.exists() for path in cached):
+            missing[task] = dataset
+    return {task: missing[task] for task in tasks if task in missing}
+
+
 def run_lm_harness(cfg: DictConfig) -> dict:
     """Evaluate the one checkpoint named by cfg.ckpt on cfg.tasks; returns the result (also written as JSON)."""
     common.require_ckpt(cfg)
     tasks = check_options(cfg)
     if LM is None:
-        raise ValueError("eval.lm_harness needs lm-evaluation-harness: pip install -e '.[lmeval]'")
+        raise ValueError('eval.lm_harness needs lm-evaluation-harness, the eval extra: pip install ".[eval]"')
+    missing = hub_tasks_missing_offline(tasks, cfg.include_path)
+    if missing:
+        needs = "; ".join(f"{task} needs the Hugging Face Hub data set {dataset}" for task, dataset in missing.items())
+        raise ValueError(
+            f"tasks: {needs}, which is not in the local cache, and the Hub is off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): "
+            "run it once online to cache the data, or evaluate a local task: include_path=DIR with a task YAML whose "
+            "dataset_path is json and dataset_kwargs.data_files names your JSONL file, then tasks=[<its task name>]")
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table

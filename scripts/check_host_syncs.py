@@ -29,7 +29,7 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
+from training import train  # noqa: E402
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector  # noqa: E402
 
 from models.lit import LitGPT, writes_logs  # noqa: E402

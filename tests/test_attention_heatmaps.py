@@ -20,7 +20,7 @@ SHORT = {"train.max_steps": 2, "train.val_every": 2, "callbacks.attention_heatma
 
 
 def run(tmp_path, *extra, **settings):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
     return train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{**SHORT, **settings}) + list(extra)))
@@ -54,7 +54,7 @@ def test_the_heatmaps_are_on_by_default_with_four_windows():
 
 @pytest.mark.parametrize("switch", [{"callbacks.attention_heatmaps.windows": 0}, {"callbacks.attention_heatmaps": "null"}])
 def test_the_heatmaps_can_be_switched_off(tmp_path, switch):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
     overrides = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})

@@ -15,7 +15,7 @@ from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
 @pytest.mark.parametrize("variant,extra", [("softmax", {}), ("diff_threshold", {"attn.lambda_mode": "scalar_clamp"})])
 def test_logged_row_statistics_match_the_checkpoints_statistics(tmp_path, variant, extra):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     cfg = compose_cfg(tiny_overrides(tmp_path, corpus, **{
@@ -49,7 +49,7 @@ def test_logged_row_statistics_match_the_checkpoints_statistics(tmp_path, varian
 
 
 def test_zero_sequences_turn_the_monitor_off_and_bad_values_are_named(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{

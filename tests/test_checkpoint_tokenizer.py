@@ -141,7 +141,7 @@ def test_a_resumed_run_keeps_its_checkpoints_tokenizer(tmp_path, monkeypatch):
     """Resuming tokenizes with the checkpoint's tokenizer, not one the data config would train now
     (the tokenizer cache gone and BPE training changed): the run continues on its own tokens. A
     resume with another tokenizer kind is refused, naming both kinds."""
-    import train
+    from training import train
     from data import tokenizers as tokenizers_module
     from train_helpers import compose_cfg, tiny_overrides
 

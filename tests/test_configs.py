@@ -65,7 +65,7 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     runs on the CPU here."""
     import torch
 
-    import train
+    from training import train
 
     compiled = []
     real_compile = torch.compile
@@ -124,7 +124,7 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("attn.out_norm_eps=1e-3", r"attn.out_norm_eps=0.001 applies only with the output norm on: attn=softmax runs without it"),
 ])
 def test_config_errors_are_caught_before_training(override, match, tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
     cfg = compose_cfg(tiny_overrides(tmp_path, corpus) + override.split())
@@ -134,7 +134,7 @@ def test_config_errors_are_caught_before_training(override, match, tmp_path):
 
 
 def test_missing_local_data_file_is_named(tmp_path):
-    import train
+    from training import train
 
     missing = tmp_path / "nope.txt"
     cfg = compose_cfg(tiny_overrides(tmp_path, missing))

@@ -31,7 +31,7 @@ def ddp_args(tmp_path: Path, corpus: Path, per_rank_batch: int, **extra) -> list
 
 @pytest.mark.parametrize("grad_accum", [1, 2])  # 2: DDP's no_sync micro-batches (gradient accumulation)
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path, grad_accum):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     # one process, global batch 8 (also builds the shared token cache before the DDP run)
@@ -67,7 +67,7 @@ def test_ddp_with_per_block_compile_matches_eager_one_process(tmp_path):
     """train.compile_unit=block under DDP (inductor on CPU): Lightning's DDP wrapper, the compiled
     blocks' gradient hooks and the compiled output/loss together train like the eager single
     process with the same global batch."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     single = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{

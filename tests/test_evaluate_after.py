@@ -54,7 +54,7 @@ def test_a_sweep_evaluates_each_run_in_its_process_as_the_eval_commands_would(tm
 
 
 def test_a_failed_evaluation_is_recorded_and_the_training_result_stays(tmp_path):
-    import train
+    from training import train
     from omegaconf import OmegaConf
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=300)

@@ -262,7 +262,7 @@ def test_a_captured_step_trains_as_the_eager_step(tmp_path, monkeypatch):
     Lightning's loop, with the CUDA graph replaced by an eager stand-in of the same semantics:
     the same losses, gradient norms and weights as the eager run, through the warm-up calls, the
     capture and the replays (zero_grad and the guard's dropped gradients must not lose them)."""
-    import train
+    from training import train
     from models import captured_step
     from train_helpers import compose_cfg, tiny_overrides, use_eager_captured_step, write_corpus
 

@@ -3,7 +3,11 @@ adapter end to end on local tasks (a JSONL file and task YAMLs written into tmp_
 
 import json
 import math
+import os
+import re
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ from data.sources import DOCUMENT_SEPARATOR
 from data.tokenizers import ByteTokenizer
 from eval.lm_harness import HarnessScorer
 from models.gpt import GPT, AttnConfig, GPTConfig
-from train_helpers import CONFIG_DIR, train_tiny_run
+from train_helpers import CONFIG_DIR, ROOT, train_tiny_run
 
 CONTEXT = 16
 
@@ -247,3 +251,48 @@ def test_lm_evals_own_hf_model_scores_an_export_as_the_attnlab_model_does(tmp_pa
     assert results["hf"]["tiny_mc"]["acc,none"] == results["attnlab"]["tiny_mc"]["acc,none"]
     assert results["hf"]["tiny_rolling"]["bits_per_byte,none"] == pytest.approx(
         results["attnlab"]["tiny_rolling"]["bits_per_byte,none"], rel=1e-5)
+
+
+def test_a_hub_task_offline_fails_at_once_in_one_line(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE (tests/conftest.py) and lambada_openai's data set in neither cache: refused
+    before lm_eval builds its task index, naming the task, the data set and the local-task way."""
+    pytest.importorskip("lm_eval")
+    import datasets.config
+    import huggingface_hub.constants
+
+    from eval import lm_harness
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = harness_cfg(f"ckpt={tmp_path}", "tasks=[lambada_openai]")
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        lm_harness.run_lm_harness(cfg)
+    assert time.perf_counter() - start < 2.0
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.search(r"lambada_openai needs the Hugging Face Hub data set EleutherAI/lambada_openai", message)
+    assert "include_path=" in message and "HF_HUB_OFFLINE" in message
+
+    find = lm_harness.hub_tasks_missing_offline
+    assert find(["lambada_openai", "no_such_task"], None) == {"lambada_openai": "EleutherAI/lambada_openai"}
+    local = tmp_path / "tasks"
+    local.mkdir()
+    (local / "mine.yaml").write_text("task: lambada_openai\ndataset_path: json\n")
+    assert find(["lambada_openai"], str(local)) == {}  # a local task of that name
+    (tmp_path / "hub" / "datasets--EleutherAI--lambada_openai").mkdir(parents=True)
+    assert find(["lambada_openai"], None) == {}  # cached: lm_eval reads it offline
+    (tmp_path / "hub" / "datasets--EleutherAI--lambada_openai").rmdir()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    assert find(["lambada_openai"], None) == {}  # online: lm_eval downloads it
+
+
+def test_a_hub_task_offline_is_one_error_line_from_the_command(tmp_path):
+    pytest.importorskip("lm_eval")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "ds")}
+    proc = subprocess.run([sys.executable, "-m", "eval.lm_harness", f"ckpt={tmp_path}", "tasks=[lambada_openai]"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tasks: lambada_openai needs the Hugging Face Hub"), proc.stderr

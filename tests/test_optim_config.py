@@ -108,7 +108,7 @@ def _record_lrs(monkeypatch):
                                           decay_shape="cosine")),
 ])
 def test_train_py_steps_with_the_chosen_schedule(scheduler, schedule, tmp_path, monkeypatch):
-    import train
+    from training import train
 
     seen, _ = _record_lrs(monkeypatch)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
@@ -208,7 +208,7 @@ def test_muon_with_adamw_steps_exactly_as_the_two_torch_optimizers_apart():
 
 @needs_muon
 def test_a_muon_run_trains_and_resumes_exactly(tmp_path, monkeypatch):
-    import train
+    from training import train
     from models.optim import MuonWithAdamW
 
     _, built = _record_lrs(monkeypatch)
@@ -228,7 +228,7 @@ def test_a_muon_run_trains_and_resumes_exactly(tmp_path, monkeypatch):
 def test_a_muon_step_with_a_nonfinite_loss_is_skipped(tmp_path, monkeypatch):
     """The non-finite guard's host path drops the step's gradients: neither Muon nor the AdamW part
     moves a weight or its state on the poisoned steps (2 and 4 of 6)."""
-    import train
+    from training import train
     from training.checkpoint_io import load_checkpoint
 
     real_build = train.build_model
@@ -253,7 +253,7 @@ def test_a_muon_step_with_a_nonfinite_loss_is_skipped(tmp_path, monkeypatch):
 
 
 def test_muon_without_torch_muon_names_the_option_and_the_torch_version(tmp_path, monkeypatch):
-    import train
+    from training import train
 
     monkeypatch.delattr(torch.optim, "Muon", raising=False)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
@@ -267,7 +267,7 @@ def test_muon_without_torch_muon_names_the_option_and_the_torch_version(tmp_path
 def test_early_stopping_stops_when_val_loss_stops_improving(tmp_path):
     """min_delta far above any improvement, patience 1: the first validation sets the best, the
     second does not beat it by min_delta, and training stops there (step 6 of 12)."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 12, "train.val_every": 3})
@@ -279,7 +279,7 @@ def test_early_stopping_stops_when_val_loss_stops_improving(tmp_path):
 
 
 def test_the_default_callbacks_run_without_early_stopping_and_an_entry_can_be_left_out(tmp_path):
-    import train
+    from training import train
 
     cfg = compose_cfg(["paths.output_dir=/tmp/x"])
     assert list(cfg.callbacks) == ["model_checkpoint", "attention_heatmaps", "nonfinite_guard", "last_checkpoint_every_n_steps",
@@ -295,7 +295,7 @@ def test_the_default_callbacks_run_without_early_stopping_and_an_entry_can_be_le
 
 def test_tensorboard_logger_writes_event_files(tmp_path):
     pytest.importorskip("tensorboard")
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2, "logger": "tensorboard"})))
@@ -306,7 +306,7 @@ def test_tensorboard_logger_writes_event_files(tmp_path):
 def test_tensorboard_missing_is_named_with_the_pip_command(tmp_path, monkeypatch):
     import importlib.util
 
-    import train
+    from training import train
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -323,7 +323,7 @@ def test_per_layer_grad_norms_are_logged_on_log_steps_and_make_up_the_total(per_
     """train/grad_norm/{embed,block0,block1,final_norm}: on the steps whose logs are written only
     (computed only then), and their root sum of squares is train/grad_norm."""
     import models.lit
-    import train
+    from training import train
 
     computed = []
     real = models.lit.grad_norm_layers
@@ -363,7 +363,7 @@ def test_per_layer_grad_norms_are_logged_on_log_steps_and_make_up_the_total(per_
     ("train.log_grad_norm_per_layer=maybe", r"train\.log_grad_norm_per_layer must be true or false"),
 ])
 def test_optimizer_scheduler_callback_errors_name_the_field(override, match, tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
     with pytest.raises(ValueError, match=match):

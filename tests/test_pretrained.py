@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import train  # noqa: E402
+from training import train  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 from models.lit import gpt_config_from_dict  # noqa: E402
 from models.pretrained import GPT2Weights  # noqa: E402

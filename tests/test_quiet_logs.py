@@ -14,7 +14,7 @@ NOISE = ("💡 Tip", "anonymous setting has no effect", "LeafSpec", "`IterableDa
 
 
 def test_a_wandb_run_prints_none_of_the_notices(tmp_path, capfd, caplog):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     with warnings.catch_warnings(record=True) as caught:
@@ -62,7 +62,7 @@ def test_broadcast_buffers_is_renamed_where_torch_deprecates_it(monkeypatch):
 
 @pytest.mark.parametrize("value", [True, False])
 def test_model_summary_stays_available_on_request(tmp_path, capfd, value):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 1, "train.val_every": 1,

@@ -132,7 +132,7 @@ def test_sigkill_during_checkpoint_write_and_at_random_moments_then_exact_resume
     """A SIGKILL while last.ckpt is being written leaves the previous complete last.ckpt;
     kills at random moments never leave an unloadable one; resuming from whatever is left
     reaches the uninterrupted run's losses bitwise."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
     common = {"train.max_steps": 12, "train.val_every": 6, "train.ckpt_every_steps": 2,
@@ -185,7 +185,7 @@ def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
     """train.ckpt_every_steps and the validations write the same checkpoints/last.ckpt (no
     last-v1.ckpt), each write newer than the one before, and no every-N write precedes a
     validation at the same step (a kill during that validation would lose it on resume)."""
-    import train
+    from training import train
     from training.checkpoint_io import AtomicCheckpointIO
 
     writes = []
@@ -210,7 +210,7 @@ def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
 def test_a_run_directory_held_by_a_live_run_is_refused_and_freed_when_it_ends(tmp_path):
     """Two runs given one hydra.run.dir: the second stops at once naming the holder's pid (it used to
     crash mid-run after mixing files); once the holder is gone, however it ended, the directory is free."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     run_dir = tmp_path / "shared" / "run"
@@ -235,7 +235,7 @@ def test_resuming_in_the_same_directory_keeps_the_earlier_metric_rows(tmp_path):
     keeps the rows it logged before and appends the resumed ones. ckpt_path=auto: the same command
     starts fresh in an empty directory and resumes from the directory's own last.ckpt once there is one
     (what a requeued SLURM job runs)."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     common = {"train.max_steps": 8, "train.val_every": 4, "ckpt_path": "auto"}
@@ -279,7 +279,7 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_exits_143_and_resumes_exa
     checkpoints/last.ckpt there (newer than the last validation's), exits with status 143 (not 0),
     writes no results.json, and resuming from that checkpoint reaches the uninterrupted run's
     losses bitwise."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
     common = {"train.max_steps": 12, "train.val_every": 6, "paths.cache_dir": str(tmp_path / "cache")}
@@ -465,7 +465,7 @@ def test_sigkill_during_tokenization_then_rerun_rebuilds_the_same_cache(tmp_path
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One tiny finished run: (its tmp dir, corpus, last.ckpt)."""
-    import train
+    from training import train
 
     tmp = tmp_path_factory.mktemp("trained")
     corpus = write_corpus(tmp / "corpus.txt", lines=1000)
@@ -491,7 +491,7 @@ def flip_byte(src: Path, dst: Path, offset: int) -> Path:
 
 @pytest.mark.parametrize("damage", ["truncated", "bit-flip-in-weights"])
 def test_corrupt_checkpoint_as_ckpt_path_is_a_clear_error_from_load_checkpoint(trained, tmp_path, damage):
-    import train
+    from training import train
 
     _, corpus, last = trained
     bad = tmp_path / "bad.ckpt"
@@ -622,7 +622,7 @@ def poison_layer(monkeypatch, bad_steps: set[int], kind: str):
     """Make the built model produce inf: 'forward' makes block 1's MLP output inf at the
     given steps; 'grad' makes only the gradient of block 0's MLP down-projection inf; 'loss'
     adds inf to the model's loss, a constant that leaves every gradient finite."""
-    import train
+    from training import train
 
     real_build = train.build_model
 
@@ -664,7 +664,7 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
     stays on the device (the optimizer's found_inf flag, no host sync); fused_captured: the same
     under train.cuda_graphs=step, whose flag is computed inside the captured step (a stand-in of
     the CUDA graph on CPU; the bad steps come after the capture)."""
-    import train
+    from training import train
 
     bad, steps = {2, 4}, 6
     if optimizer.startswith("fused"):
@@ -704,7 +704,7 @@ def test_nonfinite_steps_are_skipped_counted_and_logged(tmp_path, monkeypatch, o
 def test_a_nonfinite_loss_with_finite_gradients_is_skipped(tmp_path, monkeypatch, optimizer):
     """The loss flag on its own: an inf loss whose gradients all stay finite (the logged gradient
     norms show it) is skipped as well, on both paths, though the gradient check sees nothing."""
-    import train
+    from training import train
 
     if optimizer == "fused":
         RecordingFusedAdamW.flags = []
@@ -780,7 +780,7 @@ def test_callback_forwards_reach_sharded_parameters_through_the_wrapper():
 
 def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypatch):
     """The control for the test above: it would fail if the guard did nothing."""
-    import train
+    from training import train
 
     poison_layer(monkeypatch, {2}, "forward")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
@@ -791,7 +791,7 @@ def test_without_the_guard_the_same_fault_poisons_the_weights(tmp_path, monkeypa
 
 
 def test_nonfinite_loss_stops_naming_step_and_first_module(tmp_path, monkeypatch):
-    import train
+    from training import train
 
     poison_layer(monkeypatch, {3}, "forward")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
@@ -804,7 +804,7 @@ def test_nonfinite_loss_stops_naming_step_and_first_module(tmp_path, monkeypatch
 
 
 def test_nonfinite_gradient_with_finite_loss_stops_naming_the_parameter(tmp_path, monkeypatch):
-    import train
+    from training import train
 
     poison_layer(monkeypatch, {1}, "grad")
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
@@ -814,7 +814,7 @@ def test_nonfinite_gradient_with_finite_loss_stops_naming_the_parameter(tmp_path
 
 
 def test_bad_nonfinite_policy_is_named(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=200)
     with pytest.raises(ValueError, match=r"train\.nonfinite must be one of \('skip', 'stop', 'off'\), got 'ignore'"):
@@ -930,7 +930,7 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
     losses bit for bit, with the kernel configs pinned (what keeps a GPU from choosing tiles by
     timing: test_softmax_family.py::test_pinned_configs_skip_timing; on the GPU itself
     scripts/check_train_determinism.py)."""
-    import train
+    from training import train
 
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     cublas_before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")

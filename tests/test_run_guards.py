@@ -19,7 +19,7 @@ def _files(run):
 
 
 def test_a_fresh_run_into_a_finished_runs_directory_is_refused_and_changes_nothing(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT)))
@@ -39,7 +39,7 @@ def test_a_fresh_run_into_a_finished_runs_directory_is_refused_and_changes_nothi
 
 
 def test_train_overwrite_must_be_a_bool(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     with pytest.raises(ValueError, match="train.overwrite must be true or false, got 'yes'"):
@@ -47,7 +47,7 @@ def test_train_overwrite_must_be_a_bool(tmp_path):
 
 
 def test_a_resume_that_changes_the_model_is_refused_with_the_diff(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     first = tmp_path / "first"
@@ -63,7 +63,7 @@ def test_a_resume_that_changes_the_model_is_refused_with_the_diff(tmp_path):
 
 
 def test_a_resume_records_the_settings_it_changed_on_purpose(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT, **{"train.stop_at_step": 2})))

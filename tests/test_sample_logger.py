@@ -10,7 +10,7 @@ from eval.run_logs import train_losses
 
 
 def test_each_validation_writes_its_samples_and_training_is_unchanged(tmp_path, monkeypatch):
-    import train
+    from training import train
     from lightning.pytorch.loggers import WandbLogger
 
     tables = []
@@ -33,7 +33,7 @@ def test_each_validation_writes_its_samples_and_training_is_unchanged(tmp_path, 
 
 @pytest.mark.parametrize("key,value", [("log_samples", -1), ("sample_tokens", 1.5)])
 def test_bad_sample_settings_are_named(tmp_path, key, value):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
     with pytest.raises(ValueError, match=f"train.{key} must be an int >= 0"):

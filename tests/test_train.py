@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_training_checkpoints_and_reports(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     results = train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **{"train.max_steps": 30, "train.val_every": 15})))
@@ -36,7 +36,7 @@ def test_training_checkpoints_and_reports(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt")
     straight = tmp_path / "straight"
@@ -69,7 +69,7 @@ def test_multirun_separate_dirs_one_group(tmp_path):
 
 
 def test_wandb_offline_run_id_is_checkpointed_and_resumed(tmp_path):
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     first = tmp_path / "first"
@@ -89,7 +89,7 @@ def test_throughput_and_mfu_are_logged_per_log_window(tmp_path, grad_accum):
     """tokens/s and MFU: one value per log write, over the batches since the last one (the clock,
     a device sync on GPU, is read once per log write, also under gradient accumulation), and in
     results.json the steady-state mean of the windows that start after the warm-up."""
-    import train
+    from training import train
     from models.lit import WARMUP_STEPS
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
@@ -127,7 +127,7 @@ def test_last_validation_runs_inside_fit_whatever_val_every(tmp_path, monkeypatc
     multiple of val_every=3); no trainer.validate() follows fit (it fails under multi-GPU FSDP)."""
     import lightning as L
 
-    import train
+    from training import train
 
     def no_validate(*args, **kwargs):
         raise AssertionError("trainer.validate() after fit")
@@ -147,7 +147,7 @@ def test_training_logs_are_written_at_their_own_steps_and_self_log_gets_only_cpu
     the log step that gathered them (models/log_step_metrics.py), and self.log (the progress bar)
     only ever gets CPU tensors; the last step's row holds that step's values (not the previous
     log step's)."""
-    import train
+    from training import train
     from models.lit import LitGPT
 
     records = []
@@ -180,7 +180,7 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
     (which fails under multi-GPU FSDP)."""
     import lightning as L
 
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1000)
     common = {"train.max_steps": 4, "train.val_every": 3}
@@ -244,7 +244,7 @@ def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_n
 def test_stop_at_time_ends_a_run_at_the_deadline_and_refuses_one_past_it(tmp_path):
     import time
 
-    import train
+    from training import train
     from training.config_checks import check_config
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)

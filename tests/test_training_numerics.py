@@ -65,7 +65,7 @@ def _record_optimizer_steps(monkeypatch):
 
 
 def test_every_optimizer_step_uses_the_scheduled_lr_and_the_clipped_gradient(tmp_path, monkeypatch):
-    import train
+    from training import train
 
     seen = _record_optimizer_steps(monkeypatch)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
@@ -105,7 +105,7 @@ def test_a_fused_optimizer_clips_inside_its_step(tmp_path, monkeypatch):
     """With a fused optimizer the clip is its grad_scale (the gradients are divided inside the fused
     step, no pass over them): the divisor is norm / clip, and the first step's moment is
     (1 - beta1) times the clipped gradient, whose norm is the clip."""
-    import train
+    from training import train
 
     FusedAdamWRecordingMoments.seen = []
     monkeypatch.setattr(torch.optim, "AdamW", FusedAdamWRecordingMoments)
@@ -124,7 +124,7 @@ def test_a_fused_optimizer_clips_inside_its_step(tmp_path, monkeypatch):
 def test_without_clipping_the_optimizer_sees_the_raw_gradient(tmp_path, monkeypatch):
     """The other side of the clipping test: with train.grad_clip=null the norms are the raw ones,
     far above the 1e-3 the clipped run sees (so that test's equality is the clip's doing)."""
-    import train
+    from training import train
 
     seen = _record_optimizer_steps(monkeypatch)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
@@ -136,7 +136,7 @@ def test_without_clipping_the_optimizer_sees_the_raw_gradient(tmp_path, monkeypa
 def test_logged_grad_norm_is_the_pre_clip_norm_of_each_step(tmp_path, monkeypatch):
     """train/grad_norm is the norm of the step's gradients before clipping: without a clip, what
     the optimizer sees; with a clip far below it, still the raw norm (the optimizer sees the clip)."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
     for clip in ("null", 1e-3):
@@ -157,7 +157,7 @@ def test_logged_grad_norm_is_the_pre_clip_norm_of_each_step(tmp_path, monkeypatc
 def test_a_clip_above_the_gradient_norm_leaves_the_gradient_untouched(tmp_path, monkeypatch):
     """Clipping scales by min(1, clip / norm) (torch.nn.utils.clip_grad_norm_'s rule): with a clip far
     above every step's norm the optimizer sees exactly the logged pre-clip norm, never a larger one."""
-    import train
+    from training import train
 
     seen = _record_optimizer_steps(monkeypatch)
     corpus = write_corpus(tmp_path / "corpus.txt", lines=600)
@@ -174,7 +174,7 @@ def test_the_optimizer_decays_the_matrices_and_nothing_else(tmp_path, monkeypatc
     """The AdamW train.py builds: train.weight_decay on exactly the decayed group of
     weight_decay_groups (pinned by the next test), 0 on the rest (norm gains), each parameter in
     one group."""
-    import train
+    from training import train
 
     built = []
     real = LitGPT.configure_optimizers
@@ -222,7 +222,7 @@ def test_logged_bits_per_byte_are_the_validation_nats_over_ln2_and_bytes_per_tok
     """A character tokenizer on text with multi-byte characters: bytes per token is not 1, so the
     conversion must use the split's own byte count. Every logged val/bpb and the final
     results.json agree with val/loss / ln 2 / (UTF-8 bytes / tokens of the validation split)."""
-    import train
+    from training import train
     from hydra.utils import instantiate
 
     corpus = tmp_path / "corpus.txt"

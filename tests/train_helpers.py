@@ -95,7 +95,7 @@ def train_tiny_run(tmp_path: Path, **extra) -> Path:
     Hydra would write (train.run is called in-process, which writes no Hydra files)."""
     from omegaconf import OmegaConf
 
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=300)
     settings = {"train.max_steps": 2, "train.val_every": 2, "model.context": 16, **extra}
@@ -138,7 +138,7 @@ def eager_capture_for(params: list):
 def use_eager_captured_step(monkeypatch) -> list[bool]:
     """train.cuda_graphs=step on CPU: train.py picks the captured step and every CapturedStep
     captures with eager_capture_for. Returns the list of `captured` before each step call."""
-    import train
+    from training import train
     from models import captured_step
 
     monkeypatch.setattr(train, "cuda_graphs_enabled", lambda *a: ("step", "test"))

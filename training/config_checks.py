@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
 from models.lit import gpt_config_from_dict
+from training.config_dir import CONFIG_DIR
 from training.evaluate_after import check_evaluate_config
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "out_norm_eps", "lambda_mode", "window"}
@@ -38,7 +39,7 @@ PRECISIONS = tuple(value for literal in get_args(_PRECISION_INPUT) for value in 
 @functools.cache
 def train_keys() -> tuple[str, ...]:
     """The train.* keys there are: those of configs/train.yaml (a `+train.foo=1` typo must not pass silently)."""
-    return tuple(OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "train.yaml").train.keys())
+    return tuple(OmegaConf.load(Path(CONFIG_DIR) / "train.yaml").train.keys())
 
 
 def _is_number(value) -> bool:
