@@ -34,13 +34,36 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def creation_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process umask. mkstemp makes its files 0o600
+    whatever the umask, so files written through a temp file take this mode explicitly (shared
+    machines: a group that may read a run's files reads its checkpoints and results too)."""
+    try:
+        with open("/proc/self/status") as status:  # Linux: the umask, read without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def temp_file_beside(path: Path, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """(fd, name) of a new temp file in `path`'s folder, with the mode a plainly created file gets."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
+    os.fchmod(fd, creation_mode())
+    return fd, name
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Open a binary temp file next to `path`; on clean exit fsync it and rename it onto
     `path`. On an exception the temp file is deleted and `path` is left untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + TMP_MARKER, dir=path.parent)
+    fd, tmp_name = temp_file_beside(path, path.name + TMP_MARKER)
     try:
         with os.fdopen(fd, "wb") as handle:
             yield handle

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -35,6 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import attn
+from data.atomic import temp_file_beside
 from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
 from training.checkpoint_io import load_checkpoint
 from training.config_dir import CONFIG_DIR  # absolute: the entry points find it however they are started
@@ -382,7 +382,7 @@ def write_json(path: Path, payload: Any) -> None:
     """Atomic write (temp file + rename): a crash never leaves a half-written result."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(payload, indent=2, default=_json_default, allow_nan=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_file_beside(path, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -7,12 +7,13 @@ import hashlib
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from data.atomic import temp_file_beside
 
 
 # sha256 over the content of a checkpoint dict, stored in the file: torch.load notices some
@@ -55,7 +56,7 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     if isinstance(obj, dict):
         obj = {**obj, CHECKSUM_KEY: tensor_digest(obj)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_file_beside(path, f".{path.name}.", ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
