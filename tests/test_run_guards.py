@@ -124,8 +124,7 @@ def test_a_bad_command_line_is_one_error_line_and_leaves_no_run_folder(tmp_path,
     """Bad settings, a missing checkpoint, an unknown config option: one `error:` line on stderr, exit
     status 2, before any work, and no run folder left in outputs/ (Hydra makes one before the task runs)."""
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
-    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
-                                                       if not o.startswith("paths.output_dir=")], *overrides]
+    command = [*train_command(tiny_overrides(tmp_path, corpus)), *overrides]
     done = run_command(command, tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.fullmatch(f"error: {error}", done.stderr.strip()), done.stderr[-3000:]
@@ -136,9 +135,7 @@ def test_a_run_failing_after_it_started_leaves_no_run_folder_and_v_shows_the_tra
     """A missing data file is found after the run took its directory (lock, .hydra/ record, job log): the
     folder is removed all the same, the last line is the error; -v shows the traceback."""
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
-    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
-                                                       if not o.startswith("paths.output_dir=")],
-               f"data.source.path={tmp_path / 'missing.txt'}"]
+    command = [*train_command(tiny_overrides(tmp_path, corpus)), f"data.source.path={tmp_path / 'missing.txt'}"]
     done = run_command(command, tmp_path)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         f"error: data.source.path: file not found: '{tmp_path / 'missing.txt'}' (resolved to {tmp_path / 'missing.txt'})")
