@@ -186,3 +186,15 @@ def test_results_json_is_replaced_atomically(tmp_path, monkeypatch):
         train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT, ckpt_path="auto")))  # rewrites results.json
     assert results.read_text() == before and json.loads(before)["steps"] == 4
     assert [p.name for p in results.parent.iterdir() if "results.json" in p.name] == ["results.json"]
+
+
+def test_a_run_with_an_empty_results_json_is_still_evaluated(tmp_path):
+    """An empty results.json (a kill while an older attnlab wrote it) broke every eval command: the run's
+    checkpoints are evaluated all the same, after a warning naming the file."""
+    run = train_tiny_run(tmp_path)
+    (run / "results.json").write_text("")
+    done = run_command(["-m", "eval.perplexity", f"ckpt={run}", "split=val", "contexts=[8]"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{run / 'results.json'} is not valid JSON" in done.stdout + done.stderr
+    written = json.loads(next((run / "checkpoints").glob("best.perplexity-val.*.json")).read_text())
+    assert written["model"]["checkpoint"] == str(run / "checkpoints" / "best.ckpt")
