@@ -123,7 +123,7 @@ def checkpoint_of_run(run_dir: Path, which: str = "best") -> Path:
     if which not in CHECKPOINT_CHOICES:
         raise ValueError(f"which must be one of {CHECKPOINT_CHOICES}, got {which!r}")
     candidates = []
-    results = read_json_if_exists(run_dir / "results.json") or {}
+    results = read_run_results(run_dir) or {}
     key = f"{which}_checkpoint"
     if results.get(key):
         # only the recorded file's name: its absolute path is where the run was trained, and a moved or
@@ -162,13 +162,19 @@ def run_dir_of(checkpoint_path: Path) -> Path | None:
     return None
 
 
-def read_json_if_exists(path: Path) -> dict | None:
+def read_run_results(run_dir: Path) -> dict | None:
+    """The run's results.json, or None where there is none or it cannot be read (an empty one, left by a
+    kill while an older attnlab wrote it): the run's checkpoints are evaluated all the same, after a
+    warning naming the file."""
+    path = run_dir / "results.json"
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        results = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        log.warning("%s is not valid JSON (%s): evaluating the run without it", path, e)
+        return None
+    return results if isinstance(results, dict) else None
 
 
 # ---------------------------------------------------------------------------- loading models
@@ -248,7 +254,7 @@ def load_run(path: str | os.PathLike, device: str | torch.device = "cpu", backen
         config_file = run_dir / ".hydra" / "config.yaml"
         if config_file.is_file():
             run_config = OmegaConf.load(config_file)
-        results = read_json_if_exists(run_dir / "results.json")
+        results = read_run_results(run_dir)
     return LoadedRun(
         model=model.to(device),
         model_config=cfg,

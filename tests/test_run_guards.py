@@ -124,8 +124,7 @@ def test_a_bad_command_line_is_one_error_line_and_leaves_no_run_folder(tmp_path,
     """Bad settings, a missing checkpoint, an unknown config option: one `error:` line on stderr, exit
     status 2, before any work, and no run folder left in outputs/ (Hydra makes one before the task runs)."""
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
-    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
-                                                       if not o.startswith("paths.output_dir=")], *overrides]
+    command = [*train_command(tiny_overrides(tmp_path, corpus)), *overrides]
     done = run_command(command, tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert re.fullmatch(f"error: {error}", done.stderr.strip()), done.stderr[-3000:]
@@ -136,9 +135,7 @@ def test_a_run_failing_after_it_started_leaves_no_run_folder_and_v_shows_the_tra
     """A missing data file is found after the run took its directory (lock, .hydra/ record, job log): the
     folder is removed all the same, the last line is the error; -v shows the traceback."""
     corpus = write_corpus(tmp_path / "corpus.txt", lines=50)
-    command = [str(train_command([], tmp_path)[0]), *[o for o in tiny_overrides(tmp_path, corpus)
-                                                       if not o.startswith("paths.output_dir=")],
-               f"data.source.path={tmp_path / 'missing.txt'}"]
+    command = [*train_command(tiny_overrides(tmp_path, corpus)), f"data.source.path={tmp_path / 'missing.txt'}"]
     done = run_command(command, tmp_path)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         f"error: data.source.path: file not found: '{tmp_path / 'missing.txt'}' (resolved to {tmp_path / 'missing.txt'})")
@@ -189,3 +186,15 @@ def test_results_json_is_replaced_atomically(tmp_path, monkeypatch):
         train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT, ckpt_path="auto")))  # rewrites results.json
     assert results.read_text() == before and json.loads(before)["steps"] == 4
     assert [p.name for p in results.parent.iterdir() if "results.json" in p.name] == ["results.json"]
+
+
+def test_a_run_with_an_empty_results_json_is_still_evaluated(tmp_path):
+    """An empty results.json (a kill while an older attnlab wrote it) broke every eval command: the run's
+    checkpoints are evaluated all the same, after a warning naming the file."""
+    run = train_tiny_run(tmp_path)
+    (run / "results.json").write_text("")
+    done = run_command(["-m", "eval.perplexity", f"ckpt={run}", "split=val", "contexts=[8]"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{run / 'results.json'} is not valid JSON" in done.stdout + done.stderr
+    written = json.loads(next((run / "checkpoints").glob("best.perplexity-val.*.json")).read_text())
+    assert written["model"]["checkpoint"] == str(run / "checkpoints" / "best.ckpt")

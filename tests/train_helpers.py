@@ -78,11 +78,11 @@ def run_command(args: list[str], cwd: Path, **env) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, *args], cwd=cwd, env=environment, capture_output=True, text=True)
 
 
-def train_command(overrides: list[str], run_dir: Path) -> list[str]:
-    """train.py's arguments for a run in `run_dir` (hydra.run.dir), for run_command; tiny_overrides'
-    paths.output_dir is dropped (Hydra sets it from hydra.run.dir)."""
+def train_command(overrides: list[str], run_dir: Path | None = None) -> list[str]:
+    """train.py's arguments for run_command: a run in `run_dir` (hydra.run.dir), or with None in the
+    folder Hydra makes under outputs/; tiny_overrides' paths.output_dir is dropped (Hydra sets it)."""
     kept = [o for o in overrides if not o.startswith("paths.output_dir=")]
-    return [str(ROOT / "train.py"), *kept, f"hydra.run.dir={run_dir}"]
+    return [str(ROOT / "train.py"), *kept, *([f"hydra.run.dir={run_dir}"] if run_dir is not None else [])]
 
 
 def compose_cfg(overrides: list[str]):
