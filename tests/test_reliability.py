@@ -332,7 +332,7 @@ def test_a_validation_interrupted_by_sigterm_runs_again_on_resume(tmp_path):
     """SIGTERM during a validation: the checkpoint is written mid-validation; the resume reruns that
     validation from its first batch (Lightning alone skipped it: its val/loss missing, its model never
     ranked for best.ckpt), and the run ends as the uninterrupted one."""
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=1500)
     common = {"train.max_steps": 8, "train.val_every": 4, "paths.cache_dir": str(tmp_path / "cache")}

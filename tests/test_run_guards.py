@@ -168,7 +168,7 @@ def test_results_json_is_replaced_atomically(tmp_path, monkeypatch):
     import errno
     import os
 
-    import train
+    from training import train
 
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     train.run(compose_cfg(tiny_overrides(tmp_path, corpus, **SHORT)))
