@@ -748,9 +748,9 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out_strides, 0, *st,
                h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
+    tune_key = (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values())
     meta = {**meta, "SPLIT_KV": False}
     configs = CONFIG_TABLE.candidates("fwd", n=n)
-    tune_key = (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values())
     grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * h))
 
     def forward(q, k, v, bounds, temperature, seed, key_lengths):
