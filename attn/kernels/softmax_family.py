@@ -799,8 +799,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     need_dt = bool(need_dt and temperature is not None)
     signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), do.stride(), q.dtype,
                  q.device, bounds is not None, None if temperature is None else temperature.stride(), need_dt,
-                 cap, cap_value, knee, sm_scale, causal, window, dropout_p, tma_alignment(q, k, v, do),
-                 torch.are_deterministic_algorithms_enabled())
+                 cap, cap_value, knee, sm_scale, causal, window, dropout_p, tma_alignment(q, k, v, do))
     plan = _BWD_PLANS.get(signature, do, q, k, v, out, temperature, bounds is not None, need_dt, cap, cap_value,
                           knee, sm_scale, causal, window, dropout_p)
     return plan(do, q, k, v, out, lse, bounds, temperature, seed)
