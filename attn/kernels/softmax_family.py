@@ -748,9 +748,9 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out_strides, 0, *st,
                h, h // h_kv, n, kv_len, window, kv_len,
                qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, float(dropout_p))
+    tune_key = (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values())
     meta = {**meta, "SPLIT_KV": False}
     configs = CONFIG_TABLE.candidates("fwd", n=n)
-    tune_key = (q.dtype, n_bucket(n, N_BUCKET_CAP), n_bucket(kv_len, N_BUCKET_CAP), *meta.values())
     grid = (lambda cfg: (cdiv(n, cfg.block_m), bsz * h))
 
     def forward(q, k, v, bounds, temperature, seed, key_lengths):
@@ -799,8 +799,7 @@ def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_valu
     need_dt = bool(need_dt and temperature is not None)
     signature = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), do.stride(), q.dtype,
                  q.device, bounds is not None, None if temperature is None else temperature.stride(), need_dt,
-                 cap, cap_value, knee, sm_scale, causal, window, dropout_p, tma_alignment(q, k, v, do),
-                 torch.are_deterministic_algorithms_enabled())
+                 cap, cap_value, knee, sm_scale, causal, window, dropout_p, tma_alignment(q, k, v, do))
     plan = _BWD_PLANS.get(signature, do, q, k, v, out, temperature, bounds is not None, need_dt, cap, cap_value,
                           knee, sm_scale, causal, window, dropout_p)
     return plan(do, q, k, v, out, lse, bounds, temperature, seed)
