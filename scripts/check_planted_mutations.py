@@ -238,8 +238,8 @@ MUTATIONS = [
     ),
     Mutation(
         "rope-base-ignored", "models/gpt.py",
-        "inv_freq = base ** (",
-        "inv_freq = 10000.0 ** (",
+        "self.inv_freq.copy_(self.base ** (",
+        "self.inv_freq.copy_(10000.0 ** (",
         "RoPE frequencies always use base 10000",
         (f"{MODEL}::test_rope_tables_match_the_rotation_within_and_beyond_the_context",
          f"{MODEL}::test_rope_base_sets_the_rotation_frequencies"),

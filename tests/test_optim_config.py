@@ -356,7 +356,7 @@ def test_per_layer_grad_norms_are_logged_on_log_steps_and_make_up_the_total(per_
     ("scheduler=wsd scheduler.decay_fraction=0", r"scheduler\.decay_fraction must be in \(0, 1\]"),
     ("scheduler=wsd scheduler.decay_shape=exp", r"scheduler\.decay_shape must be one of"),
     ("+scheduler.foo=1", r"scheduler: warmup_cosine does not take the settings"),
-    ("train.min_lr_ratio=2", r"scheduler\.min_lr_ratio \(train\.min_lr_ratio\) must be in \[0, 1\]"),
+    ("train.min_lr_ratio=2", r"train\.min_lr_ratio must be in \[0, 1\], got 2"),
     ("callbacks=[default,early_stopping] callbacks.early_stopping.monitor=val/acc",
      r"callbacks\.early_stopping\.monitor must be one of \('val/loss', 'val/ppl', 'val/bpb'\)"),
     ("+callbacks.foo=3", r"callbacks\.foo must be a config with a `_target_`"),
