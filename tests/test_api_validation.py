@@ -375,7 +375,7 @@ def test_beta_must_be_finite(beta):
 @pytest.mark.parametrize("name", ["softmax", "alsc", "sigmoid"])
 @pytest.mark.parametrize("sm_scale", [0.0, -0.125, float("inf"), float("nan"), "abc", True])
 def test_sm_scale_must_be_positive_and_finite(name, sm_scale):
-    """inf was accepted (and returned NaN), a string raised a TypeError naming nothing."""
+    """sm_scale must be a finite number > 0: inf, NaN, zero, negatives, strings and bools are named."""
     with pytest.raises(ValueError, match=r"attn\.sm_scale must be > 0 and finite, or null \(D\^-1/2\), got "):
         get_variant(name).make_spec(sm_scale=sm_scale)
 

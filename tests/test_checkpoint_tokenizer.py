@@ -64,8 +64,8 @@ def test_a_data_config_with_another_tokenizer_is_refused_naming_both(byte_run, t
 
 
 def test_a_data_config_with_another_bpe_is_refused_before_a_tokenizer_is_trained(tmp_path):
-    """`python -m eval.perplexity ckpt=<bpe run> data=... data.tokenizer.vocab_size=<another>` trained a new
-    BPE and tokenized the whole corpus before refusing: now one error line, nothing trained or tokenized."""
+    """`python -m eval.perplexity ckpt=<bpe run> data=... data.tokenizer.vocab_size=<another>` is refused in
+    one error line before any work: no BPE trained, nothing tokenized."""
     run = train_tiny_run(tmp_path, **{"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300})
     fresh_cache = tmp_path / "fresh_cache"
     done = run_command(["-m", "eval.perplexity", f"ckpt={run}", "data=text", f"data.source.path={tmp_path / 'corpus.txt'}",

