@@ -9,7 +9,8 @@ BlockMask is), with triton.testing.do_bench medians after warm-up, beside its ya
   decode    one query against a 4K-key cache, (B,H,D) = (8,16,128), no grad: SDPA, each variant
   ranker    2048 history + 2048 candidates, softcap_tanh, (4,16,4096,128), fwd and fwd+bwd:
             segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
-            and the full mask
+            the full mask, and FlexAttention compiled with the same mask and cap (its BlockMask built
+            once, outside the timing)
   kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, threshold
 
     python scripts/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
@@ -126,16 +127,44 @@ def ranker_rows() -> dict[str, float]:
     ids = torch.ones(b, n, dtype=torch.int64, device="cuda")
     ids[:, n // 2:] = -1
     masks = {"segment_ids": ids, "segments": attn.segments(ids), "full mask": None}
-    rows = {}
+    calls = {}
     for name, segment_ids in masks.items():
         def call(segment_ids=segment_ids):
             return attn.attention(x["q"], x["k"], x["v"], spec, causal=False, segment_ids=segment_ids)
 
-        call().backward(do)
+        calls[name] = (call, do)
+    flex = flex_ranker_call(x, ids)
+    if flex is not None:
+        calls["flex"] = flex
+    rows = {}
+    for name, (call, grad) in calls.items():
+        call().backward(grad)
         with torch.no_grad():
             rows[f"ranker {name} fwd"] = bench(call)
-        rows[f"ranker {name} fwd+bwd"] = bench(lambda: call().backward(do))
+        rows[f"ranker {name} fwd+bwd"] = bench(lambda: call().backward(grad))
     return rows
+
+
+def flex_ranker_call(x: dict, ids: torch.Tensor):
+    """(call, grad) for FlexAttention compiled with the ranker's mask and the tanh cap (its BlockMask
+    built here, once, outside the timing), or None where this torch has no FlexAttention."""
+    try:
+        from bench_attention import _flex, block_mask_for, score_mod_for
+    except ImportError:
+        return None
+    if _flex is None:
+        return None
+    from attn.masks import MaskSpec
+
+    b, n = ids.shape
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (x["q"], x["k"], x["v"]))
+    block_mask = block_mask_for(MaskSpec(causal=False), ids, b, n, q.device)
+    score_mod = score_mod_for("tanh")
+
+    def call():
+        return _flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    return call, torch.randn_like(q)
 
 
 def kernel_rows() -> dict[str, float]:
@@ -171,8 +200,10 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
             out[f"{name} / SDPA"] = ms / rows["call sdpa fwd+bwd"]
         elif suite == "decode" and "sdpa" not in name:
             out[f"{name} / SDPA"] = ms / rows["decode sdpa"]
-        elif suite == "ranker" and "full mask" not in name:
+        elif suite == "ranker" and "full mask" not in name and "flex" not in name:
             out[f"{name} / full mask"] = ms / rows[f"ranker full mask {rest[-1]}"]
+            if f"ranker flex {rest[-1]}" in rows:
+                out[f"{name}: Flex / ours"] = rows[f"ranker flex {rest[-1]}"] / ms
         elif suite == "kernels" and "sdpa" not in name:
             out[f"{name}: SDPA / ours"] = rows[f"kernels sdpa {rest[-1]}"] / ms
     return out

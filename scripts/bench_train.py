@@ -4,8 +4,8 @@ Rows per variant: a plain PyTorch training loop (no Lightning: compiled step, fu
 tokens), and with --train-py `train.py` itself on the same model size (its steady-state tokens/s
 from results.json, Shakespeare tokens). The same model with torch SDPA (plain softmax) is the
 yardstick, in the same process. bf16 autocast, torch.compile(fullgraph=True) end to end;
---cuda-graphs replays the compiled step as CUDA graphs: the plain loop through torch.compile (mode
-reduce-overhead), train.py through train.cuda_graphs=step (its whole forward and backward as one graph).
+--eager adds the same loop without torch.compile; --cuda-graphs replays the compiled step as CUDA
+graphs: the plain loop through torch.compile (mode reduce-overhead), train.py through train.cuda_graphs=step (its whole forward and backward as one graph).
 
     python scripts/bench_train.py --model gpt2_small --batch 16 --out gpu_out/bench_train
     python scripts/bench_train.py --model small --vocab 2048 --batch 32 --train-py --cuda-graphs
@@ -61,8 +61,9 @@ def git_commit() -> str:
 
 
 def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, loss_in_graph: bool = True,
-               cuda_graphs: bool = False):
+               cuda_graphs: bool = False, eager: bool = False):
     """The compiled model and one full training step (forward, loss, backward, fused AdamW) on random tokens.
+    eager=True: the model as it is, without torch.compile (a notebook's or a variable-shape loop).
 
     loss_in_graph=False computes the loss outside the compiled graph, from fp32-upcast logits
     (how the trainer did it before; kept to measure the difference)."""
@@ -70,7 +71,7 @@ def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch:
     torch._dynamo.reset()
     cfg = GPTConfig(**model_cfg, attn=AttnConfig(name=variant, backend=backend, params=params))
     model = GPT(cfg).to(DEVICE)
-    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead" if cuda_graphs else None)
+    compiled = model if eager else torch.compile(model, fullgraph=True, mode="reduce-overhead" if cuda_graphs else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), device=DEVICE)
     inputs, targets = x[:, :-1], x[:, 1:]
@@ -123,21 +124,22 @@ def traced_timeline(step, steps: int = 10) -> str:
 
 
 def bench_case(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, steps: int, peak: float,
-               loss_in_graph: bool = True, cuda_graphs: bool = False, trace: bool = False):
-    model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph, cuda_graphs)
+               loss_in_graph: bool = True, cuda_graphs: bool = False, trace: bool = False, eager: bool = False):
+    model, step = build_step(model_cfg, variant, backend, params, batch, loss_in_graph, cuda_graphs, eager)
     cfg = model.cfg
     warm_up(step)
     frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     dt, loss = time_steps(step, steps)
     recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_before
     if trace:
-        print(f"[{variant}, plain loop, CUDA graphs {cuda_graphs}]" + traced_timeline(step), flush=True)
+        print(f"[{variant}, {'eager' if eager else 'plain'} loop, CUDA graphs {cuda_graphs}]" + traced_timeline(step),
+              flush=True)
     tps = batch * cfg.context / dt
     return {
         "variant": variant, "backend": backend, "ms_per_step": dt * 1e3, "tokens_per_s": tps,
         "mfu": tps * model.flops_per_token() / (peak * 1e12), "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else 0.0,
         "params_m": model.num_params() / 1e6, "loss": loss.item(), "new_graphs_while_timed": recompiles,
-        "loss_in_graph": loss_in_graph, "loop": "plain", "cuda_graphs": cuda_graphs,
+        "loss_in_graph": loss_in_graph, "loop": "eager" if eager else "plain", "cuda_graphs": cuda_graphs,
     }
 
 
@@ -232,7 +234,8 @@ def main():
     ap.add_argument("--loss-outside-graph", action="store_true",
                     help="compute the loss eagerly from fp32 logits (the trainer's former path), for comparison")
     ap.add_argument("--cuda-graphs", action="store_true", help="also every case with CUDA graphs (reduce-overhead)")
-    ap.add_argument("--no-default", action="store_true", help="with --cuda-graphs: only the CUDA-graph rows")
+    ap.add_argument("--no-default", action="store_true", help="with --cuda-graphs or --eager: only those rows")
+    ap.add_argument("--eager", action="store_true", help="also every case without torch.compile (loop 'eager')")
     ap.add_argument("--train-py", action="store_true", help="also train.py per case (needs hydra and the token cache)")
     ap.add_argument("--train-py-steps", type=int, default=80)
     ap.add_argument("--train-py-overrides", nargs="*", default=[], help="extra Hydra overrides for train.py")
@@ -246,21 +249,24 @@ def main():
         model_cfg["context"] = args.context
     wanted = set(args.variants.split(",")) if args.variants else None
     rows = []
-    modes = ([] if args.no_default else [False]) + ([True] if args.cuda_graphs else [])
+    modes = ([] if args.no_default else ["plain"]) + (["graphs"] if args.cuda_graphs else []) + (
+        ["eager"] if args.eager else [])
     for variant, backend, params in CASES:
         if wanted and backend != "sdpa" and variant not in wanted:
             continue
-        for graphs in modes:
+        for mode in modes:
+            graphs = mode == "graphs"
             try:
                 rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops,
                                        loss_in_graph=not args.loss_outside_graph, cuda_graphs=graphs,
-                                       trace=args.trace))
+                                       trace=args.trace, eager=mode == "eager"))
             except Exception as e:  # report and continue: one failing variant must not hide the others
                 rows.append({"variant": variant, "backend": backend, "cuda_graphs": graphs,
+                             "loop": "eager" if mode == "eager" else "plain",
                              "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
             write_report(args, model_cfg, rows)
-            if args.train_py:
+            if args.train_py and mode != "eager":
                 rows.append(train_py_case(args, model_cfg, variant, backend, params, graphs))
                 print(rows[-1], flush=True)
                 write_report(args, model_cfg, rows)
