@@ -1,8 +1,9 @@
 """Where a public `attn.attention` call's time goes on a GPU: host time, GPU time, launches, hot spots.
 
-For each variant at the public-path benchmark's call shape ((16,12,1024,64) causal bf16, fwd+bwd),
-eager and compiled (torch.compile(fullgraph=True) of the call alone), and for one decode step (one
-query against 4K keys), in one process beside SDPA:
+For each variant at the public-path benchmark's call shape ((16,12,1024,64) causal bf16; --call-shape
+sets another): fwd+bwd eager and compiled (torch.compile(fullgraph=True) of the call alone), the
+eager forward without gradient; and one decode step (one query against 4K keys); in one process
+beside SDPA:
 
   host us   wall time of 30 calls queued without a sync, per call: the host's own cost while the GPU
             keeps up (a call whose GPU work is longer than its host work fills the launch queue, and
@@ -12,7 +13,8 @@ query against 4K keys), in one process beside SDPA:
   launches  GPU kernels per call
   host ops  the CPU-side torch ops with the most own time per call (torch.profiler)
 
-With --python, cProfile of 200 eager calls per variant lists the Python functions by own time.
+With --python, cProfile of 200 eager fwd+bwd calls and decode steps per variant lists the Python
+functions by own time.
 
     python scripts/profile_public_call.py --out gpu_out/profile_public_call [--python]
 """
@@ -82,8 +84,7 @@ def measure(name: str, fn) -> dict:
     return row
 
 
-def call_cases():
-    b, h, n, d = 16, 12, 1024, 64
+def call_cases(b: int, h: int, n: int, d: int):
     x = tensors("softmax", b, n, h, d, True)
     do = torch.randn_like(x["q"])
     yield "call sdpa fwd+bwd", lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do), None
@@ -98,6 +99,7 @@ def call_cases():
         compiled = torch.compile(call, fullgraph=True)
         yield f"call {variant} eager fwd+bwd", (lambda call=call: call().backward(do)), variant
         yield f"call {variant} compiled fwd+bwd", (lambda compiled=compiled: compiled().backward(do)), None
+        yield f"call {variant} eager fwd", (lambda call=call: call()), None
 
 
 def decode_cases():
@@ -108,7 +110,7 @@ def decode_cases():
         spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
         xv = tensors(variant, b, 1, h, d, False, kv=cache)
         yield f"decode {variant}", (lambda xv=xv, spec=spec: attn.attention(
-            xv["q"], xv["k"], xv["v"], spec, causal=True, extra=xv["extra"])), None
+            xv["q"], xv["k"], xv["v"], spec, causal=True, extra=xv["extra"])), variant
 
 
 def python_profile(fn, calls: int = 200, top: int = 25) -> str:
@@ -128,13 +130,18 @@ def python_profile(fn, calls: int = 200, top: int = 25) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_out/profile_public_call")
-    ap.add_argument("--python", action="store_true", help="cProfile of eager fwd+bwd calls per variant")
+    ap.add_argument("--python", action="store_true", help="cProfile of eager fwd+bwd calls and decode steps per variant")
+    ap.add_argument("--call-shape", default="16,12,1024,64", help="B,H,N,D of the call rows")
+    ap.add_argument("--only", default="call,decode", help="comma list of call, decode")
     args = ap.parse_args()
+    shape = tuple(int(x) for x in args.call_shape.split(","))
+    only = args.only.split(",")
+    cases = [*(call_cases(*shape) if "call" in only else ()), *(decode_cases() if "decode" in only else ())]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, texts = [], {}
-    for name, fn, variant in [*call_cases(), *decode_cases()]:
-        with torch.no_grad() if name.startswith("decode") else torch.enable_grad():
+    for name, fn, variant in cases:
+        with torch.no_grad() if name.startswith("decode") or name.endswith(" fwd") else torch.enable_grad():
             rows.append(measure(name, fn))
             if args.python and variant is not None:
                 texts[name] = python_profile(fn)
