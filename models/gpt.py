@@ -188,11 +188,10 @@ class KVCache:
         return slot["k"], slot["v"]
 
 
-def _qk_normalize(x: torch.Tensor, kind: str, norm: nn.Module | None) -> torch.Tensor:
+def _qk_normalize(x: torch.Tensor, kind: str | None) -> torch.Tensor:
+    """The parameter-free QK-norms ("l2", or none); "rms" is Attention.rms_normalize_heads."""
     if kind == "l2":
         return F.normalize(x, dim=-1)
-    if kind == "rms":
-        return norm(x)
     return x
 
 
@@ -264,24 +263,31 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.qkv(x)
-        if self.qk_norm != "rms":
-            # every q and k head at once (one norm, one RoPE, one cast instead of one per view and
-            # kind: an eager step and a decode step are host-bound, so op counts count), since the
-            # parameter-free per-head norm and RoPE act on each head alike and the views lie side
-            # by side, q then k; q and k are then views into one tensor (the kernels take strides)
-            v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
-            heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
-            heads = self.rotate(_qk_normalize(heads, self.qk_norm, None), offset).to(v.dtype)
-            views = heads.split([h, h_kv] * self.views, dim=2)
-            return list(views[0::2]), list(views[1::2]), v
-        parts = qkv.split([q_dim, kv_dim] * self.views + [kv_dim], dim=-1)
-        qs = [p.view(b, n, h, d) for p in parts[0:-1:2]]
-        ks = [p.view(b, n, h_kv, d) for p in parts[1:-1:2]]
-        v = parts[-1].view(b, n, h_kv, d)
+        # every q and k head at once (one norm, one RoPE, one cast instead of one per view and
+        # kind: an eager step and a decode step are host-bound, so op counts count), since the
+        # per-head norm and RoPE act on each head alike and the views lie side by side, q then k;
+        # q and k are then views into one tensor (the kernels take strides)
+        v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
+        heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
+        if self.qk_norm == "rms":
+            heads = self.rms_normalize_heads(heads)
+        else:
+            heads = _qk_normalize(heads, self.qk_norm)
         # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
-        qs = [self.rotate(_qk_normalize(q, self.qk_norm, self.q_norm), offset).to(v.dtype) for q in qs]
-        ks = [self.rotate(_qk_normalize(k, self.qk_norm, self.k_norm), offset).to(v.dtype) for k in ks]
-        return qs, ks, v
+        heads = self.rotate(heads, offset).to(v.dtype)
+        views = heads.split([h, h_kv] * self.views, dim=2)
+        return list(views[0::2]), list(views[1::2]), v
+
+    def rms_normalize_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of every q and k head of `heads` (B, N, views (H + H_kv), D) in one fused fp32 norm,
+        then each head scaled by its kind's weight (q_norm's or k_norm's): what q_norm and k_norm
+        compute (their eps; None is fp32's machine epsilon, the norm's compute type for 16-bit
+        inputs too), without rounding the normalized heads to 16 bits before the weight."""
+        h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
+        weight = torch.cat([self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(h_kv, d)])
+        if self.views > 1:
+            weight = weight.repeat(self.views, 1)
+        return F.rms_norm(heads.float(), (d,), None, self.q_norm.eps) * weight.float()
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,

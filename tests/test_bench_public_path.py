@@ -26,7 +26,7 @@ def test_ratios_put_each_row_against_its_yardstick():
 
 
 def test_a_row_slower_than_the_baseline_beyond_its_suites_allowance_fails():
-    baseline = {"best": dict(ROWS)}
+    baseline = {"best": dict(ROWS), "meta": {"host_timing": bp.HOST_TIMING}}
     assert bp.compare(ROWS, {}, baseline, 0.08, 0.30) == []
     slower = {**ROWS, "kernels threshold fwd": 0.48 * 1.09, "ranker segments fwd": 0.70 * 1.07,
               "decode threshold": 0.10 * 1.25}
@@ -36,6 +36,13 @@ def test_a_row_slower_than_the_baseline_beyond_its_suites_allowance_fails():
     failures = bp.compare({**ROWS, "decode threshold": 0.10 * 1.31}, {}, baseline, 0.08, 0.30)
     assert len(failures) == 1 and failures[0].startswith("REGRESSION decode threshold")
     assert bp.compare({**ROWS, "a new row": 9.0}, {}, baseline, 0.08, 0.30) == []  # rows the baseline lacks pass
+
+
+def test_host_bound_rows_timed_another_way_are_not_compared():
+    baseline = {"best": dict(ROWS), "meta": {"host_timing": "do_bench"}}
+    slower = {name: ms * 2 for name, ms in ROWS.items()}
+    failures = bp.compare(slower, {}, baseline, 0.08, 0.30)
+    assert failures and all(f.split(" ")[1] in ("ranker", "kernels") for f in failures)
 
 
 def test_baselines_are_named_after_the_gpu():
