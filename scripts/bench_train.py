@@ -189,7 +189,8 @@ def write_report(args, model_cfg, rows):
         "loss_in_graph": not args.loss_outside_graph,
     }
     lines = [
-        f"# Training throughput: {args.model}, batch {args.batch} x {model_cfg['context']}, bf16, compiled"
+        f"# Training throughput: {args.model}, batch {args.batch} x {model_cfg['context']}, bf16"
+        + (", compiled" if any(r.get("loop", "plain") != "eager" for r in rows) else ", eager")
         + ("" if meta["loss_in_graph"] else ", loss outside the compiled graph"),
         "", f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']}", "",
         "| variant | backend | loop | CUDA graphs | ms/step | tokens/s | vs SDPA (same loop) | vs plain loop (same variant) | MFU | peak mem GB | graphs compiled while timed |",
