@@ -15,10 +15,11 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             (ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
             (probe_warp_specialize.py); the public function as users call it (bench_public_path.py),
-            failing on a regression against docs/results/baselines/<GPU>.json
+            failing on a regression against docs/results/baselines/<GPU>.json; where a public call's
+            time goes (profile_public_call.py)
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
-            variant against SDPA; two deterministic runs bitwise equal, the captured step bitwise
-            the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
+            variant against SDPA, the loop at `small` without torch.compile per variant; two
+            deterministic runs bitwise equal, the captured step bitwise the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
             (check_host_syncs.py); kernel time per category (profile_train_step.py); host time per
             Lightning hook (profile_train_loop.py)
   decode    bench_decode.py: one decode step against SDPA on 4K / 32K caches, generation tokens/s
@@ -122,6 +123,9 @@ PHASES: dict[str, list[Step]] = {
         # what users of the public function feel, against the committed baseline of this GPU kind:
         # fails on a row slower than the baseline beyond the measured noise (the regression gate)
         Step("public", 420, (PY, "scripts/bench_public_path.py", "--baseline", "auto", "--out", "{dir}/public_path")),
+        # where a public call's time goes: host and GPU time, launches, host ops, cProfile per variant
+        Step("profile_call", 200, (PY, "scripts/profile_public_call.py", "--python",
+                                   "--out", "{dir}/profile_public_call")),
         # the opt-in kernel options against the defaults, one process per case
         Step("options", 450, (PY, "scripts/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
                               "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
@@ -153,6 +157,9 @@ PHASES: dict[str, list[Step]] = {
                                                            "--out", "{dir}/bench_train")),
         Step("gpt2_small_others", 300, bench_train(*GPT2_SMALL, "--variants", "threshold,diff_threshold,sigmoid",
                                                    "--out", "{dir}/bench_train")),
+        # the plain loop without torch.compile (notebooks, variable shapes), every variant against SDPA
+        Step("small_eager", 240, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
+                                             "--eager", "--no-default", "--out", "{dir}/bench_train_small_eager")),
         Step("profile_step", 220, (PY, "scripts/profile_train_step.py", "--cases", "sdpa:16,triton:16",
                                    "--out", "{dir}/profile_train_step")),
         Step("profile_loop", 150, (PY, "scripts/profile_train_loop.py", "--python-steps", "60:70", "--out", "{dir}",
