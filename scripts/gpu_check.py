@@ -19,7 +19,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             time goes (profile_public_call.py)
   train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA, the loop at `small` without torch.compile per variant; two
-            deterministic runs bitwise equal, the captured step bitwise the eager step (check_train_determinism.py); no host-device sync inside train.py's steps
+            deterministic runs bitwise equal, the captured step bitwise the eager step
+            (check_train_determinism.py); no host-device sync inside train.py's steps
             (check_host_syncs.py); kernel time per category (profile_train_step.py); host time per
             Lightning hook (profile_train_loop.py)
   decode    bench_decode.py: one decode step against SDPA on 4K / 32K caches, generation tokens/s
