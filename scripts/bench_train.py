@@ -5,7 +5,8 @@ tokens), and with --train-py `train.py` itself on the same model size (its stead
 from results.json, Shakespeare tokens). The same model with torch SDPA (plain softmax) is the
 yardstick, in the same process. bf16 autocast, torch.compile(fullgraph=True) end to end;
 --eager adds the same loop without torch.compile; --cuda-graphs replays the compiled step as CUDA
-graphs: the plain loop through torch.compile (mode reduce-overhead), train.py through train.cuda_graphs=step (its whole forward and backward as one graph).
+graphs: the plain loop through torch.compile (mode reduce-overhead), train.py through
+train.cuda_graphs=step (its whole forward and backward as one graph).
 
     python scripts/bench_train.py --model gpt2_small --batch 16 --out gpu_out/bench_train
     python scripts/bench_train.py --model small --vocab 2048 --batch 32 --train-py --cuda-graphs

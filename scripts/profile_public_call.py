@@ -22,10 +22,7 @@ functions by own time.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -37,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attn  # noqa: E402
+from bench_attention_call import profile_host  # noqa: E402
 from bench_public_path import CALL_VARIANTS, DECODE_VARIANTS, PARAMS, sdpa, tensors  # noqa: E402
 
 QUEUED_CALLS = 30
@@ -113,24 +111,11 @@ def decode_cases():
             xv["q"], xv["k"], xv["v"], spec, causal=True, extra=xv["extra"])), variant
 
 
-def python_profile(fn, calls: int = 200, top: int = 25) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
-    out.write(f"{stats.total_calls / calls:.0f} Python calls per call\n")
-    stats.sort_stats("tottime").print_stats(top)
-    return out.getvalue()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_out/profile_public_call")
-    ap.add_argument("--python", action="store_true", help="cProfile of eager fwd+bwd calls and decode steps per variant")
+    ap.add_argument("--python", action="store_true",
+                    help="cProfile of eager fwd+bwd calls and decode steps per variant")
     ap.add_argument("--call-shape", default="16,12,1024,64", help="B,H,N,D of the call rows")
     ap.add_argument("--only", default="call,decode", help="comma list of call, decode")
     args = ap.parse_args()
@@ -144,7 +129,7 @@ def main() -> int:
         with torch.no_grad() if name.startswith("decode") or name.endswith(" fwd") else torch.enable_grad():
             rows.append(measure(name, fn))
             if args.python and variant is not None:
-                texts[name] = python_profile(fn)
+                texts[name] = profile_host(fn, name, iters=200, top=25)
         (out / "profile_public_call.json").write_text(json.dumps(rows, indent=1))
     for name, text in texts.items():
         (out / f"python_{name.replace(' ', '_').replace('+', '')}.txt").write_text(text)
