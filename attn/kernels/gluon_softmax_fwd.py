@@ -133,15 +133,17 @@ def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k
     gl.thread_barrier()  # the warpgroup's 4 warps have read the K slot before it is handed back
     mbarrier.arrive(k_empty.index(s))
 
-    z = qk * qk_scale  # log2 units
     if MASKED:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = gl.expand_dims(offs_n < kv_len, 0)
         if CAUSAL:
             visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(pos_m, 1))
-        z = gl.where(visible, z, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(z, axis=1))  # m_i starts finite: alpha never NaN
-    p = gl.exp2(z - gl.expand_dims(m_new, 1))
+        qk = gl.where(visible, qk, -float("inf"))
+    # the scale folded into one FFMA per score: qk_scale > 0, so max(qk) * qk_scale is max(qk * qk_scale)
+    # exactly (rounding is monotone) and -inf stays -inf; m is in log2 units, m_i starts finite (alpha
+    # never NaN, and a row with no visible key keeps m finite and p = exp2(-inf) = 0)
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
