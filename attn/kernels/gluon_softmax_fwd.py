@@ -112,7 +112,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 @gluon.jit
 def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   pos_m, kv_len, qk_scale,
+                   last_key, kv_len, qk_scale,
                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """Key block j: S = Q K^T (async wgmma), online softmax, O += P V (async wgmma, P in registers)."""
@@ -133,15 +133,18 @@ def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k
     gl.thread_barrier()  # the warpgroup's 4 warps have read the K slot before it is handed back
     mbarrier.arrive(k_empty.index(s))
 
-    z = qk * qk_scale  # log2 units
     if MASKED:
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = gl.expand_dims(offs_n < kv_len, 0)
-        if CAUSAL:
-            visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(pos_m, 1))
-        z = gl.where(visible, z, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(z, axis=1))  # m_i starts finite: alpha never NaN
-    p = gl.exp2(z - gl.expand_dims(m_new, 1))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if CAUSAL:  # key < kv_len and key <= row position in one compare per score
+            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - j * BLOCK_N, 1)
+        else:
+            visible = gl.expand_dims(cols < kv_len - j * BLOCK_N, 0)
+        qk = gl.where(visible, qk, -float("inf"))
+    # the scale folded into one FFMA per score: qk_scale > 0, so max(qk) * qk_scale is max(qk * qk_scale)
+    # exactly (rounding is monotone) and -inf stays -inf; m is in log2 units, m_i starts finite (alpha
+    # never NaN, and a row with no visible key keeps m finite and p = exp2(-inf) = 0)
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -168,7 +171,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    pos_m = m0 + (kv_len - q_len) + gl.arange(0, BLOCK_M, layout=row_layout)
+    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
+    last_key = gl.minimum(m0 + (kv_len - q_len) + gl.arange(0, BLOCK_M, layout=row_layout), kv_len - 1)
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -176,11 +180,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     mbarrier.wait(q_bar, 0)
     for j in range(0, n_full):
         acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, pos_m, kv_len, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N,
+                                       v_empty, last_key, kv_len, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N,
                                        HEAD_DIM, STAGES, NUM_WARPS_C)
     for j in range(n_full, n_tiles):
         acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, pos_m, kv_len, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N,
+                                       v_empty, last_key, kv_len, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N,
                                        HEAD_DIM, STAGES, NUM_WARPS_C)
 
     seen = l_i != 0.0  # a row that saw no key has l = 0 exactly
@@ -312,8 +316,8 @@ def _check(q, k, v, sm_scale, causal):
         raise ValueError(f"gluon softmax forward: H ({h}) must be a multiple of H_kv ({h_kv})")
     if n == 0 or k.shape[1] == 0:
         raise ValueError(f"gluon softmax forward: N and KV must be positive, got N={n}, KV={k.shape[1]}")
-    if not math.isfinite(float(sm_scale)):
-        raise ValueError(f"gluon softmax forward: sm_scale must be finite, got {sm_scale}")
+    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):  # the kernel's max of raw scores needs scale > 0
+        raise ValueError(f"gluon softmax forward: sm_scale must be > 0 and finite, got {sm_scale}")
     if not isinstance(causal, bool):
         raise ValueError(f"gluon softmax forward: causal must be a bool, got {causal!r}")
 
