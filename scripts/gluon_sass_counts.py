@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sass_listing import cuobjdump, innermost_loops, markdown_table, opcode_category, parse_sass  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[1] / "attn" / "kernels" / "gluon_softmax_fwd.py"
 CATEGORIES = [  # (column, opcode prefixes), first match wins
@@ -41,9 +43,15 @@ CATEGORIES = [  # (column, opcode prefixes), first match wins
 ]
 COLUMNS = ["config", "loop", "instr", "per_score", "hgmma", "mufu", "ffma", "fmul", "fadd", "other_fp", "int", "sync",
            "mem", "other", "regs", "spills"]
-LINE_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-BRANCH_RE = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
 
+
+
+def category(ins: str) -> str:
+    return opcode_category(ins, CATEGORIES)
+
+
+def hgmma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
+    return innermost_loops(instrs, lambda ins: ins.startswith("HGMMA"))
 
 def load_kernel_module(path: Path = KERNEL):
     """The kernel module, loaded from its file without importing the `attn` package (and torch)."""
@@ -53,26 +61,6 @@ def load_kernel_module(path: Path = KERNEL):
     return module
 
 
-def category(ins: str) -> str:
-    op = ins.split()[0]
-    return next((col for col, prefixes in CATEGORIES if op.startswith(prefixes)), "other")
-
-
-def parse_sass(text: str) -> list[tuple[int, str]]:
-    """[(address, instruction without its predicate)]."""
-    return [(int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))) for m in LINE_RE.finditer(text)]
-
-
-def hgmma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
-    """Bodies of the innermost loops (a branch back to a lower address) that hold HGMMA, in address order."""
-    spans = []
-    for addr, ins in instrs:
-        m = BRANCH_RE.search(ins)
-        if m and int(m.group(1), 16) <= addr:
-            spans.append((int(m.group(1), 16), addr))
-    inner = sorted(s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans))
-    bodies = [[ins for addr, ins in instrs if lo <= addr <= hi] for lo, hi in inner]
-    return [body for body in bodies if any(ins.startswith("HGMMA") for ins in body)]
 
 
 def is_masked(body: list[str]) -> bool:
@@ -86,14 +74,6 @@ def loop_counts(body: list[str], block_n: int) -> dict:
     return {**row, "instr": len(body), "per_score": round(len(body) * 32 * 4 / (64 * block_n), 2)}
 
 
-def cuobjdump(cubin: bytes, *flags: str) -> str:
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, f.name], check=True, capture_output=True,
-                              text=True).stdout
 
 
 def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None) -> list[dict]:
@@ -119,12 +99,6 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +116,7 @@ def main(argv=None) -> int:
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
     rows = [row for d in args.head_dim for c in args.causal for row in count(module, d, bool(c), args.dtype, args.sass)]
-    print(table(rows))
+    print(markdown_table(rows, COLUMNS))
     return 0
 
 

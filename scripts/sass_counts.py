@@ -28,20 +28,20 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attn.families import family_of  # noqa: E402
 from attn.kernels import runtime  # noqa: E402
 from attn.masks import CANDIDATE, HISTORY, MaskSpec  # noqa: E402
 from attn.registry import VARIANTS  # noqa: E402
+from sass_listing import cuobjdump, innermost_loops, markdown_table, opcode_category, parse_sass  # noqa: E402
 
 FAMILY_DEFAULT_VARIANT = {"softmax": "softmax", "threshold": "threshold", "sigmoid": "sigmoid"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,13 +60,19 @@ CATEGORIES = [  # (column, opcode prefixes), first match wins
     ("int_addr", ("IMAD", "IADD", "LEA", "LOP", "SHF", "ISETP", "SEL", "MOV", "IMNMX", "PRMT", "VIADD", "S2R", "CS2R",
                   "I2F", "F2I", "IABS", "POPC", "FLO", "PLOP3", "P2R", "R2P", "U", "LDC", "S2UR", "R2UR", "VOTE")),
 ]
-LINE_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-BRANCH_RE = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
 
 
 # --mask: causal (default), full, or the ranker layout (first half history, second half candidates)
 MASKS = {"causal": MaskSpec(causal=True), "full": MaskSpec(causal=False), "ranker": MaskSpec(causal=False)}
 
+
+
+def category(ins: str) -> str:
+    return opcode_category(ins, CATEGORIES)
+
+
+def mma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
+    return innermost_loops(instrs, lambda ins: category(ins) == "tc")
 
 def mask_inputs(mask: str, batch: int, n: int) -> tuple[MaskSpec, torch.Tensor | None]:
     """(MaskSpec, segment ids or None) of a --mask name."""
@@ -130,36 +136,12 @@ def compile_for(kernel, tensors, scalars, meta, cfg, arch: int):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
-def cuobjdump(cubin: bytes, *flags: str) -> str:
-    from triton import knobs
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, f.name], check=True, capture_output=True,
-                              text=True).stdout
 
 
-def parse_sass(text: str) -> list[tuple[int, str]]:
-    """[(address, instruction without its predicate)]."""
-    return [(int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))) for m in LINE_RE.finditer(text)]
 
 
-def mma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
-    """Bodies of the innermost loops (backward branch to a lower address) holding tensor-core instructions."""
-    spans = []
-    for addr, ins in instrs:
-        m = BRANCH_RE.search(ins)
-        if m and int(m.group(1), 16) <= addr:
-            spans.append((int(m.group(1), 16), addr))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
-    bodies = [[ins for addr, ins in instrs if lo <= addr <= hi] for lo, hi in inner]
-    return [body for body in bodies if any(category(ins) == "tc" for ins in body)]
 
 
-def category(ins: str) -> str:
-    op = ins.split()[0]
-    return next((col for col, prefixes in CATEGORIES if op.startswith(prefixes)), "other")
 
 
 def mma_flops(ins: str) -> float:
@@ -224,16 +206,6 @@ def kernel_rows(variant: str, kinds, shape, dtype, arch: int, config_index: int,
     return rows
 
 
-def fmt(value) -> str:
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,7 +235,7 @@ def main(argv=None) -> int:
     overrides = {k: int(v) for k, v in (item.split("=", 1) for item in args.meta)}
     rows = [row for v in variants for row in kernel_rows(v, args.kernel, shape, DTYPES[args.dtype], args.arch,
                                                          args.config, args.sass, tiles, overrides, args.mask)]
-    print(table(rows))
+    print(markdown_table(rows, COLUMNS))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
