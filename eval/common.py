@@ -543,11 +543,6 @@ def iter_runs(cfg: DictConfig, device: torch.device) -> Iterable[LoadedRun]:
         yield load_run(path, device=device, backend=cfg.get("backend"))
 
 
-def require_ckpt(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "ckpt") or not cfg.ckpt:
-        raise ValueError("ckpt=... is required: a checkpoint file, a run directory or a folder of runs")
-
-
 class DataModuleCache:
     """One data module per distinct data config: a sweep's runs share their data, load it once."""
 
@@ -608,15 +603,3 @@ def versions() -> dict:
         ).stdout.strip() or None
     return info
 
-
-@contextlib.contextmanager
-def clean_errors():
-    """Command-line use: a user error (missing file, incompatible checkpoint, bad option) prints
-    one clear line and exits with status 2 instead of a traceback."""
-    try:
-        yield
-    except (FileNotFoundError, ValueError) as e:
-        import sys
-
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

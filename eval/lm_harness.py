@@ -49,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.sources import DOCUMENT_SEPARATOR
 from data.tokenizers import END_OF_TEXT, Tokenizer
-from eval import common
+from eval import command_line, common
 from eval.perplexity import score_tokens
 from models.gpt import GPT
 
@@ -360,7 +360,7 @@ def hub_tasks_missing_offline(tasks: Sequence[str], include_path: str | None) ->
 
 def run_lm_harness(cfg: DictConfig) -> dict:
     """Evaluate the one checkpoint named by cfg.ckpt on cfg.tasks; returns the result (also written as JSON)."""
-    common.require_ckpt(cfg)
+    command_line.require_ckpt(cfg)
     tasks = check_options(cfg)
     if LM is None:
         raise ValueError('eval.lm_harness needs lm-evaluation-harness, the eval extra: pip install ".[eval]"')
@@ -416,9 +416,9 @@ def run_lm_harness(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/lm_harness")
 def main(cfg: DictConfig) -> None:
-    with common.clean_errors():
+    with command_line.clean_errors():
         run_lm_harness(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    command_line.run(main)
