@@ -120,7 +120,7 @@ def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict, images: l
         "attention/per_head": wandb.Table(columns=["metric", "layer", "head", "value"], data=rows),
         **{f"attention/heatmap/{p.name.split('.')[-2]}": wandb.Image(str(p)) for p in images},
     })
-    wb.finish()
+    common.finish_wandb(wb)
 
 
 def run_attention_stats(cfg: DictConfig) -> list[dict]:

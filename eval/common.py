@@ -38,6 +38,7 @@ from data.atomic import temp_file_beside
 from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
 from training.checkpoint_io import load_checkpoint
 from training.config_dir import CONFIG_DIR  # absolute: the entry points find it however they are started
+from training.quiet_logs import wandb_init_settings, where_wandb_keeps
 from models.gpt import GPT, GPTConfig
 from models.lit import gpt_config_from_dict
 
@@ -531,7 +532,15 @@ def start_wandb(run: LoadedRun, cfg: DictConfig, job_type: str, extra_config: di
         dir=str(save_dir),
         mode="offline" if offline else "online",
         config={"eval": extra_config or {}, "model": run.describe()},
+        **wandb_init_settings(),
     )
+
+
+def finish_wandb(wb) -> None:
+    """End an eval's wandb run (start_wandb) with one line saying where it is (wandb's own run
+    summary block prints only with -v)."""
+    wb.finish()
+    log.info("logged to %s", where_wandb_keeps(wb))
 
 
 def iter_runs(cfg: DictConfig, device: torch.device) -> Iterable[LoadedRun]:

@@ -253,7 +253,7 @@ def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict) -> None:
     for r in result["results"]:
         for key in ("nats_per_token", "ppl", "bpb"):
             wb.summary[f"eval/{split}/{key}@{r['context']}"] = r[key]
-    wb.finish()
+    common.finish_wandb(wb)
 
 
 def run_perplexity(cfg: DictConfig) -> list[dict]:
