@@ -36,6 +36,7 @@ JSON only, and checks the rebuilt tokenizer's hash. Checkpoints and export folde
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -393,7 +394,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> 
 
 def _train_texts(source: Source, max_bytes: int | None) -> Iterator[str]:
     """Train-split documents as they appear in the token stream (with the separator), up
-    to `max_bytes` of UTF-8 (None: all)."""
+    to `max_bytes` of UTF-8 (None: all). The first document is read before this returns: a
+    source's first use (a download with pip's or the Hub's output, its log lines) comes before
+    the tokenizer trainer draws its progress bar, not inside it."""
+    texts = _train_text_stream(source, max_bytes)
+    first = next(texts, None)
+    return texts if first is None else itertools.chain([first], texts)
+
+
+def _train_text_stream(source: Source, max_bytes: int | None) -> Iterator[str]:
     seen = 0
     for document in source.documents("train"):
         text = document + source.separator

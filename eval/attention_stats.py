@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from eval import common
+from eval import command_line, common
 from data.progress import tracked
 from models.attention_diagnostics import METRICS, attention_statistics, plot_heatmaps, window_starts
 
@@ -120,11 +120,11 @@ def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict, images: l
         "attention/per_head": wandb.Table(columns=["metric", "layer", "head", "value"], data=rows),
         **{f"attention/heatmap/{p.name.split('.')[-2]}": wandb.Image(str(p)) for p in images},
     })
-    wb.finish()
+    common.finish_wandb(wb)
 
 
 def run_attention_stats(cfg: DictConfig) -> list[dict]:
-    common.require_ckpt(cfg)
+    command_line.require_ckpt(cfg)
     if cfg.split not in ("train", "val", "test"):
         raise ValueError(f"split must be one of train, val, test; got {cfg.split!r}")
     device = common.pick_device(cfg.device)
@@ -150,9 +150,9 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/attention_stats")
 def main(cfg: DictConfig) -> None:
-    with common.clean_errors():
+    with command_line.clean_errors():
         run_attention_stats(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    command_line.run(main)

@@ -1,6 +1,7 @@
-"""`attnlab-eval <command> [key=value ...]`: the eval commands of an installed attnlab, the same as
-`python -m eval.<command> [key=value ...]` in a clone. A command is a module of this package that
-has its own config, configs/eval/<command>.yaml (common.yaml holds what the commands share)."""
+"""`attnlab-eval <command> [-v] [key=value ...]`: the eval commands of an installed attnlab, the same as
+`python -m eval.<command> [-v] [key=value ...]` in a clone (-v: verbose, eval/command_line.py). A
+command is a module of this package that has its own config, configs/eval/<command>.yaml (common.yaml
+holds what the commands share)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
+from eval import command_line
 from training.config_dir import CONFIG_DIR
 
 
@@ -21,7 +23,7 @@ def commands() -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     names = commands()
-    usage = f"usage: attnlab-eval {{{','.join(names)}}} [key=value ...]  (attnlab-eval <command> --help: its options)"
+    usage = f"usage: attnlab-eval {{{','.join(names)}}} [-v] [key=value ...]  (attnlab-eval <command> --help: its options)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         sys.exit(0 if argv else 2)
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     # the command's Hydra app reads its overrides from sys.argv, as under python -m eval.<command>
     sys.argv = [sys.argv[0], *rest]
-    importlib.import_module(f"eval.{name}").main()
+    command_line.run(importlib.import_module(f"eval.{name}").main)
 
 
 if __name__ == "__main__":

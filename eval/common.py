@@ -38,6 +38,7 @@ from data.atomic import temp_file_beside
 from data.tokenizers import Tokenizer, describe_tokenizer, tokenizer_from_record
 from training.checkpoint_io import load_checkpoint
 from training.config_dir import CONFIG_DIR  # absolute: the entry points find it however they are started
+from training.quiet_logs import wandb_init_settings, where_wandb_keeps
 from models.gpt import GPT, GPTConfig
 from models.lit import gpt_config_from_dict
 
@@ -531,7 +532,15 @@ def start_wandb(run: LoadedRun, cfg: DictConfig, job_type: str, extra_config: di
         dir=str(save_dir),
         mode="offline" if offline else "online",
         config={"eval": extra_config or {}, "model": run.describe()},
+        **wandb_init_settings(),
     )
+
+
+def finish_wandb(wb) -> None:
+    """End an eval's wandb run (start_wandb) with one line saying where it is (wandb's own run
+    summary block prints only with -v)."""
+    wb.finish()
+    log.info("logged to %s", where_wandb_keeps(wb))
 
 
 def iter_runs(cfg: DictConfig, device: torch.device) -> Iterable[LoadedRun]:
@@ -541,11 +550,6 @@ def iter_runs(cfg: DictConfig, device: torch.device) -> Iterable[LoadedRun]:
         raise ValueError(f"out= names one file but ckpt= gives {len(paths)} checkpoints; leave out= unset")
     for path in paths:
         yield load_run(path, device=device, backend=cfg.get("backend"))
-
-
-def require_ckpt(cfg: DictConfig) -> None:
-    if OmegaConf.is_missing(cfg, "ckpt") or not cfg.ckpt:
-        raise ValueError("ckpt=... is required: a checkpoint file, a run directory or a folder of runs")
 
 
 class DataModuleCache:
@@ -608,15 +612,3 @@ def versions() -> dict:
         ).stdout.strip() or None
     return info
 
-
-@contextlib.contextmanager
-def clean_errors():
-    """Command-line use: a user error (missing file, incompatible checkpoint, bad option) prints
-    one clear line and exits with status 2 instead of a traceback."""
-    try:
-        yield
-    except (FileNotFoundError, ValueError) as e:
-        import sys
-
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizers import END_OF_TEXT, Tokenizer, tokenizer_from_record, tokenizer_record
-from eval import common
+from eval import command_line, common
 from models.gpt import GPT, GPTConfig
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "models" / "modeling_attnlab.py"
@@ -202,7 +202,7 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
 
 def run_export(cfg: DictConfig) -> Path:
     """Export the one checkpoint named by cfg.ckpt into cfg.out; returns the folder."""
-    common.require_ckpt(cfg)
+    command_line.require_ckpt(cfg)
     out = _check_out_dir(cfg)
     paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
     if len(paths) != 1:
@@ -217,9 +217,9 @@ def run_export(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/export")
 def main(cfg: DictConfig) -> None:
-    with common.clean_errors():
+    with command_line.clean_errors():
         run_export(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    command_line.run(main)

@@ -23,7 +23,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from eval import common
+from eval import command_line, common
 
 log = logging.getLogger("attnlab.eval.generate")
 
@@ -74,7 +74,7 @@ def sample(run: common.LoadedRun, tokenizer, cfg: DictConfig, device: torch.devi
 
 
 def run_generate(cfg: DictConfig) -> list[str]:
-    common.require_ckpt(cfg)
+    command_line.require_ckpt(cfg)
     check_options(cfg)
     device = common.pick_device(cfg.device)
     paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
@@ -106,9 +106,9 @@ def run_generate(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/generate")
 def main(cfg: DictConfig) -> None:
-    with common.clean_errors():
+    with command_line.clean_errors():
         run_generate(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    command_line.run(main)

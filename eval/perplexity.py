@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from eval import common
+from eval import command_line, common
 from data.progress import progress_bar
 
 log = logging.getLogger("attnlab.eval.perplexity")
@@ -253,12 +253,12 @@ def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict) -> None:
     for r in result["results"]:
         for key in ("nats_per_token", "ppl", "bpb"):
             wb.summary[f"eval/{split}/{key}@{r['context']}"] = r[key]
-    wb.finish()
+    common.finish_wandb(wb)
 
 
 def run_perplexity(cfg: DictConfig) -> list[dict]:
     """Evaluate every checkpoint named by cfg.ckpt; returns the results (also written as JSON)."""
-    common.require_ckpt(cfg)
+    command_line.require_ckpt(cfg)
     if cfg.split not in ("train", "val", "test"):
         raise ValueError(f"split must be one of train, val, test; got {cfg.split!r}")
     if cfg.max_tokens is not None and (not isinstance(cfg.max_tokens, int) or cfg.max_tokens < 2):
@@ -284,9 +284,9 @@ def run_perplexity(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path=common.CONFIG_DIR, config_name="eval/perplexity")
 def main(cfg: DictConfig) -> None:
-    with common.clean_errors():
+    with command_line.clean_errors():
         run_perplexity(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    command_line.run(main)

@@ -543,6 +543,34 @@ def test_a_tokenizer_another_process_trained_while_we_waited_is_reused(tmp_path,
     assert build_tokenizer(cfg, source, tmp_path).hash == other.hash
 
 
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_the_source_is_read_before_the_tokenizer_trainer_starts(kind, tmp_path, monkeypatch):
+    """A source's first read (a first run's download, with pip's output and log lines) happens before
+    the trainer starts and draws its progress bar, not while the bar is drawn."""
+    source = _three_file_text_source(tmp_path, "abc train text\n" * 4, "val text\n", "test text\n")
+    events = []
+    documents = source.documents
+
+    def first_read_noted(split):
+        for index, document in enumerate(documents(split)):
+            if index == 0:
+                events.append("source read")
+            yield document
+
+    def noting_the_start(train):
+        def trainer(texts, *args, **kwargs):
+            events.append("trainer starts")
+            return train(list(texts), *args, **kwargs)
+        return trainer
+
+    monkeypatch.setattr(source, "documents", first_read_noted)
+    monkeypatch.setattr(tokenizers_module, "train_bpe", noting_the_start(tokenizers_module.train_bpe))
+    fit = noting_the_start(CharTokenizer.fit)
+    monkeypatch.setattr(CharTokenizer, "fit", classmethod(lambda cls, texts: fit(texts)))
+    build_tokenizer({"kind": kind, "vocab_size": 300} if kind == "bpe" else {"kind": kind}, source, tmp_path)
+    assert events == ["source read", "trainer starts"]
+
+
 def test_bpe_sees_only_train_works(sdist, tmp_path, monkeypatch):
     seen = []
     real = tokenizers_module.train_bpe

@@ -169,7 +169,7 @@ def test_eval_generate_ends_a_sample_at_the_end_of_text_token(tmp_path, monkeypa
 
 
 def test_lm_harness_conditions_empty_contexts_on_the_end_of_text_token():
-    from eval.lm_harness import HarnessScorer
+    from eval.harness_model import HarnessScorer
 
     tok = train_bpe(DOCUMENTS, vocab_size=300)
     scorer = HarnessScorer(tiny_gpt(tok.vocab_size), tok)

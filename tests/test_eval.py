@@ -5,8 +5,10 @@ distributions; the commands run end to end on a real (tiny) training run made by
 """
 
 import json
+import logging
 import math
 import sys
+import types
 from dataclasses import asdict
 from pathlib import Path
 
@@ -447,11 +449,13 @@ def test_generate_command_with_and_without_the_kv_cache_gives_the_same_greedy_te
         generate.run_generate(eval_cfg("generate", trained_run, "prompt=anna", "cuda_graph=3"))
 
 
-def test_wandb_logs_into_the_runs_group_offline(trained_run, monkeypatch):
+def test_wandb_logs_into_the_runs_group_offline(trained_run, monkeypatch, caplog):
     calls = {}
 
     class FakeRun:
         summary = {}
+        offline = True
+        settings = types.SimpleNamespace(sync_dir="/runs/wandb/offline-run-1")
 
         def log(self, data):
             calls["log"] = data
@@ -466,11 +470,15 @@ def test_wandb_logs_into_the_runs_group_offline(trained_run, monkeypatch):
     import wandb
 
     monkeypatch.setattr(wandb, "init", fake_init)
+    caplog.set_level(logging.INFO, logger="attnlab.eval")
     perplexity.run_perplexity(eval_cfg("perplexity", trained_run, "split=val", "max_tokens=64", "contexts=[8]",
                                        "wandb.enabled=true"))
     assert calls["init"]["group"] == "default" and calls["init"]["mode"] == "offline"
     assert calls["init"]["job_type"] == "perplexity" and calls["finished"]
     assert "eval/val/perplexity" in calls["log"]
+    # wandb's own run header and summary block stay quiet (-v brings them back); one line says where the run is
+    assert calls["init"]["settings"].silent is True
+    assert "logged to wandb offline run /runs/wandb/offline-run-1 (upload: wandb sync /runs/wandb/offline-run-1)" in caplog.text
 
 
 # ---------------------------------------------------------------------------- refusing bad checkpoints

@@ -1,5 +1,6 @@
-"""eval.lm_harness: the scorer against hand computations from the model's logits, and the lm_eval
-adapter end to end on local tasks (a JSONL file and task YAMLs written into tmp_path, offline)."""
+"""eval.lm_harness and eval.harness_model: the scorer against hand computations from the model's
+logits, the lm_eval adapter end to end on local tasks (a JSONL file and task YAMLs written into
+tmp_path, offline), and the command's refusals before its heavy imports."""
 
 import json
 import math
@@ -16,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from data.sources import DOCUMENT_SEPARATOR
 from data.tokenizers import ByteTokenizer
-from eval.lm_harness import HarnessScorer
+from eval.harness_model import HarnessScorer
 from models.gpt import GPT, AttnConfig, GPTConfig
 from train_helpers import CONFIG_DIR, ROOT, train_tiny_run
 
@@ -175,11 +176,11 @@ def test_the_model_is_registered_with_lm_eval(harness_run, tmp_path):
     pytest.importorskip("lm_eval")
     from lm_eval.api.registry import get_model
 
-    from eval import export, lm_harness
+    from eval import export, harness_model
 
     run_dir, _ = harness_run
     adapter = get_model("attnlab")
-    assert adapter is lm_harness.AttnlabLM
+    assert adapter is harness_model.AttnlabLM
     lm = adapter.create_from_arg_string(f"ckpt={run_dir},backend=reference", {"batch_size": 2, "device": "cpu"})
     out = export.run_export(harness_cfg_export(run_dir, tmp_path / "export"))
     from_export = adapter.create_from_arg_string(f"export={out},backend=reference", {"batch_size": 3})
@@ -257,12 +258,11 @@ def test_a_hub_task_offline_fails_at_once_in_one_line(tmp_path, monkeypatch):
     """HF_HUB_OFFLINE (tests/conftest.py) and lambada_openai's data set in neither cache: refused
     before lm_eval builds its task index, naming the task, the data set and the local-task way."""
     pytest.importorskip("lm_eval")
-    import datasets.config
     import huggingface_hub.constants
 
     from eval import lm_harness
 
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     cfg = harness_cfg(f"ckpt={tmp_path}", "tasks=[lambada_openai]")
     start = time.perf_counter()
@@ -283,16 +283,33 @@ def test_a_hub_task_offline_fails_at_once_in_one_line(tmp_path, monkeypatch):
     (tmp_path / "hub" / "datasets--EleutherAI--lambada_openai").mkdir(parents=True)
     assert find(["lambada_openai"], None) == {}  # cached: lm_eval reads it offline
     (tmp_path / "hub" / "datasets--EleutherAI--lambada_openai").rmdir()
+    (tmp_path / "datasets" / "EleutherAI___lambada_openai").mkdir(parents=True)
+    assert find(["lambada_openai"], None) == {}  # in the datasets cache
+    (tmp_path / "datasets" / "EleutherAI___lambada_openai").rmdir()
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("HF_DATASETS_OFFLINE")
     assert find(["lambada_openai"], None) == {}  # online: lm_eval downloads it
 
 
-def test_a_hub_task_offline_is_one_error_line_from_the_command(tmp_path):
+# what the command's refusals must not wait for: each takes seconds to import
+HEAVY_MODULES = {"torch", "lm_eval", "datasets", "lightning", "transformers", "numpy"}
+
+
+@pytest.mark.parametrize("command", [["-m", "eval.lm_harness"],
+                                     ["-c", "from eval.cli import main; main()", "lm_harness"]],
+                         ids=["python -m eval.lm_harness", "attnlab-eval lm_harness"])
+def test_a_hub_task_offline_is_one_error_line_from_the_command_before_its_heavy_imports(command, tmp_path):
+    """The refusal comes from the command's options and lm_eval's task files read as text: the process
+    imports none of torch, lm_eval, datasets, ... (python -X importtime lists every module it imports)."""
     pytest.importorskip("lm_eval")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "ds")}
-    proc = subprocess.run([sys.executable, "-m", "eval.lm_harness", f"ckpt={tmp_path}", "tasks=[lambada_openai]"],
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "ds"),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-X", "importtime", *command, f"ckpt={tmp_path}", "tasks=[lambada_openai]"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: tasks: lambada_openai needs the Hugging Face Hub"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: tasks: lambada_openai needs the Hugging Face Hub"), lines
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in imports}
+    assert "hydra" in imported  # the listing is there
+    assert imported & HEAVY_MODULES == set()

@@ -89,3 +89,21 @@ def test_attnlab_eval_runs_the_eval_modules(capsys):
     out = capsys.readouterr()
     assert "usage: attnlab-eval {attention_stats,export,generate,lm_harness,perplexity}" in out.out
     assert "attnlab-eval: no command 'no_such'" in out.err
+
+
+def test_an_eval_command_takes_v_for_the_traceback(tmp_path, monkeypatch, capsys):
+    """`attnlab-eval <command> -v` (and `python -m eval.<command> -v`): the user error's exception
+    instead of its one `error:` line; without -v, the line and exit status 2."""
+    from eval import cli
+    from training import command_line
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards: -v sets it
+    missing = tmp_path / "no_such_run"
+    try:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["generate", f"ckpt={missing}"])
+        assert info.value.code == 2 and capsys.readouterr().err.startswith("error: ")
+        with pytest.raises(FileNotFoundError, match="no_such_run"):
+            cli.main(["generate", "-v", f"ckpt={missing}"])
+    finally:
+        command_line.without_verbose_flag(["pytest"])

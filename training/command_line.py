@@ -1,6 +1,8 @@
 """train.py's command line: a variant-parameter override reaches attnlab's own check, and a user error
 (a bad override or value, a missing file) prints one `error:` line and exits with status 2, as the
-eval commands do; `-v` (or HYDRA_FULL_ERROR=1) shows the traceback instead."""
+eval commands do. `-v` (or HYDRA_FULL_ERROR=1), on train.py's and the eval commands' command lines,
+makes the process verbose: a user error shows its traceback, and wandb prints its own run header and
+run summary block (training/quiet_logs.py keeps them quiet otherwise)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,20 @@ PARAMS_OVERRIDE = re.compile(r"attn\.params\.[^=]+=")
 USER_ERRORS = (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
 VERBOSE_FLAG = "-v"
 USER_ERROR_EXIT_CODE = 2
-_verbose = False  # set by run_with_one_line_errors from the command line
+_verbose = False  # set by without_verbose_flag from the command line
+
+
+def verbose() -> bool:
+    """Whether the command line asked for verbose output (`-v` or HYDRA_FULL_ERROR=1)."""
+    return _verbose
+
+
+def without_verbose_flag(argv: list[str]) -> list[str]:
+    """`argv` without `-v` (no Hydra app takes it), the process made verbose when it was there or
+    HYDRA_FULL_ERROR=1 is set."""
+    global _verbose
+    _verbose = VERBOSE_FLAG in argv[1:] or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    return [argv[0], *(arg for arg in argv[1:] if arg != VERBOSE_FLAG)]
 
 
 def params_overrides_may_add(argv: list[str]) -> list[str]:
@@ -46,7 +61,7 @@ def one_line_errors():
     try:
         yield
     except USER_ERRORS as error:
-        if _verbose:
+        if verbose():
             raise
         print(f"error: {one_line(error)}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT_CODE)
@@ -57,9 +72,7 @@ def run_with_one_line_errors(main: Callable[[], object], argv: list[str]) -> Non
     one_line_errors. Errors of composing the config (an unknown option, a bad override) come before the
     task: Hydra raises them instead of printing its report (HYDRA_FULL_ERROR=1 for this process), and
     they print one line too."""
-    global _verbose
-    _verbose = VERBOSE_FLAG in argv[1:] or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    sys.argv = params_overrides_may_add([arg for arg in argv if arg != VERBOSE_FLAG])
+    sys.argv = params_overrides_may_add(without_verbose_flag(argv))
     os.environ["HYDRA_FULL_ERROR"] = "1"
     with one_line_errors():
         main()

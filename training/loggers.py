@@ -10,7 +10,7 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from training.quiet_logs import without_wandb_anonymous
+from training.quiet_logs import wandb_init_settings, where_wandb_keeps, without_wandb_anonymous
 from training.run_label import run_label
 
 
@@ -67,15 +67,18 @@ def build_loggers(cfg: DictConfig, output_dir: Path, resume_run_id: str | None, 
                 save_dir=str(output_dir), group=wandb_group(cfg), name=f"{run_label_of(cfg)}-s{cfg.seed}",
                 tags=sorted({cfg.attn.name, run_label_of(cfg), f"seed{cfg.seed}"}),
                 id=resume_run_id, resume="allow" if resume_run_id else None,
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config=OmegaConf.to_container(cfg, resolve=True), **wandb_init_settings(),
             )
         ))
     return loggers
 
 
-def finish_wandb(loggers) -> None:
+def finish_wandb(loggers) -> str | None:
     """End this job's wandb run: the next job of an in-process multirun must start its own
-    (Lightning's WandbLogger would otherwise reuse the active run)."""
+    (Lightning's WandbLogger would otherwise reuse the active run). Returns where the run is
+    (where_wandb_keeps), None without one."""
     for lg in loggers:
         if lg.__class__.__name__ == "WandbLogger" and lg._experiment is not None:
             lg.experiment.finish()
+            return where_wandb_keeps(lg.experiment)
+    return None

@@ -49,7 +49,7 @@ from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
 from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
 from training.process_settings import restored_process_settings
-from training.quiet_logs import silence_third_party_notices
+from training.quiet_logs import logs_above_progress_bars, silence_third_party_notices
 from training.resume import resume_changes, resume_checkpoint, resumed_state
 from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
                                  refuse_replacing_a_run, removed_if_the_run_never_started, write_hydra_record)
@@ -213,7 +213,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         enable_model_summary=cfg.trainer.get("enable_model_summary", False),
     )
     try:
-        with run_dir_for_launched_ranks(output_dir):
+        with run_dir_for_launched_ranks(output_dir), logs_above_progress_bars():
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
             # a finished run resumed: fit had nothing left to do and the checkpoint holds the last
             # validation (as computed then, whatever the validation settings are now). A checkpoint
@@ -227,7 +227,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
                     on_sigterm.saved_step, on_sigterm.path, on_sigterm.path, PREEMPTED_EXIT_CODE)
         raise SystemExit(PREEMPTED_EXIT_CODE) from None
     finally:
-        finish_wandb(loggers)
+        wandb_run = finish_wandb(loggers)
 
     nats = final["val/loss"]
     results = {
@@ -265,12 +265,17 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
             results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
             atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
-        print(
-            f"\n[{cfg.attn.name}] val loss {nats:.4f} nats/token | perplexity {results['val_ppl']:.2f} | "
-            f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f} bits/byte)\n"
-            f"checkpoints: {output_dir / 'checkpoints'}"
-        )
+        print(summary_line(results, wandb_run))
     return results
+
+
+def summary_line(results: dict, wandb_run: str | None) -> str:
+    """The one line a run ends with: its variant, steps, final validation, run directory and wandb run."""
+    parts = [f"[{results['label']}] {results['steps']} steps", f"val loss {results['val_loss']:.4f} nats/token",
+             f"perplexity {results['val_ppl']:.2f}",
+             f"{results['val_bpb']:.4f} bits/byte (unigram baseline {results['unigram_bpb']:.4f})",
+             f"run dir {results['run_dir']}"]
+    return " | ".join(parts + ([wandb_run] if wandb_run else []))
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
