@@ -3,7 +3,7 @@
     python -m eval.lm_harness ckpt=RUN_DIR tasks=[lambada_openai,hellaswag] [num_fewshot=0] [limit=100]
         [batch_size=8] [include_path=DIR_OF_TASK_YAMLS] [max_gen_toks=256]
 
-Writes <ckpt stem>.lm_harness-<tasks>.json beside the checkpoint (or out=) and prints the table.
+Writes <run>/eval/<ckpt stem>.lm_harness-<tasks>.json (common.output_path; or out=) and prints the table.
 Importing this module registers the model "attnlab" with lm_eval, so the harness's own Python
 API works too: `lm_eval.simple_evaluate(model="attnlab", model_args="ckpt=RUN_DIR", tasks=[...])`
 (or model_args="export=EXPORT_DIR" for a folder written by eval.export).

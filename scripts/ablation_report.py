@@ -10,8 +10,9 @@ Reads, per run directory (as train.py and the eval commands write them):
   csv/metrics.csv                            val/loss over training, train/tokens_per_s, and at each
                                              validation the row diagnostics val/attn/* and val/lambda/*
                                              (training/callbacks/attention_monitor.py) when logged
-  checkpoints/<ckpt>.perplexity-<split>.json eval.perplexity at each context length
-  checkpoints/<ckpt>.attention-<split>.json  eval.attention_stats summary
+  eval/<ckpt>.perplexity-<split>.json        eval.perplexity at each context length
+  eval/<ckpt>.attention-<split>.json         eval.attention_stats summary
+                                             (in checkpoints/ for runs evaluated by an older attnlab)
 
 Writes to --out: report.md, summary.json (every number in the report) and the plots
 val_loss_vs_tokens.png (mean over seeds, band = min..max over seeds), extrapolation.png
@@ -230,19 +231,24 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None, dic
     return sorted(curve.items()), tokens_per_s, {k: sorted(v.items()) for k, v in trajectories.items()}
 
 
+# where a run directory holds its eval JSONs: eval/, and checkpoints/ in runs evaluated by an attnlab
+# that wrote them beside the checkpoints
+EVAL_FOLDERS = ("eval", "checkpoints")
+
+
 def _eval_json(run_dir: Path, kind: str, split: str, results: dict) -> dict | None:
-    """The eval JSON of the run's best checkpoint (else of any checkpoint) for `split`."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return None
-    preferred = []
+    """The eval JSON of the run's best checkpoint (else of any checkpoint) for `split`, from eval/ or
+    (older runs) checkpoints/: eval/ first for each name."""
+    names = []
     if results.get("best_checkpoint"):
-        preferred.append(folder / f"{Path(results['best_checkpoint']).stem}.{kind}-{split}.json")
-    preferred += [folder / f"best.{kind}-{split}.json", folder / f"last.{kind}-{split}.json"]
-    preferred += sorted(folder.glob(f"*.{kind}-{split}.json"))
-    for path in preferred:
-        if path.is_file():
-            return json.loads(path.read_text())
+        names.append(f"{Path(results['best_checkpoint']).stem}.{kind}-{split}.json")
+    names += [f"best.{kind}-{split}.json", f"last.{kind}-{split}.json"]
+    folders = [run_dir / name for name in EVAL_FOLDERS]
+    names += sorted({path.name for folder in folders for path in folder.glob(f"*.{kind}-{split}.json")})
+    for name in names:
+        for folder in folders:
+            if (folder / name).is_file():
+                return json.loads((folder / name).read_text())
     return None
 
 

@@ -36,9 +36,11 @@ def test_t_quantile_symmetry_and_median():
 
 
 def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=(900.0, 1000.0, 1100.0),
-             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None, diagnostics=None) -> Path:
+             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None, diagnostics=None,
+             eval_folder="eval") -> Path:
     """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step).
-    `diagnostics`: {step: {csv column: value}} logged with the validation of that step."""
+    `diagnostics`: {step: {csv column: value}} logged with the validation of that step. `eval_folder`:
+    where the eval JSONs lie (eval/; checkpoints/ in runs evaluated by an older attnlab)."""
     run = root / f"{variant}_s{seed}"
     (run / "csv").mkdir(parents=True)
     (run / "checkpoints").mkdir()
@@ -58,13 +60,15 @@ def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=
         for step, loss in curve:
             w.writerow({"epoch": 0, "step": step, "val/loss": loss, **(diagnostics or {}).get(step, {})})
         w.writerow({"epoch": 1, "step": 4, "val/loss": curve[-1][1]})  # the final validate after fit
+    (run / eval_folder).mkdir(exist_ok=True)
     if ppl is not None:
         rows = [{"context": c, "context_multiple": c / 512, "nats_per_token": math.log(p), "ppl": p, "bpb": 1.0}
                 for c, p in ppl.items()]
-        (run / "checkpoints" / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
+        (run / eval_folder / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
     if attention is not None:
-        payload = {"summary": attention, **({"metrics": maps} if maps else {})}
-        (run / "checkpoints" / "best.attention-val.json").write_text(json.dumps(payload))
+        payload = {"summary": attention, **({"metrics": maps} if maps else {}),
+                   "model": {"variant": variant, "seed": seed}}
+        (run / eval_folder / "best.attention-val.json").write_text(json.dumps(payload))
     return run
 
 
@@ -91,6 +95,27 @@ def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
     for name in ("val_loss_vs_tokens.png", "extrapolation.png", "throughput.png", "attention_maps.png"):
         assert (out / name).read_bytes()[:8] == PNG
         assert f"]({name})" in md
+
+
+def test_the_report_reads_eval_results_from_eval_and_from_an_older_runs_checkpoints(tmp_path):
+    """`python scripts/ablation_report.py SWEEP`: a run evaluated into eval/ and one whose eval JSONs lie in
+    checkpoints/ (an older attnlab wrote them there) both get their perplexity and attention statistics;
+    where a run has both, eval/ wins."""
+    from train_helpers import run_command
+
+    runs = tmp_path / "sweep"
+    make_run(runs, "softmax", 0, 2.0, ppl={512: 10.0}, attention={"sink_mass": 0.2})
+    old = make_run(runs, "softmax", 1, 2.2, ppl={512: 14.0}, attention={"sink_mass": 0.4}, eval_folder="checkpoints")
+    make_run(runs, "alsc", 0, 2.1, ppl={512: 11.0}, eval_folder="checkpoints")
+    newer = make_run(tmp_path / "newer", "alsc", 0, 2.1, ppl={512: 12.0})
+    (newer / "eval").rename(runs / "alsc_s0" / "eval")  # alsc_s0 evaluated again, into eval/
+    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(runs), "--out", str(tmp_path / "out")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["extrapolation"]["softmax"]["512"]["ppl"]["values"] == [10.0, 14.0]
+    assert summary["attention"]["softmax"]["sink_mass"]["values"] == [0.2, 0.4]
+    assert summary["extrapolation"]["alsc"]["512"]["ppl"]["values"] == [12.0]
+    assert (old / "checkpoints" / "best.perplexity-test.json").is_file()
 
 
 def test_validation_curve_is_read_against_tokens(tmp_path):
