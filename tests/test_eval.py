@@ -590,6 +590,50 @@ def test_command_line_reports_a_missing_checkpoint_in_one_line(tmp_path, monkeyp
     assert "error: checkpoint not found" in err and "Traceback" not in err
 
 
+TRAINING_GROUPS = ("attn", "callbacks", "eval", "experiment", "logger", "model", "optimizer", "scheduler", "trainer")
+
+
+def listed_config_groups(help_text: str) -> dict[str, list[str]]:
+    """{group: options} of the "Configuration groups" section of a Hydra --help text."""
+    section = help_text.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    groups = {}
+    for line in section.splitlines():
+        name, colon, options = line.partition(": ")
+        if colon and not line.startswith(" ") and "(group=option)" not in line:
+            groups[name] = options.split(", ")
+    return groups
+
+
+def test_eval_generate_help_lists_only_the_config_groups_it_takes(tmp_path):
+    """`python -m eval.generate --help` listed every group under configs/ (attn, model, trainer, ...), which it
+    then refuses (`Could not override 'model'`): it lists data and data/tokenizer, with their options."""
+    from train_helpers import run_command
+
+    done = run_command(["-m", "eval.generate", "--help"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    groups = listed_config_groups(done.stdout)
+    assert set(groups) == {"data", "data/tokenizer"}, groups
+    assert groups["data"] == sorted(p.stem for p in (REPO / "configs" / "data").glob("*.yaml"))
+    assert groups["data/tokenizer"] == sorted(p.stem for p in (REPO / "configs" / "data" / "tokenizer").glob("*.yaml"))
+    assert "prompt:" in done.stdout.split("== Config ==", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["attention_stats", "export", "generate", "lm_harness", "perplexity"])
+def test_every_eval_command_help_lists_groups_it_accepts(command, capsys):
+    """`attnlab-eval <command> --help` for each command: every listed group is one the command accepts
+    (an option of each composes), and no training group is listed."""
+    from eval import cli
+
+    assert command in cli.commands()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    groups = listed_config_groups(capsys.readouterr().out)
+    assert groups and not set(groups) & set(TRAINING_GROUPS), groups
+    for option in groups["data"]:
+        eval_cfg(command, "run", f"data={option}", f"data/tokenizer={groups['data/tokenizer'][0]}")
+
+
 def test_wandb_group_follows_train_py(tmp_path):
     """results.json's wandb_group when recorded; else <group>-<sweep folder> for a multirun job
     (also when the saved sweep dir still holds ${now:...} and the job subdir is nested)."""
