@@ -271,6 +271,56 @@ def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
         report.build_report(runs, tmp_path / "report2", "t", "test", "val")
 
 
+def test_setting_labels_are_ordered_by_their_numbers(tmp_path):
+    """`python scripts/ablation_report.py SWEEP` on a sweep over cap=2.5,5,10: rows in the caps' numeric order
+    (string order put cap=10 before cap=2.5 and cap=5)."""
+    from train_helpers import run_command
+
+    for label, loss in (("softcap_tanh[cap=10]", 2.1), ("softcap_tanh[cap=5]", 2.2), ("softcap_tanh[cap=2.5]", 2.3),
+                        ("softmax", 2.0)):
+        run = make_run(tmp_path / "runs" / label.replace("[", "_").replace("]", ""), label.split("[")[0], 0, loss)
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "label": label}))
+    out = tmp_path / "report"
+    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(tmp_path / "runs"), "--out", str(out)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    expected = ["softmax", "softcap_tanh[cap=2.5]", "softcap_tanh[cap=5]", "softcap_tanh[cap=10]"]
+    assert json.loads((out / "summary.json").read_text())["variants"] == expected
+    final_metrics = (out / "report.md").read_text().split("## Final validation metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in final_metrics.splitlines() if line.startswith("| ")]
+    assert rows[2:] == expected  # after the header and its rule
+
+
+def test_natural_order_compares_numbers_by_value():
+    labels = ["alsc[kappa=0.5]", "alsc[kappa=0.25]", "alsc[cap=-1]", "alsc[cap=-2]", "alsc[cap=1e-3]", "alsc"]
+    assert report.variant_order(labels) == ["alsc", "alsc[cap=-2]", "alsc[cap=-1]", "alsc[cap=1e-3]",
+                                            "alsc[kappa=0.25]", "alsc[kappa=0.5]"]
+
+
+def test_a_loss_curve_of_one_validation_is_drawn_as_a_point(tmp_path, monkeypatch):
+    """Runs with one validation each: a line through one point draws nothing, so the point gets a marker,
+    the legend says so, and the seeds' min..max is an error bar (a band over one x is empty)."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or save(fig, *a, **k))
+    runs = [report.load_run(make_run(tmp_path, "softmax", seed, 2.0 + seed, curve=((3, 2.5 + seed),)), "test", "val")
+            for seed in (0, 1)]
+    runs.append(report.load_run(make_run(tmp_path, "alsc", 0, 2.0, curve=((1, 3.0), (3, 2.4))), "test", "val"))
+    path = report.plot_curves(runs, ["softmax", "alsc"], tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == PNG
+    [ax] = drawn[-1].axes
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == {"softmax (n=2, one validation)", "alsc (n=1)"}
+    point = lines["softmax (n=2, one validation)"]
+    assert list(point.get_xdata()) == [0.0004] and point.get_marker() not in (None, "None", "", " ")
+    assert lines["alsc (n=1)"].get_marker() in (None, "None", "", " ")  # a curve stays a line
+    # the error bar spans the two seeds' losses 2.5 and 3.5
+    bars = [c for c in ax.collections if len(c.get_segments()) == 1]
+    assert [[tuple(p) for p in c.get_segments()[0]] for c in bars] == [[(0.0004, 2.5), (0.0004, 3.5)]]
+
+
 def test_tda_parity_models_match_in_size_and_meet_the_issues_scale():
     """The parity experiment: >= 20M parameters at context >= 512, every arm within 2% of softmax
     (both lambda modes), one pass over the training tokens."""
