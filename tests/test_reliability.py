@@ -1002,11 +1002,11 @@ STRING_ONLY_RESOLVERS = {"training/run_label.py", "training/config_dir.py"}
 def test_the_run_label_resolver_only_formats_strings():
     from omegaconf import OmegaConf
 
-    import training.run_label  # noqa: F401  (registers attnlab_label)
+    import training.run_label  # noqa: F401  (registers attnlab_folder_label)
 
     cfg = OmegaConf.create({"d": "attn.params.cap=__import__('os').system('x'),seed=1",
-                            "label": "${attnlab_label:softcap_tanh,${d}}"})
-    assert cfg.label == "softcap_tanh[cap=__import__('os').system('x')]"
+                            "label": "${attnlab_folder_label:softcap_tanh,${d}}"})
+    assert cfg.label == "softcap_tanh+cap-__import__-os-.system-x"
 
 
 def test_the_group_options_resolver_takes_group_names_only():
