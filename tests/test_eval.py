@@ -619,11 +619,15 @@ def test_eval_generate_help_lists_only_the_config_groups_it_takes(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["attention_stats", "export", "generate", "lm_harness", "perplexity"])
-def test_every_eval_command_help_lists_groups_it_accepts(command, capsys):
+def test_every_eval_command_help_lists_groups_it_accepts(command, capsys, monkeypatch):
     """`attnlab-eval <command> --help` for each command: every listed group is one the command accepts
     (an option of each composes), and no training group is listed."""
+    from hydra.core.hydra_config import HydraConfig
+
     from eval import cli
 
+    # Hydra's help leaves its config set in the process, as if a Hydra app were running: given back after
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", HydraConfig.instance().cfg)
     assert command in cli.commands()
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--help"])
