@@ -22,7 +22,7 @@ layer and head:
                    family the largest score q.k (compared with tau)
   max_score        largest raw score before any cap: s q.k (softmax family), q.k (threshold)
 
-Output: <checkpoint stem>.attention-<split>.json beside the checkpoint, PNG heatmaps
+Output: <run>/eval/<checkpoint stem>.attention-<split>.json (common.output_path), PNG heatmaps
 (layer x head) per metric next to it, and wandb logging in the run's group.
 """
 

@@ -16,6 +16,9 @@ it, and refuse a `data=` config whose tokenizer is another one, naming both. On 
 config they tokenize with the checkpoint's tokenizer as it is (a BPE is never trained again), so
 a run whose config would now train another tokenizer (an older attnlab's) still evaluates on the
 tokens it was trained on.
+
+Results go to the run directory's eval/ folder (`output_path`): `<run>/eval/<ckpt stem>.<kind>-<split>.json`,
+and for a checkpoint outside a run directory beside the checkpoint.
 """
 
 from __future__ import annotations
@@ -409,15 +412,25 @@ def _json_default(value):
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+EVAL_FOLDER = "eval"  # <run>/eval/: the eval commands' results of the run's checkpoints
+
+
+def eval_dir_of(checkpoint_path: Path) -> Path:
+    """Where the results of evaluating `checkpoint_path` go: the eval/ folder of the run directory it
+    belongs to (`run_dir_of`), or the checkpoint's own folder for a checkpoint outside a run directory."""
+    run_dir = run_dir_of(checkpoint_path)
+    return run_dir / EVAL_FOLDER if run_dir is not None else checkpoint_path.parent
+
+
 def output_path(checkpoint_path: Path, kind: str, split: str, out: str | None = None, suffix: str = ".json",
                 settings: str = "") -> Path:
-    """Results live beside the checkpoint: <ckpt stem>.<kind>-<split>.json for the command's default
-    settings, <ckpt stem>.<kind>-<split>.<settings>.json for others (`settings_tag`), so an eval with
-    other settings never overwrites one with the defaults; `out` when given."""
+    """Results live in the run's eval/ folder (`eval_dir_of`): <ckpt stem>.<kind>-<split>.json for the
+    command's default settings, <ckpt stem>.<kind>-<split>.<settings>.json for others (`settings_tag`),
+    so an eval with other settings never overwrites one with the defaults; `out` when given."""
     if out:
         return Path(out)
     tag = f".{settings}" if settings else ""
-    return checkpoint_path.with_name(f"{checkpoint_path.stem}.{kind}-{split}{tag}{suffix}")
+    return eval_dir_of(checkpoint_path) / f"{checkpoint_path.stem}.{kind}-{split}{tag}{suffix}"
 
 
 MAX_TAG_CHARS = 80

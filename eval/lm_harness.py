@@ -3,9 +3,9 @@
     python -m eval.lm_harness ckpt=RUN_DIR tasks=[lambada_openai,hellaswag] [num_fewshot=0] [limit=100]
         [batch_size=8] [include_path=DIR_OF_TASK_YAMLS] [max_gen_toks=256]
 
-Writes <ckpt stem>.lm_harness-<tasks>.json beside the checkpoint (or out=) and prints the table. The
-model the harness evaluates is lm_eval's model "attnlab" (eval/harness_model.py, which also describes
-how each kind of request is scored).
+Writes <run>/eval/<ckpt stem>.lm_harness-<tasks>.json (common.output_path; or out=) and prints the
+table. The model the harness evaluates is lm_eval's model "attnlab" (eval/harness_model.py, which
+also describes how each kind of request is scored).
 
 This module is the command alone and imports nothing heavy at the top: its options and the offline
 check below are answered before torch, lm_eval and the checkpoint are loaded (about ten seconds).

@@ -17,8 +17,8 @@ evaluated text (tokenizer-independent, comparable across vocabularies).
 
 Extrapolation: contexts beyond the training length are evaluated with the same RoPE model
 (positions never seen in training); by default 1x, 2x and 4x the training context.
-The result goes to <checkpoint stem>.perplexity-<split>.json beside the checkpoint, with the
-exact eval config, is printed as a table, and is logged to wandb in the run's group when
+The result goes to <run>/eval/<checkpoint stem>.perplexity-<split>.json (common.output_path), with
+the exact eval config, is printed as a table, and is logged to wandb in the run's group when
 the run used wandb (offline unless configured otherwise).
 """
 

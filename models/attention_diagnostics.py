@@ -178,13 +178,14 @@ def window_starts(num_split_tokens: int, seq_len: int, num_tokens: int) -> list[
 
 def plot_heatmaps(metrics: dict, label: str, prefix: Path) -> list[Path]:
     """One PNG per metric of `metrics` (attention_statistics' per layer x head lists), named
-    <prefix>.<metric>.png: layers down, heads across, values annotated, titled `label` above the
-    metric's title."""
+    <prefix>.<metric>.png (the folder made when missing): layers down, heads across, values annotated,
+    titled `label` above the metric's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, (_, title, _) in METRICS.items():
         values = np.array([[np.nan if v is None else v for v in layer] for layer in metrics[name]], dtype=float)

@@ -10,8 +10,9 @@ Reads, per run directory (as train.py and the eval commands write them):
   csv/metrics.csv                            val/loss over training, train/tokens_per_s, and at each
                                              validation the row diagnostics val/attn/* and val/lambda/*
                                              (training/callbacks/attention_monitor.py) when logged
-  checkpoints/<ckpt>.perplexity-<split>.json eval.perplexity at each context length
-  checkpoints/<ckpt>.attention-<split>.json  eval.attention_stats summary
+  eval/<ckpt>.perplexity-<split>.json        eval.perplexity at each context length
+  eval/<ckpt>.attention-<split>.json         eval.attention_stats summary
+                                             (in checkpoints/ for runs evaluated by an older attnlab)
 
 Writes to --out: report.md, summary.json (every number in the report) and the plots
 val_loss_vs_tokens.png (mean over seeds, band = min..max over seeds), extrapolation.png
@@ -37,6 +38,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -230,19 +232,24 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None, dic
     return sorted(curve.items()), tokens_per_s, {k: sorted(v.items()) for k, v in trajectories.items()}
 
 
+# where a run directory holds its eval JSONs: eval/, and checkpoints/ in runs evaluated by an attnlab
+# that wrote them beside the checkpoints
+EVAL_FOLDERS = ("eval", "checkpoints")
+
+
 def _eval_json(run_dir: Path, kind: str, split: str, results: dict) -> dict | None:
-    """The eval JSON of the run's best checkpoint (else of any checkpoint) for `split`."""
-    folder = run_dir / "checkpoints"
-    if not folder.is_dir():
-        return None
-    preferred = []
+    """The eval JSON of the run's best checkpoint (else of any checkpoint) for `split`, from eval/ or
+    (older runs) checkpoints/: eval/ first for each name."""
+    names = []
     if results.get("best_checkpoint"):
-        preferred.append(folder / f"{Path(results['best_checkpoint']).stem}.{kind}-{split}.json")
-    preferred += [folder / f"best.{kind}-{split}.json", folder / f"last.{kind}-{split}.json"]
-    preferred += sorted(folder.glob(f"*.{kind}-{split}.json"))
-    for path in preferred:
-        if path.is_file():
-            return json.loads(path.read_text())
+        names.append(f"{Path(results['best_checkpoint']).stem}.{kind}-{split}.json")
+    names += [f"best.{kind}-{split}.json", f"last.{kind}-{split}.json"]
+    folders = [run_dir / name for name in EVAL_FOLDERS]
+    names += sorted({path.name for folder in folders for path in folder.glob(f"*.{kind}-{split}.json")})
+    for name in names:
+        for folder in folders:
+            if (folder / name).is_file():
+                return json.loads((folder / name).read_text())
     return None
 
 
@@ -287,12 +294,24 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     )
 
 
+# a number in a label: a sign only where a value starts (after =, [ or ,), a fraction, an exponent
+NUMBER = re.compile(r"((?:(?<=[=\[,])-)?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)")
+
+
+def natural_key(text: str) -> tuple:
+    """`text` with its numbers compared as numbers: `cap=5` before `cap=10`, `kappa=0.25` before
+    `kappa=0.5` (text and numbers alternate, so equal positions hold the same type)."""
+    return tuple(float(part) if i % 2 else part for i, part in enumerate(NUMBER.split(text)))
+
+
 def variant_order(variants) -> list[str]:
     """The registry's order of the variants a label starts with (`softcap_tanh[cap=2]`), then
-    labels of unknown variants alphabetically; labels of one variant alphabetically."""
+    labels of unknown variants alphabetically; labels of one variant in natural order (numbers
+    by value: `cap=5` before `cap=10`)."""
     def key(label: str):
         base = label.split("[", 1)[0]
-        return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, label != base, label)
+        return (VARIANT_ORDER.index(base) if base in VARIANT_ORDER else len(VARIANT_ORDER), base, label != base,
+                natural_key(label), label)
 
     return sorted(set(variants), key=key)
 
@@ -409,12 +428,18 @@ def plot_curves(runs: list[Run], variants: list[str], path: Path) -> Path:
         values = [[c[t] for c in curves] for t in shared]
         x = [t / 1e6 for t in shared]
         mean = [sum(vs) / len(vs) for vs in values]
-        (line,) = ax.plot(x, mean, label=f"{v} (n={len(curves)})", lw=1.5)
-        if len(curves) > 1:
+        # one validation is one point: a line through it draws nothing, a marker shows it
+        one_point = len(shared) == 1
+        label = f"{v} (n={len(curves)}{', one validation' if one_point else ''})"
+        (line,) = ax.plot(x, mean, label=label, lw=1.5, marker="o" if one_point else None)
+        if len(curves) > 1 and one_point:
+            ax.errorbar(x, mean, yerr=[[mean[0] - min(values[0])], [max(values[0]) - mean[0]]], fmt="none",
+                        ecolor=line.get_color(), capsize=4)
+        elif len(curves) > 1:
             ax.fill_between(x, [min(vs) for vs in values], [max(vs) for vs in values], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("validation loss; band: min..max over seeds")
+    ax.set_title("validation loss; band (one validation: bar): min..max over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

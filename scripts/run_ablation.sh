@@ -166,8 +166,12 @@ report() {
 import json, sys
 from pathlib import Path
 from eval.attention_stats import plot_heatmaps
-for path in sorted(Path(sys.argv[1]).glob("*/checkpoints/*.attention-*.json")):
-    plot_heatmaps(json.loads(path.read_text()), path.with_suffix(""))
+# eval/, or checkpoints/ in runs evaluated by an attnlab that wrote eval results there
+for path in sorted([*Path(sys.argv[1]).glob("*/eval/*.attention-*.json"),
+                    *Path(sys.argv[1]).glob("*/checkpoints/*.attention-*.json")]):
+    result = json.loads(path.read_text())
+    label = f"{result['model']['variant']} s{result['model']['seed']}"
+    plot_heatmaps(result["metrics"], label, path.with_suffix(""))
 EOF
   mkdir -p "$dest"
   $PYTHON scripts/ablation_report.py "$sweep" --out "$dest" "$@"

@@ -36,9 +36,11 @@ def test_t_quantile_symmetry_and_median():
 
 
 def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=(900.0, 1000.0, 1100.0),
-             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None, diagnostics=None) -> Path:
+             ppl=None, attention=None, curve=((1, 3.0), (3, 2.5)), maps=None, diagnostics=None,
+             eval_folder="eval") -> Path:
     """A run directory as train.py + the eval commands write it (steps 4, 100 tokens per step).
-    `diagnostics`: {step: {csv column: value}} logged with the validation of that step."""
+    `diagnostics`: {step: {csv column: value}} logged with the validation of that step. `eval_folder`:
+    where the eval JSONs lie (eval/; checkpoints/ in runs evaluated by an older attnlab)."""
     run = root / f"{variant}_s{seed}"
     (run / "csv").mkdir(parents=True)
     (run / "checkpoints").mkdir()
@@ -58,13 +60,15 @@ def make_run(root: Path, variant: str, seed: int, val_loss: float, tokens_per_s=
         for step, loss in curve:
             w.writerow({"epoch": 0, "step": step, "val/loss": loss, **(diagnostics or {}).get(step, {})})
         w.writerow({"epoch": 1, "step": 4, "val/loss": curve[-1][1]})  # the final validate after fit
+    (run / eval_folder).mkdir(exist_ok=True)
     if ppl is not None:
         rows = [{"context": c, "context_multiple": c / 512, "nats_per_token": math.log(p), "ppl": p, "bpb": 1.0}
                 for c, p in ppl.items()]
-        (run / "checkpoints" / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
+        (run / eval_folder / "best.perplexity-test.json").write_text(json.dumps({"results": rows}))
     if attention is not None:
-        payload = {"summary": attention, **({"metrics": maps} if maps else {})}
-        (run / "checkpoints" / "best.attention-val.json").write_text(json.dumps(payload))
+        payload = {"summary": attention, **({"metrics": maps} if maps else {}),
+                   "model": {"variant": variant, "seed": seed}}
+        (run / eval_folder / "best.attention-val.json").write_text(json.dumps(payload))
     return run
 
 
@@ -91,6 +95,27 @@ def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
     for name in ("val_loss_vs_tokens.png", "extrapolation.png", "throughput.png", "attention_maps.png"):
         assert (out / name).read_bytes()[:8] == PNG
         assert f"]({name})" in md
+
+
+def test_the_report_reads_eval_results_from_eval_and_from_an_older_runs_checkpoints(tmp_path):
+    """`python scripts/ablation_report.py SWEEP`: a run evaluated into eval/ and one whose eval JSONs lie in
+    checkpoints/ (an older attnlab wrote them there) both get their perplexity and attention statistics;
+    where a run has both, eval/ wins."""
+    from train_helpers import run_command
+
+    runs = tmp_path / "sweep"
+    make_run(runs, "softmax", 0, 2.0, ppl={512: 10.0}, attention={"sink_mass": 0.2})
+    old = make_run(runs, "softmax", 1, 2.2, ppl={512: 14.0}, attention={"sink_mass": 0.4}, eval_folder="checkpoints")
+    make_run(runs, "alsc", 0, 2.1, ppl={512: 11.0}, eval_folder="checkpoints")
+    newer = make_run(tmp_path / "newer", "alsc", 0, 2.1, ppl={512: 12.0})
+    (newer / "eval").rename(runs / "alsc_s0" / "eval")  # alsc_s0 evaluated again, into eval/
+    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(runs), "--out", str(tmp_path / "out")], tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["extrapolation"]["softmax"]["512"]["ppl"]["values"] == [10.0, 14.0]
+    assert summary["attention"]["softmax"]["sink_mass"]["values"] == [0.2, 0.4]
+    assert summary["extrapolation"]["alsc"]["512"]["ppl"]["values"] == [12.0]
+    assert (old / "checkpoints" / "best.perplexity-test.json").is_file()
 
 
 def test_validation_curve_is_read_against_tokens(tmp_path):
@@ -244,6 +269,56 @@ def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
         (Path(run) / "results.json").write_text(json.dumps(results))
     with pytest.raises(ValueError, match=r"variant softcap_tanh has several runs with seed\(s\) \[0\] and the same settings"):
         report.build_report(runs, tmp_path / "report2", "t", "test", "val")
+
+
+def test_setting_labels_are_ordered_by_their_numbers(tmp_path):
+    """`python scripts/ablation_report.py SWEEP` on a sweep over cap=2.5,5,10: rows in the caps' numeric order
+    (string order put cap=10 before cap=2.5 and cap=5)."""
+    from train_helpers import run_command
+
+    for label, loss in (("softcap_tanh[cap=10]", 2.1), ("softcap_tanh[cap=5]", 2.2), ("softcap_tanh[cap=2.5]", 2.3),
+                        ("softmax", 2.0)):
+        run = make_run(tmp_path / "runs" / label.replace("[", "_").replace("]", ""), label.split("[")[0], 0, loss)
+        results = json.loads((run / "results.json").read_text())
+        (run / "results.json").write_text(json.dumps({**results, "label": label}))
+    out = tmp_path / "report"
+    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(tmp_path / "runs"), "--out", str(out)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    expected = ["softmax", "softcap_tanh[cap=2.5]", "softcap_tanh[cap=5]", "softcap_tanh[cap=10]"]
+    assert json.loads((out / "summary.json").read_text())["variants"] == expected
+    final_metrics = (out / "report.md").read_text().split("## Final validation metrics", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in final_metrics.splitlines() if line.startswith("| ")]
+    assert rows[2:] == expected  # after the header and its rule
+
+
+def test_natural_order_compares_numbers_by_value():
+    labels = ["alsc[kappa=0.5]", "alsc[kappa=0.25]", "alsc[cap=-1]", "alsc[cap=-2]", "alsc[cap=1e-3]", "alsc"]
+    assert report.variant_order(labels) == ["alsc", "alsc[cap=-2]", "alsc[cap=-1]", "alsc[cap=1e-3]",
+                                            "alsc[kappa=0.25]", "alsc[kappa=0.5]"]
+
+
+def test_a_loss_curve_of_one_validation_is_drawn_as_a_point(tmp_path, monkeypatch):
+    """Runs with one validation each: a line through one point draws nothing, so the point gets a marker,
+    the legend says so, and the seeds' min..max is an error bar (a band over one x is empty)."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or save(fig, *a, **k))
+    runs = [report.load_run(make_run(tmp_path, "softmax", seed, 2.0 + seed, curve=((3, 2.5 + seed),)), "test", "val")
+            for seed in (0, 1)]
+    runs.append(report.load_run(make_run(tmp_path, "alsc", 0, 2.0, curve=((1, 3.0), (3, 2.4))), "test", "val"))
+    path = report.plot_curves(runs, ["softmax", "alsc"], tmp_path / "curves.png")
+    assert path.read_bytes()[:8] == PNG
+    [ax] = drawn[-1].axes
+    lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert set(lines) == {"softmax (n=2, one validation)", "alsc (n=1)"}
+    point = lines["softmax (n=2, one validation)"]
+    assert list(point.get_xdata()) == [0.0004] and point.get_marker() not in (None, "None", "", " ")
+    assert lines["alsc (n=1)"].get_marker() in (None, "None", "", " ")  # a curve stays a line
+    # the error bar spans the two seeds' losses 2.5 and 3.5
+    bars = [c for c in ax.collections if len(c.get_segments()) == 1]
+    assert [[tuple(p) for p in c.get_segments()[0]] for c in bars] == [[(0.0004, 2.5), (0.0004, 3.5)]]
 
 
 def test_tda_parity_models_match_in_size_and_meet_the_issues_scale():

@@ -380,12 +380,13 @@ def eval_cfg(name, run_dir, *extra):
         return compose(f"eval/{name}", overrides=[f"ckpt={run_dir}", *extra])
 
 
-def test_perplexity_command_writes_json_beside_checkpoint(trained_run):
+def test_perplexity_command_writes_json_into_the_runs_eval_folder(trained_run):
     results = perplexity.run_perplexity(eval_cfg("perplexity", trained_run, "split=val", "max_tokens=400"))
     assert len(results) == 1
     path = Path(results[0]["path"])
-    # named by the settings that differ from the command's defaults
-    assert path.parent == trained_run / "checkpoints" and path.name.endswith(".perplexity-val.max_tokens=400.json")
+    # named by the checkpoint and the settings that differ from the command's defaults
+    assert path.parent == trained_run.resolve() / "eval"
+    assert path.name == "best.perplexity-val.max_tokens=400.json"
     saved = json.loads(path.read_text())
     assert [r["context"] for r in saved["results"]] == [16, 32, 64]
     assert saved["eval"]["config"]["max_tokens"] == 400 and saved["model"]["variant"] == "softmax"
@@ -427,6 +428,30 @@ def test_attention_stats_command_writes_json_and_heatmaps(trained_run):
     assert len(saved["heatmaps"]) == len(attention_stats.METRICS)
     for png in saved["heatmaps"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert Path(png).parent == Path(results[0]["path"]).parent
+
+
+def test_eval_commands_on_the_command_line_write_into_the_runs_eval_folder(trained_run, tmp_path):
+    """`python -m eval.attention_stats ckpt=<run>` and `python -m eval.perplexity ckpt=<run>/checkpoints/last.ckpt`:
+    their JSONs and the heatmap PNGs go to <run>/eval/, and checkpoints/ keeps only the .ckpt files."""
+    import shutil
+
+    from train_helpers import run_command
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run, ignore=shutil.ignore_patterns("eval"))  # the run as training left it
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    done = run_command(["-m", "eval.attention_stats", f"ckpt={run}", "num_tokens=32"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_command(["-m", "eval.perplexity", f"ckpt={run / 'checkpoints' / 'last.ckpt'}", "split=val",
+                        "contexts=[8]", "max_tokens=100"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+    written = sorted(p.name for p in (run / "eval").iterdir())
+    assert "best.attention-val.num_tokens=32.json" in written
+    assert "last.perplexity-val.contexts=8_max_tokens=100.json" in written
+    heatmaps = [name for name in written if name.endswith(".png")]
+    assert sorted(heatmaps) == sorted(f"best.attention-val.num_tokens=32.{metric}.png" for metric in attention_stats.METRICS)
 
 
 def test_generate_command_samples_text(trained_run, capsys):
@@ -571,6 +596,54 @@ def test_command_line_reports_a_missing_checkpoint_in_one_line(tmp_path, monkeyp
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: checkpoint not found" in err and "Traceback" not in err
+
+
+TRAINING_GROUPS = ("attn", "callbacks", "eval", "experiment", "logger", "model", "optimizer", "scheduler", "trainer")
+
+
+def listed_config_groups(help_text: str) -> dict[str, list[str]]:
+    """{group: options} of the "Configuration groups" section of a Hydra --help text."""
+    section = help_text.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+    groups = {}
+    for line in section.splitlines():
+        name, colon, options = line.partition(": ")
+        if colon and not line.startswith(" ") and "(group=option)" not in line:
+            groups[name] = options.split(", ")
+    return groups
+
+
+def test_eval_generate_help_lists_only_the_config_groups_it_takes(tmp_path):
+    """`python -m eval.generate --help` listed every group under configs/ (attn, model, trainer, ...), which it
+    then refuses (`Could not override 'model'`): it lists data and data/tokenizer, with their options."""
+    from train_helpers import run_command
+
+    done = run_command(["-m", "eval.generate", "--help"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    groups = listed_config_groups(done.stdout)
+    assert set(groups) == {"data", "data/tokenizer"}, groups
+    assert groups["data"] == sorted(p.stem for p in (REPO / "configs" / "data").glob("*.yaml"))
+    assert groups["data/tokenizer"] == sorted(p.stem for p in (REPO / "configs" / "data" / "tokenizer").glob("*.yaml"))
+    assert "prompt:" in done.stdout.split("== Config ==", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["attention_stats", "export", "generate", "lm_harness", "perplexity"])
+def test_every_eval_command_help_lists_groups_it_accepts(command, capsys, monkeypatch):
+    """`attnlab-eval <command> --help` for each command: every listed group is one the command accepts
+    (an option of each composes), and no training group is listed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from eval import cli
+
+    # Hydra's help leaves its config set in the process, as if a Hydra app were running: given back after
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", HydraConfig.instance().cfg)
+    assert command in cli.commands()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    groups = listed_config_groups(capsys.readouterr().out)
+    assert groups and not set(groups) & set(TRAINING_GROUPS), groups
+    for option in groups["data"]:
+        eval_cfg(command, "run", f"data={option}", f"data/tokenizer={groups['data/tokenizer'][0]}")
 
 
 def test_wandb_group_follows_train_py(tmp_path):

@@ -39,7 +39,7 @@ def test_a_sweep_evaluates_each_run_in_its_process_as_the_eval_commands_would(tm
         [stats_path] = evaluations["attention_stats"]["paths"]
         in_process = json.loads(Path(ppl_path).read_text())
         stats = json.loads(Path(stats_path).read_text())
-        assert Path(ppl_path).parent == run_dir / "checkpoints"
+        assert Path(ppl_path).parent == Path(stats_path).parent == run_dir.resolve() / "eval"
         assert [r["context"] for r in in_process["results"]] == [32, 64]
         assert in_process["split"] == "test" and stats["split"] == "val"
         assert in_process["model"]["seed"] == json.loads((run_dir / "results.json").read_text())["seed"]
@@ -69,7 +69,7 @@ def test_a_failed_evaluation_is_recorded_and_the_training_result_stays(tmp_path)
     written = json.loads((run_dir / "results.json").read_text())
     assert written["val_loss"] == pytest.approx(results["val_loss"])
     assert "stride" in written["evaluations"]["perplexity"]["error"]
-    assert not list((run_dir / "checkpoints").glob("*.perplexity-*.json"))
+    assert not list(run_dir.rglob("*.perplexity-*.json"))
 
 
 @pytest.mark.parametrize("override, message", [

@@ -995,18 +995,33 @@ def test_torch_load_only_with_weights_only_true():
     assert not offenders, offenders
 
 
-# resolvers that only format strings (each tested below on hostile input)
-STRING_ONLY_RESOLVERS = {"training/run_label.py"}
+# resolvers that only format strings or list config names (each tested below on hostile input)
+STRING_ONLY_RESOLVERS = {"training/run_label.py", "training/config_dir.py"}
 
 
 def test_the_run_label_resolver_only_formats_strings():
     from omegaconf import OmegaConf
 
-    import training.run_label  # noqa: F401  (registers attnlab_label)
+    import training.run_label  # noqa: F401  (registers attnlab_folder_label)
 
     cfg = OmegaConf.create({"d": "attn.params.cap=__import__('os').system('x'),seed=1",
-                            "label": "${attnlab_label:softcap_tanh,${d}}"})
-    assert cfg.label == "softcap_tanh[cap=__import__('os').system('x')]"
+                            "label": "${attnlab_folder_label:softcap_tanh,${d}}"})
+    assert cfg.label == "softcap_tanh+cap-__import__-os-.system-x"
+
+
+def test_the_group_options_resolver_takes_group_names_only():
+    from omegaconf import OmegaConf
+
+    from training.config_dir import group_options  # registers attnlab_group_options
+
+    assert group_options("data/tokenizer") == "bpe, byte, char, pretrained"
+    for hostile in ("../..", "/etc", "data/../..", "__import__('os').system('x')", ""):
+        with pytest.raises(ValueError, match="config group"):
+            group_options(hostile)
+    with pytest.raises(ValueError, match="no config group 'nothing'"):
+        group_options("nothing")
+    cfg = OmegaConf.create({"listed": "${attnlab_group_options:data/tokenizer}"})
+    assert cfg.listed == "bpe, byte, char, pretrained"
 
 
 def test_no_code_evaluation_of_configs_or_files():

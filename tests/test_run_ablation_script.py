@@ -54,3 +54,44 @@ def test_the_deadline_stops_a_run_and_a_later_seed_does_not_start(tmp_path):
     assert 0 < results[0]["steps"] < 1_000_000
     assert "error" not in results[0]["evaluations"]["perplexity"]
     assert "train.stop_at_time passed" in (tmp_path / "sweep" / "logs" / "train_softmax.log").read_text()
+
+
+def test_report_from_a_fetched_archive_draws_heatmaps_of_runs_in_either_eval_layout(tmp_path):
+    """`scripts/run_ablation.sh report FETCHED_DIR OUT_DIR`: the attention statistics of a run evaluated into
+    eval/ and of one whose eval JSONs lie in checkpoints/ (an older attnlab wrote them there) are both drawn
+    as heatmaps beside their JSON and both reach the report."""
+    import shutil
+    import tarfile
+
+    from models.attention_diagnostics import METRICS
+
+    # a copy of the script's own files: `report` unpacks into <its checkout>/multirun/
+    root = tmp_path / "checkout"
+    for relative in ("scripts/run_ablation.sh", "scripts/ablation_report.py", "configs/experiment/ablation.yaml"):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / relative, root / relative)
+    sweep = tmp_path / "device"
+    eval_files = {}
+    for seed, folder, sink in ((0, "eval", 0.2), (1, "checkpoints", 0.4)):
+        run = sweep / f"{seed}_softmax_s{seed}"
+        (run / folder).mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps({"variant": "softmax", "seed": seed, "val_loss": 2.0 + seed,
+                                                      "steps": 4, "tokens": 400}))
+        stats = {"model": {"variant": "softmax", "seed": seed}, "summary": {"sink_mass": sink},
+                 "metrics": {name: [[sink, sink]] for name in METRICS}}
+        eval_files[seed] = run / folder / "best.attention-val.json"
+        eval_files[seed].write_text(json.dumps(stats))
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    with tarfile.open(fetched / "ablation.tar.gz", "w:gz") as archive:
+        archive.add(sweep, arcname=sweep.name)
+    done = subprocess.run(["bash", str(root / "scripts" / "run_ablation.sh"), "report", str(fetched), str(tmp_path / "out")],
+                          env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    unpacked = root / "multirun" / "ablation-fetched" / sweep.name
+    for seed, path in eval_files.items():
+        heatmaps = unpacked / path.relative_to(sweep).parent
+        assert sorted(p.name for p in heatmaps.glob("*.png")) == sorted(f"best.attention-val.{m}.png" for m in METRICS)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["attention"]["softmax"]["sink_mass"]["values"] == [0.2, 0.4]

@@ -100,7 +100,7 @@ def test_a_copied_run_is_evaluated_from_its_own_files(tmp_path):
     before = {p: p.stat().st_mtime_ns for p in original.rglob("*")}
     done = run_command(["-m", "eval.perplexity", f"ckpt={copy}", "split=val", "contexts=[8]"], tmp_path)
     assert done.returncode == 0, done.stderr
-    written = list((copy / "checkpoints").glob("*.perplexity-val.contexts=8.json"))
+    written = list((copy / "eval").glob("*.perplexity-val.contexts=8.json"))
     assert len(written) == 1
     assert json.loads(written[0].read_text())["model"]["checkpoint"].startswith(str(copy / "checkpoints"))
     assert {p: p.stat().st_mtime_ns for p in original.rglob("*")} == before
@@ -196,5 +196,5 @@ def test_a_run_with_an_empty_results_json_is_still_evaluated(tmp_path):
     done = run_command(["-m", "eval.perplexity", f"ckpt={run}", "split=val", "contexts=[8]"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{run / 'results.json'} is not valid JSON" in done.stdout + done.stderr
-    written = json.loads(next((run / "checkpoints").glob("best.perplexity-val.*.json")).read_text())
+    written = json.loads(next((run / "eval").glob("best.perplexity-val.*.json")).read_text())
     assert written["model"]["checkpoint"] == str(run / "checkpoints" / "best.ckpt")

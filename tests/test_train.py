@@ -218,6 +218,30 @@ def test_run_labels_name_a_variants_own_settings():
         == "diff_threshold[beta=0.5,lambda_mode=scalar_clamp]"
 
 
+@pytest.mark.parametrize("overrides, folder", [
+    ([], "softmax"),
+    (["attn=softcap_tanh", "attn.params.cap=2", "seed=1"], "softmax+cap-2"),
+    (["attn.lambda_mode=scalar_clamp", "attn.backend=triton", "+attn.params.beta=0.5"],
+     "softmax+beta-0.5+lambda_mode-scalar_clamp"),
+    (["attn.params.cap=-1"], "softmax+cap--1"),
+    (["attn.params.cap=1e-3"], "softmax+cap-1e-3"),
+    (["attn.params.x=[1,2]"], "softmax+x-1-2"),
+    (["attn.params.x='a b'"], "softmax+x-a-b"),
+    (['attn.params.x="$(rm -rf ~)"'], "softmax+x-rm--rf"),
+])
+def test_folder_labels_need_no_quoting_in_a_shell_or_a_hydra_override(overrides, folder):
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from training.run_label import folder_label
+
+    name = f"0_{folder_label('softmax', overrides)}_s0"
+    assert name == f"0_{folder}_s0"
+    assert shlex.quote(name) == name
+    assert OverridesParser.create().parse_override(f"ckpt=multirun/x/{name}").value() == f"multirun/x/{name}"
+
+
 def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_names(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus.txt", lines=400)
     overrides = [o for o in tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.val_every": 2})
@@ -227,7 +251,8 @@ def test_a_sweep_over_a_variant_parameter_gives_distinct_labels_dirs_and_wandb_n
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/results.json"))
-    assert jobs == ["0_softcap_tanh[cap=2]_s0", "1_softcap_tanh[cap=50]_s0"], jobs
+    # names a shell and a ckpt= override take unquoted
+    assert jobs == ["0_softcap_tanh+cap-2_s0", "1_softcap_tanh+cap-50_s0"], jobs
     labels = [json.loads((tmp_path / "sweep" / j / "results.json").read_text())["label"] for j in jobs]
     assert labels == ["softcap_tanh[cap=2]", "softcap_tanh[cap=50]"]
 

@@ -3,7 +3,7 @@
 `evaluate: {perplexity: {split: test}, attention_stats: {}}` runs, once the run has its results.json,
 what `python -m eval.perplexity ckpt=<run dir> split=test` and `python -m eval.attention_stats
 ckpt=<run dir>` would run: the same config (configs/eval/<name>.yaml with those settings), the same
-result files beside the run's checkpoint. In the training process a sweep pays for its imports, CUDA
+result files in the run's eval/ folder. In the training process a sweep pays for its imports, CUDA
 context and kernel compiles once instead of once per evaluation process. On the command line:
 `+evaluate.perplexity.split=test`, or `evaluate='{perplexity:{split:test},attention_stats:{}}'`.
 Settings are values of the eval config's own keys; a config group (data=<option>, another corpus)

@@ -53,7 +53,7 @@ from training.quiet_logs import logs_above_progress_bars, silence_third_party_no
 from training.resume import resume_changes, resume_checkpoint, resumed_state
 from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
                                  refuse_replacing_a_run, removed_if_the_run_never_started, write_hydra_record)
-import training.run_label  # noqa: F401  (registers the attnlab_label resolver that configs/train.yaml's sweep dir uses)
+import training.run_label  # noqa: F401  (registers the attnlab_folder_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
 
