@@ -122,6 +122,24 @@ def extra_values(extra) -> tuple:
     return tuple(extra.values()) if isinstance(extra, Mapping) else ()
 
 
+
+def reference_backend(q, k, v, spec, mask, segment_ids, temperature, *, extra, **options) -> torch.Tensor:
+    """The PyTorch reference as the backend of a call. A float16 call computes in float32 and returns
+    float16, as the kernels accumulate in float32: a float16 score q.k overflows past 65504 (|q| and |k|
+    of 100 per element at D = 16 reach 160000), and the softmax of infinite scores is NaN. `reference_attention` itself computes in
+    the inputs' dtype: it is the tolerance rule's same-dtype yardstick (DESIGN.md section 6)."""
+    if q.dtype != torch.float16:
+        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, extra=extra, **options)
+
+    def wide(t):
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    wide_extra = None if extra is None else {name: wide(t) for name, t in extra.items()}
+    out = reference_attention(wide(q), wide(k), wide(v), spec, mask, segment_ids, wide(temperature), extra=wide_extra,
+                              **options)
+    return out.to(torch.float16)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,8 +216,8 @@ def attention(
         backend = longer_keys_backend(backend)
     backend = resolve_backend(backend, q.device)
     if backend == "reference":
-        return reference_attention(q, k, v, spec, mask, segment_ids, temperature, extra=extra,
-                                   dropout_p=dropout_p, dropout_seed=dropout_seed, key_lengths=key_lengths)
+        return reference_backend(q, k, v, spec, mask, segment_ids, temperature, extra=extra,
+                                 dropout_p=dropout_p, dropout_seed=dropout_seed, key_lengths=key_lengths)
     if backend == "sdpa":
         if dropout_seed is not None:
             raise ValueError("backend='sdpa' draws its dropout mask from torch's generator; dropout_seed must be None")
@@ -270,8 +288,8 @@ class AttentionCall:
             return kernel(q, k, v, self.spec, self.mask, segment_ids, temperature, extra=extra, bounds=bounds,
                           dropout_p=dropout_p, dropout_seed=seed, key_lengths=key_lengths)
         if backend == "reference":
-            return reference_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, extra=extra,
-                                       dropout_p=dropout_p, key_lengths=key_lengths)
+            return reference_backend(q, k, v, self.spec, self.mask, segment_ids, temperature, extra=extra,
+                                     dropout_p=dropout_p, key_lengths=key_lengths)
         family_of(self.spec).checked_extra(self.spec, extra)
         return sdpa_attention(q, k, v, self.spec, self.mask, segment_ids, temperature, dropout_p)
 

@@ -770,3 +770,25 @@ def test_threshold_weights_for_a_power_below_one():
     want = torch.where(visible, torch.relu(x - tau) ** 0.5, torch.zeros_like(x))
     torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
     assert 0.1 < (w[visible.expand_as(w)] == 0).double().mean() < 0.9  # both sides of the threshold
+
+
+@pytest.mark.parametrize("name", ["softmax", "softcap_tanh", "sigmoid"])
+def test_the_reference_backend_computes_float16_calls_in_float32(name):
+    """Scores past float16's range (q.k up to 160000 here): the reference backend stays finite and
+    within float16's rounding of the float64 result, through `attn.attention` and `AttentionCall`;
+    `reference_attention` itself computes in float16 (the same-dtype yardstick), where the plain
+    softmax's scores overflow (a cap or the sigmoid saturates them first)."""
+    import attn
+
+    gen = torch.Generator().manual_seed(seed("fp16-range", name))
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, k = q.sign() * 100.0, k.sign() * 100.0
+    spec = get_variant(name).make_spec(**({"cap": 30.0} if name == "softcap_tanh" else {}))
+    want = reference_attention(q, k, v, spec, MaskSpec(causal=True))
+    half = [t.half() for t in (q, k, v)]
+    call = attn.AttentionCall(spec, causal=True, backend="reference")
+    for got in (attn.attention(*half, spec, causal=True, backend="reference"), call(*half)):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-3 * float(want.abs().max()) + 1e-3)
+    same_dtype = reference_attention(*half, spec, MaskSpec(causal=True))
+    assert torch.isfinite(same_dtype).all() == (name != "softmax")
