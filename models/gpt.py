@@ -279,15 +279,17 @@ class Attention(nn.Module):
         return list(views[0::2]), list(views[1::2]), v
 
     def rms_normalize_heads(self, heads: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of every q and k head of `heads` (B, N, views (H + H_kv), D) in one fused fp32 norm,
-        then each head scaled by its kind's weight (q_norm's or k_norm's): what q_norm and k_norm
-        compute (their eps; None is fp32's machine epsilon, the norm's compute type for 16-bit
-        inputs too), without rounding the normalized heads to 16 bits before the weight."""
+        """RMSNorm of every q and k head of `heads` (B, N, views (H + H_kv), D) in one fused norm in at
+        least fp32 (float64 heads stay float64), then each head scaled by its kind's weight (q_norm's or
+        k_norm's): what q_norm and k_norm compute (their eps; None is the compute type's machine
+        epsilon, fp32's for 16-bit inputs too), without rounding the normalized heads to 16 bits before
+        the weight."""
         h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
+        dtype = torch.promote_types(heads.dtype, torch.float32)
         weight = torch.cat([self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(h_kv, d)])
         if self.views > 1:
             weight = weight.repeat(self.views, 1)
-        return F.rms_norm(heads.float(), (d,), None, self.q_norm.eps) * weight.float()
+        return F.rms_norm(heads.to(dtype), (d,), None, self.q_norm.eps) * weight.to(dtype)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,

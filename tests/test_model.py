@@ -240,6 +240,25 @@ def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
     assert seen and all(s == {torch.bfloat16} for s in seen), seen
 
 
+def test_the_rms_qk_norm_of_all_heads_at_once_is_each_kinds_own_rmsnorm():
+    """split_heads normalizes every q and k head in one norm and scales each by its kind's weight: the
+    same as q_norm on the q heads and k_norm on the k heads (float64, random weights, GQA)."""
+    torch.manual_seed(0)
+    model = GPT(tiny("sigmoid")).double()  # 4 q heads, 2 kv heads
+    layer = model.blocks[0].attn
+    assert layer.qk_norm == "rms"
+    for norm in (layer.q_norm, layer.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(2, 7, model.cfg.d_model, dtype=torch.float64)
+    qs, ks, _ = layer.split_heads(x)
+    qkv = layer.qkv(x)
+    q_dim, kv_dim, d = layer.n_head * layer.head_dim, layer.n_kv_head * layer.head_dim, layer.head_dim
+    q = qkv[..., :q_dim].view(2, 7, layer.n_head, d)
+    k = qkv[..., q_dim:q_dim + kv_dim].view(2, 7, layer.n_kv_head, d)
+    torch.testing.assert_close(qs[0], layer.rotate(layer.q_norm(q), 0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ks[0], layer.rotate(layer.k_norm(k), 0), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("name", attn.variant_names())
 def test_the_gpt_on_the_fused_kernels_matches_the_gpt_on_the_reference(name, segments):
