@@ -626,6 +626,20 @@ def test_eval_generate_help_lists_only_the_config_groups_it_takes(tmp_path):
     assert "prompt:" in done.stdout.split("== Config ==", 1)[1]
 
 
+def test_train_help_lists_the_training_groups_and_not_evals(tmp_path):
+    """`python train.py --help` listed the eval group too, which training refuses: it lists every group
+    train.yaml composes, each with the options in its folder."""
+    from train_helpers import run_command
+
+    done = run_command([str(REPO / "train.py"), "--help"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    groups = listed_config_groups(done.stdout)
+    assert set(groups) == {"attn", "model", "data", "data/tokenizer", "trainer", "logger", "optimizer", "scheduler",
+                           "callbacks", "experiment"}, groups
+    for group, options in groups.items():
+        assert options == sorted(p.stem for p in (REPO / "configs" / group).glob("*.yaml")), group
+
+
 @pytest.mark.parametrize("command", ["attention_stats", "export", "generate", "lm_harness", "perplexity"])
 def test_every_eval_command_help_lists_groups_it_accepts(command, capsys, monkeypatch):
     """`attnlab-eval <command> --help` for each command: every listed group is one the command accepts
