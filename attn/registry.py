@@ -87,13 +87,17 @@ def get_variant(name: str) -> Variant:
         raise ValueError(f"attn.name must be one of {variant_names()}, got {name!r}") from None
 
 
+def _layer_options(variant: Variant) -> Mapping[str, tuple]:
+    spec = variant.make_spec()
+    return family_of(spec).layer_options(spec)
+
+
 def layer_option_values() -> dict[str, tuple]:
     """Every model option that some variant's layer module reads (`Family.layer_options`), with its
     allowed values."""
     values: dict[str, tuple] = {}
     for variant in VARIANTS.values():
-        spec = variant.make_spec()
-        for option, allowed in family_of(spec).layer_options(spec).items():
+        for option, allowed in _layer_options(variant).items():
             values[option] = tuple(dict.fromkeys(values.get(option, ()) + tuple(allowed)))
     return values
 
@@ -103,8 +107,7 @@ def check_layer_options(name: str, options: Mapping[str, Any], defaults: Mapping
     each option a layer module reads holds one of its allowed values; an option that this variant's
     layer does not read stays at its default (otherwise the run would train without it, silently).
     A ValueError names the option, its value and what is allowed."""
-    spec = get_variant(name).make_spec()
-    read = family_of(spec).layer_options(spec)
+    read = _layer_options(get_variant(name))
     for option, allowed in layer_option_values().items():
         if option not in options:
             if option in read:
@@ -114,7 +117,7 @@ def check_layer_options(name: str, options: Mapping[str, Any], defaults: Mapping
         if value not in allowed:
             raise ValueError(f"attn.{option} must be one of {allowed}, got {value!r}")
         if option not in read and value != defaults.get(option):
-            readers = [v.name for v in VARIANTS.values() if option in family_of(v.make_spec()).layer_options(v.make_spec())]
+            readers = [v.name for v in VARIANTS.values() if option in _layer_options(v)]
             raise ValueError(f"attn.{option}={value} applies to the variants {readers} only: attn={name} does not "
                              f"read it (leave attn.{option} out)")
 

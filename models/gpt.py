@@ -199,8 +199,8 @@ def _qk_normalize(x: torch.Tensor, kind: str | None) -> torch.Tensor:
 def _load_extras_held_by_the_layer(layer: Attention, state_dict: dict, prefix: str, *args) -> None:
     """A load_state_dict pre-hook of Attention: state dicts whose attention layer held its family's
     parameters itself (`blocks.0.attn.<name>`, not `blocks.0.attn.extras.<name>`) load them into the
-    layer's `extras`. The layer has no parameter or buffer of its own, so a key
-    of one name below the layer's prefix can only be one of these."""
+    layer's `extras`. The layer has no parameter or buffer of its own, so a key of one name below
+    the layer's prefix can only be one of these."""
     for name in layer.extras.state_dict(keep_vars=True):
         held = prefix + name
         if "." not in name and held in state_dict and f"{prefix}extras.{name}" not in state_dict:
