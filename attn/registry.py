@@ -2,7 +2,8 @@
 keys and its model-side defaults. Parameter defaults are declared once, in the spec dataclasses.
 
 Adding a variant touches this table, its family's unit (attn/families/<family>.py: reference,
-validation, statistics, lazy kernel), its family's kernel module, one `configs/attn/<name>.yaml` and its tests.
+validation, statistics, the layer module that forms its extra per-call tensors, lazy kernel), its
+family's kernel module, one `configs/attn/<name>.yaml` and its tests.
 """
 
 from __future__ import annotations
@@ -84,6 +85,41 @@ def get_variant(name: str) -> Variant:
         return VARIANTS[name]
     except KeyError:
         raise ValueError(f"attn.name must be one of {variant_names()}, got {name!r}") from None
+
+
+def _layer_options(variant: Variant) -> Mapping[str, tuple]:
+    spec = variant.make_spec()
+    return family_of(spec).layer_options(spec)
+
+
+def layer_option_values() -> dict[str, tuple]:
+    """Every model option that some variant's layer module reads (`Family.layer_options`), with its
+    allowed values."""
+    values: dict[str, tuple] = {}
+    for variant in VARIANTS.values():
+        for option, allowed in _layer_options(variant).items():
+            values[option] = tuple(dict.fromkeys(values.get(option, ()) + tuple(allowed)))
+    return values
+
+
+def check_layer_options(name: str, options: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """The model options of attn=`name` (`options`: AttnConfig's fields by name, `defaults` theirs):
+    each option a layer module reads holds one of its allowed values; an option that this variant's
+    layer does not read stays at its default (otherwise the run would train without it, silently).
+    A ValueError names the option, its value and what is allowed."""
+    read = _layer_options(get_variant(name))
+    for option, allowed in layer_option_values().items():
+        if option not in options:
+            if option in read:
+                raise ValueError(f"attn={name} reads the model option attn.{option}, which the model config lacks")
+            continue
+        value = options[option]
+        if value not in allowed:
+            raise ValueError(f"attn.{option} must be one of {allowed}, got {value!r}")
+        if option not in read and value != defaults.get(option):
+            readers = [v.name for v in VARIANTS.values() if option in _layer_options(v)]
+            raise ValueError(f"attn.{option}={value} applies to the variants {readers} only: attn={name} does not "
+                             f"read it (leave attn.{option} out)")
 
 
 def family_kernel(spec: AttentionSpec) -> Callable:

@@ -114,14 +114,14 @@ def layer_weights(layer, x: torch.Tensor):
     """Float-exact weights, logits and raw scores of one attention layer for its input x (B, N, C).
 
     Only generic layer properties are used: its spec, its score views, its family's extra tensors
-    (`extra_tensors`: a second q/k view and lambda for differential variants), its window.
+    (`extras`, the family's layer module: a second q/k view and lambda for differential variants), its window.
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
         # the projection in its weights' dtype (bf16 under FSDP mixed precision), the rest in fp32
         qs, ks, _ = layer.split_heads(x.to(layer.qkv.weight.dtype))
         qs, ks = [q.float() for q in qs], [k.float() for k in ks]
         mask = attn.MaskSpec(causal=True, window=layer.window)
-        weights = attn.attention_weights(qs[0], ks[0], layer.spec, mask, extra=layer.extra_tensors(qs, ks))
+        weights = attn.attention_weights(qs[0], ks[0], layer.spec, mask, extra=layer.extras(qs, ks))
         views = [per_head_scores(q, k) for q, k in zip(qs, ks)]
         head_dim = qs[0].shape[-1]
         n_visible = attn.visible_key_counts(mask, x.shape[1], device=x.device)[:, None]

@@ -1,8 +1,9 @@
 """One small GPT whose attention is chosen by name from the attn registry.
 
 Token embedding tied to the output head, RoPE, pre-norm RMSNorm, grouped-query
-attention, GELU or SwiGLU MLP, optional QK-norm, per-head output RMSNorm and
-differential heads for the threshold variants (DESIGN.md §4, model side). Three switches give
+attention with the variant's number of q/k views, GELU or SwiGLU MLP, optional QK-norm, per-head
+output RMSNorm, and per layer the module its family builds for its extra per-call tensors (the
+differential variants' second view and lambda: attn/families/differential.py). Three switches give
 GPT-2's blocks instead (configs/model/gpt2_compat.yaml, which models/pretrained.py loads GPT-2
 weights into): `positions=learned` (a position embedding added to the token embedding, no RoPE),
 `norm=layer` (LayerNorm) and `bias=true` (biases in every linear layer and norm), with
@@ -13,6 +14,7 @@ as a captured CUDA graph replayed per token (`DecodeStep`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,7 +32,6 @@ MLP_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate=
 MLP_KINDS = tuple(MLP_ACTIVATIONS)
 POSITION_KINDS = ("rope", "learned")
 NORM_KINDS = ("rms", "layer")
-LAMBDA_MODES = ("reparam", "clamp", "scalar_clamp")
 
 
 @dataclass
@@ -41,8 +42,8 @@ class AttnConfig:
     qk_norm: str | None = None  # None: the variant's default (attn/registry.py: l2 for threshold, rms for sigmoid)
     out_norm: bool | None = None  # None: the variant's default (on for threshold variants)
     out_norm_eps: float = 1e-5  # the per-head output RMSNorm's eps (the norm runs in fp32)
-    # differential lambda: reparam (Differential Transformer, per head), clamp (per head, in [0, 1]),
-    # scalar_clamp (the official TDA code: one scalar per layer in [0, 1], init 0.5)
+    # the differential variants' lambda (attn/families/differential.py): reparam (Differential Transformer,
+    # per head), clamp (per head, in [0, 1]), scalar_clamp (the official TDA code: one scalar per layer in [0, 1])
     lambda_mode: str = "reparam"
     window: int | None = None
 
@@ -195,6 +196,17 @@ def _qk_normalize(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     return x
 
 
+def _load_extras_held_by_the_layer(layer: Attention, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook of Attention: state dicts whose attention layer held its family's
+    parameters itself (`blocks.0.attn.<name>`, not `blocks.0.attn.extras.<name>`) load them into the
+    layer's `extras`. The layer has no parameter or buffer of its own, so a key of one name below
+    the layer's prefix can only be one of these."""
+    for name in layer.extras.state_dict(keep_vars=True):
+        held = prefix + name
+        if "." not in name and held in state_dict and f"{prefix}extras.{name}" not in state_dict:
+            state_dict[f"{prefix}extras.{name}"] = state_dict.pop(held)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_index: int):
         super().__init__()
@@ -207,8 +219,10 @@ class Attention(nn.Module):
         self.attend = attn.AttentionCall(self.spec, causal=True, window=self.window, backend=self.backend)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.views = self.variant.views
-        # the names of the family's extra per-call tensors (attn.attention's `extra` mapping)
-        self.extra_names = attn.family_of(self.spec).extra_inputs(self.spec)
+        # the family's layer module (built below): its parameters come first in this layer's
+        # parameters() and state dict, the order optimizer states list them by
+        self.register_module("extras", None)
+        self.register_load_state_dict_pre_hook(_load_extras_held_by_the_layer)
         self.attn_dropout = cfg.attn_dropout
         self.qk_norm = acfg.qk_norm or self.variant.qk_norm
         self.out_norm = self.variant.out_norm if acfg.out_norm is None else acfg.out_norm
@@ -224,33 +238,11 @@ class Attention(nn.Module):
         # eps fixed, not the input dtype's machine epsilon: with eps ~1e-7 one tiny surviving weight
         # in an otherwise empty row is scaled up to a full-size output
         self.head_norm = nn.RMSNorm(cfg.head_dim, eps=acfg.out_norm_eps) if self.out_norm else None
-        if self.views == 2:
-            self.lambda_mode = acfg.lambda_mode
-            self.lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
-            if self.lambda_mode == "reparam":
-                # lambda_h = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init (Differential Transformer), per head
-                self.lambda_vectors = nn.Parameter(torch.zeros(4, cfg.n_head, cfg.head_dim).normal_(0, 0.1))
-            elif self.lambda_mode == "clamp":
-                self.lambda_raw = nn.Parameter(torch.full((cfg.n_head,), self.lambda_init))
-            else:  # scalar_clamp: every head of the layer shares one lambda
-                self.lambda_scalar = nn.Parameter(torch.tensor(0.5))
-
-    def differential_lambda(self) -> torch.Tensor:
-        if self.lambda_mode == "reparam":
-            lq1, lk1, lq2, lk2 = self.lambda_vectors.float()
-            return torch.exp((lq1 * lk1).sum(-1)) - torch.exp((lq2 * lk2).sum(-1)) + self.lambda_init
-        if self.lambda_mode == "clamp":
-            return self.lambda_raw.float().clamp(0.0, 1.0)
-        return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
-
-    def extra_tensors(self, qs: list, ks: list) -> dict[str, torch.Tensor]:
-        """The family's extra per-call tensors of this layer by name (`Family.extra_inputs`), from the
-        q/k views of `split_heads`: the second view's 'q2', 'k2' and the per-head lambda 'lam' (in
-        q's dtype) of a differential variant; empty for every other variant."""
-        if not self.extra_names:
-            return {}
-        produced = {"q2": qs[1], "k2": ks[1], "lam": self.differential_lambda().to(qs[0].dtype)}
-        return {name: produced[name] for name in self.extra_names}
+        # the family's per-layer parameters and the extra per-call tensors (attn.attention's `extra`
+        # mapping) formed from the q/k views (attn/families/layer_extras.py)
+        shape = attn.LayerShape(layer_index=layer_index, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
+                                head_dim=cfg.head_dim, views=self.views)
+        self.extras = attn.family_of(self.spec).layer_extras(self.spec, shape, dataclasses.asdict(acfg))
 
     def rotate(self, x: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
         """RoPE at positions offset .. (models with learned positions: x as it is)."""
@@ -311,12 +303,10 @@ class Attention(nn.Module):
         dropout_p = self.attn_dropout if self.training else 0.0
         # new queries against a longer cache align bottom-right (attn.AttentionCall picks their backend)
         y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
-                        key_lengths=key_lengths, extra=self.extra_tensors(qs, ks))
+                        key_lengths=key_lengths, extra=self.extras(qs, ks))
         if self.head_norm is not None:
             y = self.head_norm(y.float()).to(y.dtype)
-        if self.views == 2 and self.lambda_mode == "reparam":
-            y = y * (1.0 - self.lambda_init)
-        return self.proj(y.reshape(b, n, -1))
+        return self.proj(self.extras.scale_output(y).reshape(b, n, -1))
 
 
 class MLP(nn.Module):
@@ -479,8 +469,8 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6 * non-embedding params + 6 * head matmul + attention.
 
         Attention per layer and token: q.k and w.v are 2 * 2 * T * d_head * H FLOPs forward
-        (non-causal count, as in PaLM's MFU), x3 for forward + backward; differential
-        variants do one extra q.k per view.
+        (non-causal count, as in PaLM's MFU), x3 for forward + backward; a variant with more
+        q/k views does one more q.k per view.
         """
         cfg, t = self.cfg, context or self.cfg.context
         dense = 6 * self.num_params(non_embedding=True) + 6 * cfg.d_model * cfg.vocab_size
@@ -660,14 +650,9 @@ def check_model_config(cfg: GPTConfig) -> None:
         raise ValueError(f"attn.backend must be one of {attn.BACKENDS}, got {a.backend!r}")
     if a.qk_norm is not None and a.qk_norm not in QK_NORMS:
         raise ValueError(f"attn.qk_norm must be one of {QK_NORMS} or null, got {a.qk_norm!r}")
-    if a.lambda_mode not in LAMBDA_MODES:
-        raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {a.lambda_mode!r}")
-    # a setting the variant has no use for would train without it, silently: refused unless at its default
-    # (which every variant's config carries, and older checkpoints record)
-    if variant.views == 1 and a.lambda_mode != AttnConfig.lambda_mode:
-        differential = [name for name in attn.variant_names() if attn.get_variant(name).views == 2]
-        raise ValueError(f"attn.lambda_mode={a.lambda_mode} applies to the differential variants {differential} only: "
-                         f"attn={a.name} has no lambda (leave attn.lambda_mode out)")
+    # the options the families' layer modules read (lambda_mode): allowed values, and a setting the variant has
+    # no use for refused unless at its default (which every variant's config carries, and older checkpoints record)
+    attn.check_layer_options(a.name, dataclasses.asdict(a), {f.name: f.default for f in dataclasses.fields(AttnConfig)})
     if not (isinstance(a.out_norm_eps, (int, float)) and not isinstance(a.out_norm_eps, bool) and a.out_norm_eps > 0):
         raise ValueError(f"attn.out_norm_eps must be a number > 0, got {a.out_norm_eps!r}")
     out_norm = variant.out_norm if a.out_norm is None else a.out_norm

@@ -37,6 +37,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from models.gpt import GPT, AttnConfig, GPTConfig, RoPE
 
 GPT_FIELDS = tuple(f.name for f in fields(GPTConfig))
+# transformers' key_mapping for folders whose attention layers hold their family's parameters
+# themselves (`model.blocks.0.attn.lambda_vectors`, where the GPT has `model.blocks.0.attn.extras.lambda_vectors`):
+# from_pretrained(folder, trust_remote_code=True, key_mapping=LAYER_HELD_KEYS). transformers sets the
+# weights by name, past the GPT's load_state_dict hook that maps these keys for attnlab's own loaders.
+LAYER_HELD_KEYS = {r"\.attn\.([^.]+)$": r".attn.extras.\1"}
 
 
 class AttnlabConfig(PreTrainedConfig):

@@ -252,7 +252,7 @@ MUTATIONS = [
         (f"{MODEL}::test_rope_base_sets_the_rotation_frequencies",),
     ),
     Mutation(
-        "scalar-lambda-not-clamped", "models/gpt.py",
+        "scalar-lambda-not-clamped", "attn/families/differential.py",
         "return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()",
         "return self.lambda_scalar.float().expand(self.n_head).contiguous()",
         "the official TDA lambda (scalar_clamp) is not clamped to [0, 1]",

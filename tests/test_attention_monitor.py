@@ -42,7 +42,7 @@ def test_logged_row_statistics_match_the_checkpoints_statistics(tmp_path, varian
         assert metric_by_step(run_dir, "val/attn/empty_rows")[3] == 0.0
     else:  # one learnable scalar per layer, the same for every head, near its 0.5 init after 4 steps
         for i, block in enumerate(model.blocks):
-            want = float(block.attn.lambda_scalar.clamp(0, 1))
+            want = float(block.attn.extras.lambda_scalar.clamp(0, 1))
             for h in range(2):
                 assert metric_by_step(run_dir, f"val/lambda/layer{i}/head{h}")[3] == pytest.approx(want, rel=1e-6)
             assert abs(want - 0.5) < 0.05

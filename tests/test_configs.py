@@ -109,9 +109,9 @@ def test_every_experiment_trains_with_its_own_settings(experiment, tmp_path, mon
     ("+train.foo=1", r"unknown train fields \['foo'\]"),
     ("train.warmup_steps=1.5", "train.warmup_steps must be an int"),
     # settings the variant has no use for (they would train without effect)
-    ("attn.lambda_mode=scalar_clamp", r"attn.lambda_mode=scalar_clamp applies to the differential variants "
-                                      r"\['diff_threshold'\] only: attn=softmax has no lambda"),
-    ("attn=threshold attn.lambda_mode=clamp", r"attn=threshold has no lambda"),
+    ("attn.lambda_mode=scalar_clamp", r"attn.lambda_mode=scalar_clamp applies to the variants "
+                                      r"\['diff_threshold'\] only: attn=softmax does not read it"),
+    ("attn=threshold attn.lambda_mode=clamp", r"attn=threshold does not read it"),
     # values checked before any data work, each named with what is allowed
     ("model.rope_base=0", r"model.rope_base must be a number > 1, got 0"),
     ("model.mlp_ratio=-1", r"model.mlp_ratio must be a number > 0, got -1"),

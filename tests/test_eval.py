@@ -325,7 +325,7 @@ def direct_zero_fraction(model, ids):
         for block in model.blocks:
             layer = block.attn
             qs, ks, _ = layer.split_heads(block.norm1(x))
-            extra = dict(q2=qs[1], k2=ks[1], lam=layer.differential_lambda()) if layer.views == 2 else {}
+            extra = dict(q2=qs[1], k2=ks[1], lam=layer.extras.per_head_lambda()) if layer.views == 2 else {}
             w = attn.attention_weights(qs[0], ks[0], layer.spec, attn.MaskSpec(causal=True), extra=extra)
             visible = torch.ones(ids.shape[1], ids.shape[1]).tril().bool()
             zeros = ((w == 0) & visible).sum(dim=(0, 2, 3)).double()

@@ -73,6 +73,35 @@ def test_a_right_padded_batch_scores_its_tokens_as_unpadded(tmp_path):
         torch.testing.assert_close(padded[0], model(ids[:1])[0], rtol=1e-6, atol=1e-6)
 
 
+def test_folders_with_the_lambda_held_by_the_layer_load_with_the_key_map(tmp_path):
+    """An export whose weights name the differential lambda at the attention layer
+    (`model.blocks.<i>.attn.lambda_vectors`, as the layer held it before attn.extras): attnlab's
+    load_exported reads it as it is, transformers with LAYER_HELD_KEYS; both give the model's logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from models.modeling_attnlab import LAYER_HELD_KEYS
+
+    model = trained_looking_gpt("diff_threshold")
+    export.write_export(model, ByteTokenizer(), tmp_path)
+    weights = tmp_path / export.WEIGHTS_FILE
+    state = {name.replace(".attn.extras.", ".attn."): t for name, t in load_file(str(weights)).items()}
+    assert "model.blocks.1.attn.lambda_vectors" in state
+    save_file(state, str(weights), metadata={"format": "pt", "attnlab_format": export.EXPORT_FORMAT})
+    config = json.loads((tmp_path / export.CONFIG_FILE).read_text())
+    config["attnlab"]["weights"]["sha256"] = export._sha256_file(weights)
+    (tmp_path / export.CONFIG_FILE).write_text(json.dumps(config))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True,
+                                                                 key_mapping=LAYER_HELD_KEYS)
+    ours, _ = export.load_exported(tmp_path)
+    with torch.no_grad():
+        want = model(ids)
+        torch.testing.assert_close(hf_model(ids).logits, want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(ours(ids), want)
+
+
 def tokenizer_of(kind):
     import tiktoken
 

@@ -99,11 +99,11 @@ def test_differential_lambda_is_learned():
         model = GPT(tiny("diff_threshold", lambda_mode=mode))
         x = torch.randint(0, 37, (2, 16))
         model(x).sum().backward()
-        layer = model.blocks[1].attn
+        layer = model.blocks[1].attn.extras  # the family's layer module (attn/families/differential.py)
         param = {"reparam": "lambda_vectors", "clamp": "lambda_raw", "scalar_clamp": "lambda_scalar"}[mode]
         grad = getattr(layer, param).grad
         assert grad is not None and grad.abs().sum() > 0
-        lam = layer.differential_lambda()
+        lam = layer.per_head_lambda()
         assert lam.shape == (4,)
         if mode == "reparam":  # lambda_init = 0.8 - 0.6 exp(-0.3 * layer)
             assert abs(layer.lambda_init - (0.8 - 0.6 * torch.exp(torch.tensor(-0.3)).item())) < 1e-6
@@ -111,10 +111,10 @@ def test_differential_lambda_is_learned():
             assert layer.lambda_scalar.shape == () and torch.equal(lam.detach(), torch.full((4,), 0.5))
             with torch.no_grad():
                 layer.lambda_scalar.fill_(1.7)
-            assert torch.equal(layer.differential_lambda(), torch.ones(4))
+            assert torch.equal(layer.per_head_lambda(), torch.ones(4))
             with torch.no_grad():
                 layer.lambda_scalar.fill_(-0.2)
-            assert torch.equal(layer.differential_lambda(), torch.zeros(4))
+            assert torch.equal(layer.per_head_lambda(), torch.zeros(4))
 
 
 def test_head_norm_eps_is_configurable_and_runs_in_fp32():

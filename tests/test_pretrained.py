@@ -58,8 +58,8 @@ def test_a_variant_keeps_what_gpt2_has_not_at_its_initialization(gpt2_folder, tm
     folder, hf_model = gpt2_folder
     model, kept = pretrained_model(folder, tmp_path, "attn=diff_threshold", "attn.backend=reference")
     assert kept == ["blocks.0.attn.qkv (second q/k view)", "blocks.1.attn.qkv (second q/k view)",
-                    "blocks.0.attn.head_norm.weight", "blocks.0.attn.lambda_vectors",
-                    "blocks.1.attn.head_norm.weight", "blocks.1.attn.lambda_vectors"]
+                    "blocks.0.attn.extras.lambda_vectors", "blocks.0.attn.head_norm.weight",
+                    "blocks.1.attn.extras.lambda_vectors", "blocks.1.attn.head_norm.weight"]
     width = 32
     c_attn = hf_model.transformer.h[1].attn.c_attn.weight.t()  # [q | k | v] rows
     qkv = model.blocks[1].attn.qkv.weight  # [q1 | k1 | q2 | k2 | v] rows

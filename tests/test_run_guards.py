@@ -110,8 +110,8 @@ def test_a_copied_run_is_evaluated_from_its_own_files(tmp_path):
     # item 8: a variant parameter without the + prefix reaches attnlab's check, not Hydra's struct error
     (["attn.params.capp=3"], r"attn=softmax does not take \['capp'\]; allowed parameters: \['sm_scale'\]"),
     (["attn.params.cap=5"], r"attn=softmax does not take \['cap'\]; allowed parameters: \['sm_scale'\]"),
-    (["attn.lambda_mode=scalar_clamp"], r"attn.lambda_mode=scalar_clamp applies to the differential variants "
-                                        r"\['diff_threshold'\] only: attn=softmax has no lambda \(leave attn.lambda_mode out\)"),
+    (["attn.lambda_mode=scalar_clamp"], r"attn.lambda_mode=scalar_clamp applies to the variants "
+                                        r"\['diff_threshold'\] only: attn=softmax does not read it \(leave attn.lambda_mode out\)"),
     (["train.lr=-1e-3"], r"train.lr must be > 0, got -0.001"),
     (["ckpt_path=missing.ckpt"], r"ckpt_path: checkpoint not found: missing.ckpt \(a .ckpt file, or auto: .*\)"),
     (["attn=tanh"], r"In 'train': Could not find 'attn/tanh'; available options: alsc, diff_threshold, sigmoid, "

@@ -210,7 +210,8 @@ def test_weight_decay_groups_are_exactly_the_matrices(variant, lambda_mode):
     want_decayed = ["embed.weight"] + [f"blocks.{i}.{m}.weight" for i in range(2)
                                        for m in ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")]
     assert decayed == sorted(want_decayed)
-    lambdas = {"reparam": "attn.lambda_vectors", "clamp": "attn.lambda_raw", "scalar_clamp": "attn.lambda_scalar"}[lambda_mode]
+    lambdas = {"reparam": "attn.extras.lambda_vectors", "clamp": "attn.extras.lambda_raw",
+               "scalar_clamp": "attn.extras.lambda_scalar"}[lambda_mode]
     want_kept = ["norm.weight"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("norm1.weight", "norm2.weight")]
     if variant == "diff_threshold":  # per-head output norm and lambda
         want_kept += [f"blocks.{i}.{m}" for i in range(2) for m in ("attn.head_norm.weight", lambdas)]

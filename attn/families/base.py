@@ -2,8 +2,9 @@
 
 A family is one unit (DESIGN.md §1): its spec type, the spec-level input checks, the float-exact
 reference weights, the quantities statistics read (raw scores and the logits the weights are a
-function of), whether it has a max logit, the extra per-call tensors it takes, and its fused
-kernel, imported lazily so that the reference path never imports Triton.
+function of), whether it has a max logit, the extra per-call tensors it takes, the module a model
+layer holds to form them (attn/families/layer_extras.py) with the model options that module reads,
+and its fused kernel, imported lazily so that the reference path never imports Triton.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from attn.families.layer_extras import LayerExtras, LayerShape
 from attn.masks import MaskSpec, dense_mask, length_mask, visible_key_counts
 
 
@@ -68,6 +70,18 @@ class Family:
         """The names among `extra_inputs(spec)` of tensors laid out like k (B, KV, H_kv, D): a static
         KV cache holds them, and `key_lengths` hides their unfilled slots as it hides k's."""
         return ()
+
+    def layer_options(self, spec) -> Mapping[str, tuple]:
+        """The model options (AttnConfig's fields, by name) that `layer_extras` reads for `spec`, each
+        with its allowed values; `attn.check_layer_options` checks a model config against them."""
+        return {}
+
+    def layer_extras(self, spec, shape: LayerShape, options: Mapping[str, Any]) -> LayerExtras:
+        """The module one model layer holds for `spec`: its family's per-layer parameters, and the
+        extra per-call tensors (the keys `extra_inputs(spec)`) it forms from the layer's q/k views.
+        `options` maps model options to values (at least the names of `layer_options(spec)`). The
+        base: no parameters, no tensors (a family whose spec takes none)."""
+        return LayerExtras()
 
     def checked_extra(self, spec, extra: Mapping[str, Any] | None) -> Mapping[str, Any]:
         """`extra` (None means empty) with exactly the keys `extra_inputs(spec)`; a ValueError naming

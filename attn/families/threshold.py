@@ -2,6 +2,7 @@
 
 w = relu(q.k - tau_i)^p [- lambda_h relu(q2.k2 - tau_i)^p], no softmax, no row normalization; one
 fused kernel serves both (the second view is a compile-time switch, attn/kernels/threshold_family.py).
+The differential form's model side (second q/k view, lambda parametrizations) is attn/families/differential.py.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from attn.families.base import Family, check_tensor, per_query_head_scores, visibility
+from attn.families.differential import LAMBDA_MODES, LAMBDA_PARAMETRIZATIONS
+from attn.families.layer_extras import LayerExtras
 from attn.masks import MaskSpec
 from attn.specs import ThresholdFamilySpec
 
@@ -60,6 +63,18 @@ class ThresholdFamily(Family):
 
     def key_aligned_inputs(self, spec) -> tuple[str, ...]:
         return ("k2",) if spec.differential else ()
+
+    def layer_options(self, spec):
+        return {"lambda_mode": LAMBDA_MODES} if spec.differential else {}
+
+    def layer_extras(self, spec, shape, options):
+        # the differential form: the second view and lambda, by lambda_mode (attn/families/differential.py)
+        if not spec.differential:
+            return LayerExtras()
+        mode = options.get("lambda_mode")
+        if mode not in LAMBDA_PARAMETRIZATIONS:
+            raise ValueError(f"attn.lambda_mode must be one of {LAMBDA_MODES}, got {mode!r}")
+        return LAMBDA_PARAMETRIZATIONS[mode](shape)
 
     def validate(self, spec, q, k, *, temperature, extra) -> None:
         extra = self.checked_extra(spec, extra)

@@ -7,8 +7,9 @@ AttentionRowMonitor (train.attention_stats_sequences: N, 0 turns it off)
     `val/attn/zero_fraction/layer{i}` (exact-zero share of visible weights), `val/attn/empty_rows/layer{i}`
     (share of query rows with no nonzero weight: such a row gives its query and every key no
     gradient), `val/attn/surviving_keys/layer{i}` (nonzero keys per row), `val/attn/sink_mass/layer{i}`
-    (the first token's share of |w|); the same without `/layer{i}`, averaged over layers; and each
-    differential layer's lambda, `val/lambda/layer{i}/head{h}`. Cost: one eager forward of N
+    (the first token's share of |w|); the same without `/layer{i}`, averaged over layers; and the
+    learned per-head values of each layer's family module (`LayerExtras.per_head_values`), the
+    differential variants' lambda as `val/lambda/layer{i}/head{h}`. Cost: one eager forward of N
     sequences and, per layer, a few float64 (N, heads, context, context) tensors.
 """
 
@@ -30,7 +31,7 @@ class AttentionRowMonitor(L.Callback):
         self.sequences = sequences
         self.enabled = sequences > 0  # false: configs/callbacks/ leaves the monitor out
         self._per_layer: list[dict] = []
-        self._lambdas: list[list[float] | None] = []
+        self._per_head_values: list[dict[str, list[float]]] = []
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if batch_idx != 0 or trainer.sanity_checking or not self.sequences:
@@ -52,8 +53,8 @@ class AttentionRowMonitor(L.Callback):
             for h in handles:
                 h.remove()
         self._per_layer = [acc.result() for acc in stats]
-        self._lambdas = [layer.differential_lambda().detach().float().cpu().tolist() if layer.views == 2 else None
-                         for layer in layers]
+        self._per_head_values = [{name: values.detach().float().cpu().tolist()
+                                  for name, values in layer.extras.per_head_values().items()} for layer in layers]
 
     def on_validation_epoch_end(self, trainer, pl_module):
         for name in LOGGED_METRICS:
@@ -65,7 +66,8 @@ class AttentionRowMonitor(L.Callback):
                     pl_module.log(f"val/attn/{name}/layer{i}", layer_means[-1], sync_dist=True)
             if layer_means:
                 pl_module.log(f"val/attn/{name}", sum(layer_means) / len(layer_means), sync_dist=True)
-        for i, lambdas in enumerate(self._lambdas):
-            for h, value in enumerate(lambdas or []):
-                pl_module.log(f"val/lambda/layer{i}/head{h}", value)
-        self._per_layer, self._lambdas = [], []
+        for i, per_head in enumerate(self._per_head_values):
+            for name, values in per_head.items():
+                for h, value in enumerate(values):
+                    pl_module.log(f"val/{name}/layer{i}/head{h}", value)
+        self._per_layer, self._per_head_values = [], []
