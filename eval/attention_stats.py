@@ -22,7 +22,7 @@ layer and head:
                    family the largest score q.k (compared with tau)
   max_score        largest raw score before any cap: s q.k (softmax family), q.k (threshold)
 
-Output: <run>/eval/<checkpoint stem>.attention-<split>.json (common.output_path), PNG heatmaps
+Output: <run>/eval/<checkpoint stem>.attention-<split>.json (runs.run.eval_result_path), PNG heatmaps
 (layer x head) per metric next to it, and wandb logging in the run's group.
 """
 
@@ -38,6 +38,8 @@ import torch
 from omegaconf import DictConfig
 
 from eval import command_line, common
+from runs.model import LoadedRun
+from runs.run import eval_result_path
 from data.progress import tracked
 from models.attention_diagnostics import METRICS, attention_statistics, plot_heatmaps, window_starts
 
@@ -54,7 +56,7 @@ def token_batches(tokens: np.ndarray, seq_len: int, num_tokens: int, batch_size:
         yield torch.from_numpy(chunk).to(device)
 
 
-def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
+def evaluate_run(run: LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
     seq_len = cfg.seq_len or run.model_config.context
     if not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2 or null, got {seq_len!r}")
@@ -103,7 +105,7 @@ def print_summary(result: dict) -> None:
     Console().print(table)
 
 
-def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict, images: list[Path]) -> None:
+def log_to_wandb(run: LoadedRun, cfg: DictConfig, result: dict, images: list[Path]) -> None:
     wb = common.start_wandb(run, cfg, "attention_stats", result["eval"]["config"])
     if wb is None:
         return
@@ -134,8 +136,8 @@ def run_attention_stats(cfg: DictConfig) -> list[dict]:
         data_cfg = common.data_config_for(run, cfg)
         datamodule = datamodules.for_run(run, data_cfg, cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
-        path = common.output_path(run.checkpoint_path, "attention", cfg.split, cfg.out,
-                                  settings=common.settings_tag(cfg, "attention_stats", RESULT_SETTINGS))
+        path = eval_result_path(run.checkpoint_path, "attention", cfg.split, cfg.out,
+                                settings=common.settings_tag(cfg, "attention_stats", RESULT_SETTINGS))
         label = f"{result['model']['variant']} s{result['model']['seed']}"
         images = plot_heatmaps(result["metrics"], label, path.with_suffix("")) if cfg.plot else []
         result["path"] = str(path)

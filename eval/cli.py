@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from eval import command_line
-from training.config_dir import CONFIG_DIR
+from runs.config_dir import CONFIG_DIR
 
 
 def commands() -> list[str]:

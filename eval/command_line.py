@@ -1,6 +1,6 @@
 """What the eval commands' command lines share (`python -m eval.<command>`, `attnlab-eval <command>`):
 a user error (a missing file, an incompatible checkpoint, a bad option) prints one `error:` line and
-exits with status 2; `-v` makes the process verbose (training/command_line.py: the error's traceback
+exits with status 2; `-v` makes the process verbose (runs/command_line.py: the error's traceback
 instead, and wandb's own run output). Imports nothing heavy, so that a command can refuse bad input
 before it imports torch."""
 
@@ -13,7 +13,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from training.command_line import USER_ERROR_EXIT_CODE, verbose, without_verbose_flag
+from runs.command_line import USER_ERROR_EXIT_CODE, verbose, without_verbose_flag
 
 
 def run(main: Callable[[], object]) -> None:

@@ -43,6 +43,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.tokenizers import END_OF_TEXT, Tokenizer, tokenizer_from_record, tokenizer_record
 from eval import command_line, common
+from runs.model import build_model_from_config, load_run
+from runs.run import resolve_checkpoints
 from models.gpt import GPT, GPTConfig
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "models" / "modeling_attnlab.py"
@@ -182,7 +184,7 @@ def load_exported(folder: str | os.PathLike, device: str | torch.device = "cpu",
     if not isinstance(model_dict, dict):
         raise ValueError(f"{where} has no 'model' config dict")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    model, _ = common.build_model_from_config({k: v for k, v in model_dict.items() if k in fields}, where, backend)
+    model, _ = build_model_from_config({k: v for k, v in model_dict.items() if k in fields}, where, backend)
     weights = _file_in(folder, record.get("weights"), "weights", where)
     try:
         state = {name.removeprefix(prefix): tensor for name, tensor in load_file(str(weights)).items()}
@@ -204,10 +206,10 @@ def run_export(cfg: DictConfig) -> Path:
     """Export the one checkpoint named by cfg.ckpt into cfg.out; returns the folder."""
     command_line.require_ckpt(cfg)
     out = _check_out_dir(cfg)
-    paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
+    paths = resolve_checkpoints(cfg.ckpt, cfg.which)
     if len(paths) != 1:
         raise ValueError(f"eval.export exports one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
-    run = common.load_run(paths[0], device="cpu", backend=cfg.backend)
+    run = load_run(paths[0], device="cpu", backend=cfg.backend)
     tokenizer, _ = common.tokenizer_for_run(run, cfg)
     write_export(run.model, tokenizer, out, source={**run.describe(), "versions": common.versions()})
     log.info("exported %s (%s, %d parameters, tokenizer %s) to %s", run.checkpoint_path, run.variant,

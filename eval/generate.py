@@ -24,6 +24,8 @@ import torch
 from omegaconf import DictConfig
 
 from eval import command_line, common
+from runs.model import LoadedRun, load_run
+from runs.run import eval_result_path, resolve_checkpoints
 
 log = logging.getLogger("attnlab.eval.generate")
 
@@ -47,7 +49,7 @@ def check_options(cfg: DictConfig) -> None:
         raise ValueError('prompt must be a non-empty string, e.g. prompt="ROMEO:"')
 
 
-def sample(run: common.LoadedRun, tokenizer, cfg: DictConfig, device: torch.device) -> list[tuple[str, bool]]:
+def sample(run: LoadedRun, tokenizer, cfg: DictConfig, device: torch.device) -> list[tuple[str, bool]]:
     """num_samples continuations of the prompt (prompt text included), each with whether it ended at
     the end-of-text token (with stop_at_end_of_text; the text then stops before that token)."""
     ids = tokenizer.encode(cfg.prompt)
@@ -77,10 +79,10 @@ def run_generate(cfg: DictConfig) -> list[str]:
     command_line.require_ckpt(cfg)
     check_options(cfg)
     device = common.pick_device(cfg.device)
-    paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
+    paths = resolve_checkpoints(cfg.ckpt, cfg.which)
     if len(paths) != 1:
         raise ValueError(f"eval.generate samples from one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
-    run = common.load_run(paths[0], device=device, backend=cfg.backend)
+    run = load_run(paths[0], device=device, backend=cfg.backend)
     tokenizer, data_cfg = common.tokenizer_for_run(run, cfg)
     samples = sample(run, tokenizer, cfg, device)
     texts = [text for text, _ in samples]
@@ -97,7 +99,7 @@ def run_generate(cfg: DictConfig) -> list[str]:
                             subtitle="ended: end of text" if ended else None))
     if cfg.out:
         common.write_json(
-            common.output_path(paths[0], "samples", "prompt", cfg.out),
+            eval_result_path(paths[0], "samples", "prompt", cfg.out),
             {"model": run.describe(), "samples": texts, "ended_at_end_of_text": [ended for _, ended in samples],
              "eval": common.eval_config_record(cfg, data_cfg)},
         )

@@ -35,6 +35,8 @@ from omegaconf import OmegaConf
 from data.sources import DOCUMENT_SEPARATOR
 from data.tokenizers import END_OF_TEXT, Tokenizer
 from eval import common
+from runs.model import load_run
+from runs.run import resolve_checkpoints
 from eval.perplexity import score_tokens
 from models.gpt import GPT
 
@@ -189,10 +191,10 @@ def load_for_harness(ckpt: str | None = None, export: str | None = None, which: 
 
         model, tokenizer = load_exported(export, device=device, backend=backend)
         return model, tokenizer, {"export": str(export), "variant": model.cfg.attn.name, "tokenizer": tokenizer.describe()}
-    paths = common.resolve_checkpoints(ckpt, which)
+    paths = resolve_checkpoints(ckpt, which)
     if len(paths) != 1:
         raise ValueError(f"the harness evaluates one checkpoint; ckpt={ckpt} gives {len(paths)}")
-    run = common.load_run(paths[0], device=device, backend=backend)
+    run = load_run(paths[0], device=device, backend=backend)
     tokenizer, _ = common.tokenizer_for_run(run, OmegaConf.create({}))
     return run.model, tokenizer, run.describe()
 

@@ -3,7 +3,7 @@
     python -m eval.lm_harness ckpt=RUN_DIR tasks=[lambada_openai,hellaswag] [num_fewshot=0] [limit=100]
         [batch_size=8] [include_path=DIR_OF_TASK_YAMLS] [max_gen_toks=256]
 
-Writes <run>/eval/<ckpt stem>.lm_harness-<tasks>.json (common.output_path; or out=) and prints the
+Writes <run>/eval/<ckpt stem>.lm_harness-<tasks>.json (runs.run.eval_result_path; or out=) and prints the
 table. The model the harness evaluates is lm_eval's model "attnlab" (eval/harness_model.py, which
 also describes how each kind of request is scored).
 
@@ -29,7 +29,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eval import command_line
-from training.config_dir import CONFIG_DIR
+from runs.config_dir import CONFIG_DIR
 
 log = logging.getLogger("attnlab.eval.lm_harness")
 
@@ -155,9 +155,11 @@ def run_lm_harness(cfg: DictConfig) -> dict:
 
     from eval import common
     from eval.harness_model import AttnlabLM
+    from runs.model import load_run
+    from runs.run import eval_result_path, resolve_checkpoints
 
     device = common.pick_device(cfg.device)
-    paths = common.resolve_checkpoints(cfg.ckpt, cfg.which)
+    paths = resolve_checkpoints(cfg.ckpt, cfg.which)
     if len(paths) != 1:
         raise ValueError(f"eval.lm_harness evaluates one checkpoint; ckpt={cfg.ckpt} gives {len(paths)}")
     task_manager = TaskManager(include_path=os.path.expanduser(str(cfg.include_path)) if cfg.include_path else None)
@@ -165,7 +167,7 @@ def run_lm_harness(cfg: DictConfig) -> dict:
     if unknown:
         raise ValueError(f"tasks: unknown lm_eval task(s) {unknown} (python -m lm_eval ls tasks lists them; "
                          "include_path= adds a folder of task YAMLs)")
-    run = common.load_run(paths[0], device=device, backend=cfg.backend)
+    run = load_run(paths[0], device=device, backend=cfg.backend)
     tokenizer, data_cfg = common.tokenizer_for_run(run, cfg)
     lm = AttnlabLM(model=run.model, tokenizer=tokenizer, device=str(device), batch_size=cfg.batch_size,
                    precision=cfg.precision, max_gen_toks=cfg.max_gen_toks)
@@ -187,7 +189,7 @@ def run_lm_harness(cfg: DictConfig) -> dict:
         "eval": common.eval_config_record(cfg, data_cfg),
         "versions": {**common.versions(), "lm_eval": lm_eval.__version__},
     }
-    path = common.output_path(paths[0], "lm_harness", "-".join(tasks), cfg.out)
+    path = eval_result_path(paths[0], "lm_harness", "-".join(tasks), cfg.out)
     result["path"] = str(path)
     common.write_json(path, result)
     print(make_table(output))

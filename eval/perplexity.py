@@ -17,7 +17,7 @@ evaluated text (tokenizer-independent, comparable across vocabularies).
 
 Extrapolation: contexts beyond the training length are evaluated with the same RoPE model
 (positions never seen in training); by default 1x, 2x and 4x the training context.
-The result goes to <run>/eval/<checkpoint stem>.perplexity-<split>.json (common.output_path), with
+The result goes to <run>/eval/<checkpoint stem>.perplexity-<split>.json (runs.run.eval_result_path), with
 the exact eval config, is printed as a table, and is logged to wandb in the run's group when
 the run used wandb (offline unless configured otherwise).
 """
@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from eval import command_line, common
+from runs.model import LoadedRun
+from runs.run import eval_result_path
 from data.progress import progress_bar
 
 log = logging.getLogger("attnlab.eval.perplexity")
@@ -162,7 +164,7 @@ def _evaluated_bytes(datamodule, split: str, tokens: np.ndarray, truncated: bool
     return len(tokens), len(text.encode("utf-8"))
 
 
-def evaluate_run(run: common.LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
+def evaluate_run(run: LoadedRun, cfg: DictConfig, datamodule, device: torch.device, data_cfg=None) -> dict:
     """Perplexity of one loaded run at every requested context length."""
     split = cfg.split
     tokens = np.asarray(datamodule.token_ids(split))
@@ -241,7 +243,7 @@ def print_table(result: dict) -> None:
         Console().print(f"unigram baseline on {result['split']}: {result['data']['unigram_bpb']:.4f} bits/byte")
 
 
-def log_to_wandb(run: common.LoadedRun, cfg: DictConfig, result: dict) -> None:
+def log_to_wandb(run: LoadedRun, cfg: DictConfig, result: dict) -> None:
     wb = common.start_wandb(run, cfg, "perplexity", result["eval"]["config"])
     if wb is None:
         return
@@ -271,8 +273,8 @@ def run_perplexity(cfg: DictConfig) -> list[dict]:
         data_cfg = common.data_config_for(run, cfg)
         datamodule = datamodules.for_run(run, data_cfg, cfg)
         result = evaluate_run(run, cfg, datamodule, device, data_cfg)
-        path = common.output_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out,
-                                  settings=common.settings_tag(cfg, "perplexity", RESULT_SETTINGS))
+        path = eval_result_path(run.checkpoint_path, "perplexity", cfg.split, cfg.out,
+                                settings=common.settings_tag(cfg, "perplexity", RESULT_SETTINGS))
         result["path"] = str(path)
         common.write_json(path, result)
         print_table(result)

@@ -35,6 +35,7 @@ reading of the numbers under the title.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -45,15 +46,18 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runs.run import Run as RunDirectory  # noqa: E402  (the run directory as train.py writes it)
+from runs.run import runs_in  # noqa: E402
+
 BASELINE = "softmax"
 METRICS = (("val_loss", "val loss (nats/token)"), ("val_ppl", "val perplexity"), ("val_bpb", "val bits/byte"))
 # variant order in tables and plots: the registry's, then anything else alphabetically
 try:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from attn import variant_names as _variant_names
 
     VARIANT_ORDER = list(_variant_names())
-except Exception:  # the report only reads files; it still works without the package importable
+except Exception:  # the report only reads files; it still works where attn (torch) cannot be imported
     VARIANT_ORDER = ["softmax", "softcap_tanh", "softcap_softsign", "alsc", "threshold", "diff_threshold", "sigmoid"]
 
 
@@ -232,27 +236,6 @@ def read_metrics_csv(path: Path, results: dict) -> tuple[list, float | None, dic
     return sorted(curve.items()), tokens_per_s, {k: sorted(v.items()) for k, v in trajectories.items()}
 
 
-# where a run directory holds its eval JSONs: eval/, and checkpoints/ in runs evaluated by an attnlab
-# that wrote them beside the checkpoints
-EVAL_FOLDERS = ("eval", "checkpoints")
-
-
-def _eval_json(run_dir: Path, kind: str, split: str, results: dict) -> dict | None:
-    """The eval JSON of the run's best checkpoint (else of any checkpoint) for `split`, from eval/ or
-    (older runs) checkpoints/: eval/ first for each name."""
-    names = []
-    if results.get("best_checkpoint"):
-        names.append(f"{Path(results['best_checkpoint']).stem}.{kind}-{split}.json")
-    names += [f"best.{kind}-{split}.json", f"last.{kind}-{split}.json"]
-    folders = [run_dir / name for name in EVAL_FOLDERS]
-    names += sorted({path.name for folder in folders for path in folder.glob(f"*.{kind}-{split}.json")})
-    for name in names:
-        for folder in folders:
-            if (folder / name).is_file():
-                return json.loads((folder / name).read_text())
-    return None
-
-
 def _peak_memory_gb(results: dict) -> float | None:
     # train.py records peak_memory_gb as max_memory_allocated / 2**30, i.e. GiB
     for key, scale in (("peak_memory_bytes", 2.0**-30), ("peak_memory_gb", 1.0)):
@@ -266,17 +249,18 @@ def find_run_dirs(paths) -> list[Path]:
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"no such run directory or folder: {p}")
-        if (p / "results.json").is_file():
-            found.append(p)
-        else:
-            found += sorted(q.parent for q in p.rglob("results.json"))
+        with contextlib.suppress(FileNotFoundError):  # no run in it: the error below names every path
+            found += [run.dir for run in runs_in(p) if (run.dir / "results.json").is_file()]
     if not found:
         raise FileNotFoundError(f"no run with a results.json in {[str(p) for p in paths]}")
     return sorted(set(found))
 
 
 def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
-    results = json.loads((run_dir / "results.json").read_text())
+    run = RunDirectory(run_dir)
+    # read here, not through Run.results (which leaves out a results.json it cannot read): the report
+    # refuses a run whose results it cannot read
+    run.results = results = json.loads((run_dir / "results.json").read_text())
     for key in ("variant", "val_loss"):
         if key not in results:
             raise ValueError(f"{run_dir / 'results.json'} has no {key!r}: not a train.py results file")
@@ -286,11 +270,11 @@ def load_run(run_dir: Path, split: str, stats_split: str) -> Run:
     return Run(
         # the label (variant and its own overridden settings, training/run_label.py) when recorded:
         # a sweep over a variant's parameter gives one row per setting
-        path=run_dir, variant=results.get("label") or results["variant"], seed=results.get("seed"), results=results,
+        path=run_dir, variant=run.label, seed=results.get("seed"), results=results,
         curve=curve, trajectories=trajectories,
         tokens_per_s=tokens_per_s, peak_memory_gb=_peak_memory_gb(results),
-        perplexity=_eval_json(run_dir, "perplexity", split, results),
-        attention=_eval_json(run_dir, "attention", stats_split, results),
+        perplexity=run.eval_result("perplexity", split),
+        attention=run.eval_result("attention", stats_split),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hydra.utils import instantiate
 
-from eval import common
+from runs.model import load_run
 from eval.run_logs import metric_by_step
 from models.attention_diagnostics import attention_statistics
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
@@ -27,7 +27,7 @@ def test_logged_row_statistics_match_the_checkpoints_statistics(tmp_path, varian
     dm.prepare_data()
     dm.setup("fit")
     x, _ = next(iter(dm.val_dataloader()))
-    model = common.load_run(run_dir / "checkpoints" / "last.ckpt").model
+    model = load_run(run_dir / "checkpoints" / "last.ckpt").model
     expected = attention_statistics(model, [x[:3]])["metrics"]
     for name in ("zero_fraction", "empty_rows", "surviving_keys", "sink_mass"):
         per_layer = []

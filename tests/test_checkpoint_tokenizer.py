@@ -9,8 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_record, tokenizer_record
-from eval import common, generate, perplexity
-from training.checkpoint_io import load_checkpoint
+from eval import generate, perplexity
+from runs.checkpoints import load_checkpoint
+from runs.model import load_run
 from train_helpers import CONFIG_DIR, run_command, train_tiny_run, write_corpus
 
 
@@ -28,7 +29,7 @@ def test_training_writes_the_tokenizer_into_every_checkpoint(byte_run):
     for name in ("best.ckpt", "last.ckpt"):
         ckpt = load_checkpoint(byte_run / "checkpoints" / name)  # weights_only=True
         assert ckpt["tokenizer"] == tokenizer_record(ByteTokenizer())
-    run = common.load_run(byte_run / "checkpoints" / "best.ckpt")
+    run = load_run(byte_run / "checkpoints" / "best.ckpt")
     assert run.tokenizer.describe() == ByteTokenizer().describe()
     assert run.describe()["tokenizer"]["hash"] == ByteTokenizer().hash
     assert "tokenizer" not in run.hparams  # kept out of hparams.yaml
@@ -84,18 +85,18 @@ def test_a_tampered_tokenizer_record_is_refused(byte_run, tmp_path):
     path = tmp_path / "tampered.ckpt"
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match=rf"checkpoint {path}: the tokenizer rebuilt from its content .* is not the recorded one"):
-        common.load_run(path)
+        load_run(path)
     ckpt["tokenizer"] = {**char, "format": "pickle"}
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match="unknown tokenizer format 'pickle'"):
-        common.load_run(path)
+        load_run(path)
     ckpt["tokenizer"] = tokenizer_record(CharTokenizer("".join(chr(c) for c in range(40, 140))))
     torch.save(ckpt, path)  # 101 tokens for a model with 256 ids is fine; more ids than the model is not
-    assert common.load_run(path).tokenizer.vocab_size == 101
+    assert load_run(path).tokenizer.vocab_size == 101
     ckpt["tokenizer"] = tokenizer_record(CharTokenizer("".join(chr(c) for c in range(40, 400))))
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match=r"its tokenizer has 361 tokens, more than the model's vocabulary \(256\)"):
-        common.load_run(path)
+        load_run(path)
 
 
 def test_records_reject_malformed_content():
@@ -122,7 +123,7 @@ def test_the_runs_own_data_is_tokenized_with_the_checkpoints_tokenizer(tmp_path,
     from eval import attention_stats
 
     run = train_tiny_run(tmp_path, **{"data/tokenizer": "bpe", "data.tokenizer.vocab_size": 300})
-    recorded = common.load_run(run / "checkpoints" / "best.ckpt").tokenizer
+    recorded = load_run(run / "checkpoints" / "best.ckpt").tokenizer
     assert recorded.kind == "bpe" and recorded.end_of_text_id is not None
     shutil.rmtree(tmp_path / "cache")
     monkeypatch.setattr(tokenizers_module, "train_bpe", lambda *a, **k: pytest.fail("trained a tokenizer"))

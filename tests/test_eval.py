@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 
 import attn
 from eval import attention_stats, common, generate, perplexity
+from runs.model import LoadedRun, load_run
+from runs.run import Run
 from models import attention_diagnostics
 from eval.perplexity import Window, bits_per_byte, score_tokens, scoring_windows
 from models.gpt import GPT, AttnConfig, GPTConfig
@@ -167,8 +169,10 @@ def tiny_gpt(name="softmax", vocab=64, context=16, **attn_kw):
 
 
 def loaded(model, path=Path("/nowhere/best.ckpt")):
-    return common.LoadedRun(model=model, model_config=model.cfg, checkpoint_path=path, hparams={}, run_dir=None,
-                            run_config=None, results={"seed": 3}, global_step=1, tokens_seen=10)
+    run = Run(path.parent.parent)
+    run.config, run.results = None, {"seed": 3}
+    return LoadedRun(model=model, model_config=model.cfg, checkpoint_path=path, hparams={}, run=run, global_step=1,
+                     tokens_seen=10)
 
 
 def ppl_cfg(**kw):
@@ -549,7 +553,7 @@ def _no_model_config(c):
 def test_incompatible_checkpoints_are_refused_clearly(tmp_path, mutate, match):
     path = save_fake_checkpoint(tmp_path / "x.ckpt", tiny_gpt(), mutate)
     with pytest.raises(ValueError, match=match):
-        common.load_run(path)
+        load_run(path)
 
 
 COMMANDS = [
@@ -669,15 +673,14 @@ def test_wandb_group_follows_train_py(tmp_path):
         "mode": "MULTIRUN", "runtime": {"output_dir": str(job)},
         "sweep": {"dir": "multirun/${group}/${now:%Y-%m-%d_%H-%M-%S}", "subdir": "${attn.name}/s${seed}"},
     }}), job / ".hydra" / "hydra.yaml")
-    run = common.LoadedRun(model=None, model_config=None, checkpoint_path=job / "checkpoints" / "best.ckpt", hparams={},
-                           run_dir=job, run_config=OmegaConf.create({"group": "ablation"}), results={},
-                           global_step=None, tokens_seen=None)
-    assert common.wandb_group(run) == "ablation-2026-01-01_00-00-00"
+    run = Run(job)
+    run.config, run.results = OmegaConf.create({"group": "ablation"}), {}
+    assert run.wandb_group == "ablation-2026-01-01_00-00-00"
     run.results = {"wandb_group": "recorded"}
-    assert common.wandb_group(run) == "recorded"
+    assert run.wandb_group == "recorded"
     (job / ".hydra" / "hydra.yaml").write_text("hydra:\n  mode: RUN\n")
     run.results = {}
-    assert common.wandb_group(run) == "ablation"
+    assert run.wandb_group == "ablation"
 
 
 @pytest.mark.parametrize("payload", ["target", "nested", "other_datamodule"])

@@ -11,7 +11,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from data.tokenizers import ByteTokenizer, TiktokenTokenizer, tokenizer_record, train_bpe
-from eval import common, export
+from eval import export
+from runs.model import load_run
+from runs.run import Run
 from models.gpt import GPT, AttnConfig, GPTConfig
 from train_helpers import CONFIG_DIR, train_tiny_run
 
@@ -54,7 +56,7 @@ def test_export_rebuilds_the_checkpoints_model_and_tokenizer_exactly(char_run, t
     assert record["format"] == export.EXPORT_FORMAT and config["context"] == 16 and config["model_type"] == "attnlab_gpt"
     assert record["tokenizer"]["kind"] == "char" and record["source"]["variant"] == "softmax"
 
-    run = common.load_run(common.checkpoint_of_run(char_run), backend="reference")
+    run = load_run(Run(char_run).checkpoint(), backend="reference")
     model, tokenizer = export.load_exported(out, backend="reference")
     assert tokenizer.hash == run.tokenizer.hash and tokenizer.kind == "char"
     text = "anna sees the cat"
@@ -173,13 +175,13 @@ def test_folders_of_the_first_export_format_still_load(tmp_path):
 
 def test_a_checkpoint_without_a_tokenizer_record_takes_the_data_config(char_run, tmp_path):
     """Checkpoints that predate the record: the run's data config gives the tokenizer."""
-    from training.checkpoint_io import load_checkpoint
+    from runs.checkpoints import load_checkpoint
 
     run = tmp_path / "old_run"
     (run / "checkpoints").mkdir(parents=True)
     (run / ".hydra").mkdir()
     (run / ".hydra" / "config.yaml").write_text((char_run / ".hydra" / "config.yaml").read_text())
-    ckpt = load_checkpoint(common.checkpoint_of_run(char_run))
+    ckpt = load_checkpoint(Run(char_run).checkpoint())
     recorded = ckpt.pop("tokenizer")
     torch.save(ckpt, run / "checkpoints" / "best.ckpt")
     out = export.run_export(export_cfg(f"ckpt={run}", f"out={tmp_path / 'export'}"))

@@ -9,7 +9,7 @@ import torch
 
 from data.atomic import atomic_write_text
 from eval.common import write_json
-from training.checkpoint_io import atomic_torch_save
+from runs.checkpoints import atomic_torch_save
 
 WRITERS = {
     "checkpoint": lambda path: atomic_torch_save({"w": torch.zeros(2)}, path),

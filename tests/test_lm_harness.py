@@ -143,7 +143,9 @@ def harness_cfg(*overrides):
 
 
 def test_harness_on_local_tasks_matches_the_scorer(harness_run):
-    from eval import common, lm_harness
+    from eval import lm_harness
+    from runs.model import load_run
+    from runs.run import Run
 
     run_dir, tasks = harness_run
     result = lm_harness.run_lm_harness(harness_cfg(
@@ -153,7 +155,7 @@ def test_harness_on_local_tasks_matches_the_scorer(harness_run):
     assert result["path"].endswith("best.lm_harness-tiny_mc-tiny_rolling-tiny_gen.json")
     assert saved["model"]["tokenizer"]["kind"] == "byte" and saved["versions"]["lm_eval"]
 
-    run = common.load_run(common.checkpoint_of_run(run_dir), backend="reference")
+    run = load_run(Run(run_dir).checkpoint(), backend="reference")
     scorer = HarnessScorer(run.model, run.tokenizer)
     # accuracy by hand: the choice with the highest log-likelihood
     correct = []

@@ -229,7 +229,7 @@ def test_a_muon_step_with_a_nonfinite_loss_is_skipped(tmp_path, monkeypatch):
     """The non-finite guard's host path drops the step's gradients: neither Muon nor the AdamW part
     moves a weight or its state on the poisoned steps (2 and 4 of 6)."""
     from training import train
-    from training.checkpoint_io import load_checkpoint
+    from runs.checkpoints import load_checkpoint
 
     real_build = train.build_model
 

@@ -49,7 +49,7 @@ def test_the_wheel_ships_every_config_and_the_console_commands(wheel):
         metadata = Parser().parsestr(dist_info(archive, "METADATA"))
     configs = {f"attnlab_configs/{p.relative_to(ROOT / 'configs').as_posix()}" for p in (ROOT / "configs").rglob("*.yaml")}
     assert len(configs) > 40 and configs <= names, sorted(configs - names)
-    assert {"training/train.py", "training/config_dir.py", "eval/cli.py", "eval/perplexity.py"} <= names
+    assert {"training/train.py", "runs/config_dir.py", "runs/run.py", "eval/cli.py", "eval/perplexity.py"} <= names
     assert not any(n.startswith(("tests/", "scripts/")) or n == "train.py" for n in names)
     assert dict(entry_points["console_scripts"]) == {"attnlab-train": "training.train:cli", "attnlab-eval": "eval.cli:main"}
     # the plain install line: what training needs; lm_eval, transformers, pytest come with extras only
@@ -73,7 +73,7 @@ def test_the_unpacked_wheel_runs_on_its_own_configs(wheel, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "name: alsc" in proc.stdout and "d_model: 384" in proc.stdout
-    where = subprocess.run([sys.executable, "-c", "from training.config_dir import CONFIG_DIR; print(CONFIG_DIR)"],
+    where = subprocess.run([sys.executable, "-c", "from runs.config_dir import CONFIG_DIR; print(CONFIG_DIR)"],
                            cwd=cwd, env={"PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=120)
     assert where.stdout.strip() == str(site / "attnlab_configs"), where.stderr
 
@@ -95,7 +95,7 @@ def test_an_eval_command_takes_v_for_the_traceback(tmp_path, monkeypatch, capsys
     """`attnlab-eval <command> -v` (and `python -m eval.<command> -v`): the user error's exception
     instead of its one `error:` line; without -v, the line and exit status 2."""
     from eval import cli
-    from training import command_line
+    from runs import command_line
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards: -v sets it
     missing = tmp_path / "no_such_run"

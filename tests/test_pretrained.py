@@ -13,7 +13,7 @@ from training import train  # noqa: E402
 from models.gpt import GPT  # noqa: E402
 from models.lit import gpt_config_from_dict  # noqa: E402
 from models.pretrained import GPT2Weights  # noqa: E402
-from training.checkpoint_io import load_checkpoint  # noqa: E402
+from runs.checkpoints import load_checkpoint  # noqa: E402
 from train_helpers import compose_cfg, run_train_py, tiny_overrides, write_corpus  # noqa: E402
 
 VOCAB, CONTEXT = 256, 32  # the byte tokenizer's vocabulary

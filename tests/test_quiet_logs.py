@@ -1,4 +1,5 @@
-"""A run's output carries no third-party notices that say nothing about it (training/quiet_logs.py):
+"""A run's output carries no third-party notices that say nothing about it (training/quiet_logs.py,
+runs/wandb_quiet.py):
 no wandb run block unless -v, one summary line of its own, no log line inside a progress bar; and DDP
 gets its buffer setting under the name the installed torch wants."""
 
@@ -14,8 +15,9 @@ import pytest
 from train_helpers import ROOT, compose_cfg, tiny_overrides, train_command, write_corpus
 
 import training.ddp_strategy as ddp_strategy
-from training import command_line
-from training.quiet_logs import IGNORED_WARNINGS, silence_third_party_notices, wandb_init_settings
+from runs import command_line
+from runs.wandb_quiet import wandb_init_settings
+from training.quiet_logs import IGNORED_WARNINGS, silence_third_party_notices
 
 NOISE = ("💡 Tip", "anonymous setting has no effect", "LeafSpec", "`IterableDataset` has `__len__`", "Total FLOPs")
 

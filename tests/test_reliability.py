@@ -27,7 +27,7 @@ import torch
 import attn
 from data.cache import MANIFEST_NAME
 from data.datamodule import TokenDataModule
-from training.checkpoint_io import atomic_torch_save, load_checkpoint
+from runs.checkpoints import atomic_torch_save, load_checkpoint
 from training.callbacks.nonfinite_guard import NonFiniteError
 from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
@@ -186,7 +186,7 @@ def test_one_last_checkpoint_always_the_newest(tmp_path, monkeypatch):
     last-v1.ckpt), each write newer than the one before, and no every-N write precedes a
     validation at the same step (a kill during that validation would lose it on resume)."""
     from training import train
-    from training.checkpoint_io import AtomicCheckpointIO
+    from runs.checkpoints import AtomicCheckpointIO
 
     writes = []
     real_save = AtomicCheckpointIO.save_checkpoint
@@ -367,7 +367,7 @@ def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monk
     are left as they were. Another write error with space to spare passes through unchanged."""
     from collections import namedtuple
 
-    import training.checkpoint_io as checkpoint_io
+    import runs.checkpoints as checkpoints
 
     path = tmp_path / "last.ckpt"
     atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
@@ -379,12 +379,12 @@ def test_a_full_disk_is_named_when_a_checkpoint_cannot_be_written(tmp_path, monk
                            "file write failed")
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
-    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 4096))
+    monkeypatch.setattr(checkpoints.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: usage(10**9, 10**9, 4096))
     with pytest.raises(OSError, match=rf"no space left on the device writing checkpoint {re.escape(str(path))}"):
         atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: usage(10**12, 10**9, 10**11))
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: usage(10**12, 10**9, 10**11))
     with pytest.raises(RuntimeError, match="inline_container"):
         atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
 
@@ -396,7 +396,7 @@ def test_a_file_size_limit_or_quota_is_named_as_such_not_as_a_full_disk(tmp_path
     reported as a full disk. The OS's own reason is named, with the file."""
     from collections import namedtuple
 
-    import training.checkpoint_io as checkpoint_io
+    import runs.checkpoints as checkpoints
 
     path = tmp_path / "last.ckpt"
     atomic_torch_save({"state_dict": {"w": torch.ones(3)}}, path)
@@ -408,8 +408,8 @@ def test_a_file_size_limit_or_quota_is_named_as_such_not_as_a_full_disk(tmp_path
         except OSError:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726") from None
 
-    monkeypatch.setattr(checkpoint_io.torch, "save", failing_save)
-    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(1, 1, 4096))
+    monkeypatch.setattr(checkpoints.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(1, 1, 4096))
     with pytest.raises(OSError, match=rf"^\[Errno {code}\] {named} writing checkpoint {re.escape(str(path))} \(the "
                                       rf"previous last.ckpt is intact\)") as info:
         atomic_torch_save({"state_dict": {"w": torch.zeros(3)}}, path)
@@ -502,7 +502,7 @@ def test_corrupt_checkpoint_as_ckpt_path_is_a_clear_error_from_load_checkpoint(t
     cfg = compose_cfg(tiny_overrides(tmp_path, corpus) + [f"ckpt_path={bad}"])
     with pytest.raises(ValueError, match=rf"checkpoint {bad} (cannot be read safely|fails its content sha256)") as info:
         train.run(cfg)
-    assert Path(info.traceback[-1].path).name == "checkpoint_io.py", "raised by load_checkpoint itself"
+    assert Path(info.traceback[-1].path).name == "checkpoints.py", "raised by load_checkpoint itself"
     assert not (tmp_path / "run" / "checkpoints").exists(), "refused before training started"
 
 
@@ -991,12 +991,12 @@ def test_torch_load_only_with_weights_only_true():
                 ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
                 if not ok:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert seen >= 1, "the scan found the loader in training/checkpoint_io.py"
+    assert seen >= 1, "the scan found the loader in runs/checkpoints.py"
     assert not offenders, offenders
 
 
 # resolvers that only format strings or list config names (each tested below on hostile input)
-STRING_ONLY_RESOLVERS = {"training/run_label.py", "training/config_dir.py"}
+STRING_ONLY_RESOLVERS = {"training/run_label.py", "runs/config_dir.py"}
 
 
 def test_the_run_label_resolver_only_formats_strings():
@@ -1012,7 +1012,7 @@ def test_the_run_label_resolver_only_formats_strings():
 def test_the_group_options_resolver_takes_group_names_only():
     from omegaconf import OmegaConf
 
-    from training.config_dir import group_options  # registers attnlab_group_options
+    from runs.config_dir import group_options  # registers attnlab_group_options
 
     assert group_options("data/tokenizer") == "bpe, byte, char, pretrained"
     for hostile in ("../..", "/etc", "data/../..", "__import__('os').system('x')", ""):

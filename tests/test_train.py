@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint_io import load_checkpoint
+from runs.checkpoints import load_checkpoint
 from eval.run_logs import metric_by_step, train_losses
 from train_helpers import compose_cfg, tiny_overrides, write_corpus
 
@@ -197,7 +197,7 @@ def test_resuming_a_finished_run_reports_the_same_final_numbers(tmp_path, monkey
     assert again["val_loss"] == first["val_loss"] and again["val_bpb"] == first["val_bpb"]
 
     # a checkpoint without the stored validation (older ones): validated again, the same numbers
-    from training.checkpoint_io import atomic_torch_save, load_checkpoint
+    from runs.checkpoints import atomic_torch_save, load_checkpoint
 
     older = load_checkpoint(first["last_checkpoint"])
     del older["last_validation"]

@@ -1,8 +1,6 @@
 """train.py's command line: a variant-parameter override reaches attnlab's own check, and a user error
 (a bad override or value, a missing file) prints one `error:` line and exits with status 2, as the
-eval commands do. `-v` (or HYDRA_FULL_ERROR=1), on train.py's and the eval commands' command lines,
-makes the process verbose: a user error shows its traceback, and wandb prints its own run header and
-run summary block (training/quiet_logs.py keeps them quiet otherwise)."""
+eval commands do. `-v` makes the process verbose (runs/command_line.py)."""
 
 from __future__ import annotations
 
@@ -15,25 +13,11 @@ from typing import Callable
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
+from runs.command_line import USER_ERROR_EXIT_CODE, verbose, without_verbose_flag
+
 # a variant parameter set without Hydra's + prefixes, e.g. attn.params.cap=5
 PARAMS_OVERRIDE = re.compile(r"attn\.params\.[^=]+=")
 USER_ERRORS = (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
-VERBOSE_FLAG = "-v"
-USER_ERROR_EXIT_CODE = 2
-_verbose = False  # set by without_verbose_flag from the command line
-
-
-def verbose() -> bool:
-    """Whether the command line asked for verbose output (`-v` or HYDRA_FULL_ERROR=1)."""
-    return _verbose
-
-
-def without_verbose_flag(argv: list[str]) -> list[str]:
-    """`argv` without `-v` (no Hydra app takes it), the process made verbose when it was there or
-    HYDRA_FULL_ERROR=1 is set."""
-    global _verbose
-    _verbose = VERBOSE_FLAG in argv[1:] or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    return [argv[0], *(arg for arg in argv[1:] if arg != VERBOSE_FLAG)]
 
 
 def params_overrides_may_add(argv: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from models.gpt import check_model_config
 from models.lit import gpt_config_from_dict
-from training.config_dir import CONFIG_DIR
+from runs.config_dir import CONFIG_DIR
 from training.evaluate_after import check_evaluate_config
 
 ATTN_KEYS = {"name", "backend", "params", "qk_norm", "out_norm", "out_norm_eps", "lambda_mode", "window"}

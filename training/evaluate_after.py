@@ -77,7 +77,7 @@ def compose_eval_config(name: str, run_dir: Path, settings: dict):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from training.config_dir import CONFIG_DIR
+    from runs.config_dir import CONFIG_DIR
 
     if GlobalHydra.instance().is_initialized():  # inside train.py's Hydra app: its config search path
         cfg = compose(config_name=f"eval/{name}", overrides=[f"ckpt={run_dir}"])

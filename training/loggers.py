@@ -10,7 +10,8 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from training.quiet_logs import wandb_init_settings, where_wandb_keeps, without_wandb_anonymous
+from runs.wandb_quiet import wandb_init_settings, where_wandb_keeps
+from training.quiet_logs import without_wandb_anonymous
 from training.run_label import run_label
 
 

@@ -1,8 +1,7 @@
 """Third-party output that says nothing about the run, kept off the console: Lightning's product tips,
-two warnings that do not apply to attnlab's data and models, wandb's warning about a setting Lightning
-passes on its own, and wandb's run header and run summary block (train.py and the eval commands print
-one line of their own instead: `-v` on their command line brings wandb's back). Log lines written
-while a progress bar is drawn go above the bar, not into it."""
+two warnings that do not apply to attnlab's data and models, and wandb's warning about a setting
+Lightning passes on its own (wandb's run header and summary block: runs/wandb_quiet.py). Log lines
+written while a progress bar is drawn go above the bar, not into it."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ import warnings
 from collections.abc import Iterator
 
 from tqdm.contrib.logging import logging_redirect_tqdm
-
-from training.command_line import verbose
 
 # messages (their start) that Lightning's rank-zero logger prints as INFO on every fit
 LIGHTNING_TIPS = ("💡 Tip: For seamless cloud",)
@@ -48,25 +45,6 @@ def without_wandb_anonymous(wandb_logger):
     if isinstance(init_kwargs, dict) and init_kwargs.get("anonymous") is None:
         init_kwargs.pop("anonymous", None)
     return wandb_logger
-
-
-def wandb_init_settings() -> dict:
-    """Keyword arguments for wandb.init (and Lightning's WandbLogger, which passes them on): wandb's
-    run printer silent (its header lines and the run history and summary block at the end) unless
-    the command line asked for verbose output. wandb's own warnings and errors still print."""
-    if verbose():
-        return {}
-    import wandb
-
-    return {"settings": wandb.Settings(silent=True)}
-
-
-def where_wandb_keeps(run) -> str:
-    """Where a wandb run is, for the one line that replaces wandb's own: its page online, its local
-    folder (and how to upload it) offline."""
-    if run.offline:
-        return f"wandb offline run {run.settings.sync_dir} (upload: wandb sync {run.settings.sync_dir})"
-    return f"wandb run {run.url}"
 
 
 def _writes_to_console(handler: logging.Handler) -> bool:

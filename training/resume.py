@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
-from data.tokenizers import Tokenizer, tokenizer_from_record
-from training.checkpoint_io import load_checkpoint
+from data.tokenizers import Tokenizer
+from runs.checkpoints import checkpoint_tokenizer, load_checkpoint
+from runs.run import Run
 
 log = logging.getLogger("attnlab.train")
 
@@ -18,7 +19,7 @@ def resume_checkpoint(ckpt_path: str | None, output_dir: Path) -> str | None:
     command restarts a preempted run where it stopped (SLURM --requeue, with a fixed hydra.run.dir)."""
     if ckpt_path != "auto":
         return ckpt_path
-    last = output_dir / "checkpoints" / "last.ckpt"
+    last = Run(output_dir).last_checkpoint_path
     if last.is_file():
         log.info("ckpt_path=auto: resuming from %s", last)
         return str(last)
@@ -39,9 +40,8 @@ def resumed_state(ckpt_path: str | None) -> ResumedState:
     if not ckpt_path:
         return ResumedState(None, None, None)
     checkpoint = load_checkpoint(ckpt_path)
-    record = checkpoint.get("tokenizer")
-    tokenizer = tokenizer_from_record(record, f"checkpoint {ckpt_path}") if record is not None else None
-    return ResumedState(checkpoint.get("wandb_run_id"), tokenizer, checkpoint.get("hyper_parameters"))
+    return ResumedState(checkpoint.get("wandb_run_id"), checkpoint_tokenizer(checkpoint, ckpt_path),
+                        checkpoint.get("hyper_parameters"))
 
 
 # model fields a resume may change: they regularize training and define no parameter or computation

@@ -1,6 +1,7 @@
-"""A training run's directory: a lock against a second live run, the checkpoint's run directory that a
-resume continues in, its log files following, and no directory left by a run that never started
-(docs/reliability.md)."""
+"""What a training run does with its directory (runs/run.py reads it): a lock against a second live run, no
+fresh run over an earlier one, Hydra's record written once the run holds the directory, its log files
+following a resume into the checkpoint's run directory, and no directory left by a run that never
+started (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from runs.run import Run
 from training.callbacks.checkpoints import PREEMPTED_EXIT_CODE
 
 
@@ -47,26 +49,12 @@ class RunDirectoryLock:
             self._handle.close()  # closing releases the lock
 
 
-def previous_run_files(run_dir: Path) -> list[str]:
-    """What a run left in `run_dir` that a fresh run would replace: its results, checkpoints and
-    metric log (Hydra's own files and logs are not a run's results)."""
-    found = []
-    if (run_dir / "results.json").is_file():
-        found.append("results.json")
-    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
-    if checkpoints:
-        found.append(f"checkpoints/ ({', '.join(checkpoints[:3])}{', ...' if len(checkpoints) > 3 else ''})")
-    if (run_dir / "csv" / "metrics.csv").is_file():
-        found.append("csv/metrics.csv")
-    return found
-
-
 def refuse_replacing_a_run(run_dir: Path, ckpt_path: str | None, overwrite: bool) -> None:
     """A fresh run (no ckpt_path) into a directory that holds a run would replace its checkpoints and
     logs: refused, naming the directory and the ways on, unless train.overwrite=true."""
     if ckpt_path or overwrite:
         return
-    found = previous_run_files(run_dir)
+    found = Run(run_dir).previous_files()
     if found:
         raise ValueError(f"run directory {run_dir} already holds a run ({'; '.join(found)}): resume it with "
                          "ckpt_path=auto, give this run a new hydra.run.dir, or replace it with train.overwrite=true")
@@ -96,18 +84,6 @@ def write_hydra_record(task_cfg) -> Path | None:
 def is_global_rank_zero() -> bool:
     """Before Lightning sets up: rank 0 by the launchers' environment (none set: a single process)."""
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-
-
-def checkpoint_run_dir(ckpt_path: str | None) -> Path | None:
-    """The run directory a checkpoint belongs to (<run>/checkpoints/<name>.ckpt beside the run's
-    results.json or csv/ log), else None."""
-    if not ckpt_path or ckpt_path == "auto":
-        return None
-    path = Path(ckpt_path)
-    run = path.parent.parent
-    if path.is_file() and path.parent.name == "checkpoints" and ((run / "results.json").is_file() or (run / "csv").is_dir()):
-        return run.resolve()
-    return None
 
 
 def move_file_logs(old_dir: Path, new_dir: Path) -> list[Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import json
 import logging
 import math
 import os
@@ -31,28 +30,28 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import attn
-from data.atomic import atomic_write_text
 from data.tokenizers import tokenizer_record
 from models.lit import LitGPT
 from models.pretrained import GPT2Weights
+from runs.checkpoints import AtomicCheckpointIO
+from runs.config_dir import CONFIG_DIR
+from runs.run import Run, run_dir_to_resume_in
 from training.callbacks.checkpoints import (PREEMPTED_EXIT_CODE, CheckpointOnSigterm, LogsOnDiskWithCheckpoints,
                                           WandbRunIdInCheckpoint)
 from training.callbacks.configured import build_configured_callbacks
 from training.callbacks.interrupted_validation import RerunInterruptedValidation
 from training.callbacks.nonfinite_guard import NonFiniteGuard
 from training.callbacks.validate_at_last_step import ValidateAtLastStep
-from training.checkpoint_io import AtomicCheckpointIO
 from training.command_line import one_line_errors, run_with_one_line_errors
 from training.config_checks import check_config, cuda_graphs_enabled
-from training.config_dir import CONFIG_DIR
 from training.evaluate_after import run_evaluations
 from training.launch import devices_per_run, launched_rank_argv, output_dir_chosen, run_dir_for_launched_ranks
 from training.loggers import build_loggers, finish_wandb, run_label_of, wandb_group
 from training.process_settings import restored_process_settings
 from training.quiet_logs import logs_above_progress_bars, silence_third_party_notices
 from training.resume import resume_changes, resume_checkpoint, resumed_state
-from training.run_files import (RunDirectoryLock, checkpoint_run_dir, is_global_rank_zero, move_file_logs,
-                                 refuse_replacing_a_run, removed_if_the_run_never_started, write_hydra_record)
+from training.run_files import (RunDirectoryLock, is_global_rank_zero, move_file_logs, refuse_replacing_a_run,
+                                 removed_if_the_run_never_started, write_hydra_record)
 import training.run_label  # noqa: F401  (registers the attnlab_folder_label resolver that configs/train.yaml's sweep dir uses)
 
 log = logging.getLogger("attnlab.train")
@@ -113,7 +112,7 @@ def run(cfg: DictConfig) -> dict:
     task_cfg = copy.deepcopy(cfg)  # as composed: the run's .hydra/config.yaml
     check_config(cfg)
     output_dir = Path(cfg.paths.output_dir)
-    original = checkpoint_run_dir(cfg.ckpt_path) if not output_dir_chosen() else None
+    original = run_dir_to_resume_in(cfg.ckpt_path) if not output_dir_chosen() else None
     if original is not None and original != output_dir.resolve():
         log.info("resuming in the checkpoint's run directory %s", original)
         move_file_logs(output_dir, original)
@@ -177,7 +176,8 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
     configured = build_configured_callbacks(cfg.get("callbacks"))  # configs/callbacks/
     checkpointing = next((c for c in configured if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)
     guard = next((c for c in configured if isinstance(c, NonFiniteGuard)), None)  # None: callbacks.nonfinite_guard=null
-    on_sigterm = CheckpointOnSigterm(output_dir / "checkpoints" / "last.ckpt")
+    run_directory = Run(output_dir)
+    on_sigterm = CheckpointOnSigterm(run_directory.last_checkpoint_path)
     # built here, not in configs/callbacks/: the run's machinery (train.py reads the SIGTERM
     # checkpoint; the logs, the final validation, resumed validations and a wandb resume depend on the others)
     callbacks = [*configured, LogsOnDiskWithCheckpoints(), WandbRunIdInCheckpoint(), ValidateAtLastStep(),
@@ -250,7 +250,7 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         # steps skipped for a non-finite loss or gradient (None: no guard, callbacks.nonfinite_guard=null)
         "nonfinite_steps": guard.nonfinite_steps if guard is not None else None,
         "best_checkpoint": checkpointing.best_model_path if checkpointing is not None else None,
-        "last_checkpoint": str(output_dir / "checkpoints" / "last.ckpt"),
+        "last_checkpoint": str(run_directory.last_checkpoint_path),
     }
     if changed_on_resume:  # settings this invocation changed from the checkpoint's: {path: [before, now]}
         results["changed_on_resume"] = changed_on_resume
@@ -261,10 +261,10 @@ def _run(cfg: DictConfig, output_dir: Path) -> dict:
         # replaced atomically: a kill or a full disk during the write leaves the previous file, never an
         # empty one (which every eval command would refuse). Written before the evaluations too: a
         # process killed during one keeps the training result
-        atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
+        run_directory.write_results(results)
         if cfg.get("evaluate"):  # on the checkpoints just written (configs/train.yaml: evaluate)
             results["evaluations"] = run_evaluations(cfg.evaluate, output_dir)
-            atomic_write_text(output_dir / "results.json", json.dumps(results, indent=2))
+            run_directory.write_results(results)
         print(summary_line(results, wandb_run))
     return results
 

@@ -1,4 +1,5 @@
-"""Checkpoint files written atomically and read without unpickling code."""
+"""Checkpoint files (<run>/checkpoints/*.ckpt): written atomically with a digest of their content, read
+without unpickling code (weights_only=True), and what a checkpoint records besides weights (its tokenizer)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from data.atomic import temp_file_beside
+from data.tokenizers import Tokenizer, tokenizer_from_record
 
 
 # sha256 over the content of a checkpoint dict, stored in the file: torch.load notices some
@@ -120,7 +122,16 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return ckpt
 
 
+def checkpoint_tokenizer(checkpoint: dict, path: str | os.PathLike) -> Tokenizer | None:
+    """The tokenizer a loaded checkpoint records (data.tokenizers.tokenizer_record); None in checkpoints
+    that do not record it. `path` names the file in the errors."""
+    record = checkpoint.get("tokenizer")
+    return tokenizer_from_record(record, f"checkpoint {path}") if record is not None else None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer and reader through atomic_torch_save and load_checkpoint."""
+
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         atomic_torch_save(checkpoint, path)
 
