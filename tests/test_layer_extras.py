@@ -18,8 +18,8 @@ from attn import families, registry
 from attn.families.base import Family, per_query_head_scores
 from attn.families.softmax import softmax_family_weights
 from attn.specs import SoftmaxFamilySpec
-from eval import common
 from models.gpt import GPT, AttnConfig, GPTConfig
+from runs.model import build_model_from_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diff_threshold_before_family_extras.pt"
 
@@ -161,7 +161,7 @@ def test_state_dicts_with_the_lambda_in_the_layer_load_into_the_family_module(mo
                                            "attn": {"name": "diff_threshold", "backend": "reference",
                                                     "lambda_mode": mode}}},
             "state_dict": {f"model.{name}": t for name, t in old_state.items()}}
-    loaded, _ = common.build_model_from_checkpoint(ckpt, Path("old.ckpt"))
+    loaded, _ = build_model_from_checkpoint(ckpt, Path("old.ckpt"))
     with torch.no_grad():
         assert torch.equal(loaded(saved["tokens"]), saved["logits"])
 
