@@ -631,8 +631,8 @@ def test_eval_generate_help_lists_only_the_config_groups_it_takes(tmp_path):
 
 
 def test_train_help_lists_the_training_groups_and_not_evals(tmp_path):
-    """`python train.py --help` listed the eval group too, which training refuses: it lists every group
-    train.yaml composes, each with the options in its folder."""
+    """`python train.py --help` lists every group train.yaml composes, each with the options in its
+    folder, and not the eval group, which training refuses."""
     from train_helpers import run_command
 
     done = run_command([str(REPO / "train.py"), "--help"], tmp_path)
