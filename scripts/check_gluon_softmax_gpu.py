@@ -7,8 +7,11 @@
    caught only if it holds garbage, so each case also runs after filling the caching allocator's
    free blocks with NaN.
 2. Timing (triton.testing.do_bench, median ms, TFLOP/s with the causal half) against SDPA and the
-   portable Triton kernel (attn.attention backend='triton', variant softmax) at (4,16,4096,128) and
-   (8,16,1024,64), causal bf16.
+   portable Triton kernel (attn.attention backend='triton', variant softmax, ATTNLAB_GLUON=0) and the
+   public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16.
+
+`--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
+steps, beside the current one (A/B of a schedule change in one process).
 
 Prints a table and writes <out>/gluon_softmax.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -115,7 +118,36 @@ def flops(b, h, n, d, causal):
     return f / 2 if causal else f
 
 
-def time_shapes(gluon_softmax_forward, results):
+def load_kernel_version(path: Path):
+    """gluon_softmax_forward of another version of the kernel file, loaded by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gluon_version_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gluon_softmax_forward
+
+
+def with_gluon(mode: str, fn):
+    """fn() with ATTNLAB_GLUON=mode (the public function's tier switch, attn/kernels/tiers.py)."""
+    import os
+
+    old = os.environ.get("ATTNLAB_GLUON")
+    os.environ["ATTNLAB_GLUON"] = mode
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("ATTNLAB_GLUON")
+        else:
+            os.environ["ATTNLAB_GLUON"] = old
+
+
+SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128, False), (8, 16, 1024, 64, True),
+          (16, 12, 1024, 64, True)]
+
+
+def time_shapes(kernels: dict, results):
     import triton
     import torch.nn.functional as F
 
@@ -123,35 +155,45 @@ def time_shapes(gluon_softmax_forward, results):
 
     spec = attn.get_variant("softmax").make_spec()
     rows = []
-    for b, h, n, d in [(4, 16, 4096, 128), (8, 16, 1024, 64)]:
+    for b, h, n, d, causal in SHAPES:
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         sm_scale = 1.0 / math.sqrt(d)
         impls = {
-            "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
-            "triton_portable": lambda: attn.attention(q, k, v, spec, causal=True, backend="triton"),
-            "gluon_sm90": lambda: gluon_softmax_forward(q, k, v, sm_scale, True),
+            "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+            "triton_portable": lambda: with_gluon("0", lambda: attn.attention(q, k, v, spec, causal=causal,
+                                                                               backend="triton")),
+            "public_auto": lambda: with_gluon("auto", lambda: attn.attention(q, k, v, spec, causal=causal,
+                                                                             backend="triton")),
+            **{name: (lambda fn=fn: fn(q, k, v, sm_scale, causal)) for name, fn in kernels.items()},
         }
         for name, fn in impls.items():
-            row = {"shape": [b, h, n, d], "impl": name}
+            row = {"shape": [b, h, n, d], "causal": causal, "impl": name}
             try:
                 with torch.no_grad():
                     ms = triton.testing.do_bench(fn, warmup=100, rep=500)
-                row.update(ms=ms, tflops=flops(b, h, n, d, True) / ms / 1e9)
+                row.update(ms=ms, tflops=flops(b, h, n, d, causal) / ms / 1e9)
             except Exception as exc:  # report and go on
                 row.update(error=f"{type(exc).__name__}: {exc}"[:2000])
             rows.append(row)
-        base = next((r.get("ms") for r in rows if r["shape"] == [b, h, n, d] and r["impl"] == "sdpa"), None)
-        for r in rows:
-            if r["shape"] == [b, h, n, d] and base and r.get("ms"):
+        here = [r for r in rows if r["shape"] == [b, h, n, d] and r["causal"] == causal]
+        base = next((r.get("ms") for r in here if r["impl"] == "sdpa"), None)
+        for r in here:
+            if base and r.get("ms"):
                 r["x_sdpa"] = base / r["ms"]
     results["timing"] = rows
-    print(f"\n{'shape (B,H,N,D) causal bf16':<30}{'impl':<18}{'ms':>9}{'TFLOP/s':>10}{'x SDPA':>8}")
+    from attn.kernels.softmax_family import tuned_configs
+
+    results["tiers"] = {k: v for k, v in tuned_configs().items() if "tier" in k}
+    for k, v in results["tiers"].items():
+        print(f"{k}: {v}")
+    print(f"\n{'shape (B,H,N,D) bf16':<24}{'causal':<8}{'impl':<26}{'ms':>9}{'TFLOP/s':>10}{'x SDPA':>8}")
     for r in rows:
+        label = f"{str(tuple(r['shape'])):<24}{str(r['causal']):<8}{r['impl']:<26}"
         if "error" in r:
-            print(f"{str(tuple(r['shape'])):<30}{r['impl']:<18}  ERROR {r['error'][:200]}")
+            print(f"{label}  ERROR {r['error'][:200]}")
         else:
-            print(f"{str(tuple(r['shape'])):<30}{r['impl']:<18}{r['ms']:>9.3f}{r['tflops']:>10.1f}"
+            print(f"{label}{r['ms']:>9.3f}{r['tflops']:>10.1f}"
                   f"{r.get('x_sdpa', float('nan')):>8.2f}")
 
 
@@ -159,6 +201,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax.json")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
+                    help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import triton
@@ -167,6 +211,13 @@ def main() -> int:
                "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
                "cases": []}
     failed = 0
+    from attn.kernels.tiers import gluon_usable
+
+    if not gluon_usable(torch.device("cuda")):
+        results["skipped"] = "not an sm_90 GPU with Triton's Gluon Hopper API"
+        print(f"skipped: {results['skipped']}")
+        (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1))
+        return 0
     try:
         from attn.kernels.gluon_softmax_fwd import gluon_softmax_forward
         from attn.testing import error_ratio
@@ -176,33 +227,39 @@ def main() -> int:
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1))
         return 1
 
-    print(f"{'B,N,KV,H,Hkv,D,causal,dtype':<40}{'ratio out':>10}{'ratio lse':>10}  status")
-    for case in CASES:
-        row = {"case": list(case)}
-        t0 = time.perf_counter()
-        try:
-            row.update(check_case(case, gluon_softmax_forward, error_ratio))
-            ok = row["ratio_out"] <= 1.0 and row["ratio_lse"] <= 1.0
-        except Exception as exc:  # a compile or launch failure of one config: report, go on
-            row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-            row["traceback"] = traceback.format_exc()[-4000:]
-            ok = False
-        row["ok"] = ok
-        row["s"] = time.perf_counter() - t0
-        failed += not ok
-        results["cases"].append(row)
-        status = "ok" if ok else ("ERROR " + row["error"][:300] if "error" in row else "FAIL " + row.get("note", ""))
-        print(f"{str(case):<40}{row.get('ratio_out', float('nan')):>10.3f}{row.get('ratio_lse', float('nan')):>10.3f}"
-              f"  {status}", flush=True)
+    kernels = {"gluon_sm90": gluon_softmax_forward}
+    for spec in args.kernel:
+        name, _, path = spec.partition("=")
+        kernels[name] = load_kernel_version(Path(path))
+    print(f"{'kernel':<26}{'B,N,KV,H,Hkv,D,causal,dtype':<40}{'ratio out':>10}{'ratio lse':>10}  status")
+    for kernel_name, forward in kernels.items():
+        for case in CASES:
+            row = {"kernel": kernel_name, "case": list(case)}
+            t0 = time.perf_counter()
+            try:
+                row.update(check_case(case, forward, error_ratio))
+                ok = row["ratio_out"] <= 1.0 and row["ratio_lse"] <= 1.0
+            except Exception as exc:  # a compile or launch failure of one config: report, go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+                row["traceback"] = traceback.format_exc()[-4000:]
+                ok = False
+            row["ok"] = ok
+            row["s"] = time.perf_counter() - t0
+            failed += not ok
+            results["cases"].append(row)
+            status = "ok" if ok else ("ERROR " + row["error"][:300] if "error" in row else "FAIL " + row.get("note", ""))
+            print(f"{kernel_name:<26}{str(case):<40}{row.get('ratio_out', float('nan')):>10.3f}"
+                  f"{row.get('ratio_lse', float('nan')):>10.3f}  {status}", flush=True)
     results["failed"] = failed
     if not args.no_timing:
         try:
-            time_shapes(gluon_softmax_forward, results)
+            time_shapes(kernels, results)
         except Exception:
             results["timing_error"] = traceback.format_exc()
             print(results["timing_error"])
     (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\n{len(CASES) - failed}/{len(CASES)} correctness cases pass; JSON in {args.out / 'gluon_softmax.json'}")
+    total = len(CASES) * len(kernels)
+    print(f"\n{total - failed}/{total} correctness cases pass; JSON in {args.out / 'gluon_softmax.json'}")
     return 1 if failed else 0
 
 

@@ -6,7 +6,8 @@
 Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
-            test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py), check_softmax_family_gpu.py,
+            test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py, test_gluon_gpu.py),
+            check_softmax_family_gpu.py, check_gluon_softmax_gpu.py,
             check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
@@ -73,7 +74,8 @@ MIN_START_S = 60  # a step is not started with less of the budget left
 # the kernel test files whose cases matter natively: bf16 (skipped under the interpreter), GPU-only
 # checks, and the entry points' handling of CUDA inputs
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
-             "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py"]
+             "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py",
+             "tests/test_gluon_gpu.py"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,8 @@ PHASES: dict[str, list[Step]] = {
              kind="check"),
         Step("threshold_family", 330, (PY, "scripts/check_threshold_gpu.py", "--workers", "6", "--out", "{dir}"),
              kind="check"),
+        # the Gluon sm_90 forward against float64 and timed beside SDPA and the portable kernel (Hopper only)
+        Step("gluon_softmax", 240, (PY, "scripts/check_gluon_softmax_gpu.py", "--out", "{dir}")),
     ],
     "sanitize": [
         Step("memcheck", 540, ("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",

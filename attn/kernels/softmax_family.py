@@ -48,6 +48,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
+from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_mode, gluon_usable
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -762,10 +763,26 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
                    seed_operand(dropout_p, seed, lse), key_lengths if has_lens else lse)  # lse: never read
         _FWD.launch(grid, tensors, scalars, meta, configs, tune_key)
         return out, lse
-    return forward
+
+    plain = cap == 0 and sm_scale > 0 and not (has_temp or has_bounds or has_lens or window or dropout_p)
+    if not (plain and gluon_mode() != "0" and gluon_usable(q.device)):
+        return forward
+    from attn.kernels import gluon_softmax_fwd
+
+    if not gluon_softmax_fwd.serves(q, k, v):
+        return forward
+
+    def gluon_forward(q, k, v, bounds, temperature, seed, key_lengths):
+        return gluon_softmax_fwd.launch_forward(q, k, v, sm_scale, causal)
+
+    def tiered_forward(*args):
+        return _TIERS.pick(tune_key, forward, gluon_forward, args)(*args)
+    return tiered_forward
 
 
-_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV,))
+_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV))
+# plain softmax forwards on sm_90: the portable kernel or the Gluon one (attn/kernels/tiers.py)
+_TIERS = TierChoice("softmax_family_fwd")
 
 
 def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
@@ -940,6 +957,7 @@ def tuned_configs() -> dict[str, str]:
     """The configs and backward forms tuning chose so far, readable (for benchmark reports)."""
     out = _tuned_configs((_FWD, _DKDV, _DQ))
     out.update({f"backward dq form, {key}": form for key, form in _dq_forms.items()})
+    out.update(_TIERS.report())
     return out
 
 

@@ -1,0 +1,91 @@
+"""Which kernel tier runs a launch: the portable Triton kernels, or on Hopper the Gluon kernels.
+
+The portable kernels run everywhere Triton does (every CUDA GPU, and the CPU interpreter the tests
+use). On an sm_90 GPU whose Triton has the Gluon Hopper API (`gluon_softmax_fwd.gluon_api_available`)
+a launch that a Gluon kernel serves may run that kernel instead. `ATTNLAB_GLUON` chooses:
+
+* `auto` (default): the first launch of a tuning key times both tiers on the call's own arguments
+  (after each has compiled and tuned) and the faster one serves that key from then on; with tile
+  configs pinned (`ATTNLAB_AUTOTUNE=0`, bitwise-reproducible runs) the portable tier, untimed;
+* `1`: the Gluon kernel wherever it serves the launch;
+* `0`: the portable kernels only.
+
+A launch that a Gluon kernel does not serve (a cap, a temperature, segments, a window, dropout,
+other head dims or dtypes, another GPU) always runs the portable kernel. Timing never runs inside a
+CUDA-graph capture: a key first seen there runs the portable tier, untimed and unremembered.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from attn.kernels.env import autotune_pinned, interpreting, setting
+
+GLUON_ENV = "ATTNLAB_GLUON"
+GLUON_MODES = ("auto", "1", "0")
+
+
+def gluon_mode() -> str:
+    """ATTNLAB_GLUON's value ("auto" when unset); a ValueError naming the variable for anything else."""
+    raw = setting(GLUON_ENV, "auto")
+    if raw not in GLUON_MODES:
+        raise ValueError(f"{GLUON_ENV} must be one of {GLUON_MODES}, got {raw!r}")
+    return raw
+
+
+def gluon_usable(device: torch.device) -> bool:
+    """Whether the Gluon sm_90 kernels can run on `device`: a CUDA device of capability 9.0 and a
+    Triton with the Gluon Hopper API they are written against (never under the interpreter)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return _gluon_usable_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gluon_usable_on(device_index: int) -> bool:
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    from attn.kernels.gluon_softmax_fwd import gluon_api_available
+
+    return gluon_api_available()[0]
+
+
+class TierChoice:
+    """Per tuning key, the tier that serves a kernel entry's launches (see the module docstring)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.chosen: dict[tuple, str] = {}  # tuning key -> "gluon" | "portable"
+        self.timings: dict[tuple, dict[str, float]] = {}  # tuning key -> median ms per tier
+
+    def pick(self, key: tuple, portable: Callable, gluon: Callable, args: tuple) -> Callable:
+        """The implementation to run `args` with: `portable` or `gluon`, both callables of `args`."""
+        mode = gluon_mode()
+        if mode != "auto":
+            return gluon if mode == "1" else portable
+        chosen = self.chosen.get(key)
+        if chosen is None:
+            if autotune_pinned() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                return portable
+            chosen = self.chosen[key] = self._time(key, {"portable": portable, "gluon": gluon}, args)
+        return gluon if chosen == "gluon" else portable
+
+    def _time(self, key: tuple, impls: dict[str, Callable], args: tuple) -> str:
+        """The faster tier on `args`, timed as the runtime times tile configs (25 ms warm-up, 100 ms),
+        each after a first call that compiles and tunes it outside the timing."""
+        from triton.testing import do_bench
+
+        times = {}
+        for name, impl in impls.items():
+            impl(*args)
+            times[name] = do_bench(lambda: impl(*args), warmup=25, rep=100, return_mode="median")
+        self.timings[key] = times
+        return min(times, key=times.get)
+
+    def report(self) -> dict[str, str]:
+        """The choices so far with their timings, readable (for benchmark reports)."""
+        return {f"{self.name} tier, {key}": f"{tier} ({', '.join(f'{n} {ms:.4f} ms' for n, ms in self.timings.get(key, {}).items())})"
+                for key, tier in self.chosen.items()}

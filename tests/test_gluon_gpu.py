@@ -1,0 +1,119 @@
+"""The Gluon sm_90 forward behind the public function (attn/kernels/tiers.py), natively on a Hopper GPU
+(skipped elsewhere: Gluon has no interpreter; `python3 scripts/gpu_check.py kernels` runs it).
+
+With ATTNLAB_GLUON=1 every plain-softmax call that the Gluon kernel serves runs it (a spy on its
+launcher proves the call did): out, dq, dk, dv (the backward is the portable kernels', from the Gluon
+forward's output and logsumexp) against the float64 reference by the DESIGN.md section 6 rule, on odd
+lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / fp16, with
+NaN-poisoned allocations. Calls it does not serve (a cap, a temperature, a window) run the portable
+kernel. With ATTNLAB_GLUON=auto the first call of a key times both tiers and remembers the faster.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn
+from attn.kernels import tiers
+from attn.testing import outputs_and_grads
+from tolerance import assert_within_reference_error
+
+CUDA = torch.device("cuda")
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
+                                reason="needs an sm_90 GPU and Triton's Gluon Hopper API")
+FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+# (B, N, KV, H, H_kv, D, causal, dtype)
+CASES = [
+    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
+    (2, 17, 17, 4, 2, 128, False, torch.float16),
+    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
+    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
+    (2, 333, 333, 8, 2, 64, True, torch.float16),
+    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),
+    (1, 257, 600, 2, 1, 64, False, torch.bfloat16),
+    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
+]
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch):
+    """Counts the Gluon forward's launches (the wrapped launcher still runs)."""
+    from attn.kernels import gluon_softmax_fwd
+
+    calls = []
+    real = gluon_softmax_fwd.launch_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_softmax_fwd, "launch_forward", counted)
+    return calls
+
+
+def _inputs(b, n, kv, h, h_kv, d, seed):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    q = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
+    k = torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen)
+    v = torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen)
+    do = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
+    return {"q": q, "k": k, "v": v}, do
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-"
+                                             f"{'causal' if c[6] else 'full'}-{str(c[7])[6:]}" for c in CASES])
+def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+    b, n, kv, h, h_kv, d, causal, dtype = case
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    spec = attn.get_variant("softmax").make_spec()
+    tensors, do = _inputs(b, n, kv, h, h_kv, d, seed=CASES.index(case))
+
+    def call(backend):
+        return lambda q, k, v: attn.attention(q, k, v, spec, causal=causal, backend=backend)
+
+    ref64 = outputs_and_grads(call("reference"), {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
+    low = {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}
+    same = outputs_and_grads(call("reference"), {name: t.detach().clone().requires_grad_() for name, t in low.items()},
+                             do)
+    fused = outputs_and_grads(call("triton"), low, do)
+    assert gluon_launches, "the call did not run the Gluon forward"
+    for name in ("out", "dq", "dk", "dv"):
+        allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item())
+        assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
+
+
+@pytest.mark.parametrize("options", [dict(params={"cap": 5.0}, name="softcap_tanh"), dict(window=64),
+                                     dict(temperature=True)], ids=["cap", "window", "temperature"])
+def test_calls_the_gluon_forward_does_not_serve_run_the_portable_kernel(options, gluon_launches, monkeypatch):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    spec = attn.get_variant(options.get("name", "softmax")).make_spec(**options.get("params", {}))
+    q, k, v = (torch.randn(2, 256, 4, 64, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+    temperature = torch.rand(2, 256, device=CUDA) + 0.5 if options.get("temperature") else None
+    out = attn.attention(q, k, v, spec, causal=True, window=options.get("window"), temperature=temperature,
+                         backend="triton")
+    ref = attn.attention(q.double(), k.double(), v.double(), spec, causal=True, window=options.get("window"),
+                         temperature=None if temperature is None else temperature.double(), backend="reference")
+    assert not gluon_launches
+    assert (out.double() - ref).abs().max().item() < 0.05
+
+
+def test_auto_times_both_tiers_once_per_key_and_keeps_the_faster(gluon_launches, monkeypatch):
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(sf, "_TIERS", tiers.TierChoice("softmax_family_fwd"))
+    spec = attn.get_variant("softmax").make_spec()
+    q, k, v = (torch.randn(2, 2048, 8, 128, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+    first = attn.attention(q, k, v, spec, causal=True, backend="triton")
+    (key, timings), = sf._TIERS.timings.items()
+    assert set(timings) == {"portable", "gluon"} and all(ms > 0 for ms in timings.values())
+    chosen = sf._TIERS.chosen[key]
+    assert chosen == min(timings, key=timings.get)
+    launches = len(gluon_launches)
+    second = attn.attention(q, k, v, spec, causal=True, backend="triton")
+    assert len(sf._TIERS.timings) == 1  # timed once
+    assert len(gluon_launches) == launches + (chosen == "gluon")
+    assert torch.allclose(first.float(), second.float(), atol=2e-2, rtol=0)
