@@ -5,7 +5,7 @@ checks, mask preparation, the autograd Function, output allocation, scalars, til
 the launcher's key (the fused paths' Python, which is what separates a host-bound call from SDPA;
 a launch through the compiled kernel's launcher adds about 11-15 us each on an H200 host,
 docs/results/host_overhead/). Timed as this thread's CPU time (time.thread_time), so other
-processes' load changes the figures less than it changes wall time. CPU tensors, bf16 (1,2,64,16),
+processes' load changes the figures less than it changes wall time. CPU tensors, fp16 (1,2,64,16) (the public function refuses bf16 on the CPU),
 so every tensor op the path runs costs what an allocation costs.
 
 Rows: fwd+bwd (inputs that require grad), fwd without grad, decode (one query against 256 keys,
@@ -84,13 +84,13 @@ def make_call(variant: str, mode: str):
     n = 1 if mode == "decode" else N
 
     def leaf(length):
-        return torch.randn(B, length, H, D, dtype=torch.bfloat16).requires_grad_(grad)
+        return torch.randn(B, length, H, D, dtype=torch.float16).requires_grad_(grad)
 
     q, k, v = leaf(n), leaf(kv), leaf(kv)
     extra = None
     if variant == "diff_threshold":
         extra = {"q2": leaf(n), "k2": leaf(kv), "lam": torch.full((H,), 0.5, requires_grad=grad)}
-    dout = torch.randn(B, n, H, D, dtype=torch.bfloat16)
+    dout = torch.randn(B, n, H, D, dtype=torch.float16)
 
     def call():
         return attn.attention(q, k, v, spec, causal=True, extra=extra, backend="triton")
@@ -105,8 +105,8 @@ def make_call(variant: str, mode: str):
 
 def _yardstick_call(op, mode: str):
     grad = mode in ("fwd+bwd", "compiled fwd+bwd")
-    q, k, v = (torch.randn(B, N, H, D, dtype=torch.bfloat16).requires_grad_(grad) for _ in range(3))
-    dout = torch.randn(B, N, H, D, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(B, N, H, D, dtype=torch.float16).requires_grad_(grad) for _ in range(3))
+    dout = torch.randn(B, N, H, D, dtype=torch.float16)
 
     def call():
         return op(q, k, v)

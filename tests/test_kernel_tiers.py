@@ -33,7 +33,7 @@ def fake_timer(monkeypatch):
 
 def test_switch_values(monkeypatch):
     monkeypatch.delenv(tiers.GLUON_ENV, raising=False)
-    assert tiers.gluon_mode() == "auto"
+    assert tiers.gluon_mode() == tiers.GLUON_DEFAULT
     for value in tiers.GLUON_MODES:
         monkeypatch.setenv(tiers.GLUON_ENV, value)
         assert tiers.gluon_mode() == value

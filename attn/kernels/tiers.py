@@ -4,11 +4,12 @@ The portable kernels run everywhere Triton does (every CUDA GPU, and the CPU int
 use). On an sm_90 GPU whose Triton has the Gluon Hopper API (`gluon_softmax_fwd.gluon_api_available`)
 a launch that a Gluon kernel serves may run that kernel instead. `ATTNLAB_GLUON` chooses:
 
-* `auto` (default): the first launch of a tuning key times both tiers on the call's own arguments
+* `0` (default): the portable kernels only (the Gluon tier is opt-in until its native test suite,
+  tests/test_gluon_gpu.py, has passed on a Hopper GPU for the kernel as it is);
+* `auto`: the first launch of a tuning key times both tiers on the call's own arguments
   (after each has compiled and tuned) and the faster one serves that key from then on; with tile
   configs pinned (`ATTNLAB_AUTOTUNE=0`, bitwise-reproducible runs) the portable tier, untimed;
-* `1`: the Gluon kernel wherever it serves the launch;
-* `0`: the portable kernels only.
+* `1`: the Gluon kernel wherever it serves the launch.
 
 A launch that a Gluon kernel does not serve (a cap, a temperature, segments, a window, dropout,
 other head dims or dtypes, another GPU) always runs the portable kernel. Timing never runs inside a
@@ -26,11 +27,12 @@ from attn.kernels.env import autotune_pinned, interpreting, setting
 
 GLUON_ENV = "ATTNLAB_GLUON"
 GLUON_MODES = ("auto", "1", "0")
+GLUON_DEFAULT = "0"
 
 
 def gluon_mode() -> str:
-    """ATTNLAB_GLUON's value ("auto" when unset); a ValueError naming the variable for anything else."""
-    raw = setting(GLUON_ENV, "auto")
+    """ATTNLAB_GLUON's value (GLUON_DEFAULT when unset); a ValueError naming the variable for anything else."""
+    raw = setting(GLUON_ENV, GLUON_DEFAULT)
     if raw not in GLUON_MODES:
         raise ValueError(f"{GLUON_ENV} must be one of {GLUON_MODES}, got {raw!r}")
     return raw
