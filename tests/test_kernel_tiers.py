@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton.testing
-
-from attn.kernels import tiers
+from attn.kernels import runtime, tiers
 
 
 def _impls(log):
@@ -18,16 +16,16 @@ def _impls(log):
 
 @pytest.fixture
 def fake_timer(monkeypatch):
-    """do_bench that reports a fixed time per implementation (by the name it logs first)."""
+    """Timing that reports a fixed time per implementation (by the name its call logs)."""
     times = {}
 
-    def do_bench(fn, **kwargs):
+    def median_ms(fn):
         before = len(calls)
         fn()
         return times[calls[before][0]]
 
     calls = []
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
     return times, calls
 
 

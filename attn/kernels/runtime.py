@@ -375,6 +375,14 @@ def _direct_launches() -> bool:
     return setting(DIRECT_ENV, "1") != "0"
 
 
+def median_ms(fn: Callable[[], object]) -> float:
+    """Median ms of fn() as tuning times a candidate: as long as Triton's own autotuner (25 ms warm-up,
+    100 ms timed), which candidates a few percent apart need to be told apart."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
 class Kernel:
     """A @triton.jit kernel whose parameters are its tensors, then its scalars, then its constexprs
     (`meta`, then the config's BLOCK_M / BLOCK_N): `launch(grid, tensors, scalars, meta, ...)`."""
@@ -417,7 +425,6 @@ class Kernel:
         timed: candidates a few percent apart need that to be told apart); a candidate that does not
         fit the GPU or that the compiler fails on is skipped (as Triton's autotuner does)."""
         from triton.runtime.errors import OutOfResources, PTXASError
-        from triton.testing import do_bench
 
         times = {}
         for cfg in configs:
@@ -425,8 +432,7 @@ class Kernel:
                 self.run(cfg, grid(cfg), tensors, scalars, meta)  # compiles outside the timing
             except (OutOfResources, PTXASError):
                 continue
-            times[cfg] = do_bench(lambda: self.run(cfg, grid(cfg), tensors, scalars, meta), warmup=25, rep=100,
-                                  return_mode="median")
+            times[cfg] = median_ms(lambda: self.run(cfg, grid(cfg), tensors, scalars, meta))
         if not times:
             raise RuntimeError(f"{self.name}: no tile config fits this GPU for {tune_key}: {[str(c) for c in configs]}")
         self.timings[tune_key] = times

@@ -76,18 +76,20 @@ class TierChoice:
         return gluon if chosen == "gluon" else portable
 
     def _time(self, key: tuple, impls: dict[str, Callable], args: tuple) -> str:
-        """The faster tier on `args`, timed as the runtime times tile configs (25 ms warm-up, 100 ms),
-        each after a first call that compiles and tunes it outside the timing."""
-        from triton.testing import do_bench
+        """The faster tier on `args`, timed as tuning times tile configs, each after a first call that
+        compiles and tunes it outside the timing."""
+        from attn.kernels.runtime import median_ms
 
         times = {}
         for name, impl in impls.items():
             impl(*args)
-            times[name] = do_bench(lambda: impl(*args), warmup=25, rep=100, return_mode="median")
+            times[name] = median_ms(lambda: impl(*args))
         self.timings[key] = times
         return min(times, key=times.get)
 
     def report(self) -> dict[str, str]:
         """The choices so far with their timings, readable (for benchmark reports)."""
-        return {f"{self.name} tier, {key}": f"{tier} ({', '.join(f'{n} {ms:.4f} ms' for n, ms in self.timings.get(key, {}).items())})"
-                for key, tier in self.chosen.items()}
+        def timed(key):
+            return ", ".join(f"{tier} {ms:.4f} ms" for tier, ms in self.timings.get(key, {}).items())
+
+        return {f"{self.name} tier, {key}": f"{tier} ({timed(key)})" for key, tier in self.chosen.items()}
