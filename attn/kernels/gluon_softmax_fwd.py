@@ -114,28 +114,41 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 
 @gluon.jit
-def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   last_key, kv_len, qk_scale,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
-    """Key block j: S = Q K^T (async wgmma), online softmax, O += P V (async wgmma, P in registers)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+def _issue_qk(j, q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Waits for key block j's K tile, then issues S = Q K^T as an async wgmma (not waited on)."""
     s = j % STAGES
-    phase = (j // STAGES) & 1
     k_tile = k_smem.index(s)
-    v_tile = v_smem.index(s)
-
-    mbarrier.wait(k_ready.index(s), phase)
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-    gl.thread_barrier()  # the warpgroup's 4 warps have read the K slot before it is handed back
-    mbarrier.arrive(k_empty.index(s))
+    return qk, k_tile
 
+
+@gluon.jit
+def _issue_pv(j, p16, acc, v_smem, v_ready, STAGES: gl.constexpr):
+    """Waits for key block j's V tile, then issues O += P V as an async wgmma with P from registers."""
+    s = j % STAGES
+    v_tile = v_smem.index(s)
+    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    return acc, v_tile
+
+
+@gluon.jit
+def _release(j, empty, STAGES: gl.constexpr):
+    """Hands ring slot j % STAGES of one operand back to the producer once every warp of the
+    warpgroup has waited for its wgmma on the slot: one arrival per warpgroup."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(j % STAGES))
+
+
+@gluon.jit
+def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, qk_scale,
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax of key block j's scores: (P in fp32, in the scores' registers, m, l, alpha),
+    alpha = exp2(m_old - m_new) the factor the accumulator takes before this block's P V is added."""
+    s_layout: gl.constexpr = qk.type.layout
     if MASKED:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # key < kv_len and key <= row position in one compare per score
@@ -150,15 +163,37 @@ def _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k
     p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    return p, m_new, l_i, alpha
 
-    mbarrier.wait(v_ready.index(s), phase)
-    acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
-    gl.thread_barrier()
-    mbarrier.arrive(v_empty.index(s))
-    return acc, m_new, l_i
+
+@gluon.jit
+def _operand(p, v_smem, p_layout: gl.constexpr):
+    """P as the P V wgmma's register operand: V's dtype, the dot-operand layout."""
+    return gl.convert_layout(p.to(v_smem.dtype), p_layout)
+
+
+@gluon.jit
+def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     last_key, kv_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
+    O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs while the tensor cores do
+    P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns (P_j, O, m, l)."""
+    qk, k_tile = _issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+    acc, v_tile = _issue_pv(j - 1, p16, acc, v_smem, v_ready, STAGES)
+    qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))  # S_j done (groups retire in order)
+    _release(j, k_empty, STAGES)
+    # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
+    p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, qk_scale, MASKED, CAUSAL, BLOCK_N)
+    # P_{j-1} among the deps: its registers stay live until the wgmma that reads them retired; P_j is
+    # packed to 16 bits after that, into the registers P_{j-1} held (as FA3 orders it), so nothing in
+    # the softmax writes a register the in-flight wgmma reads
+    acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
+    _release(j - 1, v_empty, STAGES)
+    p_next = _operand(p, v_smem, p_layout)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return p_next, acc, m_i, l_i
 
 
 @gluon.jit
@@ -168,11 +203,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """One warpgroup: BLOCK_M (64) query rows from m0 against every key block of the program's
     range (the two consumers share the ring, and so the range: a block wholly masked for these
-    rows gives p = 0). Stores its rows of out and lse2."""
+    rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. Stores its
+    rows of out and lse2."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
     last_key = gl.minimum(m0 + (kv_len - q_len) + gl.arange(0, BLOCK_M, layout=row_layout), kv_len - 1)
@@ -181,14 +218,28 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_bar, 0)
-    for j in range(0, n_full):
-        acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, last_key, kv_len, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N,
-                                       HEAD_DIM, STAGES, NUM_WARPS_C)
-    for j in range(n_full, n_tiles):
-        acc, m_i, l_i = _consume_block(j, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                                       v_empty, last_key, kv_len, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N,
-                                       HEAD_DIM, STAGES, NUM_WARPS_C)
+    if n_tiles > 0:
+        # block 0 alone (the accumulator is zero: nothing to rescale, no P V in flight)
+        qk, k_tile = _issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
+        _release(0, k_empty, STAGES)
+        if n_full > 0:
+            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, qk_scale, False, CAUSAL, BLOCK_N)
+        else:
+            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, qk_scale, True, CAUSAL, BLOCK_N)
+        p16 = _operand(p0, v_smem, p_layout)
+        for j in range(1, n_full):
+            p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
+                                                  k_empty, v_empty, last_key, kv_len, qk_scale, s_layout, o_layout,
+                                                  p_layout, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
+                                                  k_empty, v_empty, last_key, kv_len, qk_scale, s_layout, o_layout,
+                                                  p_layout, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        # the last block's P V
+        acc, v_tile = _issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
+        acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
+        _release(n_tiles - 1, v_empty, STAGES)
 
     seen = l_i != 0.0  # a row that saw no key has l = 0 exactly
     l_safe = gl.where(seen, l_i, 1.0)

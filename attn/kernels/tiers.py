@@ -4,12 +4,11 @@ The portable kernels run everywhere Triton does (every CUDA GPU, and the CPU int
 use). On an sm_90 GPU whose Triton has the Gluon Hopper API (`gluon_softmax_fwd.gluon_api_available`)
 a launch that a Gluon kernel serves may run that kernel instead. `ATTNLAB_GLUON` chooses:
 
-* `0` (default): the portable kernels only (the Gluon tier is opt-in until its native test suite,
-  tests/test_gluon_gpu.py, has passed on a Hopper GPU for the kernel as it is);
-* `auto`: the first launch of a tuning key times both tiers on the call's own arguments
+* `auto` (default): the first launch of a tuning key times both tiers on the call's own arguments
   (after each has compiled and tuned) and the faster one serves that key from then on; with tile
   configs pinned (`ATTNLAB_AUTOTUNE=0`, bitwise-reproducible runs) the portable tier, untimed;
-* `1`: the Gluon kernel wherever it serves the launch.
+* `1`: the Gluon kernel wherever it serves the launch;
+* `0`: the portable kernels only.
 
 A launch that a Gluon kernel does not serve (a cap, a temperature, segments, a window, dropout,
 other head dims or dtypes, another GPU) always runs the portable kernel. Timing never runs inside a
@@ -27,7 +26,7 @@ from attn.kernels.env import autotune_pinned, interpreting, setting
 
 GLUON_ENV = "ATTNLAB_GLUON"
 GLUON_MODES = ("auto", "1", "0")
-GLUON_DEFAULT = "0"
+GLUON_DEFAULT = "auto"
 
 
 def gluon_mode() -> str:
