@@ -41,7 +41,7 @@ class AttnConfig:
     params: dict = field(default_factory=dict)  # the variant's spec parameters (cap, knee, beta, ...)
     qk_norm: str | None = None  # None: the variant's default (attn/registry.py: l2 for threshold, rms for sigmoid)
     out_norm: bool | None = None  # None: the variant's default (on for threshold variants)
-    out_norm_eps: float = 1e-5  # the per-head output RMSNorm's eps (the norm runs in fp32)
+    out_norm_eps: float = 1e-5  # the per-head output RMSNorm's eps (fp32 arithmetic)
     # the differential variants' lambda (attn/families/differential.py): reparam (Differential Transformer,
     # per head), clamp (per head, in [0, 1]), scalar_clamp (the official TDA code: one scalar per layer in [0, 1])
     lambda_mode: str = "reparam"
@@ -190,10 +190,18 @@ class KVCache:
 
 
 def _qk_normalize(x: torch.Tensor, kind: str | None) -> torch.Tensor:
-    """The parameter-free QK-norms ("l2", or none); "rms" is Attention.rms_normalize_heads."""
-    if kind == "l2":
-        return F.normalize(x, dim=-1)
-    return x
+    """The parameter-free QK-norms ("l2", or none); "rms" is Attention.rms_normalize_heads.
+
+    l2: every head scaled to unit norm over D, as x / ||x|| = rms_norm(x) / sqrt(D): one fused
+    rms_norm in x's dtype (fp32 arithmetic inside torch's kernel) weighted by D^-1/2, instead of
+    F.normalize's norm, clamp and division, which autocast runs in fp32 (21 kernels forward and
+    backward at the `small` shape against 4, docs/results/public_path/). Autocast is off around it:
+    it would widen x to fp32 and lose the fused kernel."""
+    if kind != "l2":
+        return x
+    d = x.shape[-1]
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, (d,), x.new_full((d,), d ** -0.5), torch.finfo(torch.float32).tiny)
 
 
 def _load_extras_held_by_the_layer(layer: Attention, state_dict: dict, prefix: str, *args) -> None:
@@ -283,6 +291,14 @@ class Attention(nn.Module):
             weight = weight.repeat(self.views, 1)
         return F.rms_norm(heads.to(dtype), (d,), None, self.q_norm.eps) * weight.to(dtype)
 
+    def normalize_output(self, y: torch.Tensor) -> torch.Tensor:
+        """head_norm (the per-head output RMSNorm) in one fused kernel of y's dtype, fp32 arithmetic
+        inside, its weight cast to y's dtype as autocast casts linear weights (autocast, on, would
+        widen y to fp32 and back: three kernels forward and four backward instead of one and two)."""
+        norm = self.head_norm
+        with torch.autocast(y.device.type, enabled=False):
+            return F.rms_norm(y, (self.head_dim,), norm.weight.to(y.dtype), norm.eps)
+
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,
                 decode: bool = False) -> torch.Tensor:
@@ -305,7 +321,7 @@ class Attention(nn.Module):
         y = self.attend(qs[0], ks[0], v, segment_ids=segment_ids, bounds=segment_bounds, dropout_p=dropout_p,
                         key_lengths=key_lengths, extra=self.extras(qs, ks))
         if self.head_norm is not None:
-            y = self.head_norm(y.float()).to(y.dtype)
+            y = self.normalize_output(y)
         return self.proj(self.extras.scale_output(y).reshape(b, n, -1))
 
 

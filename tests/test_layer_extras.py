@@ -150,8 +150,11 @@ def test_state_dicts_with_the_lambda_in_the_layer_load_into_the_family_module(mo
     model = GPT(fixture_config(mode))
     model.load_state_dict(old_state)  # strict: every key placed, none left over
     assert torch.equal(model.blocks[1].attn.extras.get_parameter(own), old_state[f"blocks.1.attn.{own}"])
+    # the logits the model gave when the fixture was written, to fp32 rounding: the model's norms have
+    # been computed by other (fused) kernels since, so the last bits may differ; a misplaced or missing
+    # lambda moves them by orders of magnitude more
     with torch.no_grad():
-        assert torch.equal(model(saved["tokens"]), saved["logits"])
+        torch.testing.assert_close(model(saved["tokens"]), saved["logits"], rtol=1e-5, atol=1e-5)
     # the parameters keep their order (optimizer states list them by position)
     moved = [name.replace(f"attn.{own}", f"attn.extras.{own}") for name in saved["parameter_names"]]
     assert [name for name, _ in model.named_parameters()] == moved
@@ -163,7 +166,7 @@ def test_state_dicts_with_the_lambda_in_the_layer_load_into_the_family_module(mo
             "state_dict": {f"model.{name}": t for name, t in old_state.items()}}
     loaded, _ = build_model_from_checkpoint(ckpt, Path("old.ckpt"))
     with torch.no_grad():
-        assert torch.equal(loaded(saved["tokens"]), saved["logits"])
+        assert torch.equal(loaded(saved["tokens"]), model(saved["tokens"]))
 
 
 def test_lambda_mode_is_checked_through_the_families_layer_options(gated_pair):
