@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import case_env, random_qkv, ranker_layout, spec_for, useful_flops  # noqa: E402
-from bench_train import git_commit  # noqa: E402
+from timing import FWD_BWD_FLOP_FACTOR, git_commit, median_ms, tflops  # noqa: E402
 
 from attn.kernels.softmax_family import fused_attention  # noqa: E402
 from attn.masks import MaskSpec, segment_bounds  # noqa: E402
@@ -80,12 +80,10 @@ def relative_change(a, b) -> float:
 
 
 def time_ms(fn, grad: bool) -> float:
-    from triton.testing import do_bench
-
     if grad:
-        return do_bench(lambda: fn().backward(fn.do), warmup=10, rep=60, return_mode="median")
+        return median_ms(lambda: fn().backward(fn.do), warmup=10, rep=60)
     with torch.no_grad():
-        return do_bench(fn, warmup=10, rep=60, return_mode="median")
+        return median_ms(fn, warmup=10, rep=60)
 
 
 def run_case(case, options, rounds: int, device: str, timed: bool) -> dict:
@@ -140,8 +138,8 @@ def run_case(case, options, rounds: int, device: str, timed: bool) -> dict:
     for opt, t in best.items():
         entry = row["options"].setdefault(opt, {})
         entry.update(t)
-        entry["fwd_tflops"] = flops / t["fwd_ms"] / 1e9
-        entry["fwdbwd_tflops"] = 3.5 * flops / t["fwdbwd_ms"] / 1e9
+        entry["fwd_tflops"] = tflops(flops, t["fwd_ms"])
+        entry["fwdbwd_tflops"] = tflops(FWD_BWD_FLOP_FACTOR * flops, t["fwdbwd_ms"])
         entry["baseline"] = base
         for key in ("fwd_ms", "fwdbwd_ms"):
             entry[f"{key}_speed"] = best[base][key] / t[key]

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_train import git_commit  # ATTNLAB_COMMIT when set (a copy without .git), else git's
+
+from timing import git_commit
 
 # the sizes DDP sends (MiB): its first and default buckets, and GPT-2 small's (vocab 2048, 86.5M
 # parameters) whole gradient in bf16 (173) and fp32 (346)

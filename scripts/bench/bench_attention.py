@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import os
 import subprocess
@@ -41,10 +40,7 @@ if not torch.cuda.is_available():  # CPU (--dry-run, tests): Triton runs in its 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from bench_train import git_commit  # noqa: E402
+from timing import FWD_BWD_FLOP_FACTOR, median_ms, result_header, tflops  # noqa: E402
 
 import attn  # noqa: E402
 from attn.families import family_of  # noqa: E402
@@ -154,7 +150,7 @@ def bench(fn, grad=False):
         run()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = do_bench(run, warmup=50, rep=200, return_mode="median")
+    ms = median_ms(run, warmup=50, rep=200)
     return ms, peak
 
 
@@ -333,10 +329,11 @@ def time_impls(name, impls, flops, row):
             print(f"  {name} {key}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             torch.cuda.empty_cache()
             continue
-        row[key] = {"fwd_ms": ms_f, "fwdbwd_ms": ms_b, "fwd_tflops": flops / ms_f / 1e9,
-                    "fwdbwd_tflops": 3.5 * flops / ms_b / 1e9, "peak_gib_fwd": mem_f, "peak_gib_fwdbwd": mem_b}
-        print(f"  {name:34} {key:12} fwd {ms_f:8.3f} ms {flops / ms_f / 1e9:6.1f} TF/s | fwd+bwd {ms_b:8.3f} ms "
-              f"{3.5 * flops / ms_b / 1e9:6.1f} TF/s | peak {mem_b:.2f} GiB", flush=True)
+        tf_f, tf_b = tflops(flops, ms_f), tflops(FWD_BWD_FLOP_FACTOR * flops, ms_b)
+        row[key] = {"fwd_ms": ms_f, "fwdbwd_ms": ms_b, "fwd_tflops": tf_f,
+                    "fwdbwd_tflops": tf_b, "peak_gib_fwd": mem_f, "peak_gib_fwdbwd": mem_b}
+        print(f"  {name:34} {key:12} fwd {ms_f:8.3f} ms {tf_f:6.1f} TF/s | fwd+bwd {ms_b:8.3f} ms "
+              f"{tf_b:6.1f} TF/s | peak {mem_b:.2f} GiB", flush=True)
 
 
 def run_case(name, b, h, n, d, cap, mask, *, h_kv=None, ids=None, sdpa=False, flex=True, ref=False):
@@ -874,10 +871,7 @@ def main():
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "targets": tgts}, indent=1))
         out.with_suffix(".md").write_text(markdown(meta, rows, tgts, title))
         return
-    commit = git_commit()
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "commit": commit, "suite": args.only}
+    meta = {**result_header(), "cuda": torch.version.cuda, "suite": args.only}
     print(meta, flush=True)
     if args.prewarm > 0 and not args.merge:
         chosen = [i for i, c in enumerate(all_cases) if not wanted or any(w in c[0] for w in wanted)]
@@ -903,8 +897,8 @@ def main():
 
 def warm_only(some_cases):
     """Each case once, as run_case / run_variant_case build it (compiles and tunes), without timing."""
-    global do_bench
-    do_bench = lambda fn, **kw: (fn(), 1.0)[1]  # noqa: E731  (bench(): its warm-up calls, then one call)
+    global median_ms
+    median_ms = lambda fn, **kw: (fn(), 1.0)[1]  # noqa: E731  (bench(): its warm-up calls, then one call)
     for name, b, h, n, d, cap, mask, extra in some_cases:
         t = time.perf_counter()
         (run_case if cap in CAP_CASES else run_variant_case)(name, b, h, n, d, cap, mask, **extra)

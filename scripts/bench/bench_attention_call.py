@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime as dt
 import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import git_commit  # noqa: E402
+from timing import back_to_back_ms, median_ms, result_header  # noqa: E402
 
 import attn  # noqa: E402
 
@@ -71,12 +69,6 @@ def fwd_bwd(fn, q, k, v, extra, do):
     out.backward(do)
 
 
-def do_bench_ms(call) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(call, warmup=25, rep=200, return_mode="median")
-
-
 def kernel_ms(call, iters: int = 20) -> float:
     """Sum of GPU kernel times per call (torch.profiler), the L2 flush of do_bench not included."""
     from torch.profiler import ProfilerActivity, profile
@@ -91,15 +83,9 @@ def kernel_ms(call, iters: int = 20) -> float:
     return total_us / iters / 1e3
 
 
-def host_us(call, iters: int = 300) -> float:
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e6
+def host_us(call) -> float:
+    """µs per call of 300 calls queued back to back (one batch): at a tiny shape, the host's time."""
+    return 1e3 * back_to_back_ms(call, calls=300, batches=1)
 
 
 def profile_host(call, label: str, iters: int = 300, top: int = 30) -> str:
@@ -145,10 +131,10 @@ def measure(variant, params, backend, shape, tiny, profile: bool):
     except Exception as e:  # noqa: BLE001 - reported, the other columns still run
         row["compiled_first_call"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     call()
-    row["eager_ms"] = do_bench_ms(call)
-    row["public_ms"] = do_bench_ms(lambda: call(attention_fn(spec, backend, public=True)))
+    row["eager_ms"] = median_ms(call)
+    row["public_ms"] = median_ms(lambda: call(attention_fn(spec, backend, public=True)))
     if row["compiled_first_call"] == "ok":
-        row["compiled_ms"] = do_bench_ms(lambda: call(compiled))
+        row["compiled_ms"] = median_ms(lambda: call(compiled))
     row["kernel_ms"] = kernel_ms(call)
     tq, tk, tv, textra = inputs(variant, *tiny)
     tdo = torch.randn_like(tq)
@@ -193,11 +179,7 @@ def main():
     shape = tuple(int(x) for x in args.shape.split(","))
     tiny = tuple(int(x) for x in args.tiny.split(","))
     wanted = set(args.variants.split(",")) if args.variants else None
-    import triton
-
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "commit": git_commit(), "shape": shape,
-            "tiny": tiny}
+    meta = {**result_header(), "shape": shape, "tiny": tiny}
     print(meta, flush=True)
     cases = [("softmax", {}, "sdpa")] + [(v, p, "triton") for v, p in VARIANTS if not wanted or v in wanted]
     rows, profiles = [], []

@@ -67,7 +67,7 @@ def main() -> int:
                                                                "tokens", "val_loss", "wall_s")}})
             print(rows[-1], flush=True)
     import torch
-    from bench_train import git_commit  # ATTNLAB_COMMIT when set (a copy without .git), else git's
+    from timing import git_commit
 
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) == 2 else None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -30,12 +30,10 @@ Writes OUT.json and OUT.md (date, GPU, torch/triton versions, commit).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,11 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import triton  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
+from triton.testing import do_bench_cudagraph  # noqa: E402
 
-from bench_train import git_commit  # noqa: E402
+from timing import median_ms, result_header, wall_s  # noqa: E402
 
 import attn  # noqa: E402
 from attn.kernels import runtime  # noqa: E402
@@ -111,14 +108,14 @@ def warm_up(case: dict) -> None:
     (clocks ramping, lazy initialization), which made the first rows of a process ~2x slow."""
     with torch.no_grad():
         for fn in (case["ours"], case["sdpa"]):
-            do_bench(fn, warmup=25, rep=50, return_mode="median")
+            median_ms(fn, rep=50)
 
 
 def time_decode_step(case: dict) -> dict:
     """One timing of a case: eager (do_bench) and graph-replayed (do_bench_cudagraph) ms, ours and SDPA."""
     with torch.no_grad():
-        return {"ms": do_bench(case["ours"], warmup=25, rep=100, return_mode="median"),
-                "sdpa_ms": do_bench(case["sdpa"], warmup=25, rep=100, return_mode="median"),
+        return {"ms": median_ms(case["ours"], rep=100),
+                "sdpa_ms": median_ms(case["sdpa"], rep=100),
                 "graph_ms": do_bench_cudagraph(case["ours"], rep=50, return_mode="median"),
                 "sdpa_graph_ms": do_bench_cudagraph(case["sdpa"], rep=50, return_mode="median")}
 
@@ -187,11 +184,9 @@ def bench_generation(variant: str, backend: str, new_tokens: int, prompt_len: in
             model.generate(prompt, 8, temperature=0, kv_cache=kv_cache)
         for _ in range(repeats):
             for kv_cache in (False, True):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                outputs[kv_cache] = model.generate(prompt, new_tokens, temperature=0, kv_cache=kv_cache)
-                torch.cuda.synchronize()
-                best[kv_cache] = min(best[kv_cache], time.perf_counter() - start)
+                seconds, outputs[kv_cache] = wall_s(
+                    lambda: model.generate(prompt, new_tokens, temperature=0, kv_cache=kv_cache), "cuda")
+                best[kv_cache] = min(best[kv_cache], seconds)
     context = model.cfg.context
     row = {"model": "gpt2_small", "variant": variant, "backend": backend, "params": model.num_params(),
            "prompt": prompt_len, "new_tokens": new_tokens, "uncached_tokens_per_s": new_tokens / best[False],
@@ -253,9 +248,7 @@ def main() -> int:
         raise SystemExit("bench_decode.py needs a CUDA GPU")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": git_commit()}
+    meta = result_header()
     print(meta, flush=True)
     steps, gens = [], []
 

@@ -23,7 +23,6 @@ import contextlib
 import json
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import git_commit  # noqa: E402
+from timing import git_commit, wall_s  # noqa: E402
 
 
 def build(model: str, variant: str, vocab: int, backend: str, device: torch.device) -> GPT:
@@ -45,16 +44,6 @@ def build(model: str, variant: str, vocab: int, backend: str, device: torch.devi
     model = GPT(GPTConfig(vocab_size=vocab, attn=AttnConfig(name=variant, backend=backend), **preset)).to(device)
     model.eval()
     return model
-
-
-def timed(fn, device: torch.device) -> tuple[float, torch.Tensor]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, out
 
 
 def autocast(device: torch.device, kind: str):
@@ -100,7 +89,7 @@ def main() -> int:
                     model.generate(prompt, 8, temperature=0, **kwargs)
                 for _ in range(args.repeats):
                     for path, kwargs in paths.items():
-                        seconds, outputs[path] = timed(
+                        seconds, outputs[path] = wall_s(
                             lambda: model.generate(prompt, args.new_tokens, temperature=0, **kwargs), device)
                         runs[path].append(seconds)
             fit = model.cfg.context

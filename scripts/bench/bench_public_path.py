@@ -31,13 +31,10 @@ this GPU's; `--write-baseline` writes one from this run).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -47,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from triton.testing import do_bench  # noqa: E402
+from timing import back_to_back_ms, median_ms, result_header  # noqa: E402
 
 import attn  # noqa: E402
 
@@ -56,28 +53,6 @@ PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 30.0}, "softcap_softsign": {"ca
           "diff_threshold": {"beta": 1.0, "power": 2.0}, "sigmoid": {}}
 CALL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
 DECODE_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid"]
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def bench_back_to_back(fn, calls: int = 50, batches: int = 7) -> float:
-    """ms per call of `calls` calls queued back to back (as a training or decoding loop makes them),
-    the median over `batches` batches. do_bench flushes the L2 cache before each call, which lets
-    the host queue a host-bound call while the GPU clears the cache and so hides part of its host
-    time; back to back, a call costs the larger of its host and its GPU time."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(times)
 
 
 def tensors(variant: str, b: int, n: int, h: int, d: int, grad: bool, kv: int | None = None) -> dict:
@@ -105,11 +80,11 @@ def call_rows() -> dict[str, float]:
     rows = {}
     x = tensors("softmax", b, n, h, d, True)
     do = torch.randn_like(x["q"])
-    rows["call sdpa fwd+bwd"] = bench_back_to_back(lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do))
+    rows["call sdpa fwd+bwd"] = back_to_back_ms(lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do))
     # SDPA alone in a compiled region: the price torch's compiled-region wrappers add to any one op
     torch._dynamo.reset()
     sdpa_compiled = torch.compile(sdpa, fullgraph=True)
-    rows["call sdpa compiled fwd+bwd"] = bench_back_to_back(
+    rows["call sdpa compiled fwd+bwd"] = back_to_back_ms(
         lambda: sdpa_compiled(x["q"], x["k"], x["v"], True).backward(do))
     for variant in CALL_VARIANTS:
         spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
@@ -122,8 +97,8 @@ def call_rows() -> dict[str, float]:
         compiled = torch.compile(call, fullgraph=True)
         for fn in (call, compiled):
             fn().backward(do)
-        rows[f"call {variant} eager fwd+bwd"] = bench_back_to_back(lambda: call().backward(do))
-        rows[f"call {variant} compiled fwd+bwd"] = bench_back_to_back(lambda: compiled().backward(do))
+        rows[f"call {variant} eager fwd+bwd"] = back_to_back_ms(lambda: call().backward(do))
+        rows[f"call {variant} compiled fwd+bwd"] = back_to_back_ms(lambda: compiled().backward(do))
     return rows
 
 
@@ -132,7 +107,7 @@ def decode_rows() -> dict[str, float]:
     rows = {}
     with torch.no_grad():
         x = tensors("softmax", b, 1, h, d, False, kv=cache)
-        rows["decode sdpa"] = bench_back_to_back(lambda: sdpa(x["q"], x["k"], x["v"], False))
+        rows["decode sdpa"] = back_to_back_ms(lambda: sdpa(x["q"], x["k"], x["v"], False))
         for variant in DECODE_VARIANTS:
             spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
             x = tensors(variant, b, 1, h, d, False, kv=cache)
@@ -141,7 +116,7 @@ def decode_rows() -> dict[str, float]:
                 return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
 
             call()
-            rows[f"decode {variant}"] = bench_back_to_back(call)
+            rows[f"decode {variant}"] = back_to_back_ms(call)
     return rows
 
 
@@ -166,8 +141,8 @@ def ranker_rows() -> dict[str, float]:
     for name, (call, grad) in calls.items():
         call().backward(grad)
         with torch.no_grad():
-            rows[f"ranker {name} fwd"] = bench(call)
-        rows[f"ranker {name} fwd+bwd"] = bench(lambda: call().backward(grad))
+            rows[f"ranker {name} fwd"] = median_ms(call)
+        rows[f"ranker {name} fwd+bwd"] = median_ms(lambda: call().backward(grad))
     return rows
 
 
@@ -209,8 +184,8 @@ def kernel_rows() -> dict[str, float]:
                 return attn.attention(x["q"], x["k"], x["v"], spec, causal=True)
         call().backward(do)
         with torch.no_grad():
-            rows[f"kernels {variant} fwd"] = bench(call)
-        rows[f"kernels {variant} fwd+bwd"] = bench(lambda: call().backward(do))
+            rows[f"kernels {variant} fwd"] = median_ms(call)
+        rows[f"kernels {variant} fwd+bwd"] = median_ms(lambda: call().backward(do))
     return rows
 
 
@@ -242,7 +217,7 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
 HOST_BOUND_SUITES = ("call", "decode")
 
 
-HOST_TIMING = "back-to-back"  # how the host-bound suites are timed (bench_back_to_back)
+HOST_TIMING = "back-to-back"  # how the host-bound suites are timed (timing.back_to_back_ms)
 
 
 def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, noise: float,
@@ -300,15 +275,11 @@ def main() -> int:
                     help="allowed slowdown of a host-bound row (call, decode) against the baseline (fraction)")
     ap.add_argument("--write-baseline", default=None, help="write this run's rows as a baseline JSON here")
     args = ap.parse_args()
-    import triton
-
     suites = args.suites.split(",")
     unknown = set(suites) - set(SUITES)
     if unknown:
         raise SystemExit(f"--suites: unknown {sorted(unknown)}; allowed: {', '.join(SUITES)}")
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "repeats": args.repeats,
+    meta = {**result_header(), "repeats": args.repeats,
             "baseline": args.baseline, "noise": args.noise, "host_noise": args.host_noise, "host_timing": HOST_TIMING}
     rounds: dict[str, list[float]] = {}
     for r in range(args.repeats):

@@ -18,7 +18,6 @@ import argparse
 import csv
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,13 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
+from timing import git_commit, sync  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: a dry run of the script
-
-
-def sync():
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
 
 CASES = [  # (variant, backend, params)
     ("softmax", "sdpa", {}),
@@ -49,16 +44,6 @@ CASES = [  # (variant, backend, params)
     ("diff_threshold", "triton", {"beta": 1.0, "power": 2.0}),
     ("sigmoid", "triton", {}),
 ]
-
-
-def git_commit() -> str:
-    if os.environ.get("ATTNLAB_COMMIT"):  # a copy of the tree without .git (GPU machine)
-        return os.environ["ATTNLAB_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, loss_in_graph: bool = True,

@@ -15,7 +15,6 @@ kernels tuned as a user's first calls tune them). Rows are written as they come 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -52,7 +51,7 @@ def worker(variant: str, shape: tuple[int, int, int, int], backward: bool) -> di
     """In a subprocess whose `attn` is one snapshot: ms of the variant's fwd (and fwd+bwd), and SDPA's."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
+    from timing import median_ms
 
     import attn
 
@@ -80,11 +79,9 @@ def worker(variant: str, shape: tuple[int, int, int, int], backward: bool) -> di
             fn()
         torch.cuda.synchronize()
         with torch.no_grad():
-            row[f"{name}_fwd_ms"] = do_bench(fn, warmup=25, rep=200, return_mode="median")
+            row[f"{name}_fwd_ms"] = median_ms(fn)
         if backward:
-            row[f"{name}_fwd_bwd_ms"] = do_bench(
-            lambda: fn().backward(do if name == "ours" else do.transpose(1, 2)), warmup=25, rep=200,
-            return_mode="median")
+            row[f"{name}_fwd_bwd_ms"] = median_ms(lambda: fn().backward(do if name == "ours" else do.transpose(1, 2)))
     return row
 
 
@@ -107,13 +104,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def time_snapshots(out: Path, variant: str, shape: tuple, timeout: int, backward: bool) -> None:
-    import torch
-    import triton
+    from timing import result_header
 
     names = ORDER_FILE.read_text().split()
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown"), "variant": variant, "shape": shape}
+    meta = {**result_header(), "variant": variant, "shape": shape}
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in names:

@@ -22,6 +22,8 @@ if not torch.cuda.is_available():  # --dry-run on a CPU: Triton's interpreter, s
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from timing import attention_flops, tflops  # noqa: E402
+
 # (BLOCK_M, BLOCK_N, warps, stages): Triton 3.6 warp-specializes this loop on sm_90 only with 4 warps
 CONFIGS = [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
 
@@ -89,10 +91,10 @@ def probe(shape, configs, time_it: bool) -> list[dict]:
                 rows.append(row)
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is a result too
                 rows.append({"name": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-    flop = 4 * b * h * n * n * d
+    flop = attention_flops(b, h, n, d, causal=False)
     for r in rows:
         if "ms" in r:
-            r["tflops"] = flop / r["ms"] * 1e-9
+            r["tflops"] = tflops(flop, r["ms"])
     return rows
 
 

@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402  (same directory: the step being profiled is bench_train's)
+from timing import git_commit  # noqa: E402
 
 # first match wins; kernel names come from cuBLAS/CUTLASS, FlashAttention, inductor and our kernels
 CATEGORIES = [
@@ -107,7 +108,7 @@ def main():
     model_cfg = yaml.safe_load((bench_train.ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
     model_cfg["vocab_size"] = args.vocab
     meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "commit": bench_train.git_commit(), "model": args.model}
+            "torch": torch.__version__, "commit": git_commit(), "model": args.model}
     rows = []
     for case in args.cases.split(","):
         backend, batch, *rest = case.split(":")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import subprocess
 import sys
@@ -39,7 +38,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
@@ -48,6 +46,7 @@ import bench_attention as ba  # noqa: E402
 from attn.kernels import runtime, softmax_family, threshold_family  # noqa: E402
 from attn.kernels.runtime import TileConfig  # noqa: E402
 from attn.masks import MaskSpec  # noqa: E402
+from timing import result_header  # noqa: E402
 
 T = TileConfig
 # (BLOCK_M, BLOCK_N, warps, stages); BLOCK_M: query rows of a tile, BLOCK_N: key rows
@@ -259,9 +258,7 @@ def main():
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": ba.git_commit()}
+    meta = result_header()
     print(meta, flush=True)
     if args.profile:
         q, k, v = ba.random_qkv(*MAIN[:3], MAIN[3], MAIN[1], "cuda", torch.bfloat16)

@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks' timing harness: TFLOP/s
+
+from timing import attention_flops, tflops  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -113,11 +116,6 @@ def check_case(case, gluon_softmax_forward, error_ratio):
     return {"ratio_out": r_out, "ratio_lse": r_lse}
 
 
-def flops(b, h, n, d, causal):
-    f = 4.0 * b * h * n * n * d
-    return f / 2 if causal else f
-
-
 def load_kernel_version(path: Path):
     """gluon_softmax_forward of another version of the kernel file, loaded by its path."""
     import importlib.util
@@ -172,7 +170,7 @@ def time_shapes(kernels: dict, results):
             try:
                 with torch.no_grad():
                     ms = triton.testing.do_bench(fn, warmup=100, rep=500)
-                row.update(ms=ms, tflops=flops(b, h, n, d, causal) / ms / 1e9)
+                row.update(ms=ms, tflops=tflops(attention_flops(b, h, n, d, causal), ms))
             except Exception as exc:  # report and go on
                 row.update(error=f"{type(exc).__name__}: {exc}"[:2000])
             rows.append(row)

@@ -18,7 +18,6 @@ config), so the matrix runs in a pool of worker processes, which compile in para
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import multiprocessing as mp
@@ -31,9 +30,11 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # the benchmarks' timing harness: a result file's header
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from timing import result_header  # noqa: E402
 
 DEVICE = os.environ.get("ATTNLAB_CHECK_DEVICE", "cuda")  # "cpu" + TRITON_INTERPRET=1: dry run of the script
 FLOOR = 1e-3  # absolute floor of the rule in bf16 (values are O(1) to O(30))
@@ -221,11 +222,7 @@ def main() -> int:
         log_file.write(line + "\n")
         log_file.flush()
 
-    import triton
-
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": os.environ.get("ATTNLAB_COMMIT", "unknown")}
+    meta = result_header()
     log(str(meta))
     report = {"meta": meta}
 
