@@ -2,7 +2,7 @@
 # A cosmic-ray mutation run (a well-kept mutation tool) over one module, in a throwaway copy of
 # the repository, with the targeted tests of scripts/mutation/cosmic_ray/<name>.toml:
 #
-#   pip install cosmic-ray==8.7.0            # once; not a CI dependency (a run takes ~30 min per module)
+#   pip install cosmic-ray==8.7.0                     # once; not a CI dependency (a run takes ~30 min per module)
 #   scripts/mutation/run_cosmic_ray.sh sampling       # data/sampling.py: about 320 mutants, ~6 s each on 2 cores
 #   scripts/mutation/run_cosmic_ray.sh lit            # also: perplexity, masks, reference, cache, tokenizers (reduced and sampled)
 #
