@@ -3,8 +3,9 @@ median after warm-up, host-bound time of calls queued back to back, one call's w
 of attention's useful work, the device sync, and the header of a result file (date, GPU, versions,
 commit).
 
-Imported by the scripts beside it (`from timing import ...`): a script run as `python
-scripts/bench/X.py` has this folder on its path."""
+Imported by the scripts beside it (`from timing import ...`: a script run as `python
+scripts/bench/X.py` has this folder on its path) and by the GPU checks that time kernels or write a
+result file (they add this folder to their path)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ FWD_BWD_FLOP_FACTOR = 3.5  # forward + backward, the backward counted as 2.5x th
 
 def sync(device: torch.device | str | None = None) -> None:
     """Wait for the GPU's queued work; nothing on a CPU device. No device: the GPU when there is one."""
-    if torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if on_gpu:
         torch.cuda.synchronize()
 
 
