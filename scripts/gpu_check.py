@@ -7,24 +7,24 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
             test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py, test_gluon_gpu.py),
-            check_softmax_family_gpu.py, check_gluon_softmax_gpu.py,
-            check_threshold_gpu.py
+            gpu_checks/check_softmax_family_gpu.py, gpu_checks/check_gluon_softmax_gpu.py,
+            gpu_checks/check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
-  bench     bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
+  bench     bench/bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
-            host time (bench_attention_call.py); the opt-in kernel options against the defaults
-            (ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
+            host time (bench/bench_attention_call.py); the opt-in kernel options against the defaults
+            (bench/ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
-            (probe_warp_specialize.py); the public function as users call it (bench_public_path.py),
+            (bench/probe_warp_specialize.py); the public function as users call it (bench/bench_public_path.py),
             failing on a regression against docs/results/baselines/<GPU>.json; where a public call's
-            time goes (profile_public_call.py)
-  train     bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
+            time goes (bench/profile_public_call.py)
+  train     bench/bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA, the loop at `small` without torch.compile per variant; two
             deterministic runs bitwise equal, the captured step bitwise the eager step
-            (check_train_determinism.py); no host-device sync inside train.py's steps
-            (check_host_syncs.py); kernel time per category (profile_train_step.py); host time per
-            Lightning hook (profile_train_loop.py)
-  decode    bench_decode.py: one decode step against SDPA on 4K / 32K caches, generation tokens/s
+            (gpu_checks/check_train_determinism.py); no host-device sync inside train.py's steps
+            (gpu_checks/check_host_syncs.py); kernel time per category (bench/profile_train_step.py); host time per
+            Lightning hook (bench/profile_train_loop.py)
+  decode    bench/bench_decode.py: one decode step against SDPA on 4K / 32K caches, generation tokens/s
             with and without the KV cache
   ablation  scripts/run_ablation.sh device: every variant x 3 seeds at `small`, evaluations, report
   ddp       NCCL all-reduce bandwidth and train.py on 1 vs all GPUs (2+ GPUs); 20 FSDP steps on
@@ -92,7 +92,7 @@ class Step:
 
 
 def bench_train(*args: str) -> tuple[str, ...]:
-    return (PY, "scripts/bench_train.py", *args)
+    return (PY, "scripts/bench/bench_train.py", *args)
 
 
 GPT2_SMALL = ("--model", "gpt2_small", "--batch", "16")
@@ -104,41 +104,41 @@ PHASES: dict[str, list[Step]] = {
     "kernels": [
         Step("pytest", 330, (PY, "-m", "pytest", "-q", "-n", "6", "-p", "no:cacheprovider", "--timeout", "300",
                              "--junitxml", "{dir}/pytest.xml", *GPU_TESTS), kind="check"),
-        Step("softmax_family", 330, (PY, "scripts/check_softmax_family_gpu.py", "--json", "{dir}/check.json"),
+        Step("softmax_family", 330, (PY, "scripts/gpu_checks/check_softmax_family_gpu.py", "--json", "{dir}/check.json"),
              kind="check"),
-        Step("threshold_family", 330, (PY, "scripts/check_threshold_gpu.py", "--workers", "6", "--out", "{dir}"),
+        Step("threshold_family", 330, (PY, "scripts/gpu_checks/check_threshold_gpu.py", "--workers", "6", "--out", "{dir}"),
              kind="check"),
         # the Gluon sm_90 forward against float64 and timed beside SDPA and the portable kernel (Hopper only)
-        Step("gluon_softmax", 240, (PY, "scripts/check_gluon_softmax_gpu.py", "--out", "{dir}")),
+        Step("gluon_softmax", 240, (PY, "scripts/gpu_checks/check_gluon_softmax_gpu.py", "--out", "{dir}")),
     ],
     "sanitize": [
         Step("memcheck", 540, ("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
-                               PY, "scripts/sanitize_kernels.py"), kind="check"),
+                               PY, "scripts/gpu_checks/sanitize_kernels.py"), kind="check"),
     ],
     "bench": [
-        Step("main", 200, (PY, "scripts/bench_attention.py", "--only", "main", "--out", "{dir}/bench_main")),
-        Step("masks", 180, (PY, "scripts/bench_attention.py", "--only", "masks", "--out", "{dir}/bench_masks")),
-        Step("threshold", 200, (PY, "scripts/bench_attention.py", "--only", "threshold",
+        Step("main", 200, (PY, "scripts/bench/bench_attention.py", "--only", "main", "--out", "{dir}/bench_main")),
+        Step("masks", 180, (PY, "scripts/bench/bench_attention.py", "--only", "masks", "--out", "{dir}/bench_masks")),
+        Step("threshold", 200, (PY, "scripts/bench/bench_attention.py", "--only", "threshold",
                                 "--out", "{dir}/bench_threshold")),
-        Step("sigmoid", 200, (PY, "scripts/bench_attention.py", "--only", "sigmoid", "--out", "{dir}/bench_sigmoid")),
+        Step("sigmoid", 200, (PY, "scripts/bench/bench_attention.py", "--only", "sigmoid", "--out", "{dir}/bench_sigmoid")),
         # every kernel target row in one process: ranker, recommender shapes, caps, windows, GQA, diff_threshold
-        Step("targets", 330, (PY, "scripts/bench_attention.py", "--only", "issue15", "--prewarm", "6",
+        Step("targets", 330, (PY, "scripts/bench/bench_attention.py", "--only", "issue15", "--prewarm", "6",
                               "--out", "{dir}/bench_targets")),
-        Step("call", 150, (PY, "scripts/bench_attention_call.py", "--out", "{dir}/attention_call")),
+        Step("call", 150, (PY, "scripts/bench/bench_attention_call.py", "--out", "{dir}/attention_call")),
         # what users of the public function feel, against the committed baseline of this GPU kind:
         # fails on a row slower than the baseline beyond the measured noise (the regression gate)
-        Step("public", 420, (PY, "scripts/bench_public_path.py", "--baseline", "auto", "--out", "{dir}/public_path")),
+        Step("public", 420, (PY, "scripts/bench/bench_public_path.py", "--baseline", "auto", "--out", "{dir}/public_path")),
         # where a public call's time goes: host and GPU time, launches, host ops, cProfile per variant
-        Step("profile_call", 200, (PY, "scripts/profile_public_call.py", "--python",
+        Step("profile_call", 200, (PY, "scripts/bench/profile_public_call.py", "--python",
                                    "--out", "{dir}/profile_public_call")),
         # the opt-in kernel options against the defaults, one process per case
-        Step("options", 450, (PY, "scripts/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
+        Step("options", 450, (PY, "scripts/bench/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
                               "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
                               "--option", "online_softmax:ATTNLAB_FIXED_SHIFT=0",
                               "--option", "one_pass_tma_reduce:ATTNLAB_SOFTMAX_DQ=one_pass,ATTNLAB_TMA=dq_add",
                               "--out", "{dir}/ab_kernel_options")),
         # Triton's Hopper warp specialization on a minimal attention loop, against the same loop and SDPA
-        Step("warp_specialize", 90, (PY, "scripts/probe_warp_specialize.py",
+        Step("warp_specialize", 90, (PY, "scripts/bench/probe_warp_specialize.py",
                                      "--out", "{dir}/probe_warp_specialize.json")),
     ],
     "train": [
@@ -146,14 +146,14 @@ PHASES: dict[str, list[Step]] = {
         Step("small", 420, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
                                        "--variants", "softcap_tanh,threshold", "--cuda-graphs", "--no-default",
                                        "--train-py", "--train-py-steps", "100", "--out", "{dir}/bench_train_small")),
-        Step("determinism", 240, (PY, "scripts/check_train_determinism.py", "--json", "{dir}/determinism.json",
+        Step("determinism", 240, (PY, "scripts/gpu_checks/check_train_determinism.py", "--json", "{dir}/determinism.json",
                                   "--variants", "softmax,threshold", "experiment=gpu_small", "train.max_steps=30",
                                   "train.val_every=15", "train.val_tokens=65536"), kind="check"),
-        Step("captured_vs_eager", 240, (PY, "scripts/check_train_determinism.py", "--json", "{dir}/determinism.json",
+        Step("captured_vs_eager", 240, (PY, "scripts/gpu_checks/check_train_determinism.py", "--json", "{dir}/determinism.json",
                                         "--variants", "softcap_tanh", "experiment=gpu_small", "train.max_steps=100",
                                         "train.val_every=100", "--b-overrides", "train.cuda_graphs=false"),
              kind="check"),  # --b-overrides last: it takes every argument after it
-        Step("host_syncs", 150, (PY, "scripts/check_host_syncs.py", "--json", "{dir}/host_syncs.json",
+        Step("host_syncs", 150, (PY, "scripts/gpu_checks/check_host_syncs.py", "--json", "{dir}/host_syncs.json",
                                  "experiment=gpu_small", "model=gpt2_small", "train.batch_size=16",
                                  "train.max_steps=14", "train.val_every=14", "train.val_tokens=16384",
                                  "train.log_max_logit=false"), kind="check"),
@@ -165,15 +165,15 @@ PHASES: dict[str, list[Step]] = {
         # the plain loop without torch.compile (notebooks, variable shapes), every variant against SDPA
         Step("small_eager", 240, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
                                              "--eager", "--no-default", "--out", "{dir}/bench_train_small_eager")),
-        Step("profile_step", 220, (PY, "scripts/profile_train_step.py", "--cases", "sdpa:16,triton:16",
+        Step("profile_step", 220, (PY, "scripts/bench/profile_train_step.py", "--cases", "sdpa:16,triton:16",
                                    "--out", "{dir}/profile_train_step")),
-        Step("profile_loop", 150, (PY, "scripts/profile_train_loop.py", "--python-steps", "60:70", "--out", "{dir}",
+        Step("profile_loop", 150, (PY, "scripts/bench/profile_train_loop.py", "--python-steps", "60:70", "--out", "{dir}",
                                    "experiment=gpu_small", "attn=softcap_tanh", "train.max_steps=100",
                                    "train.val_every=100", "train.log_max_logit=false", "logger=csv",
                                    "trainer.enable_progress_bar=false", "hydra.run.dir={dir}/run")),
     ],
     "decode": [
-        Step("decode", 480, (PY, "scripts/bench_decode.py", "--out", "{dir}/bench_decode")),
+        Step("decode", 480, (PY, "scripts/bench/bench_decode.py", "--out", "{dir}/bench_decode")),
     ],
     "ablation": [
         # its own budget: training stops in time for the evaluations and the report
@@ -181,9 +181,9 @@ PHASES: dict[str, list[Step]] = {
              env=(("OUT", "{dir}"), ("ABLATION_TRAIN_BUDGET_S", "{train_budget}"))),
     ],
     "ddp": [
-        Step("allreduce", 90, (PY, "scripts/bench_allreduce.py", "--gpus", "{gpus}", "--out", "{dir}/bench_allreduce"),
+        Step("allreduce", 90, (PY, "scripts/bench/bench_allreduce.py", "--gpus", "{gpus}", "--out", "{dir}/bench_allreduce"),
              kind="all", min_gpus=2, env=(("NCCL_DEBUG", "INFO"),)),
-        Step("scaling", 250, (PY, "scripts/bench_ddp.py", "--gpus", "{gpus}", "--out", "{dir}/bench_ddp",
+        Step("scaling", 250, (PY, "scripts/bench/bench_ddp.py", "--gpus", "{gpus}", "--out", "{dir}/bench_ddp",
                               "experiment=gpu_small", "model=gpt2_small", "train.batch_size=16", "train.max_steps=100",
                               "train.val_every=100", "train.val_tokens=16384", "train.warmup_steps=10",
                               "train.log_max_logit=false"), kind="all", min_gpus=2),

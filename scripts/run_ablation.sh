@@ -7,7 +7,7 @@
 #   scripts/run_ablation.sh prepare                 # here, with network: wheels + token cache to carry
 #   scripts/run_ablation.sh device [OVERRIDES...]   # on the GPU machine: everything, packed into $OUT
 #   scripts/run_ablation.sh report FETCHED_DIR [OUT_DIR [REPORT_ARGS...]]   # here: report from what came back
-#                      (REPORT_ARGS go to scripts/ablation_report.py, e.g. --margin 0.02 --preface reading.md)
+#                      (REPORT_ARGS go to scripts/analysis/ablation_report.py, e.g. --margin 0.02 --preface reading.md)
 #
 # Device call (the `run` tool; the machine has torch/lightning/matplotlib but no hydra, no network):
 #   run(command="bash scripts/run_ablation.sh device", carry=[".whl", ".device_cache/attnlab"], timeout_s=600)
@@ -141,7 +141,7 @@ device() {
   done
   wait || true
   echo "every run trained and evaluated at +$(elapsed)s"
-  $PYTHON scripts/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \
+  $PYTHON scripts/analysis/ablation_report.py "$sweep" --out "$sweep/report" >"$log/report.log" 2>&1 \
     || echo "report failed, see logs/report.log"
   echo "ablation wall time (runs, evaluations, report): $(elapsed)s" | tee -a "$sweep/environment.txt"
   pack "$out" "$sweep"
@@ -174,7 +174,7 @@ for path in sorted([*Path(sys.argv[1]).glob("*/eval/*.attention-*.json"),
     plot_heatmaps(result["metrics"], label, path.with_suffix(""))
 EOF
   mkdir -p "$dest"
-  $PYTHON scripts/ablation_report.py "$sweep" --out "$dest" "$@"
+  $PYTHON scripts/analysis/ablation_report.py "$sweep" --out "$dest" "$@"
   cp "$sweep/environment.txt" "$dest/" 2>/dev/null || true
   echo "report made here at commit $(git rev-parse HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$dest/environment.txt"
   echo "report: $dest/report.md (runs unpacked in $sweep)"

@@ -1,4 +1,4 @@
-"""scripts/ab_kernel_options.py on CPU: how it reads options, that each option's settings hold only
+"""scripts/bench/ab_kernel_options.py on CPU: how it reads options, that each option's settings hold only
 while it runs, and a dry run that compares every option's outputs with the first one's."""
 
 import argparse
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import ab_kernel_options as ab  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/ablation_report.py on fake run directories, its t quantiles, and the ablation config's parameter match."""
+"""scripts/analysis/ablation_report.py on fake run directories, its t quantiles, and the ablation config's parameter match."""
 
 import csv
 import importlib.util
@@ -16,7 +16,7 @@ from models.lit import gpt_config_from_dict
 from train_helpers import compose_cfg
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("ablation_report", REPO / "scripts" / "ablation_report.py")
+spec = importlib.util.spec_from_file_location("ablation_report", REPO / "scripts" / "analysis" / "ablation_report.py")
 report = importlib.util.module_from_spec(spec)
 sys.modules["ablation_report"] = report  # dataclasses look their module up while the class is built
 spec.loader.exec_module(report)
@@ -98,7 +98,7 @@ def test_report_on_two_runs_gives_means_cis_and_pngs(tmp_path):
 
 
 def test_the_report_reads_eval_results_from_eval_and_from_an_older_runs_checkpoints(tmp_path):
-    """`python scripts/ablation_report.py SWEEP`: a run evaluated into eval/ and one whose eval JSONs lie in
+    """`python scripts/analysis/ablation_report.py SWEEP`: a run evaluated into eval/ and one whose eval JSONs lie in
     checkpoints/ (an older attnlab wrote them there) both get their perplexity and attention statistics;
     where a run has both, eval/ wins."""
     from train_helpers import run_command
@@ -109,7 +109,7 @@ def test_the_report_reads_eval_results_from_eval_and_from_an_older_runs_checkpoi
     make_run(runs, "alsc", 0, 2.1, ppl={512: 11.0}, eval_folder="checkpoints")
     newer = make_run(tmp_path / "newer", "alsc", 0, 2.1, ppl={512: 12.0})
     (newer / "eval").rename(runs / "alsc_s0" / "eval")  # alsc_s0 evaluated again, into eval/
-    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(runs), "--out", str(tmp_path / "out")], tmp_path)
+    done = run_command([str(REPO / "scripts" / "analysis" / "ablation_report.py"), str(runs), "--out", str(tmp_path / "out")], tmp_path)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["extrapolation"]["softmax"]["512"]["ppl"]["values"] == [10.0, 14.0]
@@ -272,7 +272,7 @@ def test_a_sweep_over_a_variant_parameter_gives_one_row_per_setting(tmp_path):
 
 
 def test_setting_labels_are_ordered_by_their_numbers(tmp_path):
-    """`python scripts/ablation_report.py SWEEP` on a sweep over cap=2.5,5,10: rows in the caps' numeric order
+    """`python scripts/analysis/ablation_report.py SWEEP` on a sweep over cap=2.5,5,10: rows in the caps' numeric order
     (string order put cap=10 before cap=2.5 and cap=5)."""
     from train_helpers import run_command
 
@@ -282,7 +282,7 @@ def test_setting_labels_are_ordered_by_their_numbers(tmp_path):
         results = json.loads((run / "results.json").read_text())
         (run / "results.json").write_text(json.dumps({**results, "label": label}))
     out = tmp_path / "report"
-    done = run_command([str(REPO / "scripts" / "ablation_report.py"), str(tmp_path / "runs"), "--out", str(out)], tmp_path)
+    done = run_command([str(REPO / "scripts" / "analysis" / "ablation_report.py"), str(tmp_path / "runs"), "--out", str(out)], tmp_path)
     assert done.returncode == 0, done.stderr
     expected = ["softmax", "softcap_tanh[cap=2.5]", "softcap_tanh[cap=5]", "softcap_tanh[cap=10]"]
     assert json.loads((out / "summary.json").read_text())["variants"] == expected

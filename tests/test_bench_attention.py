@@ -1,4 +1,4 @@
-"""scripts/bench_attention.py on CPU: the issue-15 suite's dry run (every case built, Flex's mask
+"""scripts/bench/bench_attention.py on CPU: the issue-15 suite's dry run (every case built, Flex's mask
 equal to attn.masks.dense_mask, outputs against the reference), the tiles-visited mirrors of
 attn/kernels/tiles.py against the Triton functions, and the targets table."""
 
@@ -17,7 +17,7 @@ from attn.kernels.tiles import key_ranges, load_segment_bounds, query_ranges
 from attn.masks import MaskSpec, segment_bounds
 from attn.testing import random_segment_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_attention as ba  # noqa: E402
 
 needs_flex = pytest.mark.skipif(ba.flex_attention is None, reason="FlexAttention is not importable")

@@ -1,4 +1,4 @@
-"""The regression gate's arithmetic (scripts/bench_public_path.py) on made-up rows: no GPU needed."""
+"""The regression gate's arithmetic (scripts/bench/bench_public_path.py) on made-up rows: no GPU needed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_public_path as bp  # noqa: E402
 
 ROWS = {"call sdpa fwd+bwd": 0.40, "call softmax eager fwd+bwd": 0.50, "decode sdpa": 0.08, "decode threshold": 0.10,

@@ -4,7 +4,7 @@ No GPU: triton.compile on a GluonASTSource for GPUTarget("cuda", 90, 128). Skipp
 Triton has the Gluon API the kernel is written against (Triton 3.6; later releases renamed parts of it).
 The PTX must hold the schedule's instructions: wgmma (async, with waits), TMA bulk tensor loads,
 mbarrier waits, setmaxnreg for the partitions, and no local memory (spills); the SASS of both key-block
-loops (scripts/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL."""
+loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL."""
 
 import importlib.util
 import re
@@ -35,7 +35,7 @@ def test_compiles_for_sm90_with_wgmma_and_tma(head_dim, causal):
 
 
 def _sass_counts():
-    spec = importlib.util.spec_from_file_location("gluon_sass_counts", ROOT / "scripts" / "gluon_sass_counts.py")
+    spec = importlib.util.spec_from_file_location("gluon_sass_counts", ROOT / "scripts" / "analysis" / "gluon_sass_counts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""scripts/check_planted_mutations.py's list stays in step with the code: every planted bug's snippet
+"""scripts/mutation/check_planted_mutations.py's list stays in step with the code: every planted bug's snippet
 occurs exactly once in its file, every mutated file parses, and every selected test exists (the
 script refuses a stale list; this catches it in the suite, not at the next mutation run)."""
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "mutation"))
 
 import check_planted_mutations  # noqa: E402
 

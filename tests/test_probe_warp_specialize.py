@@ -1,4 +1,4 @@
-"""scripts/probe_warp_specialize.py on the CPU (Triton's interpreter, fp32): its loop, with and without
+"""scripts/bench/probe_warp_specialize.py on the CPU (Triton's interpreter, fp32): its loop, with and without
 the warp-specialization request, gives SDPA's output, so the GPU's timings compare correct kernels and
 a wrong output there (NaN, as some Triton 3.6 configs give) is the compiler's."""
 
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import probe_warp_specialize as probe  # noqa: E402
 

@@ -929,7 +929,7 @@ def test_deterministic_runs_give_bitwise_equal_losses(tmp_path, monkeypatch):
     """Two deterministic=true runs through the fused kernels (the interpreter here) give the same
     losses bit for bit, with the kernel configs pinned (what keeps a GPU from choosing tiles by
     timing: test_softmax_family.py::test_pinned_configs_skip_timing; on the GPU itself
-    scripts/check_train_determinism.py)."""
+    scripts/gpu_checks/check_train_determinism.py)."""
     from training import train
 
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)

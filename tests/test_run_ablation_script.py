@@ -67,7 +67,7 @@ def test_report_from_a_fetched_archive_draws_heatmaps_of_runs_in_either_eval_lay
 
     # a copy of the script's own files: `report` unpacks into <its checkout>/multirun/
     root = tmp_path / "checkout"
-    for relative in ("scripts/run_ablation.sh", "scripts/ablation_report.py", "configs/experiment/ablation.yaml"):
+    for relative in ("scripts/run_ablation.sh", "scripts/analysis/ablation_report.py", "configs/experiment/ablation.yaml"):
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / relative, root / relative)
     sweep = tmp_path / "device"

@@ -1,4 +1,4 @@
-"""scripts/sass_counts.py on one cheap kernel: compiled for sm_90 on the CPU with the ptxas and cuobjdump
+"""scripts/analysis/sass_counts.py on one cheap kernel: compiled for sm_90 on the CPU with the ptxas and cuobjdump
 Triton ships (skipped where they are missing), its unmasked loop found and counted per score. It runs in a
 subprocess because the test session interprets the kernels (TRITON_INTERPRET=1), and interpreted kernels
 do not compile."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "sass_counts.py"
+SCRIPT = ROOT / "scripts" / "analysis" / "sass_counts.py"
 
 
 def _tools_present() -> bool:
@@ -60,7 +60,7 @@ def test_masks_record_the_kernels_their_calls_run():
     """--mask picks the launch recorded: ranker with segment ids (HAS_SEG, not causal), causal without."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "analysis"))
     import sass_counts
 
     for mask, seg, causal in (("ranker", True, False), ("causal", False, True), ("full", False, False)):

@@ -4,7 +4,7 @@ reference, by the DESIGN.md §6 rule, on CPU under TRITON_INTERPRET=1.
 Every case checks out, dq, dk, dv (and d-temperature when it requires grad) with
 NaN-poisoned allocations. The matrix covers every cap method with caps small enough
 to bind, every mask kind and their compositions, GQA ratios 1/2/4, odd N and rows
-that see nothing. bf16 is checked on the GPU (scripts/check_softmax_family_gpu.py).
+that see nothing. bf16 is checked on the GPU (scripts/gpu_checks/check_softmax_family_gpu.py).
 """
 
 import os

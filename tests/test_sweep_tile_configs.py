@@ -1,4 +1,4 @@
-"""scripts/sweep_tile_configs.py on CPU: the candidate lists it hands the tuner (the table's own first, then
+"""scripts/bench/sweep_tile_configs.py on CPU: the candidate lists it hands the tuner (the table's own first, then
 its grid, no duplicates; a compile worker's shard), and its report of every tuned kernel."""
 
 import os
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import sweep_tile_configs as sweep  # noqa: E402
 from attn.kernels import runtime, softmax_family, threshold_family  # noqa: E402

@@ -1,7 +1,7 @@
 """Fused threshold-family kernels (attn/kernels/threshold_family.py) vs the float64 reference.
 
 Runs the Triton kernels under TRITON_INTERPRET=1 on CPU, in fp32 and fp16 (bf16 is checked
-on the GPU by scripts/check_threshold_gpu.py). Every comparison uses the DESIGN.md §6 rule
+on the GPU by scripts/gpu_checks/check_threshold_gpu.py). Every comparison uses the DESIGN.md §6 rule
 (tests/tolerance.py): error vs float64 <= 2x the same PyTorch code's error in the kernel's
 dtype + a small floor, for out, dq, dk, dv and, for diff_threshold, dq2, dk2 and d-lambda.
 """
@@ -345,7 +345,7 @@ def test_opcheck(differential, with_seg):
 
 def test_torch_compile_fullgraph_matches_eager():
     """A small block through attn.attention(backend='triton') compiles without graph breaks
-    (fullgraph=True; aot_eager on CPU, inductor in scripts/check_threshold_gpu.py)."""
+    (fullgraph=True; aot_eager on CPU, inductor in scripts/gpu_checks/check_threshold_gpu.py)."""
     torch._dynamo.reset()
     spec = attn.get_variant("diff_threshold").make_spec(beta=0.2, power=2.0)
     gen = torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@
 
 Runs of a sweep over a variant's own parameter (`-m attn=softcap_tanh attn.params.cap=2,50`)
 differ only there: the label keeps them apart in wandb names and tags, as the rows of
-scripts/ablation_report.py and, as `folder_label` writes it, in multirun folder names
+scripts/analysis/ablation_report.py and, as `folder_label` writes it, in multirun folder names
 (`${attnlab_folder_label:${attn.name},${hydra.job.override_dirname}}` in configs/train.yaml).
 Settings are the `attn.*` overrides except the backend (which changes how, not what, is
 computed); `params.` is dropped from their names.

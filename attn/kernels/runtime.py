@@ -128,7 +128,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def decode_config() -> TileConfig:
     """Tiles of the split-key (flash-decoding) forwards: 16 query rows (a decode step's few queries;
     the smallest tl.dot), key tiles of 64 (16 under the interpreter, so small tests still walk several).
-    ATTNLAB_DECODE_TILES="BLOCK_N,warps,stages" sets the GPU's (for sweeps, scripts/bench_decode.py)."""
+    ATTNLAB_DECODE_TILES="BLOCK_N,warps,stages" sets the GPU's (for sweeps, scripts/bench/bench_decode.py)."""
     if interpreting():
         return TileConfig(16, 16, 4, 1)
     raw = setting(DECODE_TILES_ENV)

@@ -1,0 +1,124 @@
+"""SASS instruction counts of the Gluon sm_90 softmax forward's two key-block loops, compiled on a CPU.
+
+No GPU and no torch: the kernel module (attn/kernels/gluon_softmax_fwd.py) is loaded by its path, so
+the `attn` package (which imports torch) is not, and `compile_sm90` builds the kernel for sm_90 with the
+ptxas Triton ships; cuobjdump (also Triton's) gives the SASS and the launch's register count. The kernel
+is written against Triton 3.6's Gluon API, so run it with a Triton 3.6 environment:
+
+    /work/venv36/bin/python scripts/analysis/gluon_sass_counts.py                            # D 64/128, causal or not
+    python scripts/analysis/gluon_sass_counts.py --head-dim 128 --causal 1 --sass /tmp/sass  # also each loop's SASS
+    python scripts/analysis/gluon_sass_counts.py --kernel /tmp/old_gluon_softmax_fwd.py         # another version of it
+
+Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
+a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
+are found (innermost loops holding HGMMA); a row gives the smaller of the two (they differ by a few
+integer instructions). Per score = instructions per warp x 32 x 4 warps / (64 rows x BLOCK_N keys):
+thread-level operations per score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sass_listing import cuobjdump, innermost_loops, markdown_table, opcode_category, parse_sass  # noqa: E402
+
+KERNEL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_fwd.py"
+CATEGORIES = [  # (column, opcode prefixes), first match wins
+    ("hgmma", ("HGMMA",)),
+    ("mufu", ("MUFU",)),
+    ("ffma", ("FFMA",)),
+    ("fmul", ("FMUL",)),
+    ("fadd", ("FADD",)),
+    ("other_fp", ("FMNMX", "FSEL", "FSETP", "F2F", "FCHK", "FSWZADD", "HADD2", "HFMA2", "HMUL2")),
+    ("mem", ("LDG", "STG", "LDS", "STS", "LDSM", "STSM", "LDL", "STL", "UTMA", "ATOM", "RED")),
+    ("sync", ("BAR", "DEPBAR", "WARPGROUP", "MEMBAR", "FENCE", "SYNCS", "WARPSYNC", "ARRIVES")),
+    ("int", ("IMAD", "IADD", "LEA", "LOP", "SHF", "ISETP", "SEL", "MOV", "IMNMX", "PRMT", "VIADD", "S2R", "CS2R",
+             "I2F", "F2I", "IABS", "POPC", "FLO", "PLOP3", "P2R", "R2P", "U", "LDC", "S2UR", "R2UR", "VOTE")),
+]
+COLUMNS = ["config", "loop", "instr", "per_score", "hgmma", "mufu", "ffma", "fmul", "fadd", "other_fp", "int", "sync",
+           "mem", "other", "regs", "spills"]
+
+
+
+def category(ins: str) -> str:
+    return opcode_category(ins, CATEGORIES)
+
+
+def hgmma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
+    return innermost_loops(instrs, lambda ins: ins.startswith("HGMMA"))
+
+def load_kernel_module(path: Path = KERNEL):
+    """The kernel module, loaded from its file without importing the `attn` package (and torch)."""
+    spec = importlib.util.spec_from_file_location("gluon_softmax_fwd", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+
+
+def is_masked(body: list[str]) -> bool:
+    return any(ins.startswith("FSEL") and "-INF" in ins for ins in body)
+
+
+def loop_counts(body: list[str], block_n: int) -> dict:
+    row = {col: 0 for col, _ in CATEGORIES} | {"other": 0}
+    for ins in body:
+        row[category(ins)] += 1
+    return {**row, "instr": len(body), "per_score": round(len(body) * 32 * 4 / (64 * block_n), 2)}
+
+
+
+
+def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None) -> list[dict]:
+    """One row per loop kind (unmasked, masked) of the kernel compiled for sm_90."""
+    compiled = module.compile_sm90(head_dim, dtype, causal)
+    cubin = compiled.asm["cubin"]
+    sass = cuobjdump(cubin, "-sass")
+    regs = int(dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage"))).get("REG", 0))
+    instrs = parse_sass(sass)
+    spills = sum(ins.startswith(("LDL", "STL")) for _, ins in instrs)
+    loops = hgmma_loops(instrs)
+    block_n = module.tile_config(head_dim)["BLOCK_N"]
+    config = f"D={head_dim} {'causal' if causal else 'full'} {dtype}"
+    rows = []
+    for kind, masked in (("unmasked", False), ("masked", True)):
+        bodies = [body for body in loops if is_masked(body) == masked]
+        if not bodies:
+            raise RuntimeError(f"{config}: no {kind} loop with HGMMA in the SASS")
+        body = min(bodies, key=len)
+        if sass_dir is not None:
+            (sass_dir / f"d{head_dim}_{'causal' if causal else 'full'}_{kind}.sass").write_text("\n".join(body) + "\n")
+        rows.append({"config": config, "loop": kind, **loop_counts(body, block_n), "regs": regs, "spills": spills})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--sass", type=Path, help="a folder: write each counted loop body there")
+    ap.add_argument("--kernel", type=Path, default=KERNEL, help="another version of the kernel file (before/after)")
+    args = ap.parse_args(argv)
+    module = load_kernel_module(args.kernel)
+    ok, why = module.gluon_api_available()
+    if not ok:
+        print(f"the kernel needs Triton 3.6's Gluon API: {why}", file=sys.stderr)
+        return 2
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
+    rows = [row for d in args.head_dim for c in args.causal for row in count(module, d, bool(c), args.dtype, args.sass)]
+    print(markdown_table(rows, COLUMNS))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,322 @@
+"""What a user of `attn.attention` feels, in one process, and the speed regression gate.
+
+Every row times the public function as a user calls it (validation and mask preparation included,
+except the `attn.segments` row, whose mask is built once outside the timing as FlexAttention's
+BlockMask is), beside its yardstick: the host-bound suites (call, decode) as the median ms per call of
+batches of calls queued back to back, the GPU-bound ones (ranker, kernels) as triton.testing.do_bench
+medians after warm-up:
+
+  call      (16,12,1024,64) causal bf16 fwd+bwd: SDPA eager and compiled alone, each variant eager,
+            each variant inside torch.compile(fullgraph=True) (the call alone compiled)
+  decode    one query against a 4K-key cache, (B,H,D) = (8,16,128), no grad: SDPA, each variant
+  ranker    2048 history + 2048 candidates, softcap_tanh, (4,16,4096,128), fwd and fwd+bwd:
+            segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
+            the full mask, and FlexAttention compiled with the same mask and cap (its BlockMask built
+            once, outside the timing)
+  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, threshold
+
+    python scripts/bench/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
+    python scripts/bench/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
+
+Rows report the median over the --repeats rounds; the gate reads each row's best round. --baseline
+compares each row's best round with the file's (measured on the same GPU name) and exits 1 when one
+is slower by more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites
+(ranker, kernels) and --host-noise (default 30%) for the host-bound ones (call, decode), whose rounds
+follow the host's load and vary far more (the measured spreads: docs/results/public_path/); the
+host-bound gate catches only large regressions. Baselines are
+committed per GPU kind under docs/results/baselines/, named after the GPU (`--baseline auto` picks
+this GPU's; `--write-baseline` writes one from this run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import back_to_back_ms, median_ms, result_header  # noqa: E402
+
+import attn  # noqa: E402
+
+PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 30.0}, "softcap_softsign": {"cap": 30.0},
+          "alsc": {"cap": 30.0, "knee": 0.5}, "threshold": {"beta": 1.0, "power": 2.0},
+          "diff_threshold": {"beta": 1.0, "power": 2.0}, "sigmoid": {}}
+CALL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
+DECODE_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid"]
+
+
+def tensors(variant: str, b: int, n: int, h: int, d: int, grad: bool, kv: int | None = None) -> dict:
+    unit = variant in ("threshold", "diff_threshold")
+
+    def rand(length):
+        x = torch.randn(b, length, h, d, device="cuda")
+        return (F.normalize(x, dim=-1) if unit else x).to(torch.bfloat16).requires_grad_(grad)
+
+    kv = n if kv is None else kv
+    x = {"q": rand(n), "k": rand(kv), "v": rand(kv), "extra": None}
+    if variant == "diff_threshold":
+        x["extra"] = {"q2": rand(n), "k2": rand(kv),
+                      "lam": torch.full((h,), 0.5, device="cuda", dtype=torch.bfloat16, requires_grad=grad)}
+    return x
+
+
+def sdpa(q, k, v, causal: bool):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal).transpose(1, 2)
+
+
+def call_rows() -> dict[str, float]:
+    b, h, n, d = 16, 12, 1024, 64
+    rows = {}
+    x = tensors("softmax", b, n, h, d, True)
+    do = torch.randn_like(x["q"])
+    rows["call sdpa fwd+bwd"] = back_to_back_ms(lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do))
+    # SDPA alone in a compiled region: the price torch's compiled-region wrappers add to any one op
+    torch._dynamo.reset()
+    sdpa_compiled = torch.compile(sdpa, fullgraph=True)
+    rows["call sdpa compiled fwd+bwd"] = back_to_back_ms(
+        lambda: sdpa_compiled(x["q"], x["k"], x["v"], True).backward(do))
+    for variant in CALL_VARIANTS:
+        spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+        x = tensors(variant, b, n, h, d, True)
+
+        def call(x=x, spec=spec):
+            return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
+
+        torch._dynamo.reset()  # each variant's closure is the same code object: its own cache, no recompiles
+        compiled = torch.compile(call, fullgraph=True)
+        for fn in (call, compiled):
+            fn().backward(do)
+        rows[f"call {variant} eager fwd+bwd"] = back_to_back_ms(lambda: call().backward(do))
+        rows[f"call {variant} compiled fwd+bwd"] = back_to_back_ms(lambda: compiled().backward(do))
+    return rows
+
+
+def decode_rows() -> dict[str, float]:
+    b, h, d, cache = 8, 16, 128, 4096
+    rows = {}
+    with torch.no_grad():
+        x = tensors("softmax", b, 1, h, d, False, kv=cache)
+        rows["decode sdpa"] = back_to_back_ms(lambda: sdpa(x["q"], x["k"], x["v"], False))
+        for variant in DECODE_VARIANTS:
+            spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+            x = tensors(variant, b, 1, h, d, False, kv=cache)
+
+            def call(x=x, spec=spec):
+                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
+
+            call()
+            rows[f"decode {variant}"] = back_to_back_ms(call)
+    return rows
+
+
+def ranker_rows() -> dict[str, float]:
+    b, h, n, d = 4, 16, 4096, 128
+    spec = attn.get_variant("softcap_tanh").make_spec(**PARAMS["softcap_tanh"])
+    x = tensors("softcap_tanh", b, n, h, d, True)
+    do = torch.randn_like(x["q"])
+    ids = torch.ones(b, n, dtype=torch.int64, device="cuda")
+    ids[:, n // 2:] = -1
+    masks = {"segment_ids": ids, "segments": attn.segments(ids), "full mask": None}
+    calls = {}
+    for name, segment_ids in masks.items():
+        def call(segment_ids=segment_ids):
+            return attn.attention(x["q"], x["k"], x["v"], spec, causal=False, segment_ids=segment_ids)
+
+        calls[name] = (call, do)
+    flex = flex_ranker_call(x, ids)
+    if flex is not None:
+        calls["flex"] = flex
+    rows = {}
+    for name, (call, grad) in calls.items():
+        call().backward(grad)
+        with torch.no_grad():
+            rows[f"ranker {name} fwd"] = median_ms(call)
+        rows[f"ranker {name} fwd+bwd"] = median_ms(lambda: call().backward(grad))
+    return rows
+
+
+def flex_ranker_call(x: dict, ids: torch.Tensor):
+    """(call, grad) for FlexAttention compiled with the ranker's mask and the tanh cap (its BlockMask
+    built here, once, outside the timing), or None where this torch has no FlexAttention."""
+    try:
+        from bench_attention import _flex, block_mask_for, score_mod_for
+    except ImportError:
+        return None
+    if _flex is None:
+        return None
+    from attn.masks import MaskSpec
+
+    b, n = ids.shape
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_(True) for t in (x["q"], x["k"], x["v"]))
+    block_mask = block_mask_for(MaskSpec(causal=False), ids, b, n, q.device)
+    score_mod = score_mod_for("tanh")
+
+    def call():
+        return _flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    return call, torch.randn_like(q)
+
+
+def kernel_rows() -> dict[str, float]:
+    b, h, n, d = 4, 16, 4096, 128
+    rows = {}
+    for variant in ("sdpa", "threshold"):
+        x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
+        do = torch.randn_like(x["q"])
+        if variant == "sdpa":
+            def call(x=x):
+                return sdpa(x["q"], x["k"], x["v"], True)
+        else:
+            spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
+
+            def call(x=x, spec=spec):
+                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True)
+        call().backward(do)
+        with torch.no_grad():
+            rows[f"kernels {variant} fwd"] = median_ms(call)
+        rows[f"kernels {variant} fwd+bwd"] = median_ms(lambda: call().backward(do))
+    return rows
+
+
+SUITES = {"call": call_rows, "decode": decode_rows, "ranker": ranker_rows, "kernels": kernel_rows}
+
+
+def ratios(rows: dict[str, float]) -> dict[str, float]:
+    """The issue's target ratios from one round's rows (time over the yardstick's time)."""
+    out = {}
+    for name, ms in rows.items():
+        suite, *rest = name.split(" ")
+        if suite == "call" and "sdpa" not in name:
+            out[f"{name} / SDPA"] = ms / rows["call sdpa fwd+bwd"]
+            if "compiled" in name:
+                out[f"{name} / eager"] = ms / rows[name.replace("compiled", "eager")]
+                if "call sdpa compiled fwd+bwd" in rows:
+                    out[f"{name} / SDPA compiled"] = ms / rows["call sdpa compiled fwd+bwd"]
+        elif suite == "decode" and "sdpa" not in name:
+            out[f"{name} / SDPA"] = ms / rows["decode sdpa"]
+        elif suite == "ranker" and "full mask" not in name and "flex" not in name:
+            out[f"{name} / full mask"] = ms / rows[f"ranker full mask {rest[-1]}"]
+            if f"ranker flex {rest[-1]}" in rows:
+                out[f"{name}: Flex / ours"] = rows[f"ranker flex {rest[-1]}"] / ms
+        elif suite == "kernels" and "sdpa" not in name:
+            out[f"{name}: SDPA / ours"] = rows[f"kernels sdpa {rest[-1]}"] / ms
+    return out
+
+
+HOST_BOUND_SUITES = ("call", "decode")
+
+
+HOST_TIMING = "back-to-back"  # how the host-bound suites are timed (timing.back_to_back_ms)
+
+
+def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, noise: float,
+            host_noise: float) -> list[str]:
+    """Rows whose best round is slower than the baseline's best by more than their suite's allowance
+    (`host_noise` for HOST_BOUND_SUITES, `noise` for the others; fractions), as report lines. A
+    baseline whose host-bound rows were timed another way (its meta's host_timing) is compared on
+    the GPU-bound rows only."""
+    same_host_timing = baseline.get("meta", {}).get("host_timing") == HOST_TIMING
+    failures = []
+    for name, ms in best.items():
+        base = baseline["best"].get(name)
+        host_bound = name.split(" ")[0] in HOST_BOUND_SUITES
+        if base is None or (host_bound and not same_host_timing):
+            continue
+        allowed = host_noise if host_bound else noise
+        if ms > base * (1.0 + allowed):
+            failures.append(f"REGRESSION {name}: {ms:.4f} ms vs baseline {base:.4f} ms (+{ms / base - 1:.1%}, "
+                            f"allowed +{allowed:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
+    return failures
+
+
+def baseline_path(gpu_name: str) -> Path:
+    """docs/results/baselines/<GPU name, lower case, runs of other characters as '_'>.json"""
+    return ROOT / "docs" / "results" / "baselines" / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
+
+
+def markdown(meta: dict, rows: dict, best: dict, spread: dict, failures: list[str]) -> str:
+    lines = [f"# The public attention path, {meta['date']}", "",
+             f"{meta['gpu']} · torch {meta['torch']} · triton {meta['triton']} · commit {meta['commit']} · "
+             f"median of {meta['repeats']} rounds (call and decode: back-to-back calls, median of 7 batches of 50; "
+             "ranker and kernels: a do_bench median)", "",
+             "| row | ms (median) | ms (best round) | spread over rounds |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {ms:.4f} | {best[name]:.4f} | {spread[name]:.1%} |" for name, ms in rows.items()]
+    best_ratios = ratios(best)
+    lines += ["", "| ratio | median rounds | best rounds |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {value:.2f} | {best_ratios[name]:.2f} |" for name, value in ratios(rows).items()]
+    if meta.get("baseline"):
+        lines += ["", f"Best rounds against {meta['baseline']} (allowed: {meta['noise']:.0%} GPU-bound, "
+                  f"{meta['host_noise']:.0%} host-bound): "
+                  + ("no regression." if not failures else "")]
+        lines += [f"- {line}" for line in failures]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu_out/public_path")
+    ap.add_argument("--suites", default=",".join(SUITES), help=f"comma list of {', '.join(SUITES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every suite; rows report the median")
+    ap.add_argument("--baseline", default=None, help="a committed baseline JSON to compare with")
+    ap.add_argument("--noise", type=float, default=0.08,
+                    help="allowed slowdown of a GPU-bound row against the baseline (fraction)")
+    ap.add_argument("--host-noise", type=float, default=0.30,
+                    help="allowed slowdown of a host-bound row (call, decode) against the baseline (fraction)")
+    ap.add_argument("--write-baseline", default=None, help="write this run's rows as a baseline JSON here")
+    args = ap.parse_args()
+    suites = args.suites.split(",")
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        raise SystemExit(f"--suites: unknown {sorted(unknown)}; allowed: {', '.join(SUITES)}")
+    meta = {**result_header(), "repeats": args.repeats,
+            "baseline": args.baseline, "noise": args.noise, "host_noise": args.host_noise, "host_timing": HOST_TIMING}
+    rounds: dict[str, list[float]] = {}
+    for r in range(args.repeats):
+        for suite in suites:
+            for name, ms in SUITES[suite]().items():
+                rounds.setdefault(name, []).append(ms)
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.4f}" for n, v in rounds.items()), flush=True)
+    rows = {name: statistics.median(values) for name, values in rounds.items()}
+    best = {name: min(values) for name, values in rounds.items()}
+    spread = {name: (max(values) - min(values)) / statistics.median(values) for name, values in rounds.items()}
+    failures = []
+    if args.baseline == "auto":
+        args.baseline = str(baseline_path(meta["gpu"]))
+        meta["baseline"] = args.baseline
+        if not Path(args.baseline).exists():
+            raise SystemExit(f"--baseline auto: no baseline for {meta['gpu']} ({args.baseline}); write one with "
+                             "--write-baseline")
+    if args.baseline:
+        baseline = json.loads(Path(args.baseline).read_text())
+        if baseline["meta"]["gpu"] != meta["gpu"]:
+            raise SystemExit(f"--baseline {args.baseline} was measured on {baseline['meta']['gpu']}, this is "
+                             f"{meta['gpu']}: compare with a baseline of the same GPU kind")
+        failures = compare(best, spread, baseline, args.noise, args.host_noise)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "rows": rows, "best": best, "spread": spread, "rounds": rounds, "ratios": ratios(rows),
+              "failures": failures}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(meta, rows, best, spread, failures)
+    out.with_suffix(".md").write_text(text)
+    print(text)
+    if args.write_baseline:
+        Path(args.write_baseline).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.write_baseline).write_text(json.dumps({"meta": meta, "rows": rows, "best": best, "spread": spread},
+                                                        indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""One GPU call for the Gluon sm_90 softmax forward (attn/kernels/gluon_softmax_fwd.py): checks, then times.
+
+1. Correctness against a float64 PyTorch reference, DESIGN.md section 6's rule (attn.testing.error_ratio:
+   err(kernel) <= 2 err(PyTorch in the same dtype) + floor) for out and lse2 (base-2 logsumexp of
+   sm_scale q.k), on odd lengths (N = 1, 17, 127, 1000), causal and not, GQA, KV > N, D 64 / 128,
+   bf16 / fp16. Outputs are the kernel's own allocations (torch.empty): a row it never wrote is
+   caught only if it holds garbage, so each case also runs after filling the caching allocator's
+   free blocks with NaN.
+2. Timing (triton.testing.do_bench, median ms, TFLOP/s with the causal half) against SDPA and the
+   portable Triton kernel (attn.attention backend='triton', variant softmax, ATTNLAB_GLUON=0) and the
+   public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16.
+
+`--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
+steps, beside the current one (A/B of a schedule change in one process).
+
+Prints a table and writes <out>/gluon_softmax.json. Exits 1 if a correctness case fails (a case whose
+compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
+
+    python scripts/gpu_checks/check_gluon_softmax_gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks' timing harness: TFLOP/s
+
+from timing import attention_flops, tflops  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+# (B, N, KV, H, H_kv, D, causal, dtype)
+CASES = [
+    (1, 1, 1, 2, 2, 64, False, "bf16"),
+    (1, 1, 1, 2, 2, 128, True, "bf16"),
+    (2, 17, 17, 4, 4, 64, True, "bf16"),
+    (2, 17, 17, 4, 2, 128, False, "fp16"),
+    (1, 127, 127, 4, 1, 128, True, "bf16"),
+    (2, 127, 127, 2, 2, 64, False, "bf16"),
+    (2, 1000, 1000, 4, 2, 128, True, "bf16"),
+    (1, 1000, 1000, 4, 4, 64, True, "fp16"),
+    (1, 1000, 1000, 4, 4, 128, False, "bf16"),
+    (2, 256, 256, 8, 2, 128, True, "fp16"),
+    (1, 100, 300, 4, 4, 128, True, "bf16"),   # KV > N: bottom-right causal
+    (1, 300, 100, 2, 2, 64, True, "bf16"),    # N > KV: the first 200 rows see no key
+    (1, 4096, 4096, 4, 4, 128, True, "bf16"),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reference(q, k, v, sm_scale, causal):
+    """(out (B,N,H,D), lse2 (B,H,N)) in q's dtype arithmetic; rows that see no key: out 0, lse2 +inf."""
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    qt = q.transpose(1, 2)
+    kt = k.transpose(1, 2).repeat_interleave(h // h_kv, dim=1)
+    vt = v.transpose(1, 2).repeat_interleave(h // h_kv, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * sm_scale
+    if causal:
+        pos = torch.arange(n, device=q.device)[:, None] + (kv_len - n)
+        s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > pos, float("-inf"))
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = (p @ vt).transpose(1, 2)
+    lse2 = torch.where(seen, lse * LOG2E, torch.full_like(lse, float("inf")))
+    return out, lse2
+
+
+def poison_allocator(device):
+    """Fill free cached blocks with NaN so an unwritten output element shows."""
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(device)[0]
+    try:
+        blob = torch.empty(int(min(free * 0.5, 4 << 30)) // 4, device=device, dtype=torch.float32)
+        blob.fill_(float("nan"))
+        del blob
+    except RuntimeError:
+        pass
+
+
+def check_case(case, gluon_softmax_forward, error_ratio):
+    bsz, n, kv_len, h, h_kv, d, causal, dt = case
+    dtype = DTYPES[dt]
+    g = torch.Generator(device="cuda").manual_seed(1000 + CASES.index(case))
+    q64 = torch.randn(bsz, n, h, d, device="cuda", dtype=torch.float64, generator=g)
+    k64 = torch.randn(bsz, kv_len, h_kv, d, device="cuda", dtype=torch.float64, generator=g)
+    v64 = torch.randn(bsz, kv_len, h_kv, d, device="cuda", dtype=torch.float64, generator=g)
+    sm_scale = 1.0 / math.sqrt(d)
+    ref_out, ref_lse = reference(q64, k64, v64, sm_scale, causal)
+    q, k, v = (x.to(dtype) for x in (q64, k64, v64))
+    same_out, same_lse = reference(q, k, v, sm_scale, causal)
+    poison_allocator(q.device)
+    out, lse = gluon_softmax_forward(q, k, v, sm_scale, causal)
+    torch.cuda.synchronize()
+    seen = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isinf(lse) & (lse > 0), ~seen):
+        return {"ratio_out": float("inf"), "ratio_lse": float("inf"), "note": "lse2 +inf rows differ"}
+    floor_out = 1e-3 * max(1.0, ref_out.abs().max().item())
+    r_out = error_ratio(out.double(), same_out.double(), ref_out, floor=floor_out)
+    fin = seen
+    if fin.any():
+        floor_lse = 1e-3 * max(1.0, ref_lse[fin].abs().max().item())
+        r_lse = error_ratio(lse[fin].double(), same_lse[fin].double(), ref_lse[fin], floor=floor_lse)
+    else:
+        r_lse = 0.0
+    return {"ratio_out": r_out, "ratio_lse": r_lse}
+
+
+def load_kernel_version(path: Path):
+    """gluon_softmax_forward of another version of the kernel file, loaded by its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gluon_version_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.gluon_softmax_forward
+
+
+def with_gluon(mode: str, fn):
+    """fn() with ATTNLAB_GLUON=mode (the public function's tier switch, attn/kernels/tiers.py)."""
+    import os
+
+    old = os.environ.get("ATTNLAB_GLUON")
+    os.environ["ATTNLAB_GLUON"] = mode
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("ATTNLAB_GLUON")
+        else:
+            os.environ["ATTNLAB_GLUON"] = old
+
+
+SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128, False), (8, 16, 1024, 64, True),
+          (16, 12, 1024, 64, True)]
+
+
+def time_shapes(kernels: dict, results):
+    import triton
+    import torch.nn.functional as F
+
+    import attn
+
+    spec = attn.get_variant("softmax").make_spec()
+    rows = []
+    for b, h, n, d, causal in SHAPES:
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        sm_scale = 1.0 / math.sqrt(d)
+        impls = {
+            "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
+            "triton_portable": lambda: with_gluon("0", lambda: attn.attention(q, k, v, spec, causal=causal,
+                                                                               backend="triton")),
+            "public_auto": lambda: with_gluon("auto", lambda: attn.attention(q, k, v, spec, causal=causal,
+                                                                             backend="triton")),
+            **{name: (lambda fn=fn: fn(q, k, v, sm_scale, causal)) for name, fn in kernels.items()},
+        }
+        for name, fn in impls.items():
+            row = {"shape": [b, h, n, d], "causal": causal, "impl": name}
+            try:
+                with torch.no_grad():
+                    ms = triton.testing.do_bench(fn, warmup=100, rep=500)
+                row.update(ms=ms, tflops=tflops(attention_flops(b, h, n, d, causal), ms))
+            except Exception as exc:  # report and go on
+                row.update(error=f"{type(exc).__name__}: {exc}"[:2000])
+            rows.append(row)
+        here = [r for r in rows if r["shape"] == [b, h, n, d] and r["causal"] == causal]
+        base = next((r.get("ms") for r in here if r["impl"] == "sdpa"), None)
+        for r in here:
+            if base and r.get("ms"):
+                r["x_sdpa"] = base / r["ms"]
+    results["timing"] = rows
+    from attn.kernels.softmax_family import tuned_configs
+
+    results["tiers"] = {k: v for k, v in tuned_configs().items() if "tier" in k}
+    for k, v in results["tiers"].items():
+        print(f"{k}: {v}")
+    print(f"\n{'shape (B,H,N,D) bf16':<24}{'causal':<8}{'impl':<26}{'ms':>9}{'TFLOP/s':>10}{'x SDPA':>8}")
+    for r in rows:
+        label = f"{str(tuple(r['shape'])):<24}{str(r['causal']):<8}{r['impl']:<26}"
+        if "error" in r:
+            print(f"{label}  ERROR {r['error'][:200]}")
+        else:
+            print(f"{label}{r['ms']:>9.3f}{r['tflops']:>10.1f}"
+                  f"{r.get('x_sdpa', float('nan')):>8.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax.json")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
+                    help="another version of the kernel file to check and time beside the current one")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    results = {"torch": torch.__version__, "triton": triton.__version__,
+               "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+               "cases": []}
+    failed = 0
+    from attn.kernels.tiers import gluon_usable
+
+    if not gluon_usable(torch.device("cuda")):
+        results["skipped"] = "not an sm_90 GPU with Triton's Gluon Hopper API"
+        print(f"skipped: {results['skipped']}")
+        (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1))
+        return 0
+    try:
+        from attn.kernels.gluon_softmax_fwd import gluon_softmax_forward
+        from attn.testing import error_ratio
+    except Exception:
+        results["import_error"] = traceback.format_exc()
+        print(results["import_error"])
+        (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1))
+        return 1
+
+    kernels = {"gluon_sm90": gluon_softmax_forward}
+    for spec in args.kernel:
+        name, _, path = spec.partition("=")
+        kernels[name] = load_kernel_version(Path(path))
+    print(f"{'kernel':<26}{'B,N,KV,H,Hkv,D,causal,dtype':<40}{'ratio out':>10}{'ratio lse':>10}  status")
+    for kernel_name, forward in kernels.items():
+        for case in CASES:
+            row = {"kernel": kernel_name, "case": list(case)}
+            t0 = time.perf_counter()
+            try:
+                row.update(check_case(case, forward, error_ratio))
+                ok = row["ratio_out"] <= 1.0 and row["ratio_lse"] <= 1.0
+            except Exception as exc:  # a compile or launch failure of one config: report, go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+                row["traceback"] = traceback.format_exc()[-4000:]
+                ok = False
+            row["ok"] = ok
+            row["s"] = time.perf_counter() - t0
+            failed += not ok
+            results["cases"].append(row)
+            status = "ok" if ok else ("ERROR " + row["error"][:300] if "error" in row else "FAIL " + row.get("note", ""))
+            print(f"{kernel_name:<26}{str(case):<40}{row.get('ratio_out', float('nan')):>10.3f}"
+                  f"{row.get('ratio_lse', float('nan')):>10.3f}  {status}", flush=True)
+    results["failed"] = failed
+    if not args.no_timing:
+        try:
+            time_shapes(kernels, results)
+        except Exception:
+            results["timing_error"] = traceback.format_exc()
+            print(results["timing_error"])
+    (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
+    total = len(CASES) * len(kernels)
+    print(f"\n{total - failed}/{total} correctness cases pass; JSON in {args.out / 'gluon_softmax.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
