@@ -17,9 +17,11 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
             (bench/probe_warp_specialize.py); the public function as users call it (bench/bench_public_path.py),
             failing on a regression against docs/results/baselines/<GPU>.json; where a public call's
-            time goes (bench/profile_public_call.py)
+            time goes (bench/profile_public_call.py); the layer's norms against their plain forms
+            (bench/layer_norms.py)
   train     bench/bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
-            variant against SDPA, the loop at `small` without torch.compile per variant; two
+            variant against SDPA, the loop at `small` without torch.compile per variant (also in paired
+            rounds with each variant's extra ops, bench/train_eager_rounds.py); two
             deterministic runs bitwise equal, the captured step bitwise the eager step
             (gpu_checks/check_train_determinism.py); no host-device sync inside train.py's steps
             (gpu_checks/check_host_syncs.py); kernel time per category (bench/profile_train_step.py); host time per
@@ -131,6 +133,8 @@ PHASES: dict[str, list[Step]] = {
         # where a public call's time goes: host and GPU time, launches, host ops, cProfile per variant
         Step("profile_call", 200, (PY, "scripts/bench/profile_public_call.py", "--python",
                                    "--out", "{dir}/profile_public_call")),
+        # the attention layer's norms as the model computes them against their plain PyTorch forms
+        Step("layer_norms", 60, (PY, "scripts/bench/layer_norms.py", "--out", "{dir}/layer_norms.json")),
         # the opt-in kernel options against the defaults, one process per case
         Step("options", 450, (PY, "scripts/bench/ab_kernel_options.py", "--rounds", "2", "--option", "default:",
                               "--option", "tma_fwd_dq:ATTNLAB_TMA=fwd,dq",
@@ -165,6 +169,9 @@ PHASES: dict[str, list[Step]] = {
         # the plain loop without torch.compile (notebooks, variable shapes), every variant against SDPA
         Step("small_eager", 240, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
                                              "--eager", "--no-default", "--out", "{dir}/bench_train_small_eager")),
+        # the same loop in paired rounds (the host's drift cancels) with each variant's extra ops per step
+        Step("eager_rounds", 240, (PY, "scripts/bench/train_eager_rounds.py", "--rounds", "6",
+                                   "--profile", "threshold/triton", "--out", "{dir}/train_eager_rounds")),
         Step("profile_step", 220, (PY, "scripts/bench/profile_train_step.py", "--cases", "sdpa:16,triton:16",
                                    "--out", "{dir}/profile_train_step")),
         Step("profile_loop", 150, (PY, "scripts/bench/profile_train_loop.py", "--python-steps", "60:70", "--out", "{dir}",

@@ -1,0 +1,137 @@
+"""The eager training step (no torch.compile) per variant against the same model on SDPA, in paired rounds.
+
+The host of a GPU machine drifts between processes and minutes (SDPA's eager step at `small` moved
+12-16 ms between runs), which swamps a one-shot tokens/s comparison. Here every variant's step is
+built in one process and timed once per round, in a fresh random order each round; a variant's
+speed is the median over rounds of SDPA's time / its time in the same round. Then a census of one
+step per variant: CUDA kernel launches and the aten ops whose counts differ from SDPA's (what the
+variant's model adds), and a cProfile of a few steps.
+
+    python scripts/bench/train_eager_rounds.py --out DIR [--model small] [--rounds 6] [--only softmax/sdpa,threshold/triton]
+
+Writes DIR/train_eager_rounds.json (the header, rows, per-round times and the census) and prints a
+markdown table. `scripts/gpu_check.py train:eager_rounds` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import CASES, build_step  # noqa: E402
+from timing import result_header, sync  # noqa: E402
+
+BASE = "softmax/sdpa"
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def paired_rows(times: dict[str, list[float]], base: str = BASE) -> list[dict]:
+    """Per case: best and median ms over rounds, and its speed against `base` as the median of the
+    per-round ratios base / case (each round times every case once) and as best / best."""
+    rows = []
+    for name, ms in times.items():
+        ratios = [b / t for b, t in zip(times[base], ms)]
+        rows.append({"case": name, "best_ms": min(ms), "median_ms": statistics.median(ms),
+                     "speed_vs_sdpa_paired": statistics.median(ratios),
+                     "speed_vs_sdpa_best": min(times[base]) / min(ms), "rounds_ms": ms})
+    return rows
+
+
+def census(step, steps: int = 5) -> dict:
+    """Per step: CUDA launches, and how many times each aten op ran."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+    launches = sum(e.name in LAUNCHES for e in prof.events())
+    return {"launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()}}
+
+
+def op_differences(case: dict, base: dict, top: int = 25) -> list[tuple[str, float]]:
+    """The aten ops whose per-step counts differ from the base's, largest differences first."""
+    names = set(case["aten_ops"]) | set(base["aten_ops"])
+    diff = {n: case["aten_ops"].get(n, 0) - base["aten_ops"].get(n, 0) for n in names}
+    return sorted(((n, d) for n, d in diff.items() if d), key=lambda nd: -abs(nd[1]))[:top]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10, help="steps per case per round")
+    ap.add_argument("--only", default=",".join(f"{v}/{b}" for v, b, _ in CASES),
+                    help="comma list of variant/backend cases (SDPA's is always timed)")
+    ap.add_argument("--profile", default="", help="comma list of cases to cProfile (a few steps each)")
+    args = ap.parse_args()
+    model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    model_cfg["vocab_size"] = 2048
+    wanted = set(args.only.split(",")) | {BASE}
+    steps = {}
+    for variant, backend, params in CASES:
+        name = f"{variant}/{backend}"
+        if name in wanted:
+            _, step = build_step(model_cfg, variant, backend, params, args.batch, eager=True)
+            for _ in range(5):  # tuning and first launches
+                step()
+            sync()
+            steps[name] = step
+    times = collections.defaultdict(list)
+    rng = random.Random(0)
+    for _ in range(args.rounds):
+        order = list(steps)
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                steps[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    rows = paired_rows(dict(times))
+    print("| case | best ms | median ms | vs SDPA (median of paired rounds) | vs SDPA (best / best) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['case']} | {r['best_ms']:.2f} | {r['median_ms']:.2f} | {r['speed_vs_sdpa_paired']:.3f} "
+              f"| {r['speed_vs_sdpa_best']:.3f} |")
+    counts = {name: census(step) for name, step in steps.items()}
+    for name, c in counts.items():
+        print(f"\n## {name}: {c['launches']:.0f} launches per step (SDPA {counts[BASE]['launches']:.0f})")
+        for op, d in op_differences(c, counts[BASE]):
+            print(f"  {d:+.0f} {op}")
+    for name in filter(None, args.profile.split(",")):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            steps[name]()
+        sync()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        print(f"\n## cProfile {name}, {args.steps} steps\n{text.getvalue()}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {**result_header(), "model": args.model, "batch": args.batch, "rounds": args.rounds, "steps": args.steps}
+    (args.out / "train_eager_rounds.json").write_text(json.dumps({"meta": meta, "rows": rows, "census": counts},
+                                                                 indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
