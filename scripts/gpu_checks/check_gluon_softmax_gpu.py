@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks' timing harness: TFLOP/s
 
-from timing import attention_flops, tflops  # noqa: E402
+from timing import attention_flops, median_ms, tflops  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -146,7 +146,6 @@ SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128,
 
 
 def time_shapes(kernels: dict, results):
-    import triton
     import torch.nn.functional as F
 
     import attn
@@ -169,7 +168,7 @@ def time_shapes(kernels: dict, results):
             row = {"shape": [b, h, n, d], "causal": causal, "impl": name}
             try:
                 with torch.no_grad():
-                    ms = triton.testing.do_bench(fn, warmup=100, rep=500)
+                    ms = median_ms(fn, warmup=100, rep=500)
                 row.update(ms=ms, tflops=tflops(attention_flops(b, h, n, d, causal), ms))
             except Exception as exc:  # report and go on
                 row.update(error=f"{type(exc).__name__}: {exc}"[:2000])
