@@ -150,9 +150,9 @@ def test_state_dicts_with_the_lambda_in_the_layer_load_into_the_family_module(mo
     model = GPT(fixture_config(mode))
     model.load_state_dict(old_state)  # strict: every key placed, none left over
     assert torch.equal(model.blocks[1].attn.extras.get_parameter(own), old_state[f"blocks.1.attn.{own}"])
-    # the logits the model gave when the fixture was written, to fp32 rounding: the model's norms have
-    # been computed by other (fused) kernels since, so the last bits may differ; a misplaced or missing
-    # lambda moves them by orders of magnitude more
+    # the fixture's logits to fp32 rounding: the model's fused norms may round their last bits
+    # differently from the kernels that computed the fixture; a misplaced or missing lambda moves the
+    # logits by orders of magnitude more
     with torch.no_grad():
         torch.testing.assert_close(model(saved["tokens"]), saved["logits"], rtol=1e-5, atol=1e-5)
     # the parameters keep their order (optimizer states list them by position)
