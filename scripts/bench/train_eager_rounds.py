@@ -61,7 +61,13 @@ def census(step, steps: int = 5) -> dict:
         sync()
     ops = collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
     launches = sum(e.name in LAUNCHES for e in prof.events())
-    return {"launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()}}
+    kernels = collections.Counter()  # GPU time (us) per kernel name, summed over the steps
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += e.device_time_total
+    return {"launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()},
+            "gpu_ms": sum(kernels.values()) / steps / 1e3,
+            "top_kernels_us": {name: us / steps for name, us in kernels.most_common(12)}}
 
 
 def op_differences(case: dict, base: dict, top: int = 25) -> list[tuple[str, float]]:
@@ -113,7 +119,10 @@ def main() -> int:
               f"| {r['speed_vs_sdpa_best']:.3f} |")
     counts = {name: census(step) for name, step in steps.items()}
     for name, c in counts.items():
-        print(f"\n## {name}: {c['launches']:.0f} launches per step (SDPA {counts[BASE]['launches']:.0f})")
+        print(f"\n## {name}: {c['launches']:.0f} launches per step (SDPA {counts[BASE]['launches']:.0f}), "
+              f"GPU busy {c['gpu_ms']:.2f} ms per step (SDPA {counts[BASE]['gpu_ms']:.2f})")
+        for kernel, us in c["top_kernels_us"].items():
+            print(f"  {us:8.1f} us  {kernel[:110]}")
         for op, d in op_differences(c, counts[BASE]):
             print(f"  {d:+.0f} {op}")
     for name in filter(None, args.profile.split(",")):
