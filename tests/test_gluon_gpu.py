@@ -1,12 +1,14 @@
 """The Gluon sm_90 forward behind the public function (attn/kernels/tiers.py), natively on a Hopper GPU
 (skipped elsewhere: Gluon has no interpreter; `python3 scripts/gpu_check.py kernels` runs it).
 
-With ATTNLAB_GLUON=1 every plain-softmax call that the Gluon kernel serves runs it (a spy on its
+With ATTNLAB_GLUON=1 every softmax-family call that the Gluon kernel serves runs it (a spy on its
 launcher proves the call did): out, dq, dk, dv (the backward is the portable kernels', from the Gluon
 forward's output and logsumexp) against the float64 reference by the DESIGN.md section 6 rule, on odd
 lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / fp16, with
-NaN-poisoned allocations. Calls it does not serve (a cap, a temperature, a window) run the portable
-kernel. With ATTNLAB_GLUON=auto the first call of a key times both tiers and remembers the faster.
+NaN-poisoned allocations; then every cap (binding caps, with the bound shift and with the online
+softmax) and temperatures of every sign. Calls it does not serve (a window, segments, dropout) run the
+portable kernel. With ATTNLAB_GLUON=auto the first call of a key times both tiers and remembers the
+faster.
 """
 
 from __future__ import annotations
@@ -62,39 +64,101 @@ def _inputs(b, n, kv, h, h_kv, d, seed):
     return {"q": q, "k": k, "v": v}, do
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-"
-                                             f"{'causal' if c[6] else 'full'}-{str(c[7])[6:]}" for c in CASES])
-def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+def _case_id(c):
+    return f"B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}"
+
+
+def _check_on_gluon(case, variant, params, with_temperature, seed):
+    """The public call with the Gluon forward forced, out and grads against float64 by the rule."""
     b, n, kv, h, h_kv, d, causal, dtype = case
-    monkeypatch.setenv(tiers.GLUON_ENV, "1")
-    spec = attn.get_variant("softmax").make_spec()
-    tensors, do = _inputs(b, n, kv, h, h_kv, d, seed=CASES.index(case))
+    spec = attn.get_variant(variant).make_spec(**params)
+    tensors, do = _inputs(b, n, kv, h, h_kv, d, seed=seed)
+    temperature = None
+    if with_temperature:  # every sign, zero included: t z may be any real
+        gen = torch.Generator(device=CUDA).manual_seed(seed + 1)
+        temperature = torch.rand(b, n, device=CUDA, dtype=torch.float64, generator=gen) * 2.5 - 0.5
+        temperature[:, ::7] = 0.0
 
-    def call(backend):
-        return lambda q, k, v: attn.attention(q, k, v, spec, causal=causal, backend=backend)
+    def call(backend, t):
+        return lambda q, k, v: attn.attention(q, k, v, spec, causal=causal, temperature=t, backend=backend)
 
-    ref64 = outputs_and_grads(call("reference"), {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
+    ref64 = outputs_and_grads(call("reference", temperature),
+                              {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
+    low_t = None if temperature is None else temperature.float()
     low = {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}
-    same = outputs_and_grads(call("reference"), {name: t.detach().clone().requires_grad_() for name, t in low.items()},
-                             do)
-    fused = outputs_and_grads(call("triton"), low, do)
-    assert gluon_launches, "the call did not run the Gluon forward"
+    same = outputs_and_grads(call("reference", low_t),
+                             {name: t.detach().clone().requires_grad_() for name, t in low.items()}, do)
+    fused = outputs_and_grads(call("triton", low_t), low, do)
     for name in ("out", "dq", "dk", "dv"):
         allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item())
         assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
 
 
-@pytest.mark.parametrize("options", [dict(params={"cap": 5.0}, name="softcap_tanh"), dict(window=64),
-                                     dict(temperature=True)], ids=["cap", "window", "temperature"])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    _check_on_gluon(case, "softmax", {}, False, seed=CASES.index(case))
+    assert gluon_launches, "the call did not run the Gluon forward"
+
+
+# (variant, params, temperature, case): caps small enough to bind; bf16 caps up to c = 34 take the bound
+# shift, larger caps, fp16 and temperatures the online softmax
+CAPPED = [
+    ("softcap_tanh", {"cap": 2.0}, False, CASES[2]),
+    ("softcap_tanh", {"cap": 50.0}, False, CASES[5]),
+    ("softcap_tanh", {"cap": 3.0}, False, CASES[4]),
+    ("softcap_softsign", {"cap": 2.0}, False, CASES[3]),
+    ("softcap_softsign", {"cap": 4.0}, False, CASES[1]),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, False, CASES[7]),
+    ("alsc", {"cap": 2.0, "knee": 0.0}, False, CASES[6]),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, True, CASES[2]),
+    ("softmax", {}, True, CASES[7]),
+    ("softmax", {}, True, CASES[4]),
+    ("softcap_tanh", {"cap": 2.0}, True, CASES[5]),
+]
+
+
+@pytest.mark.parametrize("variant,params,with_temperature,case", CAPPED,
+                         ids=[f"{v}-{p}-{'temp-' if t else ''}{_case_id(c)}" for v, p, t, c in CAPPED])
+def test_capped_and_tempered_calls_on_the_gluon_forward_are_within_the_rule(variant, params, with_temperature, case,
+                                                                            gluon_launches, monkeypatch, nan_poison):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    _check_on_gluon(case, variant, params, with_temperature, seed=100 + CAPPED.index((variant, params,
+                                                                                       with_temperature, case)))
+    assert gluon_launches, "the call did not run the Gluon forward"
+
+
+@pytest.mark.parametrize("fixed_shift", ["1", "0"])
+def test_the_bound_shift_and_the_online_softmax_agree(fixed_shift, monkeypatch):
+    """A binding tanh cap in bf16 through both forms of the Gluon forward gives the same output and
+    logsumexp as the portable kernel (to bf16 rounding)."""
+    from attn.kernels import softmax_family as sf
+
+    monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", fixed_shift)
+    spec = attn.get_variant("softcap_tanh").make_spec(cap=5.0)
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    q, k, v = (torch.randn(2, 700, 4, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) * 2 for _ in range(3))
+    outs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv(tiers.GLUON_ENV, mode)
+        outs[mode] = sf._fwd_impl(q, k, v, None, None, 1, 5.0, 0.0, 128 ** -0.5, True, 0)
+    assert (outs["1"][0].float() - outs["0"][0].float()).abs().max().item() < 2e-2
+    assert torch.allclose(outs["1"][1], outs["0"][1], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options", [dict(window=64), dict(segments=True), dict(name="softcap_tanh", window=32)],
+                         ids=["window", "segments", "cap-window"])
 def test_calls_the_gluon_forward_does_not_serve_run_the_portable_kernel(options, gluon_launches, monkeypatch):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
-    spec = attn.get_variant(options.get("name", "softmax")).make_spec(**options.get("params", {}))
+    spec = attn.get_variant(options.get("name", "softmax")).make_spec()
     q, k, v = (torch.randn(2, 256, 4, 64, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
-    temperature = torch.rand(2, 256, device=CUDA) + 0.5 if options.get("temperature") else None
-    out = attn.attention(q, k, v, spec, causal=True, window=options.get("window"), temperature=temperature,
-                         backend="triton")
-    ref = attn.attention(q.double(), k.double(), v.double(), spec, causal=True, window=options.get("window"),
-                         temperature=None if temperature is None else temperature.double(), backend="reference")
+    segment_ids = None
+    if options.get("segments"):  # 200 history tokens, 56 candidates
+        segment_ids = torch.ones(2, 256, dtype=torch.int32, device=CUDA)
+        segment_ids[:, 200:] = -1
+    kwargs = dict(causal=True, window=options.get("window"), segment_ids=segment_ids)
+    out = attn.attention(q, k, v, spec, backend="triton", **kwargs)
+    ref = attn.attention(q.double(), k.double(), v.double(), spec, backend="reference", **kwargs)
     assert not gluon_launches
     assert (out.double() - ref).abs().max().item() < 0.05
 

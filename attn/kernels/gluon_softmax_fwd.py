@@ -1,9 +1,11 @@
-"""Plain softmax attention forward in Gluon for sm_90 (Hopper), FlashAttention-3's schedule.
+"""The softmax family's attention forward in Gluon for sm_90 (Hopper), FlashAttention-3's schedule.
 
-Written against Triton 3.6's Gluon API (`triton.experimental.gluon`); Gluon changes between
-Triton releases, so `gluon_api_available()` says whether the installed Triton has what this file
-uses. `attn/kernels/tiers.py` decides when the softmax family's forward runs it (sm_90, plain
-softmax without temperature, segments, window or dropout; ATTNLAB_GLUON).
+Logits z = t_i * cap(s q.k) of every cap (none, tanh, soft_sign, ALSC: `_cap`, in registers) with an
+optional per-row temperature t; a cap without temperature shifts by its bound instead of a running
+max (no accumulator rescale). Written against Triton 3.6's Gluon API (`triton.experimental.gluon`);
+Gluon changes between Triton releases, so `gluon_api_available()` says whether the installed Triton
+has what this file uses. `attn/kernels/tiers.py` decides when the softmax family's forward runs it
+(sm_90, without segments, key lengths, a window or dropout; ATTNLAB_GLUON).
 
 Schedule (one program = BLOCK_M query rows of one (batch, head)):
 
@@ -144,23 +146,74 @@ def _release(j, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, qk_scale,
+def _tanh(x):
+    """tanh on MUFU.TANH (max relative error ~2^-11, far below the 16-bit operands' rounding)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _rcp(x):
+    """1/x on MUFU.RCP (relative error ~2^-23) instead of an IEEE division."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _cap(x, cap_scale, alsc_knee, CAP: gl.constexpr):
+    """Raw scores x = q.k -> g, the capped score in the units the row scale turns into log2-unit
+    logits (z = g * row_scale): CAP 0 none (g = x), 1 tanh (g = tanh(x s/c)), 2 soft_sign
+    (g = u / (1 + |u|), u = x s/c), 3 ALSC in units of c - a (g = clamp(y, +-a') + tanh(y - clamp),
+    y = x s/(c - a), a' = a/(c - a)); `cap_scale` is s/c or s/(c - a), `alsc_knee` a'."""
+    if CAP == 1:
+        g = _tanh(x * cap_scale)
+    elif CAP == 2:
+        u = x * cap_scale
+        g = u * _rcp(1.0 + gl.abs(u))
+    elif CAP == 3:
+        y = x * cap_scale
+        clamped = gl.minimum(gl.maximum(y, -alsc_knee), alsc_knee)
+        g = clamped + _tanh(y - clamped)
+    else:
+        g = x
+    return g
+
+
+@gluon.jit
+def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
+                   CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
                    MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Online softmax of key block j's scores: (P in fp32, in the scores' registers, m, l, alpha),
-    alpha = exp2(m_old - m_new) the factor the accumulator takes before this block's P V is added."""
+    """Key block j's scores -> (P in fp32, in the scores' registers, m, l, alpha), the logits
+    z = cap(q.k) * row_scale in log2 units; alpha = exp2(m_old - m_new) is the factor the accumulator
+    takes before this block's P V is added. row_scale: a scalar > 0, or per row (HAS_TEMP: t_i times
+    the scale, any sign). FIXED_SHIFT (a cap bounds |z| by `shift`, no temperature): p = exp2(z - shift)
+    with m fixed at `shift`, so alpha is 1 and the accumulator is never rescaled."""
     s_layout: gl.constexpr = qk.type.layout
+    g = _cap(qk, cap_scale, alsc_knee, CAP)
     if MASKED:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # key < kv_len and key <= row position in one compare per score
             visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - j * BLOCK_N, 1)
         else:
             visible = gl.expand_dims(cols < kv_len - j * BLOCK_N, 0)
-        qk = gl.where(visible, qk, -float("inf"))
-    # the scale folded into one FFMA per score: qk_scale > 0, so max(qk) * qk_scale is max(qk * qk_scale)
-    # exactly (rounding is monotone) and -inf stays -inf; m is in log2 units, m_i starts finite (alpha
-    # never NaN, and a row with no visible key keeps m finite and p = exp2(-inf) = 0)
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+    if HAS_TEMP:
+        z = g * gl.expand_dims(row_scale, 1)
+        if MASKED:  # after the scale: a zero or negative temperature must not turn -inf into NaN / +inf
+            z = gl.where(visible, z, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(z, axis=1))
+        p = gl.exp2(z - gl.expand_dims(m_new, 1))
+    else:
+        if MASKED:
+            g = gl.where(visible, g, -float("inf"))
+        if FIXED_SHIFT:
+            m_new = m_i
+            p = gl.exp2(g * row_scale - shift)
+        else:
+            # the scale folded into one FFMA per score: row_scale > 0, so max(g) * row_scale is
+            # max(g * row_scale) exactly (rounding is monotone) and -inf stays -inf
+            m_new = gl.maximum(m_i, gl.max(g, axis=1) * row_scale)
+            p = gl.exp2(g * row_scale - gl.expand_dims(m_new, 1))
+    # m is in log2 units and starts finite (alpha never NaN; a row with no visible key keeps m
+    # finite and p = exp2(-inf) = 0)
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
@@ -174,8 +227,9 @@ def _operand(p, v_smem, p_layout: gl.constexpr):
 
 @gluon.jit
 def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     last_key, kv_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     p_layout: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     last_key, kv_len, row_scale, cap_scale, alsc_knee, shift, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
+                     FIXED_SHIFT: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs while the tensor cores do
@@ -185,22 +239,25 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
     qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))  # S_j done (groups retire in order)
     _release(j, k_empty, STAGES)
     # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
-    p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, qk_scale, MASKED, CAUSAL, BLOCK_N)
+    p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
+                                        CAP, HAS_TEMP, FIXED_SHIFT, MASKED, CAUSAL, BLOCK_N)
     # P_{j-1} among the deps: its registers stay live until the wgmma that reads them retired; P_j is
     # packed to 16 bits after that, into the registers P_{j-1} held (as FA3 orders it), so nothing in
     # the softmax writes a register the in-flight wgmma reads
     acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
     _release(j - 1, v_empty, STAGES)
     p_next = _operand(p, v_smem, p_layout)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    if not FIXED_SHIFT:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p_next, acc, m_i, l_i
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              O, LSE, o_base, stride_on, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
-              CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+              O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full, n_tiles,
+              out_scale, cap_scale, alsc_knee, shift, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
+              FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """One warpgroup: BLOCK_M (64) query rows from m0 against every key block of the program's
     range (the two consumers share the ring, and so the range: a block wholly masked for these
     rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. Stores its
@@ -213,7 +270,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
     last_key = gl.minimum(m0 + (kv_len - q_len) + gl.arange(0, BLOCK_M, layout=row_layout), kv_len - 1)
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
+    if HAS_TEMP:  # the row scale t_i * out_scale (rows past q_len: any finite value, never stored)
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        t = gl.load(TEMP + temp_base + rows.to(gl.int64) * stride_tn, mask=rows < q_len, other=1.0)
+        row_scale = t.to(gl.float32) * out_scale
+    else:
+        row_scale = out_scale
+    if FIXED_SHIFT:
+        m_i = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + shift
+    else:
+        m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
@@ -224,18 +290,22 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
         _release(0, k_empty, STAGES)
         if n_full > 0:
-            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, qk_scale, False, CAUSAL, BLOCK_N)
+            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
+                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, False, CAUSAL, BLOCK_N)
         else:
-            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, qk_scale, True, CAUSAL, BLOCK_N)
+            p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
+                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N)
         p16 = _operand(p0, v_smem, p_layout)
         for j in range(1, n_full):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
-                                                  k_empty, v_empty, last_key, kv_len, qk_scale, s_layout, o_layout,
-                                                  p_layout, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                                                  k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
+                                                  shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
+                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
-                                                  k_empty, v_empty, last_key, kv_len, qk_scale, s_layout, o_layout,
-                                                  p_layout, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                                                  k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
+                                                  shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
+                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
         # the last block's P V
         acc, v_tile = _issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
         acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
@@ -256,9 +326,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
 
 @gluon.jit
-def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE,
-                              stride_ob, stride_on, stride_oh,
-                              H, GROUP, q_len, kv_len, qk_scale,
+def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
+                              stride_ob, stride_on, stride_oh, stride_tb, stride_tn,
+                              H, GROUP, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift,
+                              CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
@@ -306,12 +377,15 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE,
 
     o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     lse_base = bh.to(gl.int64) * q_len
+    temp_base = b.to(gl.int64) * stride_tb
     gl.warp_specialize([
         (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     O, LSE, o_base, stride_on, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
+                     O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full,
+                     n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
                      CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     O, LSE, o_base, stride_on, lse_base, m0 + HALF_M, q_len, kv_len, n_full, n_tiles, qk_scale,
+                     O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0 + HALF_M, q_len, kv_len,
+                     n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
                      CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
@@ -400,12 +474,18 @@ def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
     sm_90. q (B, N, H, D); k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16.
     Raises ValueError naming the requirement a call misses."""
     _check(q, k, v, sm_scale, causal)
-    return launch_forward(q, k, v, sm_scale, causal)
+    return launch_forward(q, k, v, causal, float(sm_scale) * LOG2E)
 
 
-def launch_forward(q, k, v, sm_scale: float, causal: bool):
-    """`gluon_softmax_forward` without its checks: for callers that checked the operands once (the
-    softmax family's launch plans)."""
+def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
+                   alsc_knee: float = 0.0, shift: float | None = None, temperature=None):
+    """The softmax family's forward without checks, for callers that checked the operands once (the
+    softmax family's launch plans): logits z_ij = t_i * row_scale * cap(q_i.k_j) in log2 units, where
+    cap is `_cap`'s CAP (with its `cap_scale`, `alsc_knee`) and t the optional (B, N) `temperature`
+    (any float dtype, any strides). row_scale must be > 0 without a temperature. `shift`: a bound B of
+    |z| (a cap's c log2 e, no temperature) that p = exp2(z - B) uses instead of a running max, so p
+    lies in [2^-2B, 1] (the caller keeps 2B within bf16 P's range); None for the online softmax.
+    Returns (out, lse2)."""
     import torch
 
     bsz, n, h, d = q.shape
@@ -421,16 +501,21 @@ def launch_forward(q, k, v, sm_scale: float, causal: bool):
     v_desc = TensorDescriptor(v2, list(v_shape), list(v_strides), kv_block, smem_layout(kv_block, gdt))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    has_temp = temperature is not None
+    temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse, (0, 0))
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
     _gluon_softmax_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse,
-        out.stride(0), out.stride(1), out.stride(2),
-        h, h // h_kv, n, kv_len, float(sm_scale) * LOG2E,
+        q_desc, k_desc, v_desc, out, lse, temp,
+        out.stride(0), out.stride(1), out.stride(2), stride_tb, stride_tn,
+        h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
+        0.0 if shift is None else float(shift),
+        CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=shift is not None,
         CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
     return out, lse
 
 
-def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90):
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90, cap: int = 0,
+                 has_temp: bool = False, fixed_shift: bool = False):
     """The kernel compiled for sm_<arch> without a GPU (triton.compile on a GluonASTSource with a
     GPUTarget): the CompiledKernel, whose .asm holds ttgir / ptx / cubin. Integer scalars are
     compiled as a launch with unaligned values (no divisibility specialization)."""
@@ -446,12 +531,15 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
 
     fn = _gluon_softmax_fwd_kernel
     signature = {"q_desc": desc(q_block), "k_desc": desc(kv_block), "v_desc": desc(kv_block),
-                 "O": f"*{dtype}", "LSE": "*fp32",
-                 "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
-                 "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "qk_scale": "fp32",
+                 "O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
+                 "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_tb": "i32", "stride_tn": "i32",
+                 "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "out_scale": "fp32",
+                 "cap_scale": "fp32", "alsc_knee": "fp32", "shift": "fp32",
+                 "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr",
                  "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "STAGES": "constexpr"}
-    constexprs = {"CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
+    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal,
+                  "HEAD_DIM": head_dim, **cfg}
     names = list(fn.arg_names)
     constexprs = {(names.index(k),): v for k, v in constexprs.items()}
     attrs = {(names.index("O"),): [["tt.divisibility", 16]], (names.index("LSE"),): [["tt.divisibility", 16]]}

@@ -764,16 +764,23 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
         _FWD.launch(grid, tensors, scalars, meta, configs, tune_key)
         return out, lse
 
-    plain = cap == 0 and sm_scale > 0 and not (has_temp or has_bounds or has_lens or window or dropout_p)
-    if not (plain and gluon_mode() != "0" and gluon_usable(q.device)):
+    # the Gluon forward serves every cap and temperature, without segments, key lengths, a window or
+    # dropout; its running max of raw scores needs a positive row scale (a cap's is c log2 e)
+    gluon_mask = not (has_bounds or has_lens or window or dropout_p)
+    if not (gluon_mask and (cap != 0 or has_temp or sm_scale > 0) and gluon_mode() != "0" and gluon_usable(q.device)):
         return forward
     from attn.kernels import gluon_softmax_fwd
 
     if not gluon_softmax_fwd.serves(q, k, v):
         return forward
+    # a cap without temperature bounds |z| by c log2 e: the Gluon forward shifts by that bound instead
+    # of a running max (p in [2^-2B, 1], B = c log2 e; bf16 P keeps that range where B <= 50)
+    shift = cap_value * LOG2E if (cap != 0 and not has_temp and q.dtype == torch.bfloat16
+                                   and 2.0 * float(cap_value) * LOG2E <= 100.0 and fixed_shift_enabled()) else None
 
     def gluon_forward(q, k, v, bounds, temperature, seed, key_lengths):
-        return gluon_softmax_fwd.launch_forward(q, k, v, sm_scale, causal)
+        return gluon_softmax_fwd.launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=qk_scale,
+                                                alsc_knee=alsc_a, shift=shift, temperature=temperature)
 
     def tiered_forward(*args):
         return _TIERS.pick(tune_key, forward, gluon_forward, args)(*args)
@@ -781,7 +788,8 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
 
 
 _FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV))
-# plain softmax forwards on sm_90: the portable kernel or the Gluon one (attn/kernels/tiers.py)
+# softmax-family forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
+# (attn/kernels/tiers.py)
 _TIERS = TierChoice("softmax_family_fwd")
 
 

@@ -10,8 +10,8 @@ a launch that a Gluon kernel serves may run that kernel instead. `ATTNLAB_GLUON`
 * `1`: the Gluon kernel wherever it serves the launch;
 * `0`: the portable kernels only.
 
-A launch that a Gluon kernel does not serve (a cap, a temperature, segments, a window, dropout,
-other head dims or dtypes, another GPU) always runs the portable kernel. Timing never runs inside a
+A launch that a Gluon kernel does not serve (segments, key lengths, a window, dropout, other head
+dims or dtypes, another GPU) always runs the portable kernel. Timing never runs inside a
 CUDA-graph capture: a key first seen there runs the portable tier, untimed and unremembered.
 """
 

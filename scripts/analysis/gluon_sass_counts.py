@@ -8,6 +8,7 @@ is written against Triton 3.6's Gluon API, so run it with a Triton 3.6 environme
     /work/venv36/bin/python scripts/analysis/gluon_sass_counts.py                            # D 64/128, causal or not
     python scripts/analysis/gluon_sass_counts.py --head-dim 128 --causal 1 --sass /tmp/sass  # also each loop's SASS
     python scripts/analysis/gluon_sass_counts.py --kernel /tmp/old_gluon_softmax_fwd.py         # another version of it
+    python scripts/analysis/gluon_sass_counts.py --variant tanh alsc temperature             # the capped / tempered forms
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
@@ -76,9 +77,16 @@ def loop_counts(body: list[str], block_n: int) -> dict:
 
 
 
-def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None) -> list[dict]:
+# --variant: the kernel's logit forms (compile_sm90's cap, has_temp, fixed_shift)
+VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
+            "tanh": dict(cap=1, fixed_shift=True), "tanh_online": dict(cap=1), "soft_sign": dict(cap=2, fixed_shift=True),
+            "alsc": dict(cap=3, fixed_shift=True), "alsc_temperature": dict(cap=3, has_temp=True)}
+
+
+def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None,
+          variant: str = "softmax") -> list[dict]:
     """One row per loop kind (unmasked, masked) of the kernel compiled for sm_90."""
-    compiled = module.compile_sm90(head_dim, dtype, causal)
+    compiled = module.compile_sm90(head_dim, dtype, causal, **VARIANTS[variant])
     cubin = compiled.asm["cubin"]
     sass = cuobjdump(cubin, "-sass")
     regs = int(dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage"))).get("REG", 0))
@@ -86,7 +94,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     spills = sum(ins.startswith(("LDL", "STL")) for _, ins in instrs)
     loops = hgmma_loops(instrs)
     block_n = module.tile_config(head_dim)["BLOCK_N"]
-    config = f"D={head_dim} {'causal' if causal else 'full'} {dtype}"
+    config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     for kind, masked in (("unmasked", False), ("masked", True)):
         bodies = [body for body in loops if is_masked(body) == masked]
@@ -94,7 +102,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
             raise RuntimeError(f"{config}: no {kind} loop with HGMMA in the SASS")
         body = min(bodies, key=len)
         if sass_dir is not None:
-            (sass_dir / f"d{head_dim}_{'causal' if causal else 'full'}_{kind}.sass").write_text("\n".join(body) + "\n")
+            (sass_dir / f"{variant}_d{head_dim}_{'causal' if causal else 'full'}_{kind}.sass").write_text("\n".join(body) + "\n")
         rows.append({"config": config, "loop": kind, **loop_counts(body, block_n), "regs": regs, "spills": spills})
     return rows
 
@@ -105,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=["softmax"])
     ap.add_argument("--sass", type=Path, help="a folder: write each counted loop body there")
     ap.add_argument("--kernel", type=Path, default=KERNEL, help="another version of the kernel file (before/after)")
     args = ap.parse_args(argv)
@@ -115,7 +124,8 @@ def main(argv=None) -> int:
         return 2
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
-    rows = [row for d in args.head_dim for c in args.causal for row in count(module, d, bool(c), args.dtype, args.sass)]
+    rows = [row for variant in args.variant for d in args.head_dim for c in args.causal
+            for row in count(module, d, bool(c), args.dtype, args.sass, variant)]
     print(markdown_table(rows, COLUMNS))
     return 0
 

@@ -8,7 +8,9 @@
    free blocks with NaN.
 2. Timing (triton.testing.do_bench, median ms, TFLOP/s with the causal half) against SDPA and the
    portable Triton kernel (attn.attention backend='triton', variant softmax, ATTNLAB_GLUON=0) and the
-   public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16.
+   public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16; then every
+   softmax-family variant (caps, temperature) through the public function on either tier against SDPA,
+   forward and forward + backward (the capped forms' correctness: tests/test_gluon_gpu.py).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -194,6 +196,61 @@ def time_shapes(kernels: dict, results):
                   f"{r.get('x_sdpa', float('nan')):>8.2f}")
 
 
+# the public function per softmax-family variant: SDPA (plain softmax, the yardstick), the portable
+# forward (ATTNLAB_GLUON=0) and the Gluon forward (ATTNLAB_GLUON=1); forward, and forward + backward
+VARIANT_SHAPES = [(4, 16, 4096, 128), (16, 12, 1024, 64)]
+VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, False), ("softcap_softsign", {}, False),
+            ("alsc", {}, False)]
+
+
+def time_variants(results):
+    import torch.nn.functional as F
+
+    import attn
+
+    rows = []
+    for b, h, n, d in VARIANT_SHAPES:
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        temperature = torch.rand(b, n, device="cuda") + 0.5
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        dot = do.transpose(1, 2)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        for name, params, tempered in VARIANTS:
+            spec = attn.get_variant(name).make_spec(**params)
+            t = temperature if tempered else None
+
+            def ours(mode):
+                return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
+                                                                      backend="triton"))
+            impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
+            label = name + (" + temperature" if tempered else "")
+            for pass_name in ("fwd", "fwd+bwd"):
+                times = {}
+                for impl, (fn, grad) in impls.items():
+                    try:
+                        if pass_name == "fwd":
+                            with torch.no_grad():
+                                times[impl] = median_ms(fn, warmup=50, rep=300)
+                        else:
+                            times[impl] = median_ms(lambda fn=fn, grad=grad: fn().backward(grad), warmup=20, rep=200)
+                    except Exception as exc:  # report and go on
+                        times[impl] = float("nan")
+                        print(f"{label} {impl} {pass_name}: {type(exc).__name__}: {exc}"[:500])
+                row = {"shape": [b, h, n, d], "variant": label, "pass": pass_name, "ms": times,
+                       "x_sdpa": {impl: times["sdpa"] / ms for impl, ms in times.items()}}
+                rows.append(row)
+    results["variants"] = rows
+    print(f"\n{'shape (B,H,N,D) bf16 causal':<28}{'variant':<24}{'pass':<9}"
+          f"{'sdpa ms':>9}{'portable':>10}{'gluon':>9}{'portable x':>12}{'gluon x':>9}")
+    for r in rows:
+        ms, x = r["ms"], r["x_sdpa"]
+        print(f"{str(tuple(r['shape'])):<28}{r['variant']:<24}{r['pass']:<9}{ms['sdpa']:>9.3f}{ms['portable']:>10.3f}"
+              f"{ms['gluon']:>9.3f}{x['portable']:>12.2f}{x['gluon']:>9.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax.json")
@@ -251,6 +308,7 @@ def main() -> int:
     if not args.no_timing:
         try:
             time_shapes(kernels, results)
+            time_variants(results)
         except Exception:
             results["timing_error"] = traceback.format_exc()
             print(results["timing_error"])
