@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from attn.kernels import gluon_pipeline
 from attn.kernels import gluon_softmax_fwd as gsf
 
 ROOT = Path(__file__).resolve().parents[1]
 
-OK, WHY = gsf.gluon_api_available()
+OK, WHY = gluon_pipeline.gluon_api_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"Gluon Hopper API of Triton 3.6 not available: {WHY}")
 
 

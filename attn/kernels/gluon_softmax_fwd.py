@@ -3,146 +3,48 @@
 Logits z = t_i * cap(s q.k) of every cap (none, tanh, soft_sign, ALSC: `_cap`, in registers) with an
 optional per-row temperature t; a cap without temperature shifts by its bound instead of a running
 max (no accumulator rescale). Written against Triton 3.6's Gluon API (`triton.experimental.gluon`);
-Gluon changes between Triton releases, so `gluon_api_available()` says whether the installed Triton
+Gluon changes between Triton releases, so `gluon_pipeline.gluon_api_available()` says whether the installed Triton
 has what this file uses. `attn/kernels/tiers.py` decides when the softmax family's forward runs it
 (sm_90, without segments, key lengths, a window or dropout; ATTNLAB_GLUON).
 
-Schedule (one program = BLOCK_M query rows of one (batch, head)):
-
-- a producer partition (one warp, few registers) issues TMA loads: the query tile once, then
-  the key and value tiles of every key block the rows can see, into a ring of STAGES
-  shared-memory slots. Each slot has a "ready" mbarrier per operand (the TMA completes it with
-  its byte count) and an "empty" mbarrier per operand (the consumer arrives when its wgmma has
-  read the slot); the producer waits on "empty" before it overwrites a slot.
-- two consumer warpgroups (the default partition and a 4-warp worker partition, 64 rows each,
-  each with its own register budget through setmaxnreg) share the ring: a slot's empty barriers
-  count one arrival per warpgroup. They are not tied to each other, so one's softmax can run
-  while the other's wgmma does (FA3's inter-warpgroup overlap, without FA3's explicit ping-pong
-  ordering). Each runs per key block: S = Q K^T as an async wgmma from shared memory, the online softmax in registers
-  (exp2 of log2-scaled scores, running max and sum, rescale of the accumulator), then
-  O += P V as an async wgmma with P from registers. Key blocks wholly visible to every row of
-  the tile run without mask arithmetic; the blocks on the causal diagonal and the ragged last
-  block run with the mask.
-- causal programs are issued longest first (the last query block first).
-
-Layouts as the portable kernels take them: q, out (B, N, H, D); k, v (B, KV, H_kv, D) with
-H % H_kv == 0 (GQA); lse2 (B, H, N) fp32, the base-2 logsumexp of sm_scale q.k
-(+inf for a row that sees no key, whose output is 0). Causal is bottom-right aligned: query row
-i sits at key position i + KV - N. The TMA descriptors view q as (B N, H D) and k, v as
-(B KV, H_kv D): a tile that runs past a batch's last row reads the next batch's rows, which the
-key mask (key < KV) and the row mask of the stores (row < N) discard.
+The schedule, the ring and the host side are `gluon_pipeline`'s. Per key block a consumer turns
+S = Q K^T into P with the online softmax in registers (exp2 of log2-unit logits, running max and
+sum, rescale of the accumulator), P V runs as an async wgmma with P from registers. Key blocks
+wholly visible to every row of the tile run without mask arithmetic; the blocks on the causal
+diagonal and the ragged last block run with the mask. lse2 (B, H, N) fp32 is the base-2
+logsumexp of the logits (+inf for a row that sees no key, whose output is 0).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-try:  # Triton 3.6's Gluon Hopper API (names moved or changed in other releases)
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _IMPORT_ERROR = None
-except ImportError as exc:  # pragma: no cover - depends on the installed Triton
-    _IMPORT_ERROR = exc
-
-LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
-NUM_WARPS = 4  # the default partition: one consumer warpgroup (the second is a worker partition)
-CONSUMER_REGS = gl.constexpr(240)  # setmaxnreg of the worker consumer warpgroup
-PRODUCER_REGS = gl.constexpr(24)  # and of the TMA producer warp
-
-
-@functools.cache
-def gluon_api_available() -> tuple[bool, str]:
-    """(usable, reason): whether the installed Triton has the Gluon Hopper API this kernel is
-    written against (Triton 3.6: warp_specialize([(fn, args), ...], warps, regs), gl.thread_barrier,
-    hopper tma / mbarrier / warpgroup_mma, host TensorDescriptor with an NVMMASharedLayout)."""
-    if _IMPORT_ERROR is not None:
-        return False, f"triton {triton.__version__}: Gluon Hopper imports failed ({_IMPORT_ERROR})"
-    import inspect
-
-    params = list(inspect.signature(gl.warp_specialize.__wrapped__ if hasattr(gl.warp_specialize, "__wrapped__")
-                                    else gl.warp_specialize).parameters)
-    if params[:3] != ["functions_and_args", "worker_num_warps", "worker_num_regs"]:
-        return False, (f"triton {triton.__version__}: gl.warp_specialize{tuple(params)} is not Triton 3.6's "
-                       "(functions_and_args, worker_num_warps, worker_num_regs)")
-    if not hasattr(gl, "thread_barrier"):
-        return False, f"triton {triton.__version__}: no gl.thread_barrier (renamed after Triton 3.6)"
-    if not hasattr(tma, "async_copy_global_to_shared"):
-        return False, f"triton {triton.__version__}: no hopper tma.async_copy_global_to_shared"
-    return True, f"triton {triton.__version__}"
-
-
-def tile_config(head_dim: int) -> dict:
-    """Constexprs per head dim: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
-    ring slot, STAGES ring slots (K and V: 2 BLOCK_N D 2 bytes a slot; Q: BLOCK_M D 2 bytes)."""
-    if head_dim == 64:
-        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=3)  # 3 x 32 KiB + 16 KiB
-    if head_dim == 128:
-        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=2)  # 2 x 64 KiB + 32 KiB
-    raise ValueError(f"gluon softmax forward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              q_row, k_row, kv_col, q_col, n_tiles,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: Q once, then K and V of key blocks 0 .. n_tiles-1 into ring slot j % STAGES. A
-    slot is reused once the consumer has arrived on its empty barrier (phase parity starts at 1:
-    a fresh barrier's preceding phase counts as complete, so the first round does not wait)."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        s = j % STAGES
-        empty_phase = ((j // STAGES) & 1) ^ 1
-        row = k_row + j * BLOCK_N
-        mbarrier.wait(k_empty.index(s), empty_phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), empty_phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
-
-
-@gluon.jit
-def _issue_qk(j, q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Waits for key block j's K tile, then issues S = Q K^T as an async wgmma (not waited on)."""
-    s = j % STAGES
-    k_tile = k_smem.index(s)
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    return qk, k_tile
-
-
-@gluon.jit
-def _issue_pv(j, p16, acc, v_smem, v_ready, STAGES: gl.constexpr):
-    """Waits for key block j's V tile, then issues O += P V as an async wgmma with P from registers."""
-    s = j % STAGES
-    v_tile = v_smem.index(s)
-    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
-    acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
-    return acc, v_tile
-
-
-@gluon.jit
-def _release(j, empty, STAGES: gl.constexpr):
-    """Hands ring slot j % STAGES of one operand back to the producer once every warp of the
-    warpgroup has waited for its wgmma on the slot: one arrival per warpgroup."""
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(j % STAGES))
+from attn.kernels.gluon_pipeline import (
+    CONSUMER_REGS,
+    LOG2E,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    allocate_ring,
+    check_operands,
+    compile_sm90 as compile_kernel,
+    descriptors,
+    invalidate_ring,
+    issue_pv,
+    issue_qk,
+    key_blocks,
+    mbarrier,
+    producer,
+    program_rows,
+    pv_operand,
+    release,
+    tile_config,
+    visible_key,
+    warpgroup_mma_wait,
+)
 
 
 @gluon.jit
@@ -190,11 +92,7 @@ def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc
     s_layout: gl.constexpr = qk.type.layout
     g = _cap(qk, cap_scale, alsc_knee, CAP)
     if MASKED:
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if CAUSAL:  # key < kv_len and key <= row position in one compare per score
-            visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - j * BLOCK_N, 1)
-        else:
-            visible = gl.expand_dims(cols < kv_len - j * BLOCK_N, 0)
+        visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
     if HAS_TEMP:
         z = g * gl.expand_dims(row_scale, 1)
         if MASKED:  # after the scale: a zero or negative temperature must not turn -inf into NaN / +inf
@@ -220,12 +118,6 @@ def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc
 
 
 @gluon.jit
-def _operand(p, v_smem, p_layout: gl.constexpr):
-    """P as the P V wgmma's register operand: V's dtype, the dot-operand layout."""
-    return gl.convert_layout(p.to(v_smem.dtype), p_layout)
-
-
-@gluon.jit
 def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      last_key, kv_len, row_scale, cap_scale, alsc_knee, shift, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
@@ -234,10 +126,10 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
     """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs while the tensor cores do
     P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns (P_j, O, m, l)."""
-    qk, k_tile = _issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
-    acc, v_tile = _issue_pv(j - 1, p16, acc, v_smem, v_ready, STAGES)
+    qk, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+    acc, v_tile = issue_pv(j - 1, p16, acc, v_smem, v_ready, STAGES)
     qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))  # S_j done (groups retire in order)
-    _release(j, k_empty, STAGES)
+    release(j, k_empty, STAGES)
     # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
     p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
                                         CAP, HAS_TEMP, FIXED_SHIFT, MASKED, CAUSAL, BLOCK_N)
@@ -245,8 +137,8 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
     # packed to 16 bits after that, into the registers P_{j-1} held (as FA3 orders it), so nothing in
     # the softmax writes a register the in-flight wgmma reads
     acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
-    _release(j - 1, v_empty, STAGES)
-    p_next = _operand(p, v_smem, p_layout)
+    release(j - 1, v_empty, STAGES)
+    p_next = pv_operand(p, v_smem, p_layout)
     if not FIXED_SHIFT:
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     return p_next, acc, m_i, l_i
@@ -286,16 +178,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         # block 0 alone (the accumulator is zero: nothing to rescale, no P V in flight)
-        qk, k_tile = _issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        qk, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
         qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-        _release(0, k_empty, STAGES)
+        release(0, k_empty, STAGES)
         if n_full > 0:
             p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, CAP, HAS_TEMP, FIXED_SHIFT, False, CAUSAL, BLOCK_N)
         else:
             p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N)
-        p16 = _operand(p0, v_smem, p_layout)
+        p16 = pv_operand(p0, v_smem, p_layout)
         for j in range(1, n_full):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
@@ -307,9 +199,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
                                                   True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
         # the last block's P V
-        acc, v_tile = _issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
+        acc, v_tile = issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
         acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
-        _release(n_tiles - 1, v_empty, STAGES)
+        release(n_tiles - 1, v_empty, STAGES)
 
     seen = l_i != 0.0  # a row that saw no key has l = 0 exactly
     l_safe = gl.where(seen, l_i, 1.0)
@@ -337,43 +229,10 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_M: gl.constexpr = BLOCK_M // 2
-    num_m = gl.cdiv(q_len, BLOCK_M)
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = num_m - 1 - pid_m  # longest rows first
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-
-    # key blocks: [0, n_full) visible to every row of the program, [n_full, n_tiles) need the mask
-    if CAUSAL:
-        p0 = m0 + kv_len - q_len  # key position of the program's first row
-        hi = gl.minimum(gl.maximum(p0 + BLOCK_M, 0), kv_len)
-        n_full = gl.minimum(gl.maximum(p0 + 1, 0), kv_len) // BLOCK_N
-    else:
-        hi = kv_len
-        n_full = kv_len // BLOCK_N
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    n_full = gl.minimum(n_full, n_tiles)
-
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
 
     o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
     lse_base = bh.to(gl.int64) * q_len
@@ -387,93 +246,31 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0 + HALF_M, q_len, kv_len,
                      n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
                      CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+        (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
-        mbarrier.invalidate(k_empty.index(i))
-        mbarrier.invalidate(v_empty.index(i))
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
 # host side
 
 
-def _gl_dtype(torch_dtype):
-    import torch
-
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
-
-
-def smem_layout(block_shape, gl_dtype):
-    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
-
-
-def _check(q, k, v, sm_scale, causal):
-    import torch
-
-    ok, why = gluon_api_available()
-    if not ok:
-        raise ValueError(f"gluon softmax forward needs Triton 3.6's Gluon Hopper API: {why}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"gluon softmax forward: {name} must be a 4-d tensor, got "
-                             f"{getattr(t, 'shape', type(t))}")
-        if not t.is_cuda:
-            raise ValueError(f"gluon softmax forward: {name} must be on a CUDA device (sm_90)")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"gluon softmax forward: {name} must be bfloat16 or float16, got {t.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"gluon softmax forward: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError("gluon softmax forward needs an sm_90 (Hopper) GPU, got capability "
-                         f"{torch.cuda.get_device_capability(q.device)}")
-    bsz, n, h, d = q.shape
-    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d:
-        raise ValueError(f"gluon softmax forward: k and v must be (B, KV, H_kv, D) = (B, KV, H_kv, {d}) with "
-                         f"B = {bsz}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"gluon softmax forward: head dim D must be one of {HEAD_DIMS}, got {d}")
-    h_kv = k.shape[2]
-    if h_kv == 0 or h % h_kv != 0:
-        raise ValueError(f"gluon softmax forward: H ({h}) must be a multiple of H_kv ({h_kv})")
-    if n == 0 or k.shape[1] == 0:
-        raise ValueError(f"gluon softmax forward: N and KV must be positive, got N={n}, KV={k.shape[1]}")
-    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):  # the kernel's max of raw scores needs scale > 0
-        raise ValueError(f"gluon softmax forward: sm_scale must be > 0 and finite, got {sm_scale}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"gluon softmax forward: causal must be a bool, got {causal!r}")
-
-
-def _tma_view(t):
-    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: contiguous in (H, D),
-    rows of one batch consecutive, 16-byte aligned base and row stride (TMA's requirements). A
-    tensor without that layout is copied contiguous once."""
-    bsz, length, heads, d = t.shape
-    flat = (t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == length * t.stride(1))
-    if not flat or t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
-        t = t.contiguous()
-    return t, (bsz * length, heads * d), (t.stride(1), 1)
-
-
 def serves(q, k, v) -> bool:
-    """Whether the kernel serves these operands (the rest of `_check` is the caller's: devices,
-    shapes, a positive scale): D in HEAD_DIMS, bf16 / fp16."""
-    import torch
+    """Whether the kernel serves these operands (`gluon_pipeline.serves`)."""
+    from attn.kernels.gluon_pipeline import serves as operands_served
 
-    return q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+    return operands_served(q, k, v)
 
 
 def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
     """(out (B, N, H, D) in q's dtype, lse2 (B, H, N) fp32) of plain softmax attention, Gluon /
     sm_90. q (B, N, H, D); k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16.
     Raises ValueError naming the requirement a call misses."""
-    _check(q, k, v, sm_scale, causal)
+    check_operands(q, k, v, causal, "gluon softmax forward")
+    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):  # the kernel's max of raw scores needs scale > 0
+        raise ValueError(f"gluon softmax forward: sm_scale must be > 0 and finite, got {sm_scale}")
     return launch_forward(q, k, v, causal, float(sm_scale) * LOG2E)
 
 
@@ -491,14 +288,7 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     cfg = tile_config(d)
-    gdt = _gl_dtype(q.dtype)
-    q2, q_shape, q_strides = _tma_view(q)
-    k2, k_shape, k_strides = _tma_view(k)
-    v2, v_shape, v_strides = _tma_view(v)
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
-    q_desc = TensorDescriptor(q2, list(q_shape), list(q_strides), q_block, smem_layout(q_block, gdt))
-    k_desc = TensorDescriptor(k2, list(k_shape), list(k_strides), kv_block, smem_layout(kv_block, gdt))
-    v_desc = TensorDescriptor(v2, list(v_shape), list(v_strides), kv_block, smem_layout(kv_block, gdt))
+    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     has_temp = temperature is not None
@@ -516,33 +306,11 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90, cap: int = 0,
                  has_temp: bool = False, fixed_shift: bool = False):
-    """The kernel compiled for sm_<arch> without a GPU (triton.compile on a GluonASTSource with a
-    GPUTarget): the CompiledKernel, whose .asm holds ttgir / ptx / cubin. Integer scalars are
-    compiled as a launch with unaligned values (no divisibility specialization)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = tile_config(head_dim)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, head_dim], [cfg["BLOCK_N"], head_dim]
-
-    def desc(block):
-        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{smem_layout(block, gdt)!r}>"
-
-    fn = _gluon_softmax_fwd_kernel
-    signature = {"q_desc": desc(q_block), "k_desc": desc(kv_block), "v_desc": desc(kv_block),
-                 "O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
+    """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
+    signature = {"O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
                  "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_tb": "i32", "stride_tn": "i32",
                  "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "out_scale": "fp32",
                  "cap_scale": "fp32", "alsc_knee": "fp32", "shift": "fp32",
-                 "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr",
-                 "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "STAGES": "constexpr"}
-    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal,
-                  "HEAD_DIM": head_dim, **cfg}
-    names = list(fn.arg_names)
-    constexprs = {(names.index(k),): v for k, v in constexprs.items()}
-    attrs = {(names.index("O"),): [["tt.divisibility", 16]], (names.index("LSE"),): [["tt.divisibility", 16]]}
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    target = GPUTarget("cuda", arch, 128)
-    return triton.compile(src, target=target, options={"num_warps": NUM_WARPS})
+                 "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr", "CAUSAL": "constexpr"}
+    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal}
+    return compile_kernel(_gluon_softmax_fwd_kernel, head_dim, dtype, signature, constexprs, ("O", "LSE"), arch)

@@ -1,7 +1,7 @@
 """Which kernel tier runs a launch: the portable Triton kernels, or on Hopper the Gluon kernels.
 
 The portable kernels run everywhere Triton does (every CUDA GPU, and the CPU interpreter the tests
-use). On an sm_90 GPU whose Triton has the Gluon Hopper API (`gluon_softmax_fwd.gluon_api_available`)
+use). On an sm_90 GPU whose Triton has the Gluon Hopper API (`gluon_pipeline.gluon_api_available`)
 a launch that a Gluon kernel serves may run that kernel instead. `ATTNLAB_GLUON` chooses:
 
 * `auto` (default): the first launch of a tuning key times both tiers on the call's own arguments
@@ -49,7 +49,7 @@ def gluon_usable(device: torch.device) -> bool:
 def _gluon_usable_on(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
-    from attn.kernels.gluon_softmax_fwd import gluon_api_available
+    from attn.kernels.gluon_pipeline import gluon_api_available
 
     return gluon_api_available()[0]
 

@@ -1,9 +1,10 @@
 """SASS instruction counts of the Gluon sm_90 softmax forward's two key-block loops, compiled on a CPU.
 
-No GPU and no torch: the kernel module (attn/kernels/gluon_softmax_fwd.py) is loaded by its path, so
-the `attn` package (which imports torch) is not, and `compile_sm90` builds the kernel for sm_90 with the
-ptxas Triton ships; cuobjdump (also Triton's) gives the SASS and the launch's register count. The kernel
-is written against Triton 3.6's Gluon API, so run it with a Triton 3.6 environment:
+No GPU: the kernel module (attn/kernels/gluon_softmax_fwd.py, or another version of it) is loaded by
+its path, with the repository's `attn` package importable (torch, CPU build, is enough), and
+`compile_sm90` builds the kernel for sm_90 with the ptxas Triton ships; cuobjdump (also Triton's) gives
+the SASS and the launch's register count. The kernel is written against Triton 3.6's Gluon API, so run
+it with a Triton 3.6 environment:
 
     /work/venv36/bin/python scripts/analysis/gluon_sass_counts.py                            # D 64/128, causal or not
     python scripts/analysis/gluon_sass_counts.py --head-dim 128 --causal 1 --sass /tmp/sass  # also each loop's SASS
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the attn package: the kernels' shared Gluon parts
 
 from sass_listing import cuobjdump, innermost_loops, markdown_table, opcode_category, parse_sass  # noqa: E402
 
@@ -55,7 +57,7 @@ def hgmma_loops(instrs: list[tuple[int, str]]) -> list[list[str]]:
     return innermost_loops(instrs, lambda ins: ins.startswith("HGMMA"))
 
 def load_kernel_module(path: Path = KERNEL):
-    """The kernel module, loaded from its file without importing the `attn` package (and torch)."""
+    """The kernel module, loaded from its file (another version of it may sit outside the package)."""
     spec = importlib.util.spec_from_file_location("gluon_softmax_fwd", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", type=Path, default=KERNEL, help="another version of the kernel file (before/after)")
     args = ap.parse_args(argv)
     module = load_kernel_module(args.kernel)
-    ok, why = module.gluon_api_available()
+    from attn.kernels.gluon_pipeline import gluon_api_available
+
+    ok, why = gluon_api_available()
     if not ok:
         print(f"the kernel needs Triton 3.6's Gluon API: {why}", file=sys.stderr)
         return 2

@@ -1,0 +1,328 @@
+"""What the Gluon sm_90 attention forwards share: the TMA ring of key / value tiles, its producer and
+the consumers' wgmma issue and release, the program's rows and key blocks, and the host side
+(descriptors, checks, compiling without a GPU).
+
+Schedule (one program = BLOCK_M query rows of one (batch, head)):
+
+- a producer partition (one warp, few registers) issues TMA loads: the query tile once, then
+  the key and value tiles of every key block the rows can see, into a ring of STAGES
+  shared-memory slots. Each slot has a "ready" mbarrier per operand (the TMA completes it with
+  its byte count) and an "empty" mbarrier per operand (the consumer arrives when its wgmma has
+  read the slot); the producer waits on "empty" before it overwrites a slot.
+- two consumer warpgroups (the default partition and a 4-warp worker partition, 64 rows each,
+  each with its own register budget through setmaxnreg) share the ring: a slot's empty barriers
+  count one arrival per warpgroup. They are not tied to each other, so one's elementwise work can
+  run while the other's wgmma does (FA3's inter-warpgroup overlap, without FA3's explicit ping-pong
+  ordering). Each consumer issues block j's S = Q K^T and block j-1's O += P V back to back (FA3's
+  intra-warpgroup overlap) and turns S into P while the tensor cores run P V.
+- causal programs are issued longest first (the last query block first).
+
+Layouts as the portable kernels take them: q, out (B, N, H, D); k, v (B, KV, H_kv, D) with
+H % H_kv == 0 (GQA). Causal is bottom-right aligned: query row i sits at key position
+i + KV - N. The TMA descriptors view q as (B N, H D) and k, v as (B KV, H_kv D): a tile that runs
+past a batch's last row reads the next batch's rows, which the key mask (key < KV) and the row
+mask of the stores (row < N) discard.
+
+Written against Triton 3.6's Gluon API (`triton.experimental.gluon`); Gluon changes between Triton
+releases, so `gluon_api_available()` says whether the installed Triton has what these files use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+try:  # Triton 3.6's Gluon Hopper API (names moved or changed in other releases)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _IMPORT_ERROR = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = exc
+
+LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+NUM_WARPS = 4  # the default partition: one consumer warpgroup (the second is a worker partition)
+CONSUMER_REGS = gl.constexpr(240)  # setmaxnreg of the worker consumer warpgroup
+PRODUCER_REGS = gl.constexpr(24)  # and of the TMA producer warp
+
+
+@functools.cache
+def gluon_api_available() -> tuple[bool, str]:
+    """(usable, reason): whether the installed Triton has the Gluon Hopper API this kernel is
+    written against (Triton 3.6: warp_specialize([(fn, args), ...], warps, regs), gl.thread_barrier,
+    hopper tma / mbarrier / warpgroup_mma, host TensorDescriptor with an NVMMASharedLayout)."""
+    if _IMPORT_ERROR is not None:
+        return False, f"triton {triton.__version__}: Gluon Hopper imports failed ({_IMPORT_ERROR})"
+    import inspect
+
+    params = list(inspect.signature(gl.warp_specialize.__wrapped__ if hasattr(gl.warp_specialize, "__wrapped__")
+                                    else gl.warp_specialize).parameters)
+    if params[:3] != ["functions_and_args", "worker_num_warps", "worker_num_regs"]:
+        return False, (f"triton {triton.__version__}: gl.warp_specialize{tuple(params)} is not Triton 3.6's "
+                       "(functions_and_args, worker_num_warps, worker_num_regs)")
+    if not hasattr(gl, "thread_barrier"):
+        return False, f"triton {triton.__version__}: no gl.thread_barrier (renamed after Triton 3.6)"
+    if not hasattr(tma, "async_copy_global_to_shared"):
+        return False, f"triton {triton.__version__}: no hopper tma.async_copy_global_to_shared"
+    return True, f"triton {triton.__version__}"
+
+
+def tile_config(head_dim: int) -> dict:
+    """Constexprs per head dim: BLOCK_M query rows (64 per consumer warpgroup), BLOCK_N keys per
+    ring slot, STAGES ring slots (K and V: 2 BLOCK_N D 2 bytes a slot; Q: BLOCK_M D 2 bytes)."""
+    if head_dim == 64:
+        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=3)  # 3 x 32 KiB + 16 KiB
+    if head_dim == 128:
+        return dict(BLOCK_M=128, BLOCK_N=128, STAGES=2)  # 2 x 64 KiB + 32 KiB
+    raise ValueError(f"gluon softmax forward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+
+
+@gluon.jit
+def program_rows(q_len, H, GROUP, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, bh, m0) of this program: batch, head, its kv head (GQA), batch x head, first row;
+    causal programs run the last query blocks first (longest first)."""
+    num_m = gl.cdiv(q_len, BLOCK_M)
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    return b, h, h // GROUP, bh, pid_m * BLOCK_M
+
+
+@gluon.jit
+def key_blocks(m0, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(n_full, n_tiles): key blocks [0, n_full) are visible to every row of the program, blocks
+    [n_full, n_tiles) need the mask (the causal diagonal, the ragged last block)."""
+    if CAUSAL:
+        p0 = m0 + kv_len - q_len  # key position of the program's first row
+        hi = gl.minimum(gl.maximum(p0 + BLOCK_M, 0), kv_len)
+        n_full = gl.minimum(gl.maximum(p0 + 1, 0), kv_len) // BLOCK_N
+    else:
+        hi = kv_len
+        n_full = kv_len // BLOCK_N
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    return gl.minimum(n_full, n_tiles), n_tiles
+
+
+@gluon.jit
+def visible_key(j, last_key, kv_len, s_layout: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Which scores of key block j a consumer's rows see (a [rows, BLOCK_N] boolean): key < kv_len,
+    and causal key <= the row's position, as one compare per score against `last_key`
+    (min(row position, kv_len - 1), negative for a row that sees no key)."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
+        visible = gl.expand_dims(cols, 0) <= gl.expand_dims(last_key - j * BLOCK_N, 1)
+    else:
+        visible = gl.expand_dims(cols < kv_len - j * BLOCK_N, 0)
+    return visible
+
+
+@gluon.jit
+def allocate_ring(q_desc, k_desc, v_desc, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Shared memory and barriers: the two consumers' query tiles, STAGES key and value slots, and
+    the ready / empty mbarriers (initialized; empty ones count one arrival per consumer)."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    return q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
+def invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr):
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+
+
+@gluon.jit
+def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+              q_row, k_row, kv_col, q_col, n_tiles,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q once, then K and V of key blocks 0 .. n_tiles-1 into ring slot j % STAGES. A
+    slot is reused once the consumer has arrived on its empty barrier (phase parity starts at 1:
+    a fresh barrier's preceding phase counts as complete, so the first round does not wait)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        row = k_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(s), empty_phase)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), empty_phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def issue_qk(j, q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Waits for key block j's K tile, then issues S = Q K^T as an async wgmma (not waited on)."""
+    s = j % STAGES
+    k_tile = k_smem.index(s)
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    return qk, k_tile
+
+
+@gluon.jit
+def issue_pv(j, p16, acc, v_smem, v_ready, STAGES: gl.constexpr):
+    """Waits for key block j's V tile, then issues O += P V as an async wgmma with P from registers."""
+    s = j % STAGES
+    v_tile = v_smem.index(s)
+    mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+    return acc, v_tile
+
+
+@gluon.jit
+def release(j, empty, STAGES: gl.constexpr):
+    """Hands ring slot j % STAGES of one operand back to the producer once every warp of the
+    warpgroup has waited for its wgmma on the slot: one arrival per warpgroup."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(j % STAGES))
+
+
+@gluon.jit
+def pv_operand(p, v_smem, p_layout: gl.constexpr):
+    """P as the P V wgmma's register operand: V's dtype, the dot-operand layout."""
+    return gl.convert_layout(p.to(v_smem.dtype), p_layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def gl_dtype(torch_dtype):
+    import torch
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
+
+
+def smem_layout(block_shape, element_type):
+    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), element_type)
+
+
+def tma_view(t):
+    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: contiguous in (H, D),
+    rows of one batch consecutive, 16-byte aligned base and row stride (TMA's requirements). A
+    tensor without that layout is copied contiguous once."""
+    bsz, length, heads, d = t.shape
+    flat = (t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == length * t.stride(1))
+    if not flat or t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
+        t = t.contiguous()
+    return t, (bsz * length, heads * d), (t.stride(1), 1)
+
+
+def serves(q, k, v) -> bool:
+    """Whether the kernel serves these operands (the rest of `check_operands` is the caller's: devices,
+    shapes, a positive scale): D in HEAD_DIMS, bf16 / fp16."""
+    import torch
+
+    return q.shape[-1] in HEAD_DIMS and q.dtype in (torch.bfloat16, torch.float16) and q.dtype == k.dtype == v.dtype
+
+
+def check_operands(q, k, v, causal, what: str):
+    """ValueErrors naming what a direct call of a Gluon forward (`what`) misses: the Gluon API, 4-d
+    CUDA tensors of one 16-bit dtype on sm_90, (B, KV, H_kv, D) keys and values, D in HEAD_DIMS,
+    H % H_kv == 0, N and KV positive, a bool `causal`."""
+    import torch
+
+    ok, why = gluon_api_available()
+    if not ok:
+        raise ValueError(f"{what} needs Triton 3.6's Gluon Hopper API: {why}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{what}: {name} must be a 4-d tensor, got {getattr(t, 'shape', type(t))}")
+        if not t.is_cuda:
+            raise ValueError(f"{what}: {name} must be on a CUDA device (sm_90)")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{what}: {name} must be bfloat16 or float16, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{what}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"{what} needs an sm_90 (Hopper) GPU, got capability "
+                         f"{torch.cuda.get_device_capability(q.device)}")
+    bsz, n, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d:
+        raise ValueError(f"{what}: k and v must be (B, KV, H_kv, D) = (B, KV, H_kv, {d}) with B = {bsz}, got "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{what}: head dim D must be one of {HEAD_DIMS}, got {d}")
+    h_kv = k.shape[2]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(f"{what}: H ({h}) must be a multiple of H_kv ({h_kv})")
+    if n == 0 or k.shape[1] == 0:
+        raise ValueError(f"{what}: N and KV must be positive, got N={n}, KV={k.shape[1]}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{what}: causal must be a bool, got {causal!r}")
+
+
+def descriptors(q, k, v, cfg: dict):
+    """TMA descriptors of q (half a query block per consumer), k and v (BLOCK_N keys per slot)."""
+    d = q.shape[-1]
+    gdt = gl_dtype(q.dtype)
+    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
+    out = []
+    for t, block in ((q, q_block), (k, kv_block), (v, kv_block)):
+        flat, shape, strides = tma_view(t)
+        out.append(TensorDescriptor(flat, list(shape), list(strides), block, smem_layout(block, gdt)))
+    return out
+
+
+def compile_sm90(fn, head_dim: int, dtype: str, signature: dict, constexprs: dict, aligned: tuple[str, ...],
+                 arch: int = 90):
+    """`fn` compiled for sm_<arch> without a GPU (triton.compile on a GluonASTSource with a GPUTarget):
+    the CompiledKernel, whose .asm holds ttgir / ptx / cubin. `signature` names the arguments after
+    the three descriptors (q_desc, k_desc, v_desc, filled in here); `aligned` the pointers compiled as
+    16-byte aligned; integer scalars are compiled unaligned (no divisibility specialization)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = tile_config(head_dim)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+
+    def desc(block):
+        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{smem_layout(block, gdt)!r}>"
+
+    q_block, kv_block = [cfg["BLOCK_M"] // 2, head_dim], [cfg["BLOCK_N"], head_dim]
+    signature = {"q_desc": desc(q_block), "k_desc": desc(kv_block), "v_desc": desc(kv_block), **signature,
+                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
+    names = list(fn.arg_names)
+    constexprs = {(names.index(k),): v for k, v in {**constexprs, "HEAD_DIM": head_dim, **cfg}.items()}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": NUM_WARPS})
