@@ -1,4 +1,4 @@
-"""The Gluon sm_90 forward behind the public function (attn/kernels/tiers.py), natively on a Hopper GPU
+"""The Gluon sm_90 forwards behind the public function (attn/kernels/tiers.py), natively on a Hopper GPU
 (skipped elsewhere: Gluon has no interpreter; `python3 scripts/gpu_check.py kernels` runs it).
 
 With ATTNLAB_GLUON=1 every softmax-family call that the Gluon kernel serves runs it (a spy on its
@@ -8,7 +8,9 @@ lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / 
 NaN-poisoned allocations; then every cap (binding caps, with the bound shift and with the online
 softmax) and temperatures of every sign. Calls it does not serve (a window, segments, dropout) run the
 portable kernel. With ATTNLAB_GLUON=auto the first call of a key times both tiers and remembers the
-faster.
+faster. The threshold and sigmoid forwards (attn/kernels/gluon_weighted_fwd.py) the same way: powers
+1, 2 and 1.5 on unit-norm q and k whose thresholds leave dense and empty rows, sigmoid with the
+-ln n_i bias and a fixed one; the differential threshold stays on the portable kernel.
 """
 
 from __future__ import annotations
@@ -181,3 +183,84 @@ def test_auto_times_both_tiers_once_per_key_and_keeps_the_faster(gluon_launches,
     assert len(sf._TIERS.timings) == 1  # timed once
     assert len(gluon_launches) == launches + (chosen == "gluon")
     assert torch.allclose(first.float(), second.float(), atol=2e-2, rtol=0)
+
+
+@pytest.fixture
+def weighted_launches(monkeypatch):
+    """Counts the threshold / sigmoid Gluon forward's launches (the wrapped launchers still run)."""
+    from attn.kernels import gluon_weighted_fwd
+
+    calls = []
+    for name in ("launch_threshold", "launch_sigmoid"):
+        real = getattr(gluon_weighted_fwd, name)
+
+        def counted(*args, real=real, name=name, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(gluon_weighted_fwd, name, counted)
+    return calls
+
+
+def _check_weighted_on_gluon(case, variant, params, seed, unit_norm):
+    b, n, kv, h, h_kv, d, causal, dtype = case
+    spec = attn.get_variant(variant).make_spec(**params)
+    tensors, do = _inputs(b, n, kv, h, h_kv, d, seed=seed)
+    if unit_norm:  # cosine scores, as the threshold model feeds them: thresholds that bind
+        tensors = {name: (t / t.norm(dim=-1, keepdim=True) if name in "qk" else t) for name, t in tensors.items()}
+
+    def call(backend):
+        return lambda q, k, v: attn.attention(q, k, v, spec, causal=causal, backend=backend)
+
+    ref64 = outputs_and_grads(call("reference"), {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
+    low = {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}
+    same = outputs_and_grads(call("reference"), {name: t.detach().clone().requires_grad_() for name, t in low.items()},
+                             do)
+    fused = outputs_and_grads(call("triton"), low, do)
+    for name in ("out", "dq", "dk", "dv"):
+        allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item())
+        assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
+    return ref64["out"]
+
+
+WEIGHTED = [
+    ("threshold", {}, CASES[0]),
+    ("threshold", {}, CASES[2]),
+    ("threshold", {"power": 1.0}, CASES[1]),
+    ("threshold", {"power": 1.5, "beta": 0.5}, CASES[4]),
+    ("threshold", {"beta": 2.0}, CASES[5]),
+    ("threshold", {}, CASES[6]),
+    ("threshold", {}, CASES[7]),
+    ("sigmoid", {}, CASES[0]),
+    ("sigmoid", {}, CASES[3]),
+    ("sigmoid", {}, CASES[4]),
+    ("sigmoid", {"bias": -2.0}, CASES[5]),
+    ("sigmoid", {}, CASES[6]),
+    ("sigmoid", {}, CASES[7]),
+]
+
+
+@pytest.mark.parametrize("variant,params,case", WEIGHTED, ids=[f"{v}-{p}-{_case_id(c)}" for v, p, c in WEIGHTED])
+def test_threshold_and_sigmoid_calls_on_the_gluon_forward_are_within_the_rule(variant, params, case, weighted_launches,
+                                                                              monkeypatch, nan_poison):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    out = _check_weighted_on_gluon(case, variant, params, seed=200 + WEIGHTED.index((variant, params, case)),
+                                   unit_norm=variant == "threshold")
+    assert weighted_launches, "the call did not run the Gluon forward"
+    if variant == "threshold" and case[1] > 100:  # the thresholds leave some rows empty and others dense
+        row_norms = out.norm(dim=-1)
+        assert (row_norms == 0).any() and (row_norms > 0).float().mean() > 0.2
+
+
+def test_the_differential_threshold_runs_the_portable_forward(weighted_launches, monkeypatch):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    spec = attn.get_variant("diff_threshold").make_spec()
+    q, k, v, q2, k2 = (torch.nn.functional.normalize(torch.randn(2, 256, 4, 64, device=CUDA), dim=-1).to(torch.bfloat16)
+                       for _ in range(5))
+    lam = torch.full((4,), 0.5, device=CUDA)
+    extra = {"q2": q2, "k2": k2, "lam": lam}
+    out = attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra)
+    ref = attn.attention(q.double(), k.double(), v.double(), spec, causal=True, backend="reference",
+                         extra={name: t.double() for name, t in extra.items()})
+    assert not weighted_launches
+    assert (out.double() - ref).abs().max().item() < 0.05

@@ -63,6 +63,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
+from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -396,7 +397,7 @@ def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype) -> tuple:
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    return _tuned_configs(_KERNELS.values())
+    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report()}
 
 
 def _strides(q, k, v):
@@ -496,7 +497,18 @@ def _forward_plan(q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p
                                       key_lengths if has_lens else q),  # q: never read
                                full_scalars, full_meta, configs, tune_key)
         return out
-    return forward
+
+    # the Gluon forward serves calls without segments, key lengths, a window or dropout
+    if has_bounds or has_lens or window or dropout_p or not gluon_candidate(q.device):
+        return forward
+    from attn.kernels import gluon_weighted_fwd
+
+    if not gluon_weighted_fwd.serves(q, k, v):
+        return forward
+
+    def gluon_forward(q, k, v, bounds, seed, key_lengths):
+        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, bias)
+    return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
 def _backward_impl(dout, q, k, v, bounds, bias, sm_scale, causal, window, dropout_p=0.0, seed=None):
@@ -539,7 +551,10 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
     return backward
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV,))
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
+# sigmoid forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
+# (attn/kernels/tiers.py)
+_TIERS = TierChoice("sigmoid_family_fwd")
 _BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV,))
 
 

@@ -48,7 +48,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_mode, gluon_usable
+from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -767,7 +767,7 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
     # the Gluon forward serves every cap and temperature, without segments, key lengths, a window or
     # dropout; its running max of raw scores needs a positive row scale (a cap's is c log2 e)
     gluon_mask = not (has_bounds or has_lens or window or dropout_p)
-    if not (gluon_mask and (cap != 0 or has_temp or sm_scale > 0) and gluon_mode() != "0" and gluon_usable(q.device)):
+    if not (gluon_mask and (cap != 0 or has_temp or sm_scale > 0) and gluon_candidate(q.device)):
         return forward
     from attn.kernels import gluon_softmax_fwd
 
@@ -782,9 +782,7 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
         return gluon_softmax_fwd.launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=qk_scale,
                                                 alsc_knee=alsc_a, shift=shift, temperature=temperature)
 
-    def tiered_forward(*args):
-        return _TIERS.pick(tune_key, forward, gluon_forward, args)(*args)
-    return tiered_forward
+    return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
 _FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV))

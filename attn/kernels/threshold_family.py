@@ -53,11 +53,12 @@ import triton.language as tl
 
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
-from attn.kernels.runtime import (KERNEL_LIBRARY, AutogradOp, ConfigTable, Kernel, LaunchPlans, TileConfig, cdiv,
-                                  contiguous_strides, decode_config, decode_splits, dot_precision, kernel_op, n_bucket,
-                                  pinned_index)
+from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, ConfigTable, Kernel, LaunchPlans,
+                                  TileConfig, cdiv, contiguous_strides, decode_config, decode_splits, dot_precision,
+                                  kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
+from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -587,6 +588,7 @@ def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
+    out.update(_TIERS.report())
     return out
 
 
@@ -701,10 +703,24 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
                                       key_lengths if has_lens else q),
                                full_scalars, full_meta, configs, tune_key)
         return out
-    return forward
+
+    # the Gluon forward serves the one-map threshold without segments, key lengths, a window or dropout
+    if differential or has_bounds or has_lens or window or dropout_p or not gluon_candidate(q.device):
+        return forward
+    from attn.kernels import gluon_weighted_fwd
+
+    if not gluon_weighted_fwd.serves(q, k, v):
+        return forward
+
+    def gluon_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power)
+    return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan)
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV,))
+# one-map threshold forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
+# (attn/kernels/tiers.py)
+_TIERS = TierChoice("threshold_family_fwd")
 
 
 def _dkdv_diff(dkdv, key) -> None:

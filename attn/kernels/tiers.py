@@ -54,6 +54,20 @@ def _gluon_usable_on(device_index: int) -> bool:
     return gluon_api_available()[0]
 
 
+def gluon_candidate(device: torch.device) -> bool:
+    """Whether a launch plan on `device` should offer a Gluon tier at all: the switch is not 0 and the
+    device runs the Gluon kernels."""
+    return gluon_mode() != "0" and gluon_usable(device)
+
+
+def tiered(choice: "TierChoice", key: tuple, portable: Callable, gluon: Callable) -> Callable:
+    """A plan's launch function whose calls `choice` serves from `portable` or `gluon` (both take the
+    plan's call arguments) for tuning key `key`."""
+    def launch(*args):
+        return choice.pick(key, portable, gluon, args)(*args)
+    return launch
+
+
 class TierChoice:
     """Per tuning key, the tier that serves a kernel entry's launches (see the module docstring)."""
 

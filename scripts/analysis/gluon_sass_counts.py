@@ -67,7 +67,9 @@ def load_kernel_module(path: Path = KERNEL):
 
 
 def is_masked(body: list[str]) -> bool:
-    return any(ins.startswith("FSEL") and "-INF" in ins for ins in body)
+    """The masked loop compares each score's key with the row's last key (ISETP per score pair or
+    more; the unmasked loop has a few, for the loop itself)."""
+    return sum(ins.startswith("ISETP") for ins in body) >= 32
 
 
 def loop_counts(body: list[str], block_n: int) -> dict:
@@ -79,10 +81,15 @@ def loop_counts(body: list[str], block_n: int) -> dict:
 
 
 
-# --variant: the kernel's logit forms (compile_sm90's cap, has_temp, fixed_shift)
+# --variant: the softmax family's logit forms (gluon_softmax_fwd.compile_sm90's cap, has_temp, fixed_shift)
+# and the threshold / sigmoid weights (gluon_weighted_fwd.compile_sm90's weight, power, newton)
 VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "tanh": dict(cap=1, fixed_shift=True), "tanh_online": dict(cap=1), "soft_sign": dict(cap=2, fixed_shift=True),
-            "alsc": dict(cap=3, fixed_shift=True), "alsc_temperature": dict(cap=3, has_temp=True)}
+            "alsc": dict(cap=3, fixed_shift=True), "alsc_temperature": dict(cap=3, has_temp=True),
+            "threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
+            "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2, newton=2),
+            "sigmoid_mufu": dict(weight=2, newton=0)}
+WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
 
 
 def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None,
@@ -128,8 +135,10 @@ def main(argv=None) -> int:
         return 2
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
+    weighted = load_kernel_module(WEIGHTED) if any("weight" in VARIANTS[v] for v in args.variant) else None
     rows = [row for variant in args.variant for d in args.head_dim for c in args.causal
-            for row in count(module, d, bool(c), args.dtype, args.sass, variant)]
+            for row in count(weighted if "weight" in VARIANTS[variant] else module, d, bool(c), args.dtype, args.sass,
+                             variant)]
     print(markdown_table(rows, COLUMNS))
     return 0
 

@@ -9,8 +9,9 @@
 2. Timing (triton.testing.do_bench, median ms, TFLOP/s with the causal half) against SDPA and the
    portable Triton kernel (attn.attention backend='triton', variant softmax, ATTNLAB_GLUON=0) and the
    public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16; then every
-   softmax-family variant (caps, temperature) through the public function on either tier against SDPA,
-   forward and forward + backward (the capped forms' correctness: tests/test_gluon_gpu.py).
+   softmax-family variant (caps, temperature), threshold and sigmoid through the public function on
+   either tier against SDPA, forward and forward + backward (their correctness through the public
+   function: tests/test_gluon_gpu.py).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -200,7 +201,7 @@ def time_shapes(kernels: dict, results):
 # forward (ATTNLAB_GLUON=0) and the Gluon forward (ATTNLAB_GLUON=1); forward, and forward + backward
 VARIANT_SHAPES = [(4, 16, 4096, 128), (16, 12, 1024, 64)]
 VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, False), ("softcap_softsign", {}, False),
-            ("alsc", {}, False)]
+            ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False)]
 
 
 def time_variants(results):
@@ -226,10 +227,16 @@ def time_variants(results):
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
+            if name == "sigmoid":  # the reciprocal on MUFU.RCP instead of Newton steps (forward only)
+                from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
+
+                impls["gluon_mufu_rcp"] = (lambda: gluon_sigmoid_forward(q, k, v, True, d ** -0.5, None, newton=0), None)
             label = name + (" + temperature" if tempered else "")
             for pass_name in ("fwd", "fwd+bwd"):
                 times = {}
                 for impl, (fn, grad) in impls.items():
+                    if grad is None and pass_name != "fwd":
+                        continue
                     try:
                         if pass_name == "fwd":
                             with torch.no_grad():
@@ -247,8 +254,10 @@ def time_variants(results):
           f"{'sdpa ms':>9}{'portable':>10}{'gluon':>9}{'portable x':>12}{'gluon x':>9}")
     for r in rows:
         ms, x = r["ms"], r["x_sdpa"]
+        extra = "".join(f"  {impl} {t:.3f} ms ({x[impl]:.2f}x)" for impl, t in ms.items()
+                        if impl not in ("sdpa", "portable", "gluon"))
         print(f"{str(tuple(r['shape'])):<28}{r['variant']:<24}{r['pass']:<9}{ms['sdpa']:>9.3f}{ms['portable']:>10.3f}"
-              f"{ms['gluon']:>9.3f}{x['portable']:>12.2f}{x['gluon']:>9.2f}")
+              f"{ms['gluon']:>9.3f}{x['portable']:>12.2f}{x['gluon']:>9.2f}{extra}")
 
 
 def main() -> int:

@@ -1,0 +1,310 @@
+"""The threshold and sigmoid families' attention forward in Gluon for sm_90 (Hopper).
+
+Both weigh each visible score on its own, with no row normalization (DESIGN.md §4), so a consumer's
+loop has no running max, no sum and no accumulator rescale:
+
+    threshold (WEIGHT 1)   w_ij = relu(q_i.k_j - tau_i)^p,   tau_i = beta sqrt(2 ln n_i / D)
+    sigmoid   (WEIGHT 2)   w_ij = 1 / (1 + 2^x),  x = -(s log2 e) q_i.k_j - b_i log2 e,
+                           b_i = the spec's bias, or -ln n_i
+    out_i = sum_j w_ij v_j over the keys j query i sees (n_i of them; a row that sees none: 0)
+
+The schedule, the ring and the host side are `gluon_pipeline`'s (FA3's producer / two consumer
+warpgroups, block j's S = Q K^T issued beside block j-1's W V). A NaN score gives a NaN weight, as
+the reference does. The differential threshold (two score maps), segments, a window, key lengths
+and dropout stay on the portable kernels (`attn/kernels/tiers.py` chooses per launch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from attn.kernels.gluon_pipeline import (
+    CONSUMER_REGS,
+    LOG2E,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    allocate_ring,
+    check_operands,
+    compile_sm90 as compile_kernel,
+    descriptors,
+    invalidate_ring,
+    issue_pv,
+    issue_qk,
+    key_blocks,
+    mbarrier,
+    producer,
+    program_rows,
+    pv_operand,
+    release,
+    tile_config,
+    visible_key,
+    warpgroup_mma_wait,
+)
+
+THRESHOLD = gl.constexpr(1)
+SIGMOID = gl.constexpr(2)
+TINY = gl.constexpr(1.1754943508222875e-38)  # the smallest normal fp32: log2 of it is finite
+
+
+@gluon.jit
+def _ex2(x):
+    """2^x on MUFU.EX2 (flushes results below 2^-126 to 0; +inf from 128 on)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _rcp(x):
+    """1/x on MUFU.RCP (relative error ~2^-23; 1/inf = 0)."""
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _rcp_newton(d, STEPS: gl.constexpr):
+    """1/d for d in [1, 2^126] without a MUFU op: an integer-trick first guess, then STEPS Newton
+    steps y (2 - d y) (relative error below 2^-16 after 2 steps, 2^-32 after 3); NaN for NaN."""
+    y = (0x7F000000 - d.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+    for _ in gl.static_range(STEPS):
+        y = y * (1.0 - d * y) + y
+    return y
+
+
+@gluon.jit
+def _row_value(rows, kv_len, q_len, row_param, WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr, CAUSAL: gl.constexpr):
+    """Per query row: the threshold tau_i (row_param = beta sqrt(2 / D)) or the sigmoid's bias in
+    log2 units (HAS_BIAS: row_param = b log2 e; else -log2 n_i), from n_i, the keys row i sees
+    (causal: position + 1, rows at negative positions see none; else kv_len); n_i = 0 counts as 1."""
+    if CAUSAL:
+        n_i = (rows + (kv_len - q_len) + 1).to(gl.float32)
+    else:
+        n_i = gl.zeros_like(rows).to(gl.float32) + kv_len
+    n_i = gl.maximum(n_i, 1.0)
+    if WEIGHT == THRESHOLD:
+        value = row_param * gl.sqrt(gl.log(n_i))
+    elif HAS_BIAS:
+        value = gl.zeros_like(n_i) + row_param
+    else:
+        value = -gl.log2(n_i)
+    return value
+
+
+@gluon.jit
+def _weights(s, j, row_value, last_key, kv_len, score_scale, power, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr,
+             NEWTON: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key block j's raw scores s = q.k (fp32, in the wgmma's registers) -> its weights w (fp32, same
+    registers), 0 at keys the rows do not see."""
+    r = gl.expand_dims(row_value, 1)
+    if MASKED:
+        s_layout: gl.constexpr = s.type.layout
+        visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
+    if WEIGHT == THRESHOLD:
+        if MASKED:  # relu(-inf - tau) = 0: the select rides on the score (FSEL), before the weight
+            s = gl.where(visible, s, -float("inf"))
+        x = s - r
+        relu = gl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        if POWER_MODE == 1:
+            w = relu
+        elif POWER_MODE == 2:
+            w = relu * relu
+        else:  # relu is 0 for x <= 0 and NaN for a NaN score, so it stands in where no power is taken
+            w = gl.where(x > 0.0, _ex2(power * gl.log2(gl.maximum(x, TINY))), relu)
+    else:
+        x = s * score_scale - r  # score_scale = -s log2 e: one FFMA per score
+        if NEWTON > 0:  # 2^x >= 2^126 gives w = 2^-126, not 0: the first guess needs d <= 2^126
+            w = _rcp_newton(1.0 + _ex2(gl.minimum(x, 126.0, propagate_nan=tl.PropagateNan.ALL)), NEWTON)
+        else:
+            w = _rcp(1.0 + _ex2(x))
+        if MASKED:
+            w = gl.where(visible, w, 0.0)
+    return w
+
+
+@gluon.jit
+def _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, row_value, last_key,
+                     kv_len, score_scale, power, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                     WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, NEWTON: gl.constexpr, MASKED: gl.constexpr,
+                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j with block j - 1's W V in flight: S_j = Q K_j^T and O += W_{j-1} V_{j-1} issued back to
+    back, S_j's weights formed while the tensor cores run W_{j-1} V_{j-1}. Returns (W_j packed, O)."""
+    s, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+    acc, v_tile = issue_pv(j - 1, w16, acc, v_smem, v_ready, STAGES)
+    s, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_smem, k_tile))
+    release(j, k_empty, STAGES)
+    w = _weights(s, j, row_value, last_key, kv_len, score_scale, power, WEIGHT, POWER_MODE, NEWTON, MASKED, CAUSAL,
+                 BLOCK_N)
+    # W_{j-1} among the deps: its registers stay live until the wgmma that reads them retired
+    acc, v_tile, w16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, w16))
+    release(j - 1, v_empty, STAGES)
+    return pv_operand(w, v_smem, p_layout), acc
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on, m0, q_len,
+              kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr,
+              HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: BLOCK_M (64) query rows from m0 against key blocks [0, n_tiles) (unmasked
+    below n_full); stores its rows of out."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    row_value = _row_value(rows, kv_len, q_len, row_param, WEIGHT, HAS_BIAS, CAUSAL)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:
+        s, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        s, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem, k_tile))
+        release(0, k_empty, STAGES)
+        if n_full > 0:
+            w0 = _weights(s, 0, row_value, last_key, kv_len, score_scale, power, WEIGHT, POWER_MODE, NEWTON, False,
+                          CAUSAL, BLOCK_N)
+        else:
+            w0 = _weights(s, 0, row_value, last_key, kv_len, score_scale, power, WEIGHT, POWER_MODE, NEWTON, True,
+                          CAUSAL, BLOCK_N)
+        w16 = pv_operand(w0, v_smem, p_layout)
+        for j in range(1, n_full):
+            w16, acc = _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                        row_value, last_key, kv_len, score_scale, power, s_layout, p_layout, WEIGHT,
+                                        POWER_MODE, NEWTON, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            w16, acc = _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                                        row_value, last_key, kv_len, score_scale, power, s_layout, p_layout, WEIGHT,
+                                        POWER_MODE, NEWTON, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        acc, v_tile = issue_pv(n_tiles - 1, w16, acc, v_smem, v_ready, STAGES)
+        acc, v_tile, w16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, w16))
+        release(n_tiles - 1, v_empty, STAGES)
+
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_on, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+
+
+@gluon.jit
+def _gluon_weighted_fwd_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_on, stride_oh,
+                               H, GROUP, q_len, kv_len, score_scale, row_param, power,
+                               WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                               NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
+    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+    gl.warp_specialize([
+        (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on,
+                     m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT, POWER_MODE, HAS_BIAS,
+                     NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on,
+                     m0 + HALF_M, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT, POWER_MODE,
+                     HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                    b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def serves(q, k, v) -> bool:
+    """Whether the kernel serves these operands (`gluon_pipeline.serves`)."""
+    from attn.kernels.gluon_pipeline import serves as operands_served
+
+    return operands_served(q, k, v)
+
+
+def power_mode(power: float) -> int:
+    """The kernel's POWER_MODE: 1 / 2 for p = 1 / 2 (no MUFU op), 0 for any other p > 0."""
+    return 1 if power == 1.0 else 2 if power == 2.0 else 0
+
+
+# sigmoid reciprocal: Newton steps per dtype (relative error of w below half a 16-bit ulp), as the
+# portable forward's default
+SIGMOID_NEWTON_STEPS = {"bfloat16": 2, "float16": 3}
+
+
+def _launch(q, k, v, causal: bool, weight: int, score_scale: float, row_param: float, power: float, has_bias: bool,
+            newton: int):
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    cfg = tile_config(d)
+    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
+    out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
+    _gluon_weighted_fwd_kernel[grid](
+        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), out.stride(2),
+        h, h // h_kv, n, kv_len, float(score_scale), float(row_param), float(power),
+        WEIGHT=weight, POWER_MODE=power_mode(power), HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
+        HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    return out
+
+
+def launch_threshold(q, k, v, causal: bool, beta: float, power: float):
+    """Threshold attention's output (B, N, H, D) in q's dtype, without checks (the threshold family's
+    launch plans check once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D)."""
+    return _launch(q, k, v, causal, THRESHOLD, 1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0)
+
+
+def launch_sigmoid(q, k, v, causal: bool, sm_scale: float, bias: float | None, newton: int | None = None):
+    """Sigmoid attention's output (B, N, H, D) in q's dtype, without checks (the sigmoid family's launch
+    plans check once): w = sigmoid(sm_scale q.k + b_i), b_i = bias or -ln n_i. `newton`: the
+    reciprocal's Newton steps (0: MUFU.RCP; None: SIGMOID_NEWTON_STEPS of q's dtype)."""
+    if newton is None:
+        newton = SIGMOID_NEWTON_STEPS[str(q.dtype).removeprefix("torch.")]
+    return _launch(q, k, v, causal, SIGMOID, -sm_scale * LOG2E, 0.0 if bias is None else bias * LOG2E, 1.0,
+                   bias is not None, newton)
+
+
+def gluon_threshold_forward(q, k, v, causal: bool, beta: float = 1.0, power: float = 2.0):
+    """`launch_threshold` with its operands checked (ValueError naming what a call misses)."""
+    check_operands(q, k, v, causal, "gluon threshold forward")
+    if not (math.isfinite(float(power)) and power > 0):
+        raise ValueError(f"gluon threshold forward: power must be > 0 and finite, got {power}")
+    if not math.isfinite(float(beta)):
+        raise ValueError(f"gluon threshold forward: beta must be finite, got {beta}")
+    return launch_threshold(q, k, v, causal, beta, power)
+
+
+def gluon_sigmoid_forward(q, k, v, causal: bool, sm_scale: float, bias: float | None = None, newton: int | None = None):
+    """`launch_sigmoid` with its operands checked (ValueError naming what a call misses)."""
+    check_operands(q, k, v, causal, "gluon sigmoid forward")
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"gluon sigmoid forward: sm_scale must be finite, got {sm_scale}")
+    if bias is not None and not math.isfinite(float(bias)):
+        raise ValueError(f"gluon sigmoid forward: bias must be finite or None, got {bias}")
+    if newton is not None and newton not in (0, 1, 2, 3):
+        raise ValueError(f"gluon sigmoid forward: newton must be None or one of 0, 1, 2, 3, got {newton!r}")
+    return launch_sigmoid(q, k, v, causal, sm_scale, bias, newton)
+
+
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
+                 weight: int = THRESHOLD, power: float = 2.0, has_bias: bool = False, newton: int = 2):
+    """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
+    signature = {"O": f"*{dtype}", "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
+                 "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "score_scale": "fp32",
+                 "row_param": "fp32", "power": "fp32", "WEIGHT": "constexpr", "POWER_MODE": "constexpr",
+                 "HAS_BIAS": "constexpr", "NEWTON": "constexpr", "CAUSAL": "constexpr"}
+    constexprs = {"WEIGHT": weight, "POWER_MODE": power_mode(power), "HAS_BIAS": has_bias,
+                  "NEWTON": newton if weight == SIGMOID else 0, "CAUSAL": causal}
+    return compile_kernel(_gluon_weighted_fwd_kernel, head_dim, dtype, signature, constexprs, ("O",), arch)
