@@ -87,8 +87,8 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "tanh": dict(cap=1, fixed_shift=True), "tanh_online": dict(cap=1), "soft_sign": dict(cap=2, fixed_shift=True),
             "alsc": dict(cap=3, fixed_shift=True), "alsc_temperature": dict(cap=3, has_temp=True),
             "threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
-            "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2, newton=2),
-            "sigmoid_mufu": dict(weight=2, newton=0)}
+            "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2, newton=0),
+            "sigmoid_newton": dict(weight=2, newton=2)}
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
 
 

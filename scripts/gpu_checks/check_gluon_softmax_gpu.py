@@ -204,13 +204,13 @@ VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, 
             ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False)]
 
 
-def time_variants(results):
+def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
     import torch.nn.functional as F
 
     import attn
 
     rows = []
-    for b, h, n, d in VARIANT_SHAPES:
+    for b, h, n, d in shapes:
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         temperature = torch.rand(b, n, device="cuda") + 0.5
@@ -227,12 +227,12 @@ def time_variants(results):
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
-            if name == "sigmoid":  # the reciprocal on MUFU.RCP instead of Newton steps (forward only)
+            if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
                 from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
 
-                impls["gluon_mufu_rcp"] = (lambda: gluon_sigmoid_forward(q, k, v, True, d ** -0.5, None, newton=0), None)
+                impls["gluon_newton2"] = (lambda: gluon_sigmoid_forward(q, k, v, True, d ** -0.5, None, newton=2), None)
             label = name + (" + temperature" if tempered else "")
-            for pass_name in ("fwd", "fwd+bwd"):
+            for pass_name in passes:
                 times = {}
                 for impl, (fn, grad) in impls.items():
                     if grad is None and pass_name != "fwd":
@@ -264,6 +264,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax.json")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--variants-only", action="store_true",
+                    help="only the per-variant forward timing at the first variant shape (no checks, no shape table)")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
@@ -290,6 +292,10 @@ def main() -> int:
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1))
         return 1
 
+    if args.variants_only:
+        time_variants(results, VARIANT_SHAPES[:1], ("fwd",))
+        (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
+        return 0
     kernels = {"gluon_sm90": gluon_softmax_forward}
     for spec in args.kernel:
         name, _, path = spec.partition("=")
