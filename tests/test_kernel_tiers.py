@@ -91,3 +91,74 @@ def test_softmax_plans_read_the_switch(monkeypatch):
     from attn.kernels import softmax_family as sf
 
     assert tiers.GLUON_ENV in sf._FWD_PLANS.settings
+
+
+def _fake_gluon(monkeypatch, module, name, log, result):
+    """Replaces a Gluon launcher by one that logs its arguments and returns `result(q)`."""
+    def launch(q, k, v, *args, **kwargs):
+        log.append((name, args, kwargs))
+        return result(q)
+    monkeypatch.setattr(module, name, launch)
+
+
+@pytest.fixture
+def gluon_offered(monkeypatch):
+    """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1), its launchers logged."""
+    from attn.kernels import gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family, threshold_family
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    for family in (softmax_family, threshold_family, sigmoid_family):
+        monkeypatch.setattr(family, "gluon_candidate", lambda device: True)
+    log = []
+    _fake_gluon(monkeypatch, gluon_softmax_fwd, "launch_forward", log,
+                lambda q: (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    _fake_gluon(monkeypatch, gluon_weighted_fwd, "launch_threshold", log, torch.zeros_like)
+    _fake_gluon(monkeypatch, gluon_weighted_fwd, "launch_sigmoid", log, torch.zeros_like)
+    return log
+
+
+SERVED = [  # (variant, params, call options, the Gluon launcher expected or None)
+    ("softmax", {}, {}, "launch_forward"),
+    ("softcap_tanh", {"cap": 5.0}, {"temperature": True}, "launch_forward"),
+    ("alsc", {}, {"causal": False}, "launch_forward"),
+    ("softmax", {}, {"window": 4}, None),
+    ("softmax", {}, {"segments": True}, None),
+    ("threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_threshold"),
+    ("threshold", {}, {"window": 4}, None),
+    ("diff_threshold", {}, {}, None),
+    ("sigmoid", {"bias": -1.0}, {"causal": False}, "launch_sigmoid"),
+    ("sigmoid", {}, {"segments": True}, None),
+]
+
+
+@pytest.mark.parametrize("variant,params,options,launcher", SERVED,
+                         ids=[f"{v}-{sorted(o)}" for v, _, o, _ in SERVED])
+def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, options, launcher, gluon_offered):
+    """Segments, a window and the differential threshold stay portable; the rest reach their Gluon
+    launcher with the call's mask and the variant's parameters."""
+    import attn
+
+    spec = attn.get_variant(variant).make_spec(**params)
+    b, n, h, d = 1, 24, 2, 64
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16) for _ in range(3))
+    causal = options.get("causal", True)
+    kwargs = dict(causal=causal, window=options.get("window"), backend="triton")
+    if options.get("temperature"):
+        kwargs["temperature"] = torch.rand(b, n) + 0.5
+    if options.get("segments"):
+        kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
+    if variant == "diff_threshold":
+        kwargs["extra"] = {"q2": torch.randn_like(q), "k2": torch.randn_like(k), "lam": torch.full((h,), 0.5)}
+    with torch.no_grad():
+        attn.attention(q, k, v, spec, **kwargs)
+    if launcher is None:
+        assert gluon_offered == []
+        return
+    (name, args, named), = gluon_offered
+    assert name == launcher and args[0] is causal
+    if variant == "threshold":
+        assert args[1:] == (0.5, 1.5)
+    if variant == "sigmoid":
+        assert args[2] == -1.0
+    if variant == "softcap_tanh":
+        assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
