@@ -25,6 +25,9 @@ import triton.language as tl
 from attn.kernels.env import interpreting
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
+# through them under the interpreter)
+KERNEL_DEVICE_TYPES = ("cuda",)
 MAX_KERNEL_HEAD_DIM = 1024  # rows longer than this take the plain form (one program holds BLOCK_T x BLOCK_D)
 ELEMENTS_PER_PROGRAM = 4096  # BLOCK_T x BLOCK_D on a GPU
 INTERPRET_ROWS = 16  # BLOCK_T under the interpreter: small test shapes still span several row blocks
@@ -172,8 +175,9 @@ def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
 
 
 def _kernel_runs(x: torch.Tensor, weights, out_dtype: torch.dtype) -> bool:
-    """Whether the kernels serve this call when not forced: eager CUDA tensors of 16/32-bit types."""
-    if not x.is_cuda or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+    """Whether the kernels serve this call when not forced: eager CUDA tensors of 16/32-bit types
+    (plain tensors: fake and other subclass tensors are traced)."""
+    if x.device.type not in KERNEL_DEVICE_TYPES or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
         return False
     if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES or x.numel() == 0:
         return False
