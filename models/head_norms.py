@@ -6,7 +6,7 @@ every row of D is normalized in fp32 arithmetic, times its slot's weight (none, 
 or two by a slot rule: the first `first_slots` of every `period` slots take `weight`, the rest
 `second_weight`, i.e. q heads then k heads of each q/k view), times a constant `scale`, rounded once
 to `out_dtype`. torch's fused rms_norm runs one thread block per row, which for rows of 64 elements
-leaves the GPU mostly idle; these kernels give each program BLOCK_T rows of one slot (about 4096
+leaves the GPU mostly idle; these kernels give each program a block of rows of one slot (about 4096
 elements), read x through its token and slot strides (the q/k heads are a slice of the qkv
 projection), and save each row's rstd (T, S) fp32 for the backward, whose weight gradients are
 per-program partial sums (n_t_blocks, S, D) that torch adds up (deterministic: no atomics).
@@ -23,19 +23,20 @@ import triton
 import triton.language as tl
 
 from attn.kernels.env import interpreting
+from attn.kernels.runtime import Kernel, TileConfig
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
 # through them under the interpreter)
 KERNEL_DEVICE_TYPES = ("cuda",)
-MAX_KERNEL_HEAD_DIM = 1024  # rows longer than this take the plain form (one program holds BLOCK_T x BLOCK_D)
-ELEMENTS_PER_PROGRAM = 4096  # BLOCK_T x BLOCK_D on a GPU
-INTERPRET_ROWS = 16  # BLOCK_T under the interpreter: small test shapes still span several row blocks
+MAX_KERNEL_HEAD_DIM = 1024  # rows longer than this take the plain form (one program holds BLOCK_M x BLOCK_N)
+ELEMENTS_PER_PROGRAM = 4096  # BLOCK_M (rows) x BLOCK_N (D padded to a power of two) on a GPU
+INTERPRET_ROWS = 16  # rows per program under the interpreter: small test shapes still span several row blocks
 
 
 @triton.jit
 def _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B: tl.constexpr):
-    """The (BLOCK_D,) fp32 weight of slot s: W_A for the first `first_slots` of every `period` slots,
+    """The (BLOCK_N,) fp32 weight of slot s: W_A for the first `first_slots` of every `period` slots,
     W_B for the rest (W_A for all without W_B)."""
     W = W_A
     if HAS_B:
@@ -45,14 +46,14 @@ def _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B: tl.const
 
 @triton.jit
 def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
-                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
-    """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_T
-    rows t of slot s. OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
+    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
-    rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < T
     col_ok = cols < D
     mask = row_ok[:, None] & col_ok[None, :]
@@ -69,14 +70,14 @@ def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, fi
 @triton.jit
 def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride_xs, stride_dyt, stride_dys,
                        first_slots, period, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr,
-                       WEIGHT_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                       WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale; with
     WEIGHT_GRAD, DW[pid_t, s] = sum over the program's rows of dy * xhat * scale (DW (n_t_blocks, S, D)
     fp32). DX is contiguous (T, S, D)."""
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
-    rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < T
     col_ok = cols < D
     mask = row_ok[:, None] & col_ok[None, :]
@@ -96,11 +97,15 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
         tl.store(DW + (pid_t * S + s) * D + cols, dw, mask=col_ok)
 
 
-def _blocks(d: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_D) for rows of d elements."""
-    block_d = triton.next_power_of_2(d)
-    block_t = INTERPRET_ROWS if interpreting() else max(1, ELEMENTS_PER_PROGRAM // block_d)
-    return block_t, block_d
+_FWD = Kernel(_head_rms_norm_fwd, "head_rms_norm_fwd")
+_BWD = Kernel(_head_rms_norm_bwd, "head_rms_norm_bwd")
+
+
+def _config(d: int) -> TileConfig:
+    """The one launch config for rows of d elements: block_m rows per program, block_n = d padded."""
+    block_n = triton.next_power_of_2(d)
+    block_m = INTERPRET_ROWS if interpreting() else max(1, ELEMENTS_PER_PROGRAM // block_n)
+    return TileConfig(block_m, block_n, num_warps=4, num_stages=1)
 
 
 class _HeadRMSNorm(torch.autograd.Function):
@@ -109,15 +114,14 @@ class _HeadRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x3, weight, second_weight, first_slots, period, eps, scale, out_dtype):
         t, s, d = x3.shape
-        block_t, block_d = _blocks(d)
+        cfg = _config(d)
         out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
         rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
         w_a = x3 if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        grid = (triton.cdiv(t, block_t), s)
-        _head_rms_norm_fwd[grid](x3, w_a, w_b, out, rstd, t, s, d, x3.stride(0), x3.stride(1), first_slots, period,
-                                 eps, scale, HAS_WEIGHT=weight is not None, HAS_B=second_weight is not None,
-                                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        _FWD.run(cfg, (triton.cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
+                 (t, s, d, x3.stride(0), x3.stride(1), first_slots, period, eps, scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
         ctx.save_for_backward(x3, weight, second_weight, rstd)
         ctx.first_slots, ctx.period, ctx.scale = first_slots, period, scale
         return out
@@ -127,19 +131,19 @@ class _HeadRMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x3, weight, second_weight, rstd = ctx.saved_tensors
         t, s, d = x3.shape
-        block_t, block_d = _blocks(d)
+        cfg = _config(d)
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        n_t_blocks = triton.cdiv(t, block_t)
+        n_t_blocks = triton.cdiv(t, cfg.block_m)
         dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
         partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
         w_a = x3 if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _head_rms_norm_bwd[(n_t_blocks, s)](x3, w_a, w_b, dy, rstd, dx, partial, t, s, d, x3.stride(0), x3.stride(1),
-                                            dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period, ctx.scale,
-                                            HAS_WEIGHT=weight is not None, HAS_B=second_weight is not None,
-                                            WEIGHT_GRAD=weight_grad, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+        _BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, dy, rstd, dx, partial),
+                 (t, s, d, x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period,
+                  ctx.scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
         d_weight = d_second = None
         if weight_grad:
             per_slot = partial.sum(0)
