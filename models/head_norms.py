@@ -157,9 +157,9 @@ class _HeadRMSNorm(torch.autograd.Function):
 
 
 def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
-    """The same norm in plain torch ops (the forms the model used before these kernels, which
-    inductor fuses): one F.rms_norm of x's dtype with the weight inside when the output keeps x's
-    dtype and one weight serves all slots, else F.rms_norm of x in out_dtype times the slots' weights."""
+    """The same norm in plain torch ops, which inductor fuses: one F.rms_norm of x's dtype with the
+    weight inside when the output keeps x's dtype and one weight serves all slots, else F.rms_norm of
+    x in out_dtype times the slots' weights."""
     d = x.shape[-1]
     with torch.autocast(x.device.type, enabled=False):
         if second_weight is None and out_dtype == x.dtype:
