@@ -145,14 +145,13 @@ class _HeadRMSNorm(torch.autograd.Function):
                   ctx.scale),
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
         d_weight = d_second = None
-        if weight_grad:
-            per_slot = partial.sum(0)
+        if weight_grad:  # one reduction per weight (the eager step pays per op on the host)
             if second_weight is None:
-                d_weight = per_slot.sum(0).to(weight.dtype)
+                d_weight = partial.sum((0, 1)).to(weight.dtype)
             else:
-                per_kind = per_slot.view(s // ctx.period, ctx.period, d)
-                d_weight = per_kind[:, :ctx.first_slots].sum((0, 1)).to(weight.dtype)
-                d_second = per_kind[:, ctx.first_slots:].sum((0, 1)).to(second_weight.dtype)
+                per_kind = partial.view(n_t_blocks, s // ctx.period, ctx.period, d)
+                d_weight = per_kind[:, :, :ctx.first_slots].sum((0, 1, 2)).to(weight.dtype)
+                d_second = per_kind[:, :, ctx.first_slots:].sum((0, 1, 2)).to(second_weight.dtype)
         return dx, d_weight, d_second, None, None, None, None, None
 
 
