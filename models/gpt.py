@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import attn
 from models.captured_step import capture_cuda_graph
+from models.head_norms import head_rms_norm
 
 QK_NORMS = ("none", "l2", "rms")
 # the MLP's activation by kind; swiglu gates (its up projection is twice as wide)
@@ -193,15 +194,14 @@ def _qk_normalize(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     """The parameter-free QK-norms ("l2", or none); "rms" is Attention.rms_normalize_heads.
 
     l2: every head scaled to unit norm over D, as x / ||x|| = rms_norm(x) / sqrt(D): one fused
-    rms_norm in x's dtype (fp32 arithmetic inside torch's kernel) weighted by D^-1/2, instead of
-    F.normalize's norm, clamp and division, which autocast runs in fp32 (21 kernels forward and
-    backward at the `small` shape against 4, docs/results/public_path/). Autocast is off around it:
-    it would widen x to fp32 and lose the fused kernel."""
+    RMSNorm in x's dtype (fp32 arithmetic inside) scaled by D^-1/2, instead of F.normalize's norm,
+    clamp and division, which autocast runs in fp32 (21 kernels forward and backward at the `small`
+    shape against 4, docs/results/public_path/). Autocast is off around it: it would widen x to fp32.
+    On CUDA in eager mode the norm is models/head_norms.py's kernel, elsewhere torch's rms_norm
+    weighted by D^-1/2 in x's dtype."""
     if kind != "l2":
         return x
-    d = x.shape[-1]
-    with torch.autocast(x.device.type, enabled=False):
-        return F.rms_norm(x, (d,), x.new_full((d,), d ** -0.5), torch.finfo(torch.float32).tiny)
+    return head_rms_norm(x, eps=torch.finfo(torch.float32).tiny, scale=x.shape[-1] ** -0.5)
 
 
 def _load_extras_held_by_the_layer(layer: Attention, state_dict: dict, prefix: str, *args) -> None:
@@ -283,22 +283,20 @@ class Attention(nn.Module):
         least fp32 (float64 heads stay float64), then each head scaled by its kind's weight (q_norm's or
         k_norm's): what q_norm and k_norm compute (their eps; None is the compute type's machine
         epsilon, fp32's for 16-bit inputs too), without rounding the normalized heads to 16 bits before
-        the weight."""
-        h, h_kv, d = self.n_head, self.n_kv_head, self.head_dim
-        dtype = torch.promote_types(heads.dtype, torch.float32)
-        weight = torch.cat([self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(h_kv, d)])
-        if self.views > 1:
-            weight = weight.repeat(self.views, 1)
-        return F.rms_norm(heads.to(dtype), (d,), None, self.q_norm.eps) * weight.to(dtype)
+        the weight (models/head_norms.py: its kernel on CUDA in eager mode, torch's rms_norm times the
+        weights elsewhere)."""
+        return head_rms_norm(heads, self.q_norm.weight, second_weight=self.k_norm.weight, first_slots=self.n_head,
+                             period=self.n_head + self.n_kv_head, eps=self.q_norm.eps,
+                             out_dtype=torch.promote_types(heads.dtype, torch.float32))
 
     def normalize_output(self, y: torch.Tensor) -> torch.Tensor:
         """head_norm (the per-head output RMSNorm) in one fused kernel of y's dtype, fp32 arithmetic
         inside, its weight cast to y's dtype as autocast casts linear weights. Autocast is off around it:
         it would widen y to fp32 and back (at the `small` shape, forward and backward, 259 us and 11
-        kernels against 173 us and 9, docs/results/public_path/)."""
+        kernels against 173 us and 9 for torch's rms_norm, docs/results/public_path/). On CUDA in eager
+        mode the norm is models/head_norms.py's kernel, elsewhere torch's rms_norm."""
         norm = self.head_norm
-        with torch.autocast(y.device.type, enabled=False):
-            return F.rms_norm(y, (self.head_dim,), norm.weight.to(y.dtype), norm.eps)
+        return head_rms_norm(y, norm.weight.to(y.dtype), eps=norm.eps)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,

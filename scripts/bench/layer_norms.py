@@ -1,10 +1,12 @@
 """The attention layer's norms as the model computes them against their plain PyTorch forms, on the GPU.
 
-At a training shape under bf16 autocast, forward + backward of: the l2 QK-norm (`models.gpt._qk_normalize`,
-one fused rms_norm weighted by D^-1/2) against F.normalize, and the per-head output norm
-(`Attention.normalize_output`, one fused rms_norm in the heads' dtype) against the norm through an fp32
-copy. Per row: median us (do_bench), CUDA kernels per call, the output dtype and its largest error
-against the float64 result.
+At a training shape under bf16 autocast, forward + backward of each norm as the model computes it on CUDA
+(models/head_norms.py's Triton kernels: many head rows per program) against torch's fused rms_norm
+(the same function's plain form, `kernel=False`: one thread block per row) and other plain forms: the l2
+QK-norm (`models.gpt._qk_normalize`; also F.normalize), the rms QK-norm of a sigmoid layer
+(`Attention.rms_normalize_heads`: fp32 output, q and k weights) and the per-head output norm
+(`Attention.normalize_output`, the heads' dtype; also through an fp32 copy). Per row: median us
+(do_bench), CUDA kernels per call, the output dtype and its largest error against the float64 result.
 
     python scripts/bench/layer_norms.py [--batch 32 --seq 512 --heads 6 --head-dim 64] [--out FILE.json]
 """
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models.gpt import Attention, AttnConfig, GPTConfig, _qk_normalize  # noqa: E402
+from models.head_norms import head_rms_norm  # noqa: E402
 from timing import median_ms, result_header  # noqa: E402
 
 
@@ -55,19 +58,38 @@ def main() -> int:
     args = ap.parse_args()
     b, n, h, d = args.batch, args.seq, args.heads, args.head_dim
     dev = torch.device("cuda")
-    layer = Attention(GPTConfig(n_head=h, n_kv_head=h, d_model=h * d, context=n,
-                                attn=AttnConfig(name="threshold", backend="reference")), 0).to(dev)
+    def layer_of(name: str) -> Attention:
+        return Attention(GPTConfig(n_head=h, n_kv_head=h, d_model=h * d, context=n,
+                                   attn=AttnConfig(name=name, backend="reference")), 0).to(dev)
+
+    layer, sigmoid = layer_of("threshold"), layer_of("sigmoid")
+    with torch.no_grad():  # weights away from 1, as after training
+        for w in (layer.head_norm.weight, sigmoid.q_norm.weight, sigmoid.k_norm.weight):
+            w.uniform_(0.5, 1.5)
     heads = torch.randn(b, n, 2 * h, d, device=dev, dtype=torch.bfloat16)  # q and k heads
     outs = torch.randn(b, n, h, d, device=dev, dtype=torch.bfloat16)
-    weight = layer.head_norm.weight
+    norm, qw, kw = layer.head_norm, sigmoid.q_norm.weight, sigmoid.k_norm.weight
+    eps_rms = torch.finfo(torch.float32).eps  # q_norm's eps None: fp32's machine epsilon
+    l2 = dict(eps=torch.finfo(torch.float32).tiny, scale=d ** -0.5)
+    rms = dict(second_weight=kw, first_slots=h, period=2 * h, eps=eps_rms, out_dtype=torch.float32)
+    rms64 = dict(rms, second_weight=kw.double(), out_dtype=torch.float64)
     cases = [
-        ("l2 QK-norm: the model's (fused rms_norm)", lambda x: _qk_normalize(x, "l2"), heads,
+        ("l2 QK-norm: the model's (Triton head norm)", lambda x: _qk_normalize(x, "l2"), heads,
+         lambda x: F.normalize(x, dim=-1)),
+        ("l2 QK-norm: torch rms_norm (fused)", lambda x: head_rms_norm(x, **l2, kernel=False), heads,
          lambda x: F.normalize(x, dim=-1)),
         ("l2 QK-norm: F.normalize", lambda x: F.normalize(x, dim=-1), heads, lambda x: F.normalize(x, dim=-1)),
-        ("output norm: the model's (fused, heads' dtype)", layer.normalize_output, outs,
-         lambda y: F.rms_norm(y, (d,), weight.double(), layer.head_norm.eps)),
-        ("output norm: through an fp32 copy", lambda y: layer.head_norm(y.float()).to(y.dtype), outs,
-         lambda y: F.rms_norm(y, (d,), weight.double(), layer.head_norm.eps)),
+        ("rms QK-norm: the model's (Triton head norm)", sigmoid.rms_normalize_heads, heads,
+         lambda x: head_rms_norm(x, qw.double(), **rms64, kernel=False)),
+        ("rms QK-norm: torch rms_norm (fp32) x weights", lambda x: head_rms_norm(x, qw, **rms, kernel=False), heads,
+         lambda x: head_rms_norm(x, qw.double(), **rms64, kernel=False)),
+        ("output norm: the model's (Triton head norm)", layer.normalize_output, outs,
+         lambda y: F.rms_norm(y, (d,), norm.weight.double(), norm.eps)),
+        ("output norm: torch rms_norm (fused, heads' dtype)",
+         lambda y: head_rms_norm(y, norm.weight.to(y.dtype), eps=norm.eps, kernel=False), outs,
+         lambda y: F.rms_norm(y, (d,), norm.weight.double(), norm.eps)),
+        ("output norm: through an fp32 copy", lambda y: norm(y.float()).to(y.dtype), outs,
+         lambda y: F.rms_norm(y, (d,), norm.weight.double(), norm.eps)),
     ]
     rows = []
     for name, fn, x0, exact in cases:

@@ -1,0 +1,244 @@
+"""RMSNorm over each head's D elements, many rows per program: the attention layer's per-head norms
+(the l2 and rms QK-norms and the per-head output norm of models/gpt.py).
+
+x (..., S, D) holds T tokens (the product of the leading dims) of S head slots of D elements each;
+every row of D is normalized in fp32 arithmetic, times its slot's weight (none, one for every slot,
+or two by a slot rule: the first `first_slots` of every `period` slots take `weight`, the rest
+`second_weight`, i.e. q heads then k heads of each q/k view), times a constant `scale`, rounded once
+to `out_dtype`. torch's fused rms_norm runs one thread block per row, which for rows of 64 elements
+leaves the GPU mostly idle; these kernels give each program a block of rows of one slot (about 4096
+elements), read x through its token and slot strides (the q/k heads are a slice of the qkv
+projection), and save each row's rstd (T, S) fp32 for the backward, whose weight gradients are
+per-program partial sums (n_t_blocks, S, D) that torch adds up (deterministic: no atomics).
+
+`head_rms_norm` runs the kernels on CUDA in eager mode; under torch.compile (inductor fuses the plain
+form itself), off CUDA, or for float64 it computes the same math with plain torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from attn.kernels.env import interpreting
+from attn.kernels.runtime import Kernel, TileConfig
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
+# through them under the interpreter)
+KERNEL_DEVICE_TYPES = ("cuda",)
+MAX_KERNEL_HEAD_DIM = 1024  # rows longer than this take the plain form (one program holds BLOCK_M x BLOCK_N)
+ELEMENTS_PER_PROGRAM = 4096  # BLOCK_M (rows) x BLOCK_N (D padded to a power of two) on a GPU
+INTERPRET_ROWS = 16  # rows per program under the interpreter: small test shapes still span several row blocks
+
+
+@triton.jit
+def _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B: tl.constexpr):
+    """The (BLOCK_N,) fp32 weight of slot s: W_A for the first `first_slots` of every `period` slots,
+    W_B for the rest (W_A for all without W_B)."""
+    W = W_A
+    if HAS_B:
+        W = tl.where(s % period < first_slots, W_A, W_B)
+    return tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
+                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
+    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+    y = y * scale
+    tl.store(OUT + (rows[:, None] * S + s) * D + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows * S + s, rstd, mask=row_ok)
+
+
+@triton.jit
+def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride_xs, stride_dyt, stride_dys,
+                       first_slots, period, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr,
+                       WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale; with
+    WEIGHT_GRAD, DW[pid_t, s] = sum over the program's rows of dy * xhat * scale (DW (n_t_blocks, S, D)
+    fp32). DX is contiguous (T, S, D)."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dyt + s * stride_dys + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows * S + s, mask=row_ok, other=0.0)
+    xhat = x * rstd[:, None]
+    g = dy * scale
+    if HAS_WEIGHT:
+        g = g * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+    mean_gx = tl.sum(g * xhat, axis=1) / D
+    dx = rstd[:, None] * (g - xhat * mean_gx[:, None])
+    tl.store(DX + (rows[:, None] * S + s) * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        dw = tl.sum(dy * xhat, axis=0) * scale
+        tl.store(DW + (pid_t * S + s) * D + cols, dw, mask=col_ok)
+
+
+_FWD = Kernel(_head_rms_norm_fwd, "head_rms_norm_fwd")
+_BWD = Kernel(_head_rms_norm_bwd, "head_rms_norm_bwd")
+
+
+def _config(d: int) -> TileConfig:
+    """The one launch config for rows of d elements: block_m rows per program, block_n = d padded."""
+    block_n = triton.next_power_of_2(d)
+    block_m = INTERPRET_ROWS if interpreting() else max(1, ELEMENTS_PER_PROGRAM // block_n)
+    return TileConfig(block_m, block_n, num_warps=4, num_stages=1)
+
+
+class _HeadRMSNorm(torch.autograd.Function):
+    """The kernels over x3 (T, S, D) with a unit D stride; returns a contiguous (T, S, D)."""
+
+    @staticmethod
+    def forward(ctx, x3, weight, second_weight, first_slots, period, eps, scale, out_dtype):
+        t, s, d = x3.shape
+        cfg = _config(d)
+        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
+        w_a = x3 if weight is None else weight
+        w_b = w_a if second_weight is None else second_weight
+        _FWD.run(cfg, (triton.cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
+                 (t, s, d, x3.stride(0), x3.stride(1), first_slots, period, eps, scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
+        ctx.save_for_backward(x3, weight, second_weight, rstd)
+        ctx.first_slots, ctx.period, ctx.scale = first_slots, period, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x3, weight, second_weight, rstd = ctx.saved_tensors
+        t, s, d = x3.shape
+        cfg = _config(d)
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        n_t_blocks = triton.cdiv(t, cfg.block_m)
+        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
+        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
+        w_a = x3 if weight is None else weight
+        w_b = w_a if second_weight is None else second_weight
+        _BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, dy, rstd, dx, partial),
+                 (t, s, d, x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period,
+                  ctx.scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
+        d_weight = d_second = None
+        if weight_grad:  # one reduction per weight (the eager step pays per op on the host)
+            if second_weight is None:
+                d_weight = partial.sum((0, 1)).to(weight.dtype)
+            else:
+                per_kind = partial.view(n_t_blocks, s // ctx.period, ctx.period, d)
+                d_weight = per_kind[:, :, :ctx.first_slots].sum((0, 1, 2)).to(weight.dtype)
+                d_second = per_kind[:, :, ctx.first_slots:].sum((0, 1, 2)).to(second_weight.dtype)
+        return dx, d_weight, d_second, None, None, None, None, None
+
+
+def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
+    """The same norm in plain torch ops, which inductor fuses: one F.rms_norm of x's dtype with the
+    weight inside when the output keeps x's dtype and one weight serves all slots, else F.rms_norm of
+    x in out_dtype times the slots' weights."""
+    d = x.shape[-1]
+    with torch.autocast(x.device.type, enabled=False):
+        if second_weight is None and out_dtype == x.dtype:
+            if weight is None:
+                w = x.new_full((d,), scale)
+            else:
+                w = (weight if scale == 1.0 else weight * scale).to(x.dtype)
+            return F.rms_norm(x, (d,), w, eps)
+        y = F.rms_norm(x.to(out_dtype), (d,), None, eps)
+        if weight is not None:
+            w = weight
+            if second_weight is not None:
+                w = torch.cat([weight.expand(first_slots, d), second_weight.expand(period - first_slots, d)])
+                w = w.repeat(x.shape[-2] // period, 1)
+            y = y * w.to(out_dtype)
+        return y if scale == 1.0 else y * scale
+
+
+def _kernel_runs(x: torch.Tensor, weights, out_dtype: torch.dtype) -> bool:
+    """Whether the kernels serve this call when not forced: eager CUDA tensors of 16/32-bit types
+    (plain tensors: fake and other subclass tensors are traced)."""
+    if x.device.type not in KERNEL_DEVICE_TYPES or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return False
+    if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES or x.numel() == 0:
+        return False
+    if x.shape[-1] > MAX_KERNEL_HEAD_DIM:
+        return False
+    return all(w is None or w.dtype in KERNEL_DTYPES for w in weights)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
+                  scale: float = 1.0, out_dtype: torch.dtype | None = None,
+                  second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
+                  kernel: bool | None = None) -> torch.Tensor:
+    """RMSNorm of every row of D of x (..., S, D), times its slot's weight and `scale`, in `out_dtype`
+    (default x's dtype), autocast off.
+
+    weight: (D,) for every slot, or with `second_weight` (D,) the weight of the first `first_slots` of
+    every `period` slots (S a multiple of period), the rest taking second_weight. eps: added to the
+    mean square; None is the machine epsilon of the dtype the plain form normalizes in (x's dtype when
+    out_dtype is x's and there is no second weight, else out_dtype), as F.rms_norm's None.
+    kernel: None runs the Triton kernels for eager CUDA tensors of fp16 / bf16 / fp32 (rows of at most
+    MAX_KERNEL_HEAD_DIM) and the plain torch form otherwise (under torch.compile inductor fuses it); True
+    forces the kernels (tests: on CPU under TRITON_INTERPRET=1); False forces the plain form.
+    Gradients flow to x and the weights (not twice: the kernels' backward is not differentiable)."""
+    if x.dim() < 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"x must be a floating tensor (..., S, D), got {x.dtype} of shape {tuple(x.shape)}")
+    s, d = x.shape[-2], x.shape[-1]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype}")
+    for name, w in (("weight", weight), ("second_weight", second_weight)):
+        if w is not None and w.shape != (d,):
+            raise ValueError(f"{name} must have shape ({d},) (x's last dim), got {tuple(w.shape)}")
+    if second_weight is not None:
+        if weight is None:
+            raise ValueError("second_weight needs weight (the first slots' weight)")
+        if period <= 0 or s % period:
+            raise ValueError(f"period must be > 0 and divide x's slot count {s}, got {period}")
+        if not 0 <= first_slots <= period:
+            raise ValueError(f"first_slots must be in [0, period={period}], got {first_slots}")
+    if kernel is None:
+        kernel = _kernel_runs(x, (weight, second_weight), out_dtype)
+    elif kernel:
+        if x.device.type != "cuda" and not interpreting():
+            raise ValueError(f"kernel=True needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU); x is on {x.device}")
+        if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+            raise ValueError(f"kernel=True takes x and out_dtype in {KERNEL_DTYPES}, got {x.dtype} and {out_dtype}")
+        if d > MAX_KERNEL_HEAD_DIM:
+            raise ValueError(f"kernel=True takes rows of at most {MAX_KERNEL_HEAD_DIM} elements; x's last dim is {d}")
+    if not kernel:
+        return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
+    if eps is None:
+        eps = torch.finfo(x.dtype if second_weight is None and out_dtype == x.dtype else out_dtype).eps
+    x3 = x.reshape(-1, s, d)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    if second_weight is None:
+        first_slots, period = 0, 1
+    elif second_weight.dtype != weight.dtype:
+        second_weight = second_weight.to(weight.dtype)  # the kernels read both through one pointer type
+    out = _HeadRMSNorm.apply(x3, weight, second_weight, first_slots, period, float(eps), float(scale), out_dtype)
+    return out.view(x.shape)
