@@ -1,5 +1,6 @@
-"""models/head_norms.py: the Triton RMSNorm over each head's D (the interpreter on CPU) against float64
-by the DESIGN.md §6 rule, and the model's three norms through it against their plain torch forms."""
+"""models/head_norms.py: the Triton RMSNorm over each head's D (natively on a GPU, the interpreter on CPU)
+against float64 by the DESIGN.md §6 rule, and the model's three norms through it against their plain
+torch forms."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from tolerance import assert_within_reference_error
 import models.head_norms as hn
 from models.gpt import GPT, AttnConfig, GPTConfig
 
-FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3}
+# the kernels run where the tests run: CUDA tensors on a GPU, else CPU tensors under the interpreter
+# (which mishandles bf16: bf16 is checked on the GPU)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+FLOOR = {torch.float32: 3e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 TINY = torch.finfo(torch.float32).tiny
 
 # the model's three norms: (weights, keyword arguments) with D filled in
@@ -41,13 +46,13 @@ def make_input(t: int, s: int, d: int, layout: str, gen: torch.Generator) -> tor
 def run(x64, weights64, kwargs, dy64, dtype, kernel):
     """(out, dx, *weight grads) of head_rms_norm on leaf copies in `dtype` (weights in their own
     dtype, float64 for the reference)."""
-    x = x64.detach().to(dtype).requires_grad_()
-    ws = {name: (w.to(dtype if dtype == torch.float64 else w.dtype)).detach().requires_grad_()
+    x = x64.detach().to(DEVICE, dtype).requires_grad_()
+    ws = {name: (w.to(DEVICE, dtype if dtype == torch.float64 else w.dtype)).detach().requires_grad_()
           for name, w in weights64.items()}
     out_dtype = kwargs.get("out_dtype")
     kw = {**kwargs, "out_dtype": torch.float64 if dtype == torch.float64 and out_dtype else out_dtype}
     out = hn.head_rms_norm(x, **ws, **kw, kernel=kernel)
-    out.backward(dy64.to(out.dtype))
+    out.backward(dy64.to(DEVICE, out.dtype))
     return [out, x.grad] + [w.grad for w in ws.values()]
 
 
@@ -73,7 +78,7 @@ def check(kind, dtype, x64, weights64, kwargs, dy64):
     return got, ref64
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("t,s,d,layout", [(1, 3, 64, "contiguous"), (17, 9, 48, "strided"),
                                           (127, 3, 64, "strided"), (17, 3, 48, "d_strided"),
@@ -83,7 +88,7 @@ def test_kernel_matches_float64(kind, dtype, t, s, d, layout, nan_poison):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # fp16 l2 dx of a zero row
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["l2", "out"])
 def test_rows_of_zeros_give_zero_and_no_nan(kind, dtype, nan_poison):
     """A head of zeros normalizes to zeros (eps keeps rstd finite: for l2 the float32 tiny); no NaN in
@@ -91,12 +96,12 @@ def test_rows_of_zeros_give_zero_and_no_nan(kind, dtype, nan_poison):
     x64, weights64, kwargs, dy64 = case(kind, dtype, 17, 3, 64, "strided", seed=1)
     x64[3] = 0.0
     x64[10, 1] = 0.0
-    zero = x64.abs().sum(-1) == 0
+    zero = (x64.abs().sum(-1) == 0).to(DEVICE)
     got = run(x64, weights64, kwargs, dy64, dtype, kernel=True)
     assert (got[0][zero] == 0).all() and not got[0].isnan().any()
     assert not got[1].isnan().any()
     ref64 = run(x64, weights64, kwargs, dy64, torch.float64, kernel=False)
-    if dtype == torch.float32 or kind == "out":  # fp16 cannot hold the l2 gradient of a zero row (~1e18 g)
+    if dtype != torch.float16 or kind == "out":  # fp16 cannot hold the l2 gradient of a zero row (~1e18 g)
         torch.testing.assert_close(got[1][zero].double(), ref64[1][zero], rtol=2e-3, atol=FLOOR[dtype])
     same = run(x64, weights64, kwargs, dy64, dtype, kernel=False)
     keep = ~zero
@@ -109,8 +114,9 @@ def test_rows_of_zeros_give_zero_and_no_nan(kind, dtype, nan_poison):
 def test_default_eps_is_the_normalizing_dtypes_machine_epsilon():
     """eps=None: the machine epsilon of the dtype the plain form normalizes in, on both paths (rows of
     a tiny RMS show it: eps dominates the mean square)."""
-    x = torch.full((4, 2, 16), 1e-4)
-    for kwargs in ({}, {"weight": torch.ones(16), "second_weight": torch.ones(16), "first_slots": 1, "period": 2}):
+    x = torch.full((4, 2, 16), 1e-4, device=DEVICE)
+    ones = torch.ones(16, device=DEVICE)
+    for kwargs in ({}, {"weight": ones, "second_weight": ones, "first_slots": 1, "period": 2}):
         plain = hn.head_rms_norm(x, **kwargs, kernel=False)
         fused = hn.head_rms_norm(x, **kwargs, kernel=True)
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=0)
@@ -119,7 +125,7 @@ def test_default_eps_is_the_normalizing_dtypes_machine_epsilon():
 
 
 def test_bad_arguments_are_refused_by_name():
-    x = torch.randn(3, 4, 8)
+    x = torch.randn(3, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
         hn.head_rms_norm(x, torch.ones(4))
     with pytest.raises(ValueError, match=r"second_weight must have shape \(8,\)"):
@@ -151,12 +157,14 @@ def kernel_calls(monkeypatch):
 
 
 def test_plain_form_off_cuda_and_under_torch_compile(kernel_calls, monkeypatch):
-    """Not forced, CPU tensors take the plain form; with CPU counted as a kernel device an eager call
-    takes the kernels, a traced one (torch.compile) still the plain form."""
-    x = torch.randn(5, 3, 16)
+    """Not forced, tensors of a device outside KERNEL_DEVICE_TYPES take the plain form; with the device
+    counted as a kernel device an eager call takes the kernels, a traced one (torch.compile) still the
+    plain form."""
+    x = torch.randn(5, 3, 16, device=DEVICE)
+    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", ())
     plain = hn.head_rms_norm(x, eps=TINY, scale=0.25)
     assert kernel_calls[0] == 0
-    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", (DEVICE.type,))
     fused = hn.head_rms_norm(x, eps=TINY, scale=0.25)
     assert kernel_calls[0] == 1
     traced = torch.compile(lambda t: hn.head_rms_norm(t, eps=TINY, scale=0.25), backend="eager", fullgraph=True)(x)
@@ -172,19 +180,19 @@ MODELS = [("threshold", None, "l2"), ("sigmoid", None, "rms"), ("diff_threshold"
 @pytest.mark.parametrize("name,qk_norm,kind", MODELS)
 def test_the_model_on_the_kernels_matches_the_plain_forms(name, qk_norm, kind, kernel_calls, monkeypatch):
     """A tiny GPT (GQA: 4 q heads, 2 kv heads; the differential variants two q/k views) gives the same
-    logits and gradients with its norms on the kernels (the interpreter) as on the plain forms, within
+    logits and gradients with its norms on the kernels as on the plain forms, within
     fp32 rounding; every norm of every layer went through the kernels."""
     params = {"beta": 1.0, "power": 2.0} if "threshold" in name else {}
     cfg = GPTConfig(vocab_size=37, context=16, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
                     attn=AttnConfig(name=name, backend="reference", params=params, qk_norm=qk_norm))
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(DEVICE)
     layer = model.blocks[0].attn
     assert layer.qk_norm == kind and layer.views == (2 if name.startswith("diff") else 1)
     for module in model.modules():  # weights away from 1, so a slot given the wrong weight shows
         if isinstance(module, torch.nn.RMSNorm) and module.weight is not None:
             module.weight.data.uniform_(0.5, 1.5)
-    idx = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def logits_and_grads():
         model.zero_grad(set_to_none=True)
@@ -192,9 +200,10 @@ def test_the_model_on_the_kernels_matches_the_plain_forms(name, qk_norm, kind, k
         logits.float().square().mean().backward()
         return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
+    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", ())
     plain = logits_and_grads()
     assert kernel_calls[0] == 0
-    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(hn, "KERNEL_DEVICE_TYPES", (DEVICE.type,))
     fused = logits_and_grads()
     norms_per_layer = 1 + (layer.head_norm is not None)
     assert kernel_calls[0] == cfg.n_layer * norms_per_layer
