@@ -131,8 +131,10 @@ def visible_key(j, last_key, kv_len, s_layout: gl.constexpr, CAUSAL: gl.constexp
 @gluon.jit
 def allocate_ring(q_desc, k_desc, v_desc, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr):
-    """Shared memory and barriers: the two consumers' query tiles, STAGES key and value slots, and
-    the ready / empty mbarriers (initialized; empty ones count one arrival per consumer)."""
+    """Shared memory and barriers: the two consumers' stationary tiles (the forwards' query halves; the
+    backward's query and key halves, through the descriptor passed as q_desc), STAGES slots of the two
+    streamed operands (key and value; query and dO), and the ready / empty mbarriers (initialized; empty
+    ones count one arrival per consumer)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)

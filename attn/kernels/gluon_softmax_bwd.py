@@ -16,10 +16,11 @@ Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.glu
    for every query head of the kv head's group and every query block that sees the keys, Q and dO
    tiles of BLOCK_M (64) rows into a STAGES-slot ring (ready / empty mbarriers per operand, as the
    forwards' K / V ring). Two consumer warpgroups own 64 keys each and per query block run
-   S^T = K Q^T and dP^T = V dO^T (async wgmma, both from shared memory, issued back to back),
-   P^T = exp2(S^T s log2e - lse2) as soon as S^T lands, dV += P^T dO (P^T from registers) while dP^T
-   finishes, dS^T = P^T (dP^T - delta), dK += dS^T Q (dS^T from registers). dK, dV stay in registers
-   across the whole program (GQA: summed over the group's heads) and are stored once.
+   S^T = K Q^T - lse2 / c and dP^T = V dO^T - delta (c = s log2 e; async wgmma from shared memory,
+   issued back to back, the per-query terms as the accumulators' starting values), P^T = exp2(c S^T)
+   as soon as S^T lands, dS^T = P^T dP^T, then dV += P^T dO and dK += dS^T Q (P^T and dS^T from
+   registers, issued back to back). dK, dV stay in registers across the whole program (GQA: summed
+   over the group's heads) and are stored once.
 3. `_dq_kernel`, the forwards' query-block schedule: one program per 128 query rows of one (batch,
    head), Q and dO loaded once, K and V streamed through the forwards' ring (`gluon_pipeline`); per
    key block S = Q K^T and dP = dO V^T back to back, P, dS = P (dP - delta), dQ += dS K (dS from
@@ -92,8 +93,9 @@ def dkdv_tile_config(head_dim: int) -> dict:
 def dq_tile_config(head_dim: int) -> dict:
     """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
     BLOCK_N keys per ring slot, STAGES slots of K and V. Registers per consumer thread: S and dP
-    BLOCK_N / 2 fp32 each, dQ D / 2 (D = 128: 64 + 64 + 64 at BLOCK_N 128). Shared memory: Q and dO
-    2 BLOCK_M D bytes each, a slot 2 x 2 BLOCK_N D bytes (D = 128: 64 KiB + 2 x 64 KiB)."""
+    BLOCK_N / 2 fp32 each, dQ D / 2; at D = 128 BLOCK_N is 64 (32 + 32 + 64: with 128 keys the loop
+    spilled). Shared memory: Q and dO 2 BLOCK_M D bytes each, a slot 2 x 2 BLOCK_N D bytes (D = 128:
+    64 KiB + 3 x 32 KiB; D = 64: 32 KiB + 3 x 32 KiB)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon softmax backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
     if head_dim == 128:
