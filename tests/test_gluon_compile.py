@@ -1,58 +1,136 @@
-"""The Gluon sm_90 softmax forward (attn/kernels/gluon_softmax_fwd.py) compiles for Hopper on the CPU.
+"""The Gluon sm_90 softmax forward (attn/kernels/gluon_softmax_fwd.py) and backward
+(attn/kernels/gluon_softmax_bwd.py) compile for Hopper on the CPU.
 
 No GPU: triton.compile on a GluonASTSource for GPUTarget("cuda", 90, 128). Skipped unless the installed
 Triton has the Gluon API the kernel is written against (Triton 3.6; later releases renamed parts of it).
 The PTX must hold the schedule's instructions: wgmma (async, with waits), TMA bulk tensor loads,
 mbarrier waits, setmaxnreg for the partitions, and no local memory (spills); the SASS of both key-block
-loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL."""
+loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL.
+The backward's key-block (dK / dV) and query-block (dQ) kernels: the same PTX checks, and SASS loops with
+their wgmma counts, one exp2 per score and no local memory inside a loop.
 
-import importlib.util
+The compiles run in one child Python per test session with TRITON_INTERPRET=0: on a machine without a GPU
+conftest.py sets TRITON_INTERPRET=1 before Triton is imported, which turns Triton's own jit helpers (the
+combine functions behind gl.sum and gl.max) into interpreter objects that a Gluon compile cannot call
+(a Triton cache warmed by an earlier compile outside pytest hides that).
+"""
+
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from attn.kernels import gluon_pipeline
-from attn.kernels import gluon_softmax_fwd as gsf
 
 ROOT = Path(__file__).resolve().parents[1]
 
 OK, WHY = gluon_pipeline.gluon_api_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"Gluon Hopper API of Triton 3.6 not available: {WHY}")
 
+# what the tests below compile: name -> (kernel module, compile_sm90 arguments, gluon_sass_counts variant or None)
+REQUESTS = {
+    **{f"fwd-{d}-{c}": ("gluon_softmax_fwd", dict(head_dim=d, dtype="bf16", causal=c), "softmax")
+       for d, c in ((64, True), (128, False))},
+    **{f"{k}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=k), f"bwd_{k}")
+       for k in ("dkdv", "dq") for d, c, t in ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16"),
+                                                (128, False, "bf16"))},
+    "delta": ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel="delta"), None),
+}
 
-@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
-def test_compiles_for_sm90_with_wgmma_and_tma(head_dim, causal):
-    compiled = gsf.compile_sm90(head_dim, "bf16", causal)
-    ptx = compiled.asm["ptx"]
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx)
+CHILD = r'''
+import json, sys
+root, requests = sys.argv[1], json.loads(sys.stdin.read())
+sys.path[:0] = [root, root + "/scripts/analysis"]
+import gluon_sass_counts as counts
+from attn.kernels import gluon_softmax_bwd, gluon_softmax_fwd
+modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd}
+out = {}
+for name, (module, kwargs, variant) in requests.items():
+    compiled = modules[module].compile_sm90(**kwargs)
+    rows = None
+    if variant is not None:
+        rows = counts.count(modules[module], kwargs["head_dim"], kwargs["causal"], kwargs["dtype"], variant=variant)
+    tile_width = counts.tile_width(modules[module], variant, kwargs["head_dim"]) if variant else None
+    out[name] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "loops": rows,
+                 "tile_width": tile_width}
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """name -> {"ptx", "shared", "loops" (gluon_sass_counts rows), "tile_width"} of every REQUESTS entry."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(REQUESTS), env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def _assert_hopper_schedule(ptx: str, dtype: str):
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.{dtype}\.{dtype}", ptx)
     assert "wgmma.wait_group" in ptx
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert "mbarrier.try_wait" in ptx
     assert "setmaxnreg" in ptx  # warp-specialized partitions with their own register budgets
     assert not re.search(r"\.local\b|\bld\.local|\bst\.local", ptx)
-    assert compiled.metadata.shared <= 227 * 1024
-
-
-
-def _sass_counts():
-    spec = importlib.util.spec_from_file_location("gluon_sass_counts", ROOT / "scripts" / "analysis" / "gluon_sass_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
-def test_softmax_loops_fold_the_scale_into_one_ffma_per_score(head_dim, causal):
+def test_compiles_for_sm90_with_wgmma_and_tma(compiled, head_dim, causal):
+    result = compiled[f"fwd-{head_dim}-{causal}"]
+    _assert_hopper_schedule(result["ptx"], "bf16")
+    assert result["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_softmax_loops_fold_the_scale_into_one_ffma_per_score(compiled, head_dim, causal):
     """Per thread a key block holds 64 scores (64 rows x BLOCK_N over 128 threads) and HEAD_DIM / 2
     accumulator elements: the scale rides in the exp2 argument's FFMA (qk * qk_scale - m), so FMUL is
     left for the accumulator's rescale only. No spills."""
-    block_n = gsf.tile_config(head_dim)["BLOCK_N"]
+    block_n = gluon_pipeline.tile_config(head_dim)["BLOCK_N"]
     scores = 64 * block_n // 128
-    rows = {row["loop"]: row for row in _sass_counts().count(gsf, head_dim, causal)}
+    rows = {row["loop"]: row for row in compiled[f"fwd-{head_dim}-{causal}"]["loops"]}
     assert set(rows) == {"unmasked", "masked"}
     for row in rows.values():
         assert row["hgmma"] == head_dim // 16 + block_n // 16  # S = Q K^T (k 16 a step), O += P V (k 16)
         assert row["ffma"] >= scores and row["mufu"] >= scores, row
         assert row["fmul"] <= head_dim // 2 + 4, row
         assert row["spills"] == 0
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("head_dim,causal,dtype", [(64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16")])
+def test_backward_compiles_for_sm90_with_wgmma_and_tma(compiled, kernel, head_dim, causal, dtype):
+    result = compiled[f"{kernel}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+
+
+def test_backward_delta_kernel_compiles(compiled):
+    ptx = compiled["delta"]["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False), (128, True)])
+def test_backward_loops_run_their_products_with_one_exp2_per_score_and_no_local_memory(compiled, kernel, head_dim,
+                                                                                       causal):
+    """Per iteration the key-block loop runs S^T = K Q^T and dP^T = V dO^T (k = D), dV += P^T dO and
+    dK += dS^T Q (k = BLOCK_M); the query-block loop S = Q K^T and dP = dO V^T (k = D), dQ += dS K
+    (k = BLOCK_N); a wgmma takes 16 of k per instruction. One MUFU.EX2 per score of the warpgroup's
+    64 x width tile (width / 2 per thread)."""
+    result = compiled[f"{kernel}-{head_dim}-{causal}-bf16"]
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    expected_loops = {"unmasked"} if (kernel == "dkdv" and not causal) else {"unmasked", "masked"}
+    assert set(rows) == expected_loops
+    products_over_width = 2 if kernel == "dkdv" else 1  # dV and dK, or dQ
+    for row in rows.values():
+        assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
+        assert row["mufu"] >= width // 2, row
+        assert row["loop_spills"] == 0, row

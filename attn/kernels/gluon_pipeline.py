@@ -49,7 +49,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = exc
 
 LOG2E = 1.4426950408889634
-LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 NUM_WARPS = 4  # the default partition: one consumer warpgroup (the second is a worker partition)
 CONSUMER_REGS = gl.constexpr(240)  # setmaxnreg of the worker consumer warpgroup
@@ -132,8 +131,10 @@ def visible_key(j, last_key, kv_len, s_layout: gl.constexpr, CAUSAL: gl.constexp
 @gluon.jit
 def allocate_ring(q_desc, k_desc, v_desc, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr):
-    """Shared memory and barriers: the two consumers' query tiles, STAGES key and value slots, and
-    the ready / empty mbarriers (initialized; empty ones count one arrival per consumer)."""
+    """Shared memory and barriers: the two consumers' stationary tiles (the forwards' query halves; the
+    backward's query and key halves, through the descriptor passed as q_desc), STAGES slots of the two
+    streamed operands (key and value; query and dO), and the ready / empty mbarriers (initialized; empty
+    ones count one arrival per consumer)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -167,22 +168,34 @@ def invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES: gl.conste
 def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               q_row, k_row, kv_col, q_col, n_tiles,
               HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: Q once, then K and V of key blocks 0 .. n_tiles-1 into ring slot j % STAGES. A
-    slot is reused once the consumer has arrived on its empty barrier (phase parity starts at 1:
-    a fresh barrier's preceding phase counts as complete, so the first round does not wait)."""
+    """One warp: Q once, then K and V of key blocks 0 .. n_tiles-1 into ring slot j % STAGES
+    (`stream_ring`)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
+    stream_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, 0, n_tiles,
+                BLOCK_N, STAGES)
+
+
+@gluon.jit
+def stream_ring(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, a_empty, b_empty, row, col, first, count,
+                BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of two streamed operands (the forward's K and V; the backward's Q and dO, or K and V):
+    tiles i = 0 .. count-1 from rows row + i BLOCK, column col, are the ring's tiles j = first + i, in slot
+    j % STAGES. A slot is reused once its consumers have arrived on its empty barrier (phase parity
+    starts at 1: a fresh barrier's preceding phase counts as complete, so the first round does not wait).
+    `first` lets one ring carry several runs of tiles (a GQA group's query heads) in order."""
+    for i in range(count):
+        j = first + i
         s = j % STAGES
         empty_phase = ((j // STAGES) & 1) ^ 1
-        row = k_row + j * BLOCK_N
-        mbarrier.wait(k_empty.index(s), empty_phase)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), empty_phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+        r = row + i * BLOCK
+        mbarrier.wait(a_empty.index(s), empty_phase)
+        mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [r, col], a_ready.index(s), a_smem.index(s))
+        mbarrier.wait(b_empty.index(s), empty_phase)
+        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(b_desc, [r, col], b_ready.index(s), b_smem.index(s))
 
 
 @gluon.jit
@@ -303,26 +316,38 @@ def descriptors(q, k, v, cfg: dict):
     return out
 
 
-def compile_sm90(fn, head_dim: int, dtype: str, signature: dict, constexprs: dict, aligned: tuple[str, ...],
-                 arch: int = 90):
+def descriptor_type(dtype: str, block) -> str:
+    """The signature type of a TMA descriptor argument for compiling without a GPU: a `dtype` ("bf16",
+    "fp16") tile of `block` rows x columns in its NVMMA shared layout (`smem_layout`)."""
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{smem_layout(list(block), gdt)!r}>"
+
+
+def compile_gluon_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[str, ...], arch: int = 90,
+                       num_warps: int = NUM_WARPS):
     """`fn` compiled for sm_<arch> without a GPU (triton.compile on a GluonASTSource with a GPUTarget):
-    the CompiledKernel, whose .asm holds ttgir / ptx / cubin. `signature` names the arguments after
-    the three descriptors (q_desc, k_desc, v_desc, filled in here); `aligned` the pointers compiled as
-    16-byte aligned; integer scalars are compiled unaligned (no divisibility specialization)."""
+    the CompiledKernel, whose .asm holds ttgir / ptx / cubin. `signature` types every argument
+    (descriptors by `descriptor_type`, constexprs as "constexpr"), `constexprs` gives the constexprs'
+    values by name; `aligned` names the pointers compiled as 16-byte aligned; integer scalars are
+    compiled unaligned (no divisibility specialization)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = tile_config(head_dim)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-
-    def desc(block):
-        return f"tensordesc<{dtype}[{block[0]}, {block[1]}],{smem_layout(block, gdt)!r}>"
-
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, head_dim], [cfg["BLOCK_N"], head_dim]
-    signature = {"q_desc": desc(q_block), "k_desc": desc(kv_block), "v_desc": desc(kv_block), **signature,
-                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
     names = list(fn.arg_names)
-    constexprs = {(names.index(k),): v for k, v in {**constexprs, "HEAD_DIM": head_dim, **cfg}.items()}
+    constexprs = {(names.index(k),): v for k, v in constexprs.items()}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": NUM_WARPS})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 128), options={"num_warps": num_warps})
+
+
+def compile_sm90(fn, head_dim: int, dtype: str, signature: dict, constexprs: dict, aligned: tuple[str, ...],
+                 arch: int = 90):
+    """A forward `fn` compiled for sm_<arch> without a GPU (`compile_gluon_sm90`): `signature` names
+    the arguments after the three descriptors (q_desc, k_desc, v_desc, filled in here from
+    `tile_config(head_dim)`, as are HEAD_DIM and the tile constexprs)."""
+    cfg = tile_config(head_dim)
+    q_block, kv_block = [cfg["BLOCK_M"] // 2, head_dim], [cfg["BLOCK_N"], head_dim]
+    signature = {"q_desc": descriptor_type(dtype, q_block), "k_desc": descriptor_type(dtype, kv_block),
+                 "v_desc": descriptor_type(dtype, kv_block), **signature,
+                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
+    return compile_gluon_sm90(fn, signature, {**constexprs, "HEAD_DIM": head_dim, **cfg}, aligned, arch)

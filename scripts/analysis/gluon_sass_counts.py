@@ -10,12 +10,19 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --head-dim 128 --causal 1 --sass /tmp/sass  # also each loop's SASS
     python scripts/analysis/gluon_sass_counts.py --kernel /tmp/old_gluon_softmax_fwd.py         # another version of it
     python scripts/analysis/gluon_sass_counts.py --variant tanh alsc temperature             # the capped / tempered forms
+    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
 are found (innermost loops holding HGMMA); a row gives the smaller of the two (they differ by a few
 integer instructions). Per score = instructions per warp x 32 x 4 warps / (64 rows x BLOCK_N keys):
 thread-level operations per score.
+
+The backward (attn/kernels/gluon_softmax_bwd.py, `--variant bwd_dkdv bwd_dq`): the key-block kernel's
+loops run one query block (BLOCK_M rows) against a warpgroup's 64 keys (S^T, dP^T, dV, dK: its masked
+loop is the causal diagonal, and only causal programs have one); the query-block kernel's loops one key
+block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. `loop_spills`
+counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ CATEGORIES = [  # (column, opcode prefixes), first match wins
              "I2F", "F2I", "IABS", "POPC", "FLO", "PLOP3", "P2R", "R2P", "U", "LDC", "S2UR", "R2UR", "VOTE")),
 ]
 COLUMNS = ["config", "loop", "instr", "per_score", "hgmma", "mufu", "ffma", "fmul", "fadd", "other_fp", "int", "sync",
-           "mem", "other", "regs", "spills"]
+           "mem", "other", "regs", "loop_spills", "spills"]
 
 
 
@@ -66,17 +73,19 @@ def load_kernel_module(path: Path = KERNEL):
 
 
 
-def is_masked(body: list[str]) -> bool:
+def is_masked(body: list[str], scores_per_thread: int = 64) -> bool:
     """The masked loop compares each score's key with the row's last key (ISETP per score pair or
     more; the unmasked loop has a few, for the loop itself)."""
-    return sum(ins.startswith("ISETP") for ins in body) >= 32
+    return sum(ins.startswith("ISETP") for ins in body) >= scores_per_thread // 2
 
 
 def loop_counts(body: list[str], block_n: int) -> dict:
+    """Counts per category of one loop body of a 64 x block_n score tile per warpgroup."""
     row = {col: 0 for col, _ in CATEGORIES} | {"other": 0}
     for ins in body:
         row[category(ins)] += 1
-    return {**row, "instr": len(body), "per_score": round(len(body) * 32 * 4 / (64 * block_n), 2)}
+    return {**row, "instr": len(body), "per_score": round(len(body) * 32 * 4 / (64 * block_n), 2),
+            "loop_spills": sum(ins.startswith(("LDL", "STL")) for ins in body)}
 
 
 
@@ -90,6 +99,29 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2, newton=0),
             "sigmoid_newton": dict(weight=2, newton=2)}
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
+# the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel)
+VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})
+BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_bwd.py"
+
+
+def kernel_file(variant: str) -> Path | None:
+    """The kernel file of a variant other than the softmax forward's (None: --kernel's)."""
+    if "weight" in VARIANTS[variant]:
+        return WEIGHTED
+    if "kernel" in VARIANTS[variant]:
+        return BACKWARD
+    return None
+
+
+def tile_width(module, variant: str, head_dim: int) -> int:
+    """The score tile's second dim per warpgroup and loop iteration (the first is 64): the forwards'
+    and the dQ kernel's BLOCK_N keys, the dK / dV kernel's BLOCK_M query rows."""
+    kernel = VARIANTS[variant].get("kernel")
+    if kernel == "dkdv":
+        return module.dkdv_tile_config(head_dim)["BLOCK_M"]
+    if kernel == "dq":
+        return module.dq_tile_config(head_dim)["BLOCK_N"]
+    return module.tile_config(head_dim)["BLOCK_N"]
 
 
 def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Path | None = None,
@@ -102,11 +134,14 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     instrs = parse_sass(sass)
     spills = sum(ins.startswith(("LDL", "STL")) for _, ins in instrs)
     loops = hgmma_loops(instrs)
-    block_n = module.tile_config(head_dim)["BLOCK_N"]
+    block_n = tile_width(module, variant, head_dim)
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
-    for kind, masked in (("unmasked", False), ("masked", True)):
-        bodies = [body for body in loops if is_masked(body) == masked]
+    kinds = (("unmasked", False), ("masked", True))
+    if VARIANTS[variant].get("kernel") == "dkdv" and not causal:
+        kinds = kinds[:1]  # without the causal mask every query block runs unmasked
+    for kind, masked in kinds:
+        bodies = [body for body in loops if is_masked(body, 64 * block_n // 128) == masked]
         if not bodies:
             raise RuntimeError(f"{config}: no {kind} loop with HGMMA in the SASS")
         body = min(bodies, key=len)
@@ -135,10 +170,9 @@ def main(argv=None) -> int:
         return 2
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
-    weighted = load_kernel_module(WEIGHTED) if any("weight" in VARIANTS[v] for v in args.variant) else None
+    others = {path: load_kernel_module(path) for path in {kernel_file(v) for v in args.variant} - {None}}
     rows = [row for variant in args.variant for d in args.head_dim for c in args.causal
-            for row in count(weighted if "weight" in VARIANTS[variant] else module, d, bool(c), args.dtype, args.sass,
-                             variant)]
+            for row in count(others.get(kernel_file(variant), module), d, bool(c), args.dtype, args.sass, variant)]
     print(markdown_table(rows, COLUMNS))
     return 0
 

@@ -1,0 +1,552 @@
+"""The softmax attention backward in Gluon for sm_90 (Hopper): plain softmax (no cap, no temperature).
+
+Inputs and outputs are the portable backward's (`softmax_family._bwd_plan`): q, out, dout (B, N, H, D);
+k, v (B, KV, H_kv, D), H % H_kv == 0; lse2 (B, H, N) fp32, the base-2 logsumexp of the log2-unit
+logits z = s q.k log2(e) (+inf for a row that sees no key) that either forward writes; causal is
+bottom-right aligned (query row i at key position i + KV - N). Returns dq, dk, dv in the inputs' dtype.
+
+Math (softmax_family's module docstring, CAP_NONE, no temperature): p_ij = exp2(z_ij - lse2_i),
+delta_i = dO_i . O_i, dp = dO v^T, ds = p (dp - delta); dv = p^T dO, dk = s ds^T q, dq = s ds k.
+
+Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.gluon_api_available`):
+
+1. `_delta_kernel`: delta (B, H, N) fp32 = rowsum(dO * O) (the portable `_bwd_preprocess`).
+2. `_dkdv_kernel`, FlashAttention-3's key-block schedule: one program per BLOCK_N (128) keys of one
+   (batch, kv head); a 1-warp producer TMA-loads the keys' K and V once (two 64-row halves) and then,
+   for every query head of the kv head's group and every query block that sees the keys, Q and dO
+   tiles of BLOCK_M (64) rows into a STAGES-slot ring (ready / empty mbarriers per operand, as the
+   forwards' K / V ring). Two consumer warpgroups own 64 keys each and per query block run
+   S^T = K Q^T - lse2 / c and dP^T = V dO^T - delta (c = s log2 e; async wgmma from shared memory,
+   issued back to back, the per-query terms as the accumulators' starting values), P^T = exp2(c S^T)
+   as soon as S^T lands, dS^T = P^T dP^T, then dV += P^T dO and dK += dS^T Q (P^T and dS^T from
+   registers, issued back to back). dK, dV stay in registers across the whole program (GQA: summed
+   over the group's heads) and are stored once.
+3. `_dq_kernel`, the forwards' query-block schedule: one program per 128 query rows of one (batch,
+   head), Q and dO loaded once, K and V streamed through the forwards' ring (`gluon_pipeline`); per
+   key block S = Q K^T and dP = dO V^T back to back, P, dS = P (dP - delta), dQ += dS K (dS from
+   registers). dq is written once, scaled by s, in q's dtype: no fp32 accumulator in global memory,
+   no atomics, the same bits every run.
+
+Why a separate dQ kernel rather than FA3's atomic dQ: dS would have to go through shared memory (the
+key-block program holds dS^T with keys as rows; dQ = dS K needs dS with queries as rows as a wgmma
+operand), a third 64 x D fp32 accumulator does not fit beside dK and dV at D = 128 (3 x 64 + S^T +
+dP^T > 240 registers), and FA3's dQ path (fp32 tile to shared memory, TMA reduce-add to an fp32 global
+buffer, a final scale-and-cast kernel) is three more synchronised stages to get right without a GPU.
+The price is two more matrix products per tile (S and dP recomputed: 7 instead of 5). The portable
+backward's default form is the same split (`_dq_form`: "separate" unless tuning finds "one_pass"
+faster, which it did only at D = 64 with 2048+ keys).
+
+Masks: key-block programs visit only query blocks that see their keys (causal: from the first row at
+key position >= n0); blocks on the causal diagonal run with one compare per score, the rest without
+mask arithmetic. Rows past N (a TMA tile that runs into the next batch's rows, or zeros past the
+tensor) get lse2 = +inf and delta = 0 from masked loads, so their p is exactly 0; keys past KV in a
+key-block program only touch their own dK / dV rows, which are not stored. The dQ kernel masks keys
+as the forward does (`gluon_pipeline.visible_key`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from attn.kernels.gluon_pipeline import (
+    CONSUMER_REGS,
+    HEAD_DIMS,
+    LOG2E,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    allocate_ring,
+    check_operands,
+    compile_gluon_sm90,
+    descriptor_type,
+    gl_dtype,
+    invalidate_ring,
+    issue_qk,
+    key_blocks,
+    mbarrier,
+    program_rows,
+    release,
+    smem_layout,
+    stream_ring,
+    tma,
+    tma_view,
+    visible_key,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+DELTA_BLOCK_M = 64  # rows per program of the delta kernel
+
+
+def dkdv_tile_config(head_dim: int) -> dict:
+    """The key-block kernel's constexprs: BLOCK_N keys per program (64 per consumer warpgroup), BLOCK_M
+    query rows per ring slot, STAGES slots of Q and dO. Shared memory: K and V 2 BLOCK_N D bytes each,
+    a slot 2 x 2 BLOCK_M D bytes (D = 128: 64 KiB + 3 x 32 KiB; D = 64: 32 KiB + 3 x 16 KiB)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon softmax backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
+
+
+def dq_tile_config(head_dim: int) -> dict:
+    """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
+    BLOCK_N keys per ring slot, STAGES slots of K and V. Registers per consumer thread: S and dP
+    BLOCK_N / 2 fp32 each, dQ D / 2; at D = 128 BLOCK_N is 64 (32 + 32 + 64: with 128 keys the loop
+    spilled). Shared memory: Q and dO 2 BLOCK_M D bytes each, a slot 2 x 2 BLOCK_N D bytes (D = 128:
+    64 KiB + 3 x 32 KiB; D = 64: 32 KiB + 3 x 32 KiB)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon softmax backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if head_dim == 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, STAGES=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, STAGES=3)
+
+
+# ------------------------------------------------------------------------------------------ delta
+
+
+@gluon.jit
+def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d] in fp32, BLOCK_M rows of one (batch, head)
+    per program (O and dO contiguous in d)."""
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    in_rows = gl.expand_dims(rows < q_len, 1)
+    offs_o = (b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+              + gl.expand_dims(rows.to(gl.int64) * stride_on, 1) + gl.expand_dims(cols, 0))
+    offs_do = (b.to(gl.int64) * stride_dob + h.to(gl.int64) * stride_doh
+               + gl.expand_dims(rows.to(gl.int64) * stride_don, 1) + gl.expand_dims(cols, 0))
+    o = gl.load(O + offs_o, mask=in_rows, other=0.0).to(gl.float32)
+    do = gl.load(DO + offs_do, mask=in_rows, other=0.0).to(gl.float32)
+    gl.store(DELTA + bh.to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
+
+
+# ---------------------------------------------------------------------------- dK, dV (key blocks)
+
+
+@gluon.jit
+def query_block_range(n0, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(i_lo, i_full, i_hi): the query blocks (of BLOCK_M rows) that see keys [n0, n0 + BLOCK_N) are
+    [i_lo, i_hi); those in [i_lo, i_full) need the causal mask (some row there does not see every key
+    of the block), those in [i_full, i_hi) see every key. Query row i sees key j when
+    j <= i + kv_len - q_len."""
+    i_hi = gl.cdiv(q_len, BLOCK_M)
+    if CAUSAL:
+        offset = kv_len - q_len
+        first_row = gl.maximum(n0 - offset, 0)  # the first row that sees key n0
+        i_lo = gl.minimum(first_row // BLOCK_M, i_hi)
+        # a block from row m on sees every key of the block when m + offset >= n0 + BLOCK_N - 1
+        i_full = gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M)
+        i_full = gl.minimum(gl.maximum(i_full, i_lo), i_hi)
+    else:
+        i_lo = i_hi * 0
+        i_full = i_lo
+    return i_lo, i_full, i_hi
+
+
+@gluon.jit
+def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready, do_ready,
+                   q_empty, do_empty, k_row, kv_col, q_row, hk, GROUP, i_lo, i_hi,
+                   HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's K and V (two HALF_N-row halves each) once, then Q and dO of query
+    blocks i_lo .. i_hi - 1 of each query head of kv head hk's group, in that order, through the ring."""
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar, k_halves.index(0))
+    tma.async_copy_global_to_shared(k_desc, [k_row + HALF_N, kv_col], kv_bar, k_halves.index(1))
+    tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_halves.index(0))
+    tma.async_copy_global_to_shared(v_desc, [k_row + HALF_N, kv_col], kv_bar, v_halves.index(1))
+    count = i_hi - i_lo
+    for gi in range(GROUP):
+        h = hk * GROUP + gi
+        stream_ring(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
+                    q_row + i_lo * BLOCK_M, h * HEAD_DIM, gi * count, count, BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _query_rows(rows_ptr, m, q_len, other, BLOCK_M: gl.constexpr):
+    """Values of query rows [m, m + BLOCK_M) (lse2 or delta), one per thread of the warpgroup (`other`
+    for rows past q_len): loading them in S^T's column layout directly would cost every thread a 64-bit
+    address per column it holds."""
+    flat: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[gl.num_warps()],
+                                          order=[0])
+    rows = m + gl.arange(0, BLOCK_M, layout=flat)
+    return gl.load(rows_ptr + rows, mask=rows < q_len, other=other)
+
+
+@gluon.jit
+def _issue_with_columns(j, a_tile, ring, ready, columns, st_layout: gl.constexpr, ROWS: gl.constexpr,
+                        COLS: gl.constexpr, STAGES: gl.constexpr):
+    """Waits for ring tile j, then issues A ring_tile^T + C as an async wgmma, the accumulator C
+    starting as `columns` (one value per query, the tile's columns) in every row: the wgmma adds a
+    per-column term for free, and the column values never sit in registers beside the tiles.
+    Returns (the accumulator, the ring tile)."""
+    s = j % STAGES
+    tile = ring.index(s)
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    column_values = gl.convert_layout(columns, gl.SliceLayout(0, st_layout))
+    acc = gl.expand_dims(column_values, 0).broadcast_to([ROWS, COLS])
+    return warpgroup_mma(a_tile, tile.permute((1, 0)), acc, use_acc=True, is_async=True), tile
+
+
+@gluon.jit
+def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse_rows,
+                delta_rows, q_len, first_col, qk_scale, st_layout: gl.constexpr, a_layout: gl.constexpr,
+                MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's keys against the query block from row m (ring tile j). S^T = K Q^T - lse2 / c
+    (c = s log2 e) and dP^T = V dO^T - delta issued back to back, the per-query terms as the
+    accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in (while dP^T runs), dS^T =
+    P^T dP^T once dP^T is; then dV += P^T dO and dK += dS^T Q issued back to back, dO's slot handed
+    back when dV retired, Q's when dK did. MASKED: the causal compare, key row r visible to query
+    column c when c >= first_col[r] - m."""
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    # rows past q_len, and rows that see no key (lse2 = +inf): a start of -1e30, so p = exp2(-huge) = 0
+    # (finite, as the tensor cores' accumulator takes it); delta 0
+    lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
+    s_start = gl.where(lse == float("inf"), -1.0e30, -lse / qk_scale)
+    delta = _query_rows(delta_rows, m, q_len, 0.0, BLOCK_M)
+
+    s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, s_start, st_layout, HALF_N, BLOCK_M, STAGES)
+    dp_t, do_tile = _issue_with_columns(j, v_tile, do_ring, do_ready, -delta, st_layout, HALF_N, BLOCK_M, STAGES)
+    s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
+    p_t = gl.exp2(s_t * qk_scale)
+    if MASKED:
+        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+        p_t = gl.where(visible, p_t, 0.0)
+    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+    ds_t = p_t * dp_t
+    # both products from registers, issued back to back: P^T and dS^T in 16 bits are all that stays
+    # live beside dK and dV while the tensor cores run them
+    p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
+    ds16 = gl.convert_layout(ds_t.to(q_ring.dtype), a_layout)
+    dv = warpgroup_mma(p16, do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
+    dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
+    release(j, do_empty, STAGES)
+    dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+    release(j, q_empty, STAGES)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                   DK, DV, LSE, DELTA, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                   stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, grad_scale,
+                   CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
+    each query head of the group; stores its rows of dk (times s) and dv."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
+    first_col = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    count = i_hi - i_lo
+
+    mbarrier.wait(kv_bar, 0)
+    for gi in range(GROUP):
+        bh = b * H + hk * GROUP + gi
+        lse_rows = LSE + bh.to(gl.int64) * q_len
+        delta_rows = DELTA + bh.to(gl.int64) * q_len
+        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        for i in range(i_lo, i_full):
+            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                 q_empty, do_empty, lse_rows, delta_rows, q_len, first_col, qk_scale, st_layout,
+                                 a_layout, True, HALF_N, BLOCK_M, STAGES)
+        for i in range(i_full, i_hi):
+            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                 q_empty, do_empty, lse_rows, delta_rows, q_len, first_col, qk_scale, st_layout,
+                                 a_layout, False, HALF_N, BLOCK_M, STAGES)
+
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    in_keys = gl.expand_dims(keys < kv_len, 1)
+    keys64 = gl.expand_dims(keys.to(gl.int64), 1)
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + keys64 * stride_dkn
+    gl.store(dk_ptrs + gl.expand_dims(offs_d, 0), (dk * grad_scale).to(DK.dtype.element_ty), mask=in_keys)
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + keys64 * stride_dvn
+    gl.store(dv_ptrs + gl.expand_dims(offs_d, 0), dv.to(DV.dtype.element_ty), mask=in_keys)
+
+
+@gluon.jit
+def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 H, H_KV, GROUP, q_len, kv_len, qk_scale, grad_scale,
+                 CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
+    BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer.
+    Programs of the first key blocks (the longest under a causal mask) start first."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                          stride_dvn, stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, grad_scale,
+                          CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh,
+                          stride_dvb, stride_dvn, stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale,
+                          grad_scale, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
+                          do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
+                          i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+# ------------------------------------------------------------------------------- dQ (query blocks)
+
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready, v_ready,
+                 k_empty, v_empty, q_row, q_col, k_row, kv_col, n_tiles,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both consumers' Q and dO rows once, then K and V of key blocks 0 .. n_tiles-1."""
+    mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_halves.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_halves.index(1))
+    tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_halves.index(0))
+    tma.async_copy_global_to_shared(do_desc, [q_row + HALF_M, q_col], q_bar, do_halves.index(1))
+    stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, 0, n_tiles,
+                BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, last_key,
+              kv_len, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
+              CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, P as soon as S is
+    in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired."""
+    s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    s, q_tile, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_tile, k_tile))  # S retired
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    if MASKED:
+        p = gl.where(visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N), p, 0.0)
+    dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
+    release(j, v_empty, STAGES)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds16 = gl.convert_layout(ds.to(k_ring.dtype), a_layout)
+    dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
+    dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
+    release(j, k_empty, STAGES)
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                 DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
+                 grad_scale, CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
+    [n_full, n_tiles) masked); stores its rows of dq (times s)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    in_rows = rows < q_len
+    lse = gl.load(LSE + lse_base + rows, mask=in_rows, other=float("inf"))
+    delta = gl.load(DELTA + lse_base + rows, mask=in_rows, other=0.0)
+    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
+    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):
+        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta,
+                       last_key, kv_len, qk_scale, s_layout, a_layout, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
+    for j in range(n_full, n_tiles):
+        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta,
+                       last_key, kv_len, qk_scale, s_layout, a_layout, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+
+    offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    dq_ptrs = DQ + dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(dq_ptrs, (dq * grad_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+
+
+@gluon.jit
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, stride_dqb, stride_dqn, stride_dqh,
+               H, GROUP, q_len, kv_len, qk_scale, grad_scale,
+               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
+    BLOCK_M / 2 rows each and a 1-warp TMA producer; causal programs run the last query blocks first."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_halves, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_halves = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+
+    dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+    lse_base = bh.to(gl.int64) * q_len
+    gl.warp_specialize([
+        (_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+                        v_empty, DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0, q_len, kv_len, n_full, n_tiles,
+                        qk_scale, grad_scale, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+                        v_empty, DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0 + HALF_M, q_len, kv_len, n_full,
+                        n_tiles, qk_scale, grad_scale, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready,
+                        v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles,
+                        HALF_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def serves(q, k, v) -> bool:
+    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16)."""
+    from attn.kernels.gluon_pipeline import serves as operands_served
+
+    return operands_served(q, k, v)
+
+
+def _descriptor(flat_view, block, gdt):
+    from attn.kernels.gluon_pipeline import TensorDescriptor
+
+    flat, shape, strides = flat_view
+    return TensorDescriptor(flat, list(shape), list(strides), list(block), smem_layout(list(block), gdt))
+
+
+def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
+    """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once):
+    plain softmax with logits z = sm_scale q.k (sm_scale > 0), `lse2` (B, H, N) fp32 contiguous as the
+    forwards write it. Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    gdt = gl_dtype(q.dtype)
+    kv_cfg, q_cfg = dkdv_tile_config(d), dq_tile_config(d)
+    q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
+    rows_block = [64, d]  # both kernels take Q and dO in 64-row tiles (one consumer's rows, or a ring slot)
+    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
+    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
+    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
+    key_block = [q_cfg["BLOCK_N"], d]
+    k_block_desc, v_block_desc = _descriptor(k_view, key_block, gdt), _descriptor(v_view, key_block, gdt)
+
+    do_flat = do_view[0]  # contiguous in (H, D): the strides below are its own
+    delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    _delta_kernel[(triton.cdiv(n, DELTA_BLOCK_M), bsz * h)](
+        out, do_flat, delta, out.stride(0), out.stride(1), out.stride(2),
+        do_flat.stride(0), do_flat.stride(1), do_flat.stride(2), h, n,
+        HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M, num_warps=4)
+
+    dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
+    qk_scale = float(sm_scale) * LOG2E
+    _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
+        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        h, h_kv, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
+        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
+    _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
+        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, dq.stride(0), dq.stride(1), dq.stride(2),
+        h, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
+        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+    return dq, dk, dv
+
+
+def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
+    """(dq, dk, dv) of plain softmax attention, Gluon / sm_90, from the forward's `out` and `lse2`
+    (`gluon_softmax_fwd.gluon_softmax_forward` or the portable forward). q, out, dout (B, N, H, D);
+    k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16; lse2 (B, H, N) fp32
+    contiguous. Raises ValueError naming the requirement a call misses."""
+    import torch
+
+    what = "gluon softmax backward"
+    check_operands(q, k, v, causal, what)
+    for name, t in (("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(q.shape):
+            raise ValueError(f"{what}: {name} must have q's shape {tuple(q.shape)}, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{what}: {name} must be {q.dtype} on {q.device} as q, got {t.dtype} on {t.device}")
+    bsz, n, h, _ = q.shape
+    if not isinstance(lse2, torch.Tensor) or tuple(lse2.shape) != (bsz, h, n):
+        raise ValueError(f"{what}: lse2 must be (B, H, N) = {(bsz, h, n)}, got "
+                         f"{tuple(getattr(lse2, 'shape', ())) or type(lse2)}")
+    if lse2.dtype != torch.float32 or lse2.device != q.device or not lse2.is_contiguous():
+        raise ValueError(f"{what}: lse2 must be a contiguous float32 tensor on {q.device}, got {lse2.dtype} on "
+                         f"{lse2.device}{'' if lse2.is_contiguous() else ', not contiguous'}")
+    if out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must be contiguous in its last dim, got strides {tuple(out.stride())}")
+    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):
+        raise ValueError(f"{what}: sm_scale must be > 0 and finite, got {sm_scale}")
+    return launch_backward(q, k, v, out, dout, lse2, float(sm_scale), causal)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling without a GPU
+
+KERNELS = ("delta", "dkdv", "dq")
+
+
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
+                 kernel: str = "dkdv"):
+    """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
+    (`gluon_pipeline.compile_gluon_sm90`)."""
+    if kernel == "delta":
+        signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32",
+                     **{name: "i32" for name in ("stride_ob", "stride_on", "stride_oh", "stride_dob", "stride_don",
+                                                 "stride_doh", "H", "q_len")},
+                     "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr"}
+        return compile_gluon_sm90(_delta_kernel, signature, {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M},
+                                  ("O", "DO", "DELTA"), arch)
+    rows = descriptor_type(dtype, [64, head_dim])
+    scalars = {"q_len": "i32", "kv_len": "i32", "qk_scale": "fp32", "grad_scale": "fp32"}
+    tail = {"CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+            "STAGES": "constexpr"}
+    if kernel == "dkdv":
+        cfg = dkdv_tile_config(head_dim)
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
+        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
+                     "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32",
+                     **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
+                     "H": "i32", "H_KV": "i32", "GROUP": "i32", **scalars, **tail}
+        fn, aligned = _dkdv_kernel, ("DK", "DV", "LSE", "DELTA")
+    elif kernel == "dq":
+        cfg = dq_tile_config(head_dim)
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
+        signature = {"q_desc": rows, "do_desc": rows, "k_desc": keys, "v_desc": keys, "DQ": f"*{dtype}",
+                     "LSE": "*fp32", "DELTA": "*fp32", "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32",
+                     "H": "i32", "GROUP": "i32", **scalars, **tail}
+        fn, aligned = _dq_kernel, ("DQ", "LSE", "DELTA")
+    else:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return compile_gluon_sm90(fn, signature, {"CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}, aligned, arch)
