@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import attn
 from models.captured_step import capture_cuda_graph
-from models.head_norms import head_rms_norm
+from models.head_norms import head_norm_rope, head_rms_norm, rotate_pairs
 
 QK_NORMS = ("none", "l2", "rms")
 # the MLP's activation by kind; swiglu gates (its up projection is twice as wide)
@@ -114,13 +114,16 @@ class RoPE(nn.Module):
             if x.shape[1] != 1:
                 raise ValueError(f"a tensor RoPE offset serves one position (N = 1), got N = {x.shape[1]}")
             cos, sin = self.cos_table.index_select(0, offset), self.sin_table.index_select(0, offset)
-        elif offset + x.shape[1] <= self.cos_table.shape[0]:
-            cos, sin = self.cos_table[offset:offset + x.shape[1]], self.sin_table[offset:offset + x.shape[1]]
-        else:  # beyond the training context (length-extrapolation evals)
-            cos, sin = (t[offset:] for t in self._tables(offset + x.shape[1]))
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+        else:  # beyond the training context (length-extrapolation evals): tables computed for the call
+            cos, sin = self.table_rows(offset, x.shape[1]) or (t[offset:] for t in self._tables(offset + x.shape[1]))
+        return rotate_pairs(x, cos, sin)
+
+    def table_rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) (n, D/2) of positions offset .. offset + n - 1 as views of the tables, or None past
+        the training context."""
+        if offset + n > self.cos_table.shape[0]:
+            return None
+        return self.cos_table[offset:offset + n], self.sin_table[offset:offset + n]
 
 
 class KVCache:
@@ -269,14 +272,32 @@ class Attention(nn.Module):
         # q and k are then views into one tensor (the kernels take strides)
         v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
         heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
+        fused = self.qk_norm in ("l2", "rms") and self.rope is not None and not isinstance(offset, torch.Tensor)
+        rows = self.rope.table_rows(offset, n) if fused else None
+        if rows is not None:
+            # QK-norm and RoPE in one pass (models/head_norms.py: one kernel each way on CUDA in eager
+            # mode, in place of the norm's kernels and RoPE's elementwise ops), rounded once to v's dtype
+            return self._split_views(head_norm_rope(heads, *rows, out_dtype=v.dtype, **self.qk_norm_arguments()), v)
         if self.qk_norm == "rms":
             heads = self.rms_normalize_heads(heads)
         else:
             heads = _qk_normalize(heads, self.qk_norm)
         # norms run in fp32 under autocast: bring q and k back to v's dtype for the kernels
-        heads = self.rotate(heads, offset).to(v.dtype)
+        return self._split_views(self.rotate(heads, offset).to(v.dtype), v)
+
+    def _split_views(self, heads: torch.Tensor, v: torch.Tensor):
+        """(q views, k views, v) from the normalized, rotated q and k heads (B, N, views (H + H_kv), D)."""
+        h, h_kv = self.n_head, self.n_kv_head
         views = heads.split([h, h_kv] * self.views, dim=2)
         return list(views[0::2]), list(views[1::2]), v
+
+    def qk_norm_arguments(self) -> dict:
+        """`head_norm_rope`'s norm arguments for this layer's QK-norm: rms (q_norm's and k_norm's weights
+        by head kind, their eps) or l2 (unit heads: RMSNorm scaled by D^-1/2)."""
+        if self.qk_norm == "rms":
+            return dict(weight=self.q_norm.weight, second_weight=self.k_norm.weight, first_slots=self.n_head,
+                        period=self.n_head + self.n_kv_head, eps=self.q_norm.eps)
+        return dict(eps=torch.finfo(torch.float32).tiny, scale=self.head_dim ** -0.5)
 
     def rms_normalize_heads(self, heads: torch.Tensor) -> torch.Tensor:
         """RMSNorm of every q and k head of `heads` (B, N, views (H + H_kv), D) in one fused norm in at

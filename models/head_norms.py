@@ -17,6 +17,8 @@ form itself), off CUDA, or for float64 it computes the same math with plain torc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -97,15 +99,106 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
         tl.store(DW + (pid_t * S + s) * D + cols, dw, mask=col_ok)
 
 
+@triton.jit
+def _rotary_tile(COS, SIN, n_pos, half, rows, halves, mask):
+    """The (BLOCK_M, BLOCK_N) cos and sin of the rows' positions (row t sits at position t % n_pos), one
+    per pair of columns (c, c + D/2); BLOCK_N is D/2 padded to a power of two."""
+    pos = rows % n_pos
+    cos = tl.load(COS + pos[:, None] * half + halves[None, :], mask=mask, other=0.0)
+    sin = tl.load(SIN + pos[:, None] * half + halves[None, :], mask=mask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _head_norm_rope_fwd(X, W_A, W_B, COS, SIN, OUT, RSTD, T, S, D, n_pos, stride_xt, stride_xs, first_slots,
+                        period, eps, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """The norm of `_head_rms_norm_fwd` followed by RoPE: with y = x rstd w scale in halves (y1, y2) =
+    (columns [0, D/2), [D/2, D)), out = (y1 cos - y2 sin, y1 sin + y2 cos) at the row's position
+    (t % n_pos; COS, SIN (n_pos, D/2) fp32), rounded once to OUT's dtype."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    half = D // 2
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    halves = tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = halves < half
+    mask = row_ok[:, None] & col_ok[None, :]
+    x_ptrs = X + rows[:, None] * stride_xt + s * stride_xs + halves[None, :]
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    tl.store(RSTD + rows * S + s, rstd, mask=row_ok)
+    y1 = x1 * rstd[:, None] * scale
+    y2 = x2 * rstd[:, None] * scale
+    if HAS_WEIGHT:
+        y1 = y1 * _slot_weight(W_A, W_B, s, first_slots, period, halves, col_ok, HAS_B)[None, :]
+        y2 = y2 * _slot_weight(W_A, W_B, s, first_slots, period, halves + half, col_ok, HAS_B)[None, :]
+    cos, sin = _rotary_tile(COS, SIN, n_pos, half, rows, halves, mask)
+    out_ptrs = OUT + (rows[:, None] * S + s) * D + halves[None, :]
+    tl.store(out_ptrs, (y1 * cos - y2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + half, (y1 * sin + y2 * cos).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_norm_rope_bwd(X, W_A, W_B, COS, SIN, DY, RSTD, DX, DW, T, S, D, n_pos, stride_xt, stride_xs, stride_dyt,
+                        stride_dys, first_slots, period, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr,
+                        WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gradient of `_head_norm_rope_fwd`: the rotation's transpose turns dout's halves (g1, g2) into
+    the norm's output gradient (g1 cos + g2 sin, g2 cos - g1 sin), then `_head_rms_norm_bwd`'s formulas."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    half = D // 2
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    halves = tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = halves < half
+    mask = row_ok[:, None] & col_ok[None, :]
+    dy_ptrs = DY + rows[:, None] * stride_dyt + s * stride_dys + halves[None, :]
+    g1 = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+    g2 = tl.load(dy_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    cos, sin = _rotary_tile(COS, SIN, n_pos, half, rows, halves, mask)
+    dy1 = g1 * cos + g2 * sin
+    dy2 = g2 * cos - g1 * sin
+    gw1 = dy1 * scale
+    gw2 = dy2 * scale
+    if HAS_WEIGHT:
+        gw1 = gw1 * _slot_weight(W_A, W_B, s, first_slots, period, halves, col_ok, HAS_B)[None, :]
+        gw2 = gw2 * _slot_weight(W_A, W_B, s, first_slots, period, halves + half, col_ok, HAS_B)[None, :]
+    x_ptrs = X + rows[:, None] * stride_xt + s * stride_xs + halves[None, :]
+    rstd = tl.load(RSTD + rows * S + s, mask=row_ok, other=0.0)
+    xhat1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    xhat2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    mean_gx = (tl.sum(gw1 * xhat1, axis=1) + tl.sum(gw2 * xhat2, axis=1)) / D
+    dx_ptrs = DX + (rows[:, None] * S + s) * D + halves[None, :]
+    tl.store(dx_ptrs, (rstd[:, None] * (gw1 - xhat1 * mean_gx[:, None])).to(DX.dtype.element_ty), mask=mask)
+    tl.store(dx_ptrs + half, (rstd[:, None] * (gw2 - xhat2 * mean_gx[:, None])).to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW + (pid_t * S + s) * D + halves, tl.sum(dy1 * xhat1, axis=0) * scale, mask=col_ok)
+        tl.store(DW + (pid_t * S + s) * D + halves + half, tl.sum(dy2 * xhat2, axis=0) * scale, mask=col_ok)
+
+
 _FWD = Kernel(_head_rms_norm_fwd, "head_rms_norm_fwd")
 _BWD = Kernel(_head_rms_norm_bwd, "head_rms_norm_bwd")
+_ROPE_FWD = Kernel(_head_norm_rope_fwd, "head_norm_rope_fwd")
+_ROPE_BWD = Kernel(_head_norm_rope_bwd, "head_norm_rope_bwd")
 
 
 def _config(d: int) -> TileConfig:
     """The one launch config for rows of d elements: block_m rows per program, block_n = d padded."""
-    block_n = triton.next_power_of_2(d)
-    block_m = INTERPRET_ROWS if interpreting() else max(1, ELEMENTS_PER_PROGRAM // block_n)
+    return _config_for(d, interpreting())
+
+
+@functools.cache
+def _config_for(d: int, interpreter: bool) -> TileConfig:
+    # built once per row length: a call's host time counts (the eager step is host-bound)
+    block_n = 1 << (d - 1).bit_length()
+    block_m = INTERPRET_ROWS if interpreter else max(1, ELEMENTS_PER_PROGRAM // block_n)
     return TileConfig(block_m, block_n, num_warps=4, num_stages=1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class _HeadRMSNorm(torch.autograd.Function):
@@ -119,7 +212,7 @@ class _HeadRMSNorm(torch.autograd.Function):
         rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
         w_a = x3 if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _FWD.run(cfg, (triton.cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
+        _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
                  (t, s, d, x3.stride(0), x3.stride(1), first_slots, period, eps, scale),
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
         ctx.save_for_backward(x3, weight, second_weight, rstd)
@@ -135,7 +228,7 @@ class _HeadRMSNorm(torch.autograd.Function):
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        n_t_blocks = triton.cdiv(t, cfg.block_m)
+        n_t_blocks = _cdiv(t, cfg.block_m)
         dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
         partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
         w_a = x3 if weight is None else weight
@@ -144,15 +237,61 @@ class _HeadRMSNorm(torch.autograd.Function):
                  (t, s, d, x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period,
                   ctx.scale),
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
-        d_weight = d_second = None
-        if weight_grad:  # one reduction per weight (the eager step pays per op on the host)
-            if second_weight is None:
-                d_weight = partial.sum((0, 1)).to(weight.dtype)
-            else:
-                per_kind = partial.view(n_t_blocks, s // ctx.period, ctx.period, d)
-                d_weight = per_kind[:, :, :ctx.first_slots].sum((0, 1, 2)).to(weight.dtype)
-                d_second = per_kind[:, :, ctx.first_slots:].sum((0, 1, 2)).to(second_weight.dtype)
+        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
         return dx, d_weight, d_second, None, None, None, None, None
+
+
+def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad):
+    """(d weight, d second_weight) from the per-program partial sums (n_t_blocks, S, D): one reduction
+    per weight (the eager step pays per op on the host); None each without a weight gradient."""
+    if not weight_grad:
+        return None, None
+    if second_weight is None:
+        return partial.sum((0, 1)).to(weight.dtype), None
+    n_t_blocks, s, d = partial.shape
+    per_kind = partial.view(n_t_blocks, s // period, period, d)
+    return (per_kind[:, :, :first_slots].sum((0, 1, 2)).to(weight.dtype),
+            per_kind[:, :, first_slots:].sum((0, 1, 2)).to(second_weight.dtype))
+
+
+class _HeadNormRope(torch.autograd.Function):
+    """`_HeadRMSNorm` followed by RoPE, in one kernel each way, over x3 (T, S, D) with a unit D stride at
+    positions t % n_pos (cos, sin (n_pos, D/2) fp32 tables); returns a contiguous (T, S, D)."""
+
+    @staticmethod
+    def forward(ctx, x3, weight, second_weight, cos, sin, first_slots, period, eps, scale, out_dtype):
+        t, s, d = x3.shape
+        cfg = _config(d // 2)
+        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
+        w_a = x3 if weight is None else weight
+        w_b = w_a if second_weight is None else second_weight
+        meta = {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None}
+        _ROPE_FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, cos, sin, out, rstd),
+                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), first_slots, period, eps, scale), meta)
+        ctx.save_for_backward(x3, weight, second_weight, cos, sin, rstd)
+        ctx.meta, ctx.first_slots, ctx.period, ctx.scale = meta, first_slots, period, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x3, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
+        t, s, d = x3.shape
+        cfg = _config(d // 2)
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        n_t_blocks = _cdiv(t, cfg.block_m)
+        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
+        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
+        w_a = x3 if weight is None else weight
+        w_b = w_a if second_weight is None else second_weight
+        _ROPE_BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, cos, sin, dy, rstd, dx, partial),
+                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1),
+                       ctx.first_slots, ctx.period, ctx.scale), {**ctx.meta, "WEIGHT_GRAD": weight_grad})
+        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
+        return dx, d_weight, d_second, None, None, None, None, None, None, None
 
 
 def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
@@ -189,21 +328,8 @@ def _kernel_runs(x: torch.Tensor, weights, out_dtype: torch.dtype) -> bool:
     return all(w is None or w.dtype in KERNEL_DTYPES for w in weights)
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
-                  scale: float = 1.0, out_dtype: torch.dtype | None = None,
-                  second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
-                  kernel: bool | None = None) -> torch.Tensor:
-    """RMSNorm of every row of D of x (..., S, D), times its slot's weight and `scale`, in `out_dtype`
-    (default x's dtype), autocast off.
-
-    weight: (D,) for every slot, or with `second_weight` (D,) the weight of the first `first_slots` of
-    every `period` slots (S a multiple of period), the rest taking second_weight. eps: added to the
-    mean square; None is the machine epsilon of the dtype the plain form normalizes in (x's dtype when
-    out_dtype is x's and there is no second weight, else out_dtype), as F.rms_norm's None.
-    kernel: None runs the Triton kernels for eager CUDA tensors of fp16 / bf16 / fp32 (rows of at most
-    MAX_KERNEL_HEAD_DIM) and the plain torch form otherwise (under torch.compile inductor fuses it); True
-    forces the kernels (tests: on CPU under TRITON_INTERPRET=1); False forces the plain form.
-    Gradients flow to x and the weights (not twice: the kernels' backward is not differentiable)."""
+def _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel):
+    """(out_dtype, whether the kernels run) after the argument checks every entry shares."""
     if x.dim() < 2 or not x.dtype.is_floating_point:
         raise ValueError(f"x must be a floating tensor (..., S, D), got {x.dtype} of shape {tuple(x.shape)}")
     s, d = x.shape[-2], x.shape[-1]
@@ -229,8 +355,13 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
             raise ValueError(f"kernel=True takes x and out_dtype in {KERNEL_DTYPES}, got {x.dtype} and {out_dtype}")
         if d > MAX_KERNEL_HEAD_DIM:
             raise ValueError(f"kernel=True takes rows of at most {MAX_KERNEL_HEAD_DIM} elements; x's last dim is {d}")
-    if not kernel:
-        return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
+    return out_dtype, kernel
+
+
+def _kernel_operands(x, weight, second_weight, first_slots, period, eps, out_dtype):
+    """x as (T, S, D) with a unit D stride, the weights in one dtype, the slot rule and eps as the kernels
+    take them."""
+    s, d = x.shape[-2], x.shape[-1]
     if eps is None:
         eps = torch.finfo(x.dtype if second_weight is None and out_dtype == x.dtype else out_dtype).eps
     x3 = x.reshape(-1, s, d)
@@ -240,5 +371,67 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
         first_slots, period = 0, 1
     elif second_weight.dtype != weight.dtype:
         second_weight = second_weight.to(weight.dtype)  # the kernels read both through one pointer type
-    out = _HeadRMSNorm.apply(x3, weight, second_weight, first_slots, period, float(eps), float(scale), out_dtype)
+    return x3, second_weight, first_slots, period, float(eps)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
+                  scale: float = 1.0, out_dtype: torch.dtype | None = None,
+                  second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
+                  kernel: bool | None = None) -> torch.Tensor:
+    """RMSNorm of every row of D of x (..., S, D), times its slot's weight and `scale`, in `out_dtype`
+    (default x's dtype), autocast off.
+
+    weight: (D,) for every slot, or with `second_weight` (D,) the weight of the first `first_slots` of
+    every `period` slots (S a multiple of period), the rest taking second_weight. eps: added to the
+    mean square; None is the machine epsilon of the dtype the plain form normalizes in (x's dtype when
+    out_dtype is x's and there is no second weight, else out_dtype), as F.rms_norm's None.
+    kernel: None runs the Triton kernels for eager CUDA tensors of fp16 / bf16 / fp32 (rows of at most
+    MAX_KERNEL_HEAD_DIM) and the plain torch form otherwise (under torch.compile inductor fuses it); True
+    forces the kernels (tests: on CPU under TRITON_INTERPRET=1); False forces the plain form.
+    Gradients flow to x and the weights (not twice: the kernels' backward is not differentiable)."""
+    out_dtype, kernel = _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel)
+    if not kernel:
+        return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
+    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
+                                                                  eps, out_dtype)
+    out = _HeadRMSNorm.apply(x3, weight, second_weight, first_slots, period, eps, float(scale), out_dtype)
+    return out.view(x.shape)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in plain torch ops: x (..., N, S, D) in fp32 arithmetic, pairs (c, c + D/2) rotated by the
+    angle of each token's position (cos, sin (N, D/2)), in x's dtype."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+def head_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None, *,
+                   eps: float | None = None, scale: float = 1.0, out_dtype: torch.dtype | None = None,
+                   second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
+                   kernel: bool | None = None) -> torch.Tensor:
+    """`head_rms_norm` followed by RoPE, one kernel each way on the kernels' path, rounded once to
+    `out_dtype`: x (..., N, S, D) holds N positions (dim -3) of S head slots, cos and sin (N, D/2) are
+    the rotation's tables at those positions (the kernels read them in fp32), and each row's pairs of
+    columns (c, c + D/2) are rotated as (y1 cos - y2 sin, y1 sin + y2 cos). The plain form:
+    `head_rms_norm`'s in fp32 (or wider), then `rotate_pairs`, then out_dtype. eps None is that
+    normalizing dtype's machine epsilon."""
+    out_dtype, kernel = _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel)
+    if x.dim() < 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be (..., N, S, D) with an even D, got shape {tuple(x.shape)}")
+    n, d = x.shape[-3], x.shape[-1]
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (n, d // 2) or not table.dtype.is_floating_point or table.device != x.device:
+            raise ValueError(f"{name} must be a floating ({n}, {d // 2}) tensor on {x.device} (x's positions, "
+                             f"D / 2), got {table.dtype} {tuple(table.shape)} on {table.device}")
+    wide = torch.promote_types(out_dtype, torch.float32)
+    if eps is None:
+        eps = torch.finfo(wide).eps
+    if not kernel:
+        y = _plain(x, weight, second_weight, first_slots, period, eps, scale, wide)
+        return rotate_pairs(y, cos, sin).to(out_dtype)
+    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
+                                                                  eps, out_dtype)
+    out = _HeadNormRope.apply(x3, weight, second_weight, cos.float().contiguous(), sin.float().contiguous(),
+                              first_slots, period, eps, float(scale), out_dtype)
     return out.view(x.shape)

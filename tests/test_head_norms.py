@@ -144,15 +144,14 @@ def test_bad_arguments_are_refused_by_name():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The number of kernel forwards so far (a list of one int)."""
+    """The number of kernel forwards so far, the norm's and the norm-with-RoPE's (a list of one int)."""
     calls = [0]
-    apply = hn._HeadRMSNorm.apply
+    for function in (hn._HeadRMSNorm, hn._HeadNormRope):
+        def counting(*args, apply=function.apply):
+            calls[0] += 1
+            return apply(*args)
 
-    def counting(*args):
-        calls[0] += 1
-        return apply(*args)
-
-    monkeypatch.setattr(hn._HeadRMSNorm, "apply", counting)
+        monkeypatch.setattr(function, "apply", counting)
     return calls
 
 
@@ -212,3 +211,73 @@ def test_the_model_on_the_kernels_matches_the_plain_forms(name, qk_norm, kind, k
     assert any("q_norm" in n for n in fused[1]) == (kind == "rms")
     for n in plain[1]:
         torch.testing.assert_close(fused[1][n], plain[1][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# head_norm_rope: the model's two QK-norm kinds, then RoPE, as one kernel each way
+ROPE_KINDS = {
+    "l2": lambda d: ({}, dict(eps=TINY, scale=d ** -0.5)),
+    "rms": lambda d: ({"weight": torch.float32, "second_weight": torch.float32},
+                      dict(first_slots=2, period=3, eps=None)),
+}
+
+
+def rope_case(kind, b, n, s, d, layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(b, n, s + 2, d, generator=gen, dtype=torch.float64)
+    x64 = wide[:, :, 1:s + 1] if layout == "strided" else wide[:, :, :s].contiguous()
+    angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 6.3
+    wdtypes, kwargs = ROPE_KINDS[kind](d)
+    weights64 = {name: torch.rand(d, generator=gen, dtype=torch.float64) + 0.5 for name in wdtypes}
+    return x64, angles, weights64, kwargs, torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+
+
+def run_rope(x64, angles, weights64, kwargs, dy64, dtype, kernel):
+    x = x64.detach().to(DEVICE, dtype).requires_grad_()
+    ws = {name: w.to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
+          for name, w in weights64.items()}
+    table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    cos, sin = (f(angles).to(DEVICE, table_dtype) for f in (torch.cos, torch.sin))
+    out = hn.head_norm_rope(x, cos, sin, **ws, **kwargs, out_dtype=dtype, kernel=kernel)
+    out.backward(dy64.to(DEVICE, out.dtype))
+    return [out, x.grad] + [w.grad for w in ws.values()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(ROPE_KINDS))
+@pytest.mark.parametrize("b,n,s,d,layout", [(1, 1, 3, 64, "contiguous"), (2, 17, 3, 48, "strided"),
+                                            (1, 127, 6, 64, "strided")])
+def test_norm_and_rope_kernel_matches_float64(kind, dtype, b, n, s, d, layout, nan_poison):
+    """out, dx and the weights' gradients of the fused QK-norm and RoPE against the plain form in float64,
+    by the DESIGN.md rule (the plain form in the kernel's dtype as the yardstick), every position's row
+    rotated by its own angles."""
+    x64, angles, weights64, kwargs, dy64 = rope_case(kind, b, n, s, d, layout, seed=n + s)
+    got = run_rope(x64, angles, weights64, kwargs, dy64, dtype, kernel=True)
+    same = run_rope(x64, angles, weights64, kwargs, dy64, dtype, kernel=False)
+    ref64 = run_rope(x64, angles, weights64, kwargs, dy64, torch.float64, kernel=False)
+    assert got[0].dtype == dtype and got[1].dtype == dtype
+    names = ["out", "dx"] + ["d" + name for name in weights64]
+    for name, g, sm, r in zip(names, got, same, ref64):
+        assert g.shape == r.shape, name
+        assert_within_reference_error(f"{kind} {dtype} {name}", g, sm, r, FLOOR[dtype])
+
+
+def test_the_rotation_is_the_rope_modules():
+    """The fused form's rotation is the model's (models.gpt.RoPE) of the normalized heads."""
+    from models.gpt import RoPE
+
+    rope = RoPE(16, 10000.0, 32).to(DEVICE)
+    x = torch.randn(2, 7, 3, 16, device=DEVICE)
+    cos, sin = rope.table_rows(5, 7)
+    fused = hn.head_norm_rope(x, cos, sin, eps=1e-6, kernel=True)
+    torch.testing.assert_close(fused, rope(hn.head_rms_norm(x, eps=1e-6, kernel=False), 5), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_and_rope_refuses_bad_tables_and_arguments_by_name():
+    x = torch.randn(2, 5, 3, 8, device=DEVICE)
+    cos = torch.ones(5, 4, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cos must be a floating \(5, 4\) tensor"):
+        hn.head_norm_rope(x, torch.ones(4, 4, device=DEVICE), cos)
+    with pytest.raises(ValueError, match=r"sin must be a floating \(5, 4\) tensor"):
+        hn.head_norm_rope(x, cos, torch.ones(5, 4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="even D"):
+        hn.head_norm_rope(torch.randn(2, 5, 3, 7, device=DEVICE), cos, cos)
