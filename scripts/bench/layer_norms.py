@@ -5,7 +5,9 @@ At a training shape under bf16 autocast, forward + backward of each norm as the 
 (the same function's plain form, `kernel=False`: one thread block per row) and other plain forms: the l2
 QK-norm (`models.gpt._qk_normalize`; also F.normalize), the rms QK-norm of a sigmoid layer
 (`Attention.rms_normalize_heads`: fp32 output, q and k weights) and the per-head output norm
-(`Attention.normalize_output`, the heads' dtype; also through an fp32 copy). Per row: median us
+(`Attention.normalize_output`, the heads' dtype; also through an fp32 copy), and each QK-norm with RoPE
+as `Attention.split_heads` computes them (`head_norm_rope`: one kernel each way) against the norm and
+then the RoPE module's elementwise ops. Per row: median us
 (do_bench), CUDA kernels per call, the output dtype and its largest error against the float64 result.
 
     python scripts/bench/layer_norms.py [--batch 32 --seq 512 --heads 6 --head-dim 64] [--out FILE.json]
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models.gpt import Attention, AttnConfig, GPTConfig, _qk_normalize  # noqa: E402
-from models.head_norms import head_rms_norm  # noqa: E402
+from models.head_norms import head_norm_rope, head_rms_norm  # noqa: E402
 from timing import median_ms, result_header  # noqa: E402
 
 
@@ -73,6 +75,7 @@ def main() -> int:
     l2 = dict(eps=torch.finfo(torch.float32).tiny, scale=d ** -0.5)
     rms = dict(second_weight=kw, first_slots=h, period=2 * h, eps=eps_rms, out_dtype=torch.float32)
     rms64 = dict(rms, second_weight=kw.double(), out_dtype=torch.float64)
+    tables = layer.rope.table_rows(0, n)  # cos, sin of positions 0 .. n - 1
     cases = [
         ("l2 QK-norm: the model's (Triton head norm)", lambda x: _qk_normalize(x, "l2"), heads,
          lambda x: F.normalize(x, dim=-1)),
@@ -83,6 +86,20 @@ def main() -> int:
          lambda x: head_rms_norm(x, qw.double(), **rms64, kernel=False)),
         ("rms QK-norm: torch rms_norm (fp32) x weights", lambda x: head_rms_norm(x, qw, **rms, kernel=False), heads,
          lambda x: head_rms_norm(x, qw.double(), **rms64, kernel=False)),
+        # the model's QK-norm with RoPE as split_heads computes it (one kernel each way) against the norm
+        # and then the RoPE module's elementwise ops
+        ("l2 QK-norm + RoPE: the model's (one Triton kernel)",
+         lambda x: head_norm_rope(x, *tables, **l2, out_dtype=x.dtype), heads,
+         lambda x: layer.rope(F.normalize(x, dim=-1), 0)),
+        ("l2 QK-norm + RoPE: norm kernel, then RoPE's ops",
+         lambda x: layer.rope(_qk_normalize(x, "l2"), 0).to(x.dtype), heads,
+         lambda x: layer.rope(F.normalize(x, dim=-1), 0)),
+        ("rms QK-norm + RoPE: the model's (one Triton kernel)",
+         lambda x: head_norm_rope(x, *tables, qw, **dict(rms, out_dtype=x.dtype)), heads,
+         lambda x: layer.rope(head_rms_norm(x, qw.double(), **rms64, kernel=False), 0)),
+        ("rms QK-norm + RoPE: norm kernel, then RoPE's ops",
+         lambda x: layer.rope(sigmoid.rms_normalize_heads(x), 0).to(x.dtype), heads,
+         lambda x: layer.rope(head_rms_norm(x, qw.double(), **rms64, kernel=False), 0)),
         ("output norm: the model's (Triton head norm)", layer.normalize_output, outs,
          lambda y: F.rms_norm(y, (d,), norm.weight.double(), norm.eps)),
         ("output norm: torch rms_norm (fused, heads' dtype)",
