@@ -100,6 +100,20 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
 
 
 @triton.jit
+def _half_rows(T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A norm-with-RoPE program's block: (row block, slot, D/2, its BLOCK_M rows, the first half's
+    BLOCK_N columns, which rows and columns exist, their 2-d mask)."""
+    pid_t = tl.program_id(0)
+    s = tl.program_id(1)
+    half = D // 2
+    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    halves = tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = halves < half
+    return pid_t, s, half, rows, halves, row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
 def _rotary_tile(COS, SIN, n_pos, half, rows, halves, mask):
     """The (BLOCK_M, BLOCK_N) cos and sin of the rows' positions (row t sits at position t % n_pos), one
     per pair of columns (c, c + D/2); BLOCK_N is D/2 padded to a power of two."""
@@ -116,14 +130,7 @@ def _head_norm_rope_fwd(X, W_A, W_B, COS, SIN, OUT, RSTD, T, S, D, n_pos, stride
     """The norm of `_head_rms_norm_fwd` followed by RoPE: with y = x rstd w scale in halves (y1, y2) =
     (columns [0, D/2), [D/2, D)), out = (y1 cos - y2 sin, y1 sin + y2 cos) at the row's position
     (t % n_pos; COS, SIN (n_pos, D/2) fp32), rounded once to OUT's dtype."""
-    pid_t = tl.program_id(0)
-    s = tl.program_id(1)
-    half = D // 2
-    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    halves = tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = halves < half
-    mask = row_ok[:, None] & col_ok[None, :]
+    pid_t, s, half, rows, halves, row_ok, col_ok, mask = _half_rows(T, D, BLOCK_M, BLOCK_N)
     x_ptrs = X + rows[:, None] * stride_xt + s * stride_xs + halves[None, :]
     x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
@@ -146,14 +153,7 @@ def _head_norm_rope_bwd(X, W_A, W_B, COS, SIN, DY, RSTD, DX, DW, T, S, D, n_pos,
                         WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The gradient of `_head_norm_rope_fwd`: the rotation's transpose turns dout's halves (g1, g2) into
     the norm's output gradient (g1 cos + g2 sin, g2 cos - g1 sin), then `_head_rms_norm_bwd`'s formulas."""
-    pid_t = tl.program_id(0)
-    s = tl.program_id(1)
-    half = D // 2
-    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    halves = tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = halves < half
-    mask = row_ok[:, None] & col_ok[None, :]
+    pid_t, s, half, rows, halves, row_ok, col_ok, mask = _half_rows(T, D, BLOCK_M, BLOCK_N)
     dy_ptrs = DY + rows[:, None] * stride_dyt + s * stride_dys + halves[None, :]
     g1 = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
     g2 = tl.load(dy_ptrs + half, mask=mask, other=0.0).to(tl.float32)
