@@ -110,19 +110,18 @@ class RoPE(nn.Module):
         """x (B, N, H, D) at positions offset .. offset + N - 1: rotate pairs (first half, second
         half) by position. `offset` may be a (1,) int64 device tensor (a decode step's position,
         N = 1, inside the training context): the table rows are then gathered on the device."""
-        if isinstance(offset, torch.Tensor):
-            if x.shape[1] != 1:
-                raise ValueError(f"a tensor RoPE offset serves one position (N = 1), got N = {x.shape[1]}")
-            cos, sin = self.cos_table.index_select(0, offset), self.sin_table.index_select(0, offset)
-        else:  # beyond the training context (length-extrapolation evals): tables computed for the call
-            cos, sin = self.table_rows(offset, x.shape[1]) or (t[offset:] for t in self._tables(offset + x.shape[1]))
-        return rotate_pairs(x, cos, sin)
+        return rotate_pairs(x, *self.table_rows(offset, x.shape[1]))
 
-    def table_rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) (n, D/2) of positions offset .. offset + n - 1 as views of the tables, or None past
-        the training context."""
+    def table_rows(self, offset: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (n, D/2) of positions offset .. offset + n - 1: views of the tables; a (1,) device
+        offset (n = 1) gathers its row on the device; past the training context (length-extrapolation
+        evals) the rows are computed for the call."""
+        if isinstance(offset, torch.Tensor):
+            if n != 1:
+                raise ValueError(f"a tensor RoPE offset serves one position (N = 1), got N = {n}")
+            return self.cos_table.index_select(0, offset), self.sin_table.index_select(0, offset)
         if offset + n > self.cos_table.shape[0]:
-            return None
+            return tuple(t[offset:] for t in self._tables(offset + n))
         return self.cos_table[offset:offset + n], self.sin_table[offset:offset + n]
 
 
@@ -272,11 +271,11 @@ class Attention(nn.Module):
         # q and k are then views into one tensor (the kernels take strides)
         v = qkv[..., self.views * (q_dim + kv_dim):].view(b, n, h_kv, d)
         heads = qkv[..., :self.views * (q_dim + kv_dim)].view(b, n, self.views * (h + h_kv), d)
-        fused = self.qk_norm in ("l2", "rms") and self.rope is not None and not isinstance(offset, torch.Tensor)
-        rows = self.rope.table_rows(offset, n) if fused else None
-        if rows is not None:
+        if self.qk_norm in ("l2", "rms") and self.rope is not None:
             # QK-norm and RoPE in one pass (models/head_norms.py: one kernel each way on CUDA in eager
-            # mode, in place of the norm's kernels and RoPE's elementwise ops), rounded once to v's dtype
+            # mode, in place of the norm's kernels and RoPE's elementwise ops), rounded once to v's dtype;
+            # prefill, decode steps and re-encoding all take it, so their keys agree bit for bit
+            rows = self.rope.table_rows(offset, n)
             return self._split_views(head_norm_rope(heads, *rows, out_dtype=v.dtype, **self.qk_norm_arguments()), v)
         if self.qk_norm == "rms":
             heads = self.rms_normalize_heads(heads)
