@@ -1,5 +1,6 @@
 """RMSNorm over each head's D elements, many rows per program: the attention layer's per-head norms
-(the l2 and rms QK-norms and the per-head output norm of models/gpt.py).
+(the l2 and rms QK-norms, each followed by RoPE in the same kernel (`head_norm_rope`), and the per-head
+output norm (`head_rms_norm`) of models/gpt.py).
 
 x (..., S, D) holds T tokens (the product of the leading dims) of S head slots of D elements each;
 every row of D is normalized in fp32 arithmetic, times its slot's weight (none, one for every slot,
