@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # --dry-run on a CPU: Triton's interpreter, s
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from timing import attention_flops, tflops  # noqa: E402
+from timing import attention_flops, median_ms, tflops  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps, stages): Triton 3.6 warp-specializes this loop on sm_90 only with 4 warps
 CONFIGS = [(128, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
@@ -73,7 +73,7 @@ def probe(shape, configs, time_it: bool) -> list[dict]:
         return F.scaled_dot_product_attention(q.view(b, h, n, d), k.view(b, h, n, d), v.view(b, h, n, d))
 
     ref = sdpa().view(b * h, n, d)
-    rows = [{"name": "sdpa", **({"ms": triton.testing.do_bench(sdpa, warmup=50, rep=300)} if time_it else {})}]
+    rows = [{"name": "sdpa", **({"ms": median_ms(sdpa, warmup=50, rep=300)} if time_it else {})}]
     for ws in (False, True):
         for bm, bn, warps, stages in configs:
             name = f"{'ws' if ws else 'plain'} {bm}x{bn} w{warps} s{stages}"
@@ -87,7 +87,7 @@ def probe(shape, configs, time_it: bool) -> list[dict]:
                 call()
                 row = {"name": name, "max_abs_err_vs_sdpa": (out.float() - ref.float()).abs().max().item()}
                 if time_it:
-                    row["ms"] = triton.testing.do_bench(call, warmup=50, rep=300)
+                    row["ms"] = median_ms(call, warmup=50, rep=300)
                 rows.append(row)
             except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is a result too
                 rows.append({"name": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
