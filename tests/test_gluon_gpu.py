@@ -137,6 +137,21 @@ def test_capped_and_tempered_calls_on_the_gluon_forward_are_within_the_rule(vari
     assert gluon_launches, "the call did not run the Gluon forward"
 
 
+EXP2_FORMS = [("poly", "softcap_tanh", {"cap": 2.0}, CASES[2]), ("half", "softcap_tanh", {"cap": 2.0}, CASES[7]),
+              ("half", "softmax", {}, CASES[4]), ("poly", "alsc", {"cap": 3.0, "knee": 0.5}, CASES[1])]
+
+
+@pytest.mark.parametrize("form,variant,params,case", EXP2_FORMS,
+                         ids=[f"{f}-{v}-{_case_id(c)}" for f, v, _, c in EXP2_FORMS])
+def test_polynomial_exp2_forms_are_within_the_rule(form, variant, params, case, gluon_launches, monkeypatch, nan_poison):
+    """ATTNLAB_GLUON_EXP2=poly / half (exp2 on the FMA pipes for all / half the scores of unmasked
+    blocks) through the public function, out and grads against float64 by the rule."""
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_EXP2_ENV, form)
+    _check_on_gluon(case, variant, params, False, seed=300 + EXP2_FORMS.index((form, variant, params, case)))
+    assert gluon_launches, "the call did not run the Gluon forward"
+
+
 @pytest.mark.parametrize("fixed_shift", ["1", "0"])
 def test_the_bound_shift_and_the_online_softmax_agree(fixed_shift, monkeypatch):
     """A binding tanh cap in bf16 through both forms of the Gluon forward gives the same output (to a

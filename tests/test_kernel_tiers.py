@@ -86,11 +86,23 @@ def test_gluon_never_usable_off_a_cuda_device_or_under_the_interpreter(monkeypat
     assert not tiers.gluon_usable(torch.device("cuda", 0))  # decided before any CUDA query
 
 
+@pytest.mark.parametrize("value,bf16,fp16", [(None, 0, 0), ("mufu", 0, 0), ("poly", 3, 4), ("half", -3, -4)])
+def test_exp2_switch_values(value, bf16, fp16, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(tiers.GLUON_EXP2_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tiers.GLUON_EXP2_ENV, value)
+    assert (tiers.gluon_exp2_degree(torch.bfloat16), tiers.gluon_exp2_degree(torch.float16)) == (bf16, fp16)
+    monkeypatch.setenv(tiers.GLUON_EXP2_ENV, "fast")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_EXP2 must be one of"):
+        tiers.gluon_exp2_degree(torch.bfloat16)
+
+
 def test_softmax_plans_read_the_switch(monkeypatch):
     """A changed ATTNLAB_GLUON takes effect at the next call: the forward's plans key on it."""
     from attn.kernels import softmax_family as sf
 
-    assert tiers.GLUON_ENV in sf._FWD_PLANS.settings
+    assert tiers.GLUON_ENV in sf._FWD_PLANS.settings and tiers.GLUON_EXP2_ENV in sf._FWD_PLANS.settings
 
 
 def _fake_gluon(monkeypatch, module, name, log, result):
@@ -162,3 +174,16 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         assert args[2] == -1.0
     if variant == "softcap_tanh":
         assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
+    if launcher == "launch_forward":
+        assert named["exp2_poly"] == 0  # MUFU.EX2 unless ATTNLAB_GLUON_EXP2 says otherwise
+
+
+def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
+    import attn
+
+    monkeypatch.setenv(tiers.GLUON_EXP2_ENV, "half")
+    q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        attn.attention(q, k, v, attn.get_variant("softcap_tanh").make_spec(cap=5.0), causal=True, backend="triton")
+    (_, _, named), = gluon_offered
+    assert named["exp2_poly"] == -4  # fp16 P: degree 4, half the scores

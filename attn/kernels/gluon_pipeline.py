@@ -334,6 +334,7 @@ def compile_gluon_sm90(fn, signature: dict, constexprs: dict, aligned: tuple[str
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = list(fn.arg_names)
+    signature = {name: signature[name] for name in names}  # in the kernel's argument order
     constexprs = {(names.index(k),): v for k, v in constexprs.items()}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = GluonASTSource(fn, signature, constexprs, attrs)

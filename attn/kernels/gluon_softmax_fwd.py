@@ -60,6 +60,43 @@ def _rcp(x):
                                      pack=1)
 
 
+ROUNDING_SHIFT = gl.constexpr(12582912.0)  # 1.5 * 2^23: x + this holds round(x) in its low mantissa bits
+
+
+@gluon.jit
+def _exp2(x, POLY: gl.constexpr):
+    """2^x: POLY 0 on MUFU.EX2 (gl.exp2); POLY 3 or 4 on the FMA pipes (FlashAttention-4's trick, as
+    attn/kernels/fast_math.py's exp2_poly: x = n + f, 2^f by a degree-POLY minimax polynomial, 2^n from
+    n's bits; relative error 1.0e-4 / 2.9e-6, below half a bf16 / fp16 ulp of P); POLY -3 or -4 half
+    each way (even columns on the MUFU, odd ones by the polynomial of degree -POLY), which balances the
+    two pipes of a capped forward. The polynomial takes x in [-125, 0] exactly (below: 2^-125, never 0),
+    so it serves key blocks without masked scores only."""
+    if POLY == 0:
+        y = gl.exp2(x)
+    elif POLY < 0:
+        # half the scores each way: MUFU.EX2 for the even columns, the polynomial for the odd ones
+        M: gl.constexpr = x.shape[0]
+        N: gl.constexpr = x.shape[1]
+        layout: gl.constexpr = x.type.layout
+        even, odd = gl.split(gl.reshape(x, [M, N // 2, 2]))
+        # the pairs are a thread's adjacent registers: back in x's layout without moving data
+        y = gl.convert_layout(gl.reshape(gl.join(gl.exp2(even), _exp2(odd, -POLY)), [M, N]), layout)
+    else:
+        xc = gl.maximum(x, -125.0)
+        r = xc + ROUNDING_SHIFT
+        f = xc - (r - ROUNDING_SHIFT)
+        scale = ((r.to(gl.int32, bitcast=True) << 23) + 0x3F800000).to(gl.float32, bitcast=True)
+        if POLY == 3:
+            q = 0.05500869080424309 * f + 0.24221062660217285
+            q = q * f + 0.6932829022407532
+        else:
+            q = 0.009582829661667347 * f + 0.055906400084495544
+            q = q * f + 0.24024099111557007
+            q = q * f + 0.6931241750717163
+        y = (q * f + 1.0) * scale
+    return y
+
+
 @gluon.jit
 def _cap(x, cap_scale, alsc_knee, CAP: gl.constexpr):
     """Raw scores x = q.k -> g, the capped score in the units the row scale turns into log2-unit
@@ -83,12 +120,14 @@ def _cap(x, cap_scale, alsc_knee, CAP: gl.constexpr):
 @gluon.jit
 def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
                    CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
-                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, EXP2_POLY: gl.constexpr):
     """Key block j's scores -> (P in fp32, in the scores' registers, m, l, alpha), the logits
     z = cap(q.k) * row_scale in log2 units; alpha = exp2(m_old - m_new) is the factor the accumulator
     takes before this block's P V is added. row_scale: a scalar > 0, or per row (HAS_TEMP: t_i times
     the scale, any sign). FIXED_SHIFT (a cap bounds |z| by `shift`, no temperature): p = exp2(z - shift)
-    with m fixed at `shift`, so alpha is 1 and the accumulator is never rescaled."""
+    with m fixed at `shift`, so alpha is 1 and the accumulator is never rescaled. EXP2_POLY > 0: the
+    exp2 of unmasked blocks on the FMA pipes (`_exp2`)."""
+    POLY: gl.constexpr = 0 if MASKED else EXP2_POLY
     s_layout: gl.constexpr = qk.type.layout
     g = _cap(qk, cap_scale, alsc_knee, CAP)
     if MASKED:
@@ -98,18 +137,18 @@ def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc
         if MASKED:  # after the scale: a zero or negative temperature must not turn -inf into NaN / +inf
             z = gl.where(visible, z, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(z, axis=1))
-        p = gl.exp2(z - gl.expand_dims(m_new, 1))
+        p = _exp2(z - gl.expand_dims(m_new, 1), POLY)
     else:
         if MASKED:
             g = gl.where(visible, g, -float("inf"))
         if FIXED_SHIFT:
             m_new = m_i
-            p = gl.exp2(g * row_scale - shift)
+            p = _exp2(g * row_scale - shift, POLY)
         else:
             # the scale folded into one FFMA per score: row_scale > 0, so max(g) * row_scale is
             # max(g * row_scale) exactly (rounding is monotone) and -inf stays -inf
             m_new = gl.maximum(m_i, gl.max(g, axis=1) * row_scale)
-            p = gl.exp2(g * row_scale - gl.expand_dims(m_new, 1))
+            p = _exp2(g * row_scale - gl.expand_dims(m_new, 1), POLY)
     # m is in log2 units and starts finite (alpha never NaN; a row with no visible key keeps m
     # finite and p = exp2(-inf) = 0)
     alpha = gl.exp2(m_i - m_new)
@@ -122,7 +161,7 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
                      last_key, kv_len, row_scale, cap_scale, alsc_knee, shift, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
                      FIXED_SHIFT: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr):
     """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs while the tensor cores do
     P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns (P_j, O, m, l)."""
@@ -132,7 +171,7 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
     release(j, k_empty, STAGES)
     # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
     p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
-                                        CAP, HAS_TEMP, FIXED_SHIFT, MASKED, CAUSAL, BLOCK_N)
+                                        CAP, HAS_TEMP, FIXED_SHIFT, MASKED, CAUSAL, BLOCK_N, EXP2_POLY)
     # P_{j-1} among the deps: its registers stay live until the wgmma that reads them retired; P_j is
     # packed to 16 bits after that, into the registers P_{j-1} held (as FA3 orders it), so nothing in
     # the softmax writes a register the in-flight wgmma reads
@@ -149,7 +188,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full, n_tiles,
               out_scale, cap_scale, alsc_knee, shift, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
               FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, EXP2_POLY: gl.constexpr):
     """One warpgroup: BLOCK_M (64) query rows from m0 against every key block of the program's
     range (the two consumers share the ring, and so the range: a block wholly masked for these
     rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. Stores its
@@ -183,21 +222,21 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         release(0, k_empty, STAGES)
         if n_full > 0:
             p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
-                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, False, CAUSAL, BLOCK_N)
+                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, False, CAUSAL, BLOCK_N, EXP2_POLY)
         else:
             p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
-                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N)
+                                                  shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N, EXP2_POLY)
         p16 = pv_operand(p0, v_smem, p_layout)
         for j in range(1, n_full):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY)
         # the last block's P V
         acc, v_tile = issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
         acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
@@ -223,7 +262,7 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
                               H, GROUP, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift,
                               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr = 0):
     """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
     BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
@@ -241,11 +280,11 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
         (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full,
                      n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
-                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY)),
         (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0 + HALF_M, q_len, kv_len,
                      n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
-                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY)),
         (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -275,14 +314,15 @@ def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
 
 
 def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
-                   alsc_knee: float = 0.0, shift: float | None = None, temperature=None):
+                   alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0):
     """The softmax family's forward without checks, for callers that checked the operands once (the
     softmax family's launch plans): logits z_ij = t_i * row_scale * cap(q_i.k_j) in log2 units, where
     cap is `_cap`'s CAP (with its `cap_scale`, `alsc_knee`) and t the optional (B, N) `temperature`
     (any float dtype, any strides). row_scale must be > 0 without a temperature. `shift`: a bound B of
     |z| (a cap's c log2 e, no temperature) that p = exp2(z - B) uses instead of a running max, so p
     lies in [2^-2B, 1] (the caller keeps 2B within bf16 P's range); None for the online softmax.
-    Returns (out, lse2)."""
+    `exp2_poly`: 0, or the degree (3 for bf16 P, 4 for fp16) of the polynomial exp2 of unmasked key
+    blocks (`_exp2`). Returns (out, lse2)."""
     import torch
 
     bsz, n, h, d = q.shape
@@ -300,17 +340,19 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
         h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
         0.0 if shift is None else float(shift),
         CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=shift is not None,
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+        CAUSAL=causal, HEAD_DIM=d, EXP2_POLY=exp2_poly, num_warps=NUM_WARPS, **cfg)
     return out, lse
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90, cap: int = 0,
-                 has_temp: bool = False, fixed_shift: bool = False):
+                 has_temp: bool = False, fixed_shift: bool = False, exp2_poly: int = 0):
     """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
     signature = {"O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
                  "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_tb": "i32", "stride_tn": "i32",
                  "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "out_scale": "fp32",
                  "cap_scale": "fp32", "alsc_knee": "fp32", "shift": "fp32",
-                 "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr", "CAUSAL": "constexpr"}
-    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal}
+                 "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr", "CAUSAL": "constexpr",
+                 "EXP2_POLY": "constexpr"}
+    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal,
+                  "EXP2_POLY": exp2_poly}
     return compile_kernel(_gluon_softmax_fwd_kernel, head_dim, dtype, signature, constexprs, ("O", "LSE"), arch)

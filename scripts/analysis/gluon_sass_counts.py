@@ -97,7 +97,11 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "alsc": dict(cap=3, fixed_shift=True), "alsc_temperature": dict(cap=3, has_temp=True),
             "threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
             "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2, newton=0),
-            "sigmoid_newton": dict(weight=2, newton=2)}
+            "sigmoid_newton": dict(weight=2, newton=2), "tanh_poly_exp2": dict(cap=1, fixed_shift=True, exp2_poly=3),
+            "tanh_half_poly_exp2": dict(cap=1, fixed_shift=True, exp2_poly=-3),
+            "softmax_poly_exp2": dict(cap=0, exp2_poly=3), "soft_sign_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=3),
+            "soft_sign_half_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=-3),
+            "alsc_half_poly_exp2": dict(cap=3, fixed_shift=True, exp2_poly=-3)}
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
 # the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel)
 VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})

@@ -129,19 +129,30 @@ def load_kernel_version(path: Path):
     return module.gluon_softmax_forward
 
 
-def with_gluon(mode: str, fn):
-    """fn() with ATTNLAB_GLUON=mode (the public function's tier switch, attn/kernels/tiers.py)."""
+def with_env(name: str, value: str, fn):
+    """fn() with the environment variable `name` set to `value` (the launch plans read their settings
+    at each call)."""
     import os
 
-    old = os.environ.get("ATTNLAB_GLUON")
-    os.environ["ATTNLAB_GLUON"] = mode
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn()
     finally:
         if old is None:
-            os.environ.pop("ATTNLAB_GLUON")
+            os.environ.pop(name)
         else:
-            os.environ["ATTNLAB_GLUON"] = old
+            os.environ[name] = old
+
+
+def with_gluon(mode: str, fn):
+    """fn() with ATTNLAB_GLUON=mode (the public function's tier switch, attn/kernels/tiers.py)."""
+    return with_env("ATTNLAB_GLUON", mode, fn)
+
+
+def with_exp2(form: str, fn):
+    """fn() with ATTNLAB_GLUON_EXP2=form (the Gluon softmax forward's exp2, attn/kernels/tiers.py)."""
+    return with_env("ATTNLAB_GLUON_EXP2", form, fn)
 
 
 SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128, False), (8, 16, 1024, 64, True),
@@ -227,6 +238,10 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
+            if name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered):
+                # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
+                for form in ("poly", "half"):
+                    impls[f"gluon_exp2_{form}"] = (lambda form=form: with_exp2(form, ours("1")), None)
             if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
                 from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
 
