@@ -48,18 +48,25 @@ def _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B: tl.const
 
 
 @triton.jit
-def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
-                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
-    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+def _row_block(T, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's block: (row block, slot, its BLOCK_M rows, BLOCK_N columns, which rows exist and which
+    of the columns fall inside `width` (D, or D/2 for a RoPE half), their 2-d mask)."""
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
     rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < T
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
+    col_ok = cols < width
+    return pid_t, s, rows, cols, row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
+                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
+    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+    pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
     x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None]
@@ -77,13 +84,7 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
     """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale; with
     WEIGHT_GRAD, DW[pid_t, s] = sum over the program's rows of dy * xhat * scale (DW (n_t_blocks, S, D)
     fp32). DX is contiguous (T, S, D)."""
-    pid_t = tl.program_id(0)
-    s = tl.program_id(1)
-    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = cols < D
-    mask = row_ok[:, None] & col_ok[None, :]
+    pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
     x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + rows[:, None] * stride_dyt + s * stride_dys + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
@@ -98,20 +99,6 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
     if WEIGHT_GRAD:
         dw = tl.sum(dy * xhat, axis=0) * scale
         tl.store(DW + (pid_t * S + s) * D + cols, dw, mask=col_ok)
-
-
-@triton.jit
-def _half_rows(T, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A norm-with-RoPE program's block: (row block, slot, D/2, its BLOCK_M rows, the first half's
-    BLOCK_N columns, which rows and columns exist, their 2-d mask)."""
-    pid_t = tl.program_id(0)
-    s = tl.program_id(1)
-    half = D // 2
-    rows = (pid_t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    halves = tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = halves < half
-    return pid_t, s, half, rows, halves, row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
 
 
 @triton.jit
@@ -131,7 +118,8 @@ def _head_norm_rope_fwd(X, W_A, W_B, COS, SIN, OUT, RSTD, T, S, D, n_pos, stride
     """The norm of `_head_rms_norm_fwd` followed by RoPE: with y = x rstd w scale in halves (y1, y2) =
     (columns [0, D/2), [D/2, D)), out = (y1 cos - y2 sin, y1 sin + y2 cos) at the row's position
     (t % n_pos; COS, SIN (n_pos, D/2) fp32), rounded once to OUT's dtype."""
-    pid_t, s, half, rows, halves, row_ok, col_ok, mask = _half_rows(T, D, BLOCK_M, BLOCK_N)
+    half = D // 2
+    pid_t, s, rows, halves, row_ok, col_ok, mask = _row_block(T, half, BLOCK_M, BLOCK_N)
     x_ptrs = X + rows[:, None] * stride_xt + s * stride_xs + halves[None, :]
     x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptrs + half, mask=mask, other=0.0).to(tl.float32)
@@ -154,7 +142,8 @@ def _head_norm_rope_bwd(X, W_A, W_B, COS, SIN, DY, RSTD, DX, DW, T, S, D, n_pos,
                         WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The gradient of `_head_norm_rope_fwd`: the rotation's transpose turns dout's halves (g1, g2) into
     the norm's output gradient (g1 cos + g2 sin, g2 cos - g1 sin), then `_head_rms_norm_bwd`'s formulas."""
-    pid_t, s, half, rows, halves, row_ok, col_ok, mask = _half_rows(T, D, BLOCK_M, BLOCK_N)
+    half = D // 2
+    pid_t, s, rows, halves, row_ok, col_ok, mask = _row_block(T, half, BLOCK_M, BLOCK_N)
     dy_ptrs = DY + rows[:, None] * stride_dyt + s * stride_dys + halves[None, :]
     g1 = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
     g2 = tl.load(dy_ptrs + half, mask=mask, other=0.0).to(tl.float32)

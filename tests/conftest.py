@@ -25,6 +25,13 @@ def nan_poison(monkeypatch):
         yield
 
 
+@pytest.fixture
+def first_tile_configs(monkeypatch):
+    """Every kernel on its first tile config: no candidates compiled and timed, which correctness does
+    not need (and tuning must not run inside a CUDA-graph capture)."""
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+
+
 @pytest.fixture(autouse=True)
 def _offline_env(monkeypatch, tmp_path_factory):
     """Tests never touch the network or the user's caches."""

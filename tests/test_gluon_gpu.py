@@ -24,16 +24,11 @@ from attn.testing import outputs_and_grads
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
-                                reason="needs an sm_90 GPU and Triton's Gluon Hopper API")
+# the portable kernels on their first tile config (conftest; a test of the timed tier choice unsets it)
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
+                                 reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
+              pytest.mark.usefixtures("first_tile_configs")]
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
-
-
-@pytest.fixture(autouse=True)
-def _first_tile_configs(monkeypatch):
-    """The portable kernels on their first tile config (no candidates compiled and timed: correctness
-    does not need them, and the GPU check's time limit does); a test of the timed choice unsets it."""
-    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
 
 # (B, N, KV, H, H_kv, D, causal, dtype)
 CASES = [

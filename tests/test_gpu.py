@@ -29,11 +29,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda")
 
 
-@pytest.fixture
-def first_tile_configs(monkeypatch):
-    """Every kernel on its first tile config: no timing of candidates, which correctness does not need."""
-    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
-
 
 # ------------------------------------------------------------------------------ non-finite inputs
 

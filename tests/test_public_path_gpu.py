@@ -13,16 +13,13 @@ import torch.nn.functional as F
 import attn
 from attn.testing import random_segment_ids
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# every kernel on its first tile config (conftest): tuning runs kernels and must not happen inside a capture
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("first_tile_configs")]
 CUDA = torch.device("cuda")
 PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 5.0}, "alsc": {"cap": 5.0, "knee": 0.5},
           "threshold": {"beta": 0.5, "power": 2.0}, "diff_threshold": {"beta": 0.5, "power": 2.0}, "sigmoid": {}}
 
-
-@pytest.fixture(autouse=True)
-def first_tile_configs(monkeypatch):
-    """No timing of tile candidates: tuning runs kernels and must not happen inside a capture."""
-    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
 
 
 def _inputs(name, b, n, h, d, gen, kv=None):
