@@ -2,8 +2,9 @@
 (skipped elsewhere: Gluon has no interpreter; `python3 scripts/gpu_check.py kernels` runs it).
 
 With ATTNLAB_GLUON=1 every softmax-family call that the Gluon kernel serves runs it (a spy on its
-launcher proves the call did): out, dq, dk, dv (the backward is the portable kernels', from the Gluon
-forward's output and logsumexp) against the float64 reference by the DESIGN.md section 6 rule, on odd
+launcher proves the call did): out, dq, dk, dv (plain softmax's backward is the Gluon backward's, a
+spy proves it; the capped and tempered backwards are the portable kernels', from the Gluon forward's
+output and logsumexp) against the float64 reference by the DESIGN.md section 6 rule, on odd
 lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / fp16, with
 NaN-poisoned allocations; then every cap (binding caps, with the bound shift and with the online
 softmax) and temperatures of every sign. Calls it does not serve (a window, segments, dropout) run the
@@ -59,6 +60,22 @@ def gluon_launches(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def gluon_backward_launches(monkeypatch):
+    """Counts the Gluon backward's launches (the wrapped launcher still runs)."""
+    from attn.kernels import gluon_softmax_bwd
+
+    calls = []
+    real = gluon_softmax_bwd.launch_backward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", counted)
+    return calls
+
+
 def _inputs(b, n, kv, h, h_kv, d, seed):
     gen = torch.Generator(device=CUDA).manual_seed(seed)
     q = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
@@ -99,10 +116,12 @@ def _check_on_gluon(case, variant, params, with_temperature, seed):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, gluon_backward_launches,
+                                                             monkeypatch, nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     _check_on_gluon(case, "softmax", {}, False, seed=CASES.index(case))
     assert gluon_launches, "the call did not run the Gluon forward"
+    assert gluon_backward_launches, "the call did not run the Gluon backward"
 
 
 # (variant, params, temperature, case): caps small enough to bind; bf16 caps up to c = 34 take the bound

@@ -187,3 +187,56 @@ def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
         attn.attention(q, k, v, attn.get_variant("softcap_tanh").make_spec(cap=5.0), causal=True, backend="triton")
     (_, _, named), = gluon_offered
     assert named["exp2_poly"] == -4  # fp16 P: degree 4, half the scores
+
+
+BACKWARD_SERVED = [  # (variant, params, call options, whether the Gluon backward serves the call)
+    ("softmax", {}, {}, True),
+    ("softmax", {}, {"causal": False}, True),
+    ("softcap_tanh", {"cap": 5.0}, {}, False),
+    ("softmax", {}, {"temperature": True}, False),
+    ("softmax", {}, {"window": 4}, False),
+    ("softmax", {}, {"segments": True}, False),
+]
+
+
+@pytest.mark.parametrize("variant,params,options,served", BACKWARD_SERVED,
+                         ids=[f"{v}-{sorted(o)}" for v, _, o, _ in BACKWARD_SERVED])
+def test_the_softmax_backward_plan_offers_the_gluon_tier_to_plain_softmax(variant, params, options, served,
+                                                                        gluon_offered, monkeypatch):
+    """Plain softmax without segments, a window or a temperature reaches the Gluon backward with the
+    forward's out and lse2, the upstream gradient and the call's scale and mask; the rest stay portable."""
+    import attn
+    from attn.kernels import gluon_softmax_bwd
+
+    backward_log = []
+
+    def launch_backward(q, k, v, out, dout, lse2, sm_scale, causal):
+        backward_log.append((out, dout, lse2, sm_scale, causal))
+        return torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0)
+
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", launch_backward)
+    spec = attn.get_variant(variant).make_spec(**params)
+    b, n, h, d = 1, 24, 2, 64
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    causal = options.get("causal", True)
+    kwargs = dict(causal=causal, window=options.get("window"), backend="triton")
+    if options.get("temperature"):
+        kwargs["temperature"] = torch.rand(b, n) + 0.5
+    if options.get("segments"):
+        kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
+    out = attn.attention(q, k, v, spec, **kwargs)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    if not served:
+        assert backward_log == []
+        return
+    (saved_out, dout, lse2, sm_scale, got_causal), = backward_log
+    assert torch.equal(dout, grad) and saved_out.shape == q.shape and lse2.shape == (b, h, n)
+    assert sm_scale == pytest.approx(d ** -0.5) and got_causal is causal
+    assert (q.grad == 2.0).all() and (k.grad == 3.0).all() and (v.grad == 4.0).all()
+
+
+def test_the_softmax_backward_plans_read_the_switch():
+    from attn.kernels import softmax_family as sf
+
+    assert tiers.GLUON_ENV in sf._BWD_PLANS.settings

@@ -915,10 +915,28 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
         forms[_dq_form(kv_keys[False], forms, need_dt, eligible)]()
         dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else q.new_empty(0)
         return dq, dk, dv, dt
-    return backward
+
+    # the Gluon backward serves plain softmax (no cap or temperature) without segments, a window or
+    # dropout, from either forward's (out, lse2)
+    if cap != 0 or has_temp or has_bounds or window or dropout_p or not sm_scale > 0 or kv_len < n:
+        return backward
+    if not gluon_candidate(q.device):
+        return backward
+    from attn.kernels import gluon_softmax_bwd
+
+    if not gluon_softmax_bwd.serves(q, k, v):
+        return backward
+
+    def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
+        dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal)
+        return dq, dk, dv, q.new_empty(0)
+
+    return tiered(_BWD_TIERS, (q.dtype, *nb, group, d, causal), backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_bwd_plan)
+_BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV,))
+# softmax backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
+_BWD_TIERS = TierChoice("softmax_family_bwd")
 
 
 # the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"
@@ -967,6 +985,7 @@ def tuned_configs() -> dict[str, str]:
     out = _tuned_configs((_FWD, _DKDV, _DQ))
     out.update({f"backward dq form, {key}": form for key, form in _dq_forms.items()})
     out.update(_TIERS.report())
+    out.update(_BWD_TIERS.report())
     return out
 
 
