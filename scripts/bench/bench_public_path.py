@@ -13,7 +13,8 @@ medians after warm-up:
             segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
             the full mask, and FlexAttention compiled with the same mask and cap (its BlockMask built
             once, outside the timing)
-  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, threshold
+  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, softmax, softcap_tanh, threshold, sigmoid
+            (on sm_90 each on the tier the call's first timing chose: the Gluon kernels' gate)
 
     python scripts/bench/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
     python scripts/bench/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
@@ -171,7 +172,7 @@ def flex_ranker_call(x: dict, ids: torch.Tensor):
 def kernel_rows() -> dict[str, float]:
     b, h, n, d = 4, 16, 4096, 128
     rows = {}
-    for variant in ("sdpa", "threshold"):
+    for variant in ("sdpa", "softmax", "softcap_tanh", "threshold", "sigmoid"):
         x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
         do = torch.randn_like(x["q"])
         if variant == "sdpa":

@@ -280,7 +280,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax.json")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--variants-only", action="store_true",
-                    help="only the per-variant forward timing at the first variant shape (no checks, no shape table)")
+                    help="only the per-variant timing at the first variant shape (no checks, no shape table)")
+    ap.add_argument("--passes", default="fwd", help="with --variants-only: comma list of fwd, fwd+bwd")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
@@ -308,7 +309,10 @@ def main() -> int:
         return 1
 
     if args.variants_only:
-        time_variants(results, VARIANT_SHAPES[:1], ("fwd",))
+        passes = tuple(args.passes.split(","))
+        if not set(passes) <= {"fwd", "fwd+bwd"}:
+            raise SystemExit(f"--passes must be a comma list of fwd, fwd+bwd, got {args.passes!r}")
+        time_variants(results, VARIANT_SHAPES[:1], passes)
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
     kernels = {"gluon_sm90": gluon_softmax_forward}
