@@ -16,7 +16,7 @@ none. With dp_ij = dout_i . v_j (DESIGN.md §4):
                dv = w^T dout,  dk = s ds^T q,  dq = s ds k
 
 (n_i: the keys row i sees; the constant factor p or s is applied once, at the store). w and g come
-from one evaluation per score: threshold p = 1 / 2 with no MUFU op, any other p with MUFU lg2 and ex2;
+from one evaluation per score: threshold p = 1 / 2 with no MUFU op, any other p with MUFU lg2 and ex2 (inline PTX);
 the sigmoid with MUFU ex2 and rcp (the portable backward's default "mufu_approx" path) or, with
 `newton`, MUFU ex2 and a Newton reciprocal.
 
@@ -104,22 +104,31 @@ SIGMOID_BWD_NEWTON_STEPS = 0
 
 
 @gluon.jit
+def _lg2(x):
+    """log2(x) on MUFU.LG2 (x a normal float here: the callers clamp it to TINY; gl.log2 compiles to a
+    software log2 of ~20 instructions)."""
+    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
 def _weight_and_grad(x, visible, power, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, NEWTON: gl.constexpr,
                      MASKED: gl.constexpr):
     """(w, g) per score from x (module docstring; the threshold's g without the factor p), both 0 where
-    `visible` is false (MASKED). A NaN score gives NaN."""
+    `visible` is false (MASKED). A NaN score gives NaN. Threshold p = 1: g is relu(x) itself, which
+    `_score_grad` reads as the indicator x > 0 (w and g share their registers)."""
     if WEIGHT == THRESHOLD:
         if MASKED:  # relu(-inf) = 0: the select rides on x, before either function
             x = gl.where(visible, x, -float("inf"))
         relu = gl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
         if POWER_MODE == 1:
             w = relu
-            g = gl.where(x > 0.0, 1.0, relu)
+            g = relu
         elif POWER_MODE == 2:
             w = relu * relu
             g = relu
         else:  # relu is 0 for x <= 0 and NaN for a NaN score, so it stands in where no power is taken
-            g = gl.where(x > 0.0, _ex2((power - 1.0) * gl.log2(gl.maximum(x, TINY))), relu)
+            g = gl.where(x > 0.0, _ex2((power - 1.0) * _lg2(gl.maximum(x, TINY))), relu)
             w = g * relu
     else:
         if NEWTON > 0:  # the Newton guess needs 1 + 2^x <= 2^126: w = 2^-126 from there on
@@ -130,6 +139,17 @@ def _weight_and_grad(x, visible, power, WEIGHT: gl.constexpr, POWER_MODE: gl.con
             w = gl.where(visible, w, 0.0)
         g = w - w * w
     return w, g
+
+
+@gluon.jit
+def _score_grad(dp, g, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr):
+    """dS = dP g; threshold p = 1 (g = relu(x)): dP where relu(x) > 0, else relu(x) (0, or NaN for a NaN
+    score), a select instead of a product."""
+    if WEIGHT == THRESHOLD and POWER_MODE == 1:
+        ds = gl.where(g > 0.0, dp, g)
+    else:
+        ds = dp * g
+    return ds
 
 
 # ---------------------------------------------------------------------------- dK, dV (key blocks)
@@ -174,7 +194,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     w16 = gl.convert_layout(w_t.to(q_ring.dtype), a_layout)
     dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
     dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, v_tile, do_tile))  # dP^T retired
-    ds16 = gl.convert_layout((dp_t * g_t).to(q_ring.dtype), a_layout)
+    ds16 = gl.convert_layout(_score_grad(dp_t, g_t, WEIGHT, POWER_MODE).to(q_ring.dtype), a_layout)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
     dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
     release(j, do_empty, STAGES)
@@ -291,7 +311,7 @@ def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty,
     w, g = _weight_and_grad(x, visible, power, WEIGHT, POWER_MODE, NEWTON, MASKED)
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
     release(j, v_empty, STAGES)
-    ds16 = gl.convert_layout((dp * g).to(k_ring.dtype), a_layout)
+    ds16 = gl.convert_layout(_score_grad(dp, g, WEIGHT, POWER_MODE).to(k_ring.dtype), a_layout)
     dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
     dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
     release(j, k_empty, STAGES)
