@@ -7,9 +7,10 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
             test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py, test_gluon_gpu.py,
-            test_gluon_bwd_gpu.py, test_head_norms.py), gpu_checks/check_softmax_family_gpu.py,
-            gpu_checks/check_gluon_softmax_gpu.py,
-            gpu_checks/check_gluon_softmax_bwd_gpu.py, gpu_checks/check_threshold_gpu.py
+            test_gluon_bwd_gpu.py, test_gluon_weighted_bwd_gpu.py, test_head_norms.py),
+            gpu_checks/check_softmax_family_gpu.py, gpu_checks/check_gluon_softmax_gpu.py,
+            gpu_checks/check_gluon_softmax_bwd_gpu.py, gpu_checks/check_gluon_weighted_bwd_gpu.py,
+            gpu_checks/check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench/bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
@@ -78,7 +79,8 @@ MIN_START_S = 60  # a step is not started with less of the budget left
 # checks, and the entry points' handling of CUDA inputs
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
              "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py",
-             "tests/test_gluon_gpu.py", "tests/test_gluon_bwd_gpu.py", "tests/test_head_norms.py"]
+             "tests/test_gluon_gpu.py", "tests/test_gluon_bwd_gpu.py", "tests/test_gluon_weighted_bwd_gpu.py",
+             "tests/test_head_norms.py"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,9 @@ PHASES: dict[str, list[Step]] = {
         Step("gluon_softmax", 240, (PY, "scripts/gpu_checks/check_gluon_softmax_gpu.py", "--out", "{dir}")),
         # the Gluon sm_90 backward against float64 and timed beside SDPA's and the portable backward (Hopper only)
         Step("gluon_softmax_bwd", 240, (PY, "scripts/gpu_checks/check_gluon_softmax_bwd_gpu.py", "--out", "{dir}")),
+        # the Gluon sm_90 threshold and sigmoid backwards against float64 and timed beside SDPA's and the
+        # portable backwards (Hopper only)
+        Step("gluon_weighted_bwd", 180, (PY, "scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py", "--out", "{dir}")),
     ],
     "sanitize": [
         Step("memcheck", 540, ("compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",

@@ -9,6 +9,10 @@ loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by 
 The backward's key-block (dK / dV) and query-block (dQ) kernels: the same PTX checks, and SASS loops with
 their wgmma counts, one exp2 per score and no local memory inside a loop.
 
+The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the same PTX checks, the same
+wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
+any other p and for the sigmoid) and no local memory inside a loop.
+
 The compiles run in one child Python per test session with TRITON_INTERPRET=0: on a machine without a GPU
 conftest.py sets TRITON_INTERPRET=1 before Triton is imported, which turns Triton's own jit helpers (the
 combine functions behind gl.sum and gl.max) into interpreter objects that a Gluon compile cannot call
@@ -40,14 +44,25 @@ REQUESTS = {
                                                 (128, False, "bf16"))},
     "delta": ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel="delta"), None),
 }
+# the threshold and sigmoid backwards (gluon_weighted_bwd): name -> compile_sm90's weight arguments
+WEIGHTS = {"threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
+           "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2)}
+WEIGHTED_CONFIGS = {"threshold": ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16")),
+                    "threshold_p1": ((128, True, "bf16"),), "threshold_p1.5": ((128, True, "bf16"),),
+                    "sigmoid": ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16"))}
+REQUESTS.update({
+    f"{name}-{k}-{d}-{c}-{t}": ("gluon_weighted_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=k, **WEIGHTS[name]),
+                                f"{name}_bwd_{k}")
+    for name, configs in WEIGHTED_CONFIGS.items() for k in ("dkdv", "dq") for d, c, t in configs})
 
 CHILD = r'''
 import json, sys
 root, requests = sys.argv[1], json.loads(sys.stdin.read())
 sys.path[:0] = [root, root + "/scripts/analysis"]
 import gluon_sass_counts as counts
-from attn.kernels import gluon_softmax_bwd, gluon_softmax_fwd
-modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd}
+from attn.kernels import gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
+modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
+           "gluon_weighted_bwd": gluon_weighted_bwd}
 out = {}
 for name, (module, kwargs, variant) in requests.items():
     compiled = modules[module].compile_sm90(**kwargs)
@@ -133,4 +148,32 @@ def test_backward_loops_run_their_products_with_one_exp2_per_score_and_no_local_
     for row in rows.values():
         assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
         assert row["mufu"] >= width // 2, row
+        assert row["loop_spills"] == 0, row
+
+
+WEIGHTED_CASES = [(name, k, d, c, t) for name, configs in WEIGHTED_CONFIGS.items() for k in ("dkdv", "dq")
+                  for d, c, t in configs]
+
+
+@pytest.mark.parametrize("name,kernel,head_dim,causal,dtype", WEIGHTED_CASES,
+                         ids=[f"{n}-{k}-{d}-{'causal' if c else 'full'}-{t}" for n, k, d, c, t in WEIGHTED_CASES])
+def test_weighted_backward_compiles_for_sm90_with_its_products_and_no_local_memory_in_a_loop(compiled, name, kernel,
+                                                                                           head_dim, causal, dtype):
+    """The softmax backward's schedule (the PTX checks, the loops' wgmma counts) with the threshold's or the
+    sigmoid's weight per score: p = 1 and 2 without a MUFU op per score (a handful per loop for the row
+    thresholds), any other p a MUFU lg2 and ex2, the sigmoid a MUFU ex2 and rcp (width / 2 scores per
+    thread)."""
+    result = compiled[f"{name}-{kernel}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == ({"unmasked"} if (kernel == "dkdv" and not causal) else {"unmasked", "masked"})
+    products_over_width = 2 if kernel == "dkdv" else 1
+    for row in rows.values():
+        assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
+        if name in ("threshold", "threshold_p1"):
+            assert row["mufu"] <= 4, row
+        else:
+            assert row["mufu"] >= width, row
         assert row["loop_spills"] == 0, row

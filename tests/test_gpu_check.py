@@ -28,7 +28,8 @@ def test_targets_resolve_to_steps_in_order_and_unknown_ones_are_named():
     chosen = gc.resolve(["train:small", "kernels", "kernels:pytest"])
     assert [(p, s.name) for p, s in chosen] == [("train", "small"), ("kernels", "pytest"),
                                                 ("kernels", "softmax_family"), ("kernels", "threshold_family"),
-                                                ("kernels", "gluon_softmax"), ("kernels", "gluon_softmax_bwd")]
+                                                ("kernels", "gluon_softmax"), ("kernels", "gluon_softmax_bwd"),
+                                                ("kernels", "gluon_weighted_bwd")]
     with pytest.raises(ValueError, match="unknown phase 'kernel'; phases: kernels, sanitize"):
         gc.resolve(["kernel"])
     with pytest.raises(ValueError, match="phase bench has no step 'x'; its steps: main, masks"):

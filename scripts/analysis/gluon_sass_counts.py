@@ -11,6 +11,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --kernel /tmp/old_gluon_softmax_fwd.py         # another version of it
     python scripts/analysis/gluon_sass_counts.py --variant tanh alsc temperature             # the capped / tempered forms
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
+    python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
@@ -21,7 +22,9 @@ thread-level operations per score.
 The backward (attn/kernels/gluon_softmax_bwd.py, `--variant bwd_dkdv bwd_dq`): the key-block kernel's
 loops run one query block (BLOCK_M rows) against a warpgroup's 64 keys (S^T, dP^T, dV, dK: its masked
 loop is the causal diagonal, and only causal programs have one); the query-block kernel's loops one key
-block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. `loop_spills`
+block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. The threshold
+and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for
+threshold, threshold_p1, threshold_p1.5 and sigmoid) have the same loops. `loop_spills`
 counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
 """
 
@@ -106,10 +109,20 @@ WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_wei
 # the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel)
 VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})
 BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_bwd.py"
+# the threshold and sigmoid backwards' kernels (gluon_weighted_bwd.compile_sm90's kernel, weight, power)
+VARIANTS.update({f"{name}_bwd_{kernel}": dict(kernel=kernel, **weight)
+                 for name, weight in (("threshold", dict(weight=1, power=2.0)),
+                                      ("threshold_p1", dict(weight=1, power=1.0)),
+                                      ("threshold_p1.5", dict(weight=1, power=1.5)),
+                                      ("sigmoid", dict(weight=2)))
+                 for kernel in ("dkdv", "dq")})
+WEIGHTED_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_bwd.py"
 
 
 def kernel_file(variant: str) -> Path | None:
     """The kernel file of a variant other than the softmax forward's (None: --kernel's)."""
+    if "weight" in VARIANTS[variant] and "kernel" in VARIANTS[variant]:
+        return WEIGHTED_BACKWARD
     if "weight" in VARIANTS[variant]:
         return WEIGHTED
     if "kernel" in VARIANTS[variant]:

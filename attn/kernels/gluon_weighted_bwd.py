@@ -1,0 +1,529 @@
+"""The threshold and sigmoid families' attention backward in Gluon for sm_90 (Hopper).
+
+Inputs and outputs are the portable backwards' (`threshold_family._backward_plan` for the one-map
+threshold, `sigmoid_family._backward_plan`): q, dout (B, N, H, D); k, v (B, KV, H_kv, D), H % H_kv == 0;
+causal is bottom-right aligned (query row i at key position i + KV - N). Returns dq, dk, dv in the
+inputs' dtype. Neither family normalizes its rows, so the forward saves nothing and there is no
+preprocessing pass (no logsumexp, no delta). Their row parameters (beta, p; the bias or -ln n_i) are
+constants of the spec or of the mask: no gradient flows to them, and the portable backwards return
+none. With dp_ij = dout_i . v_j (DESIGN.md §4):
+
+    threshold  x_ij = q_i.k_j - tau_i, tau_i = beta sqrt(2 ln n_i / D)
+               w = relu(x)^p,  g = relu(x)^(p-1) (0 where x <= 0),  ds = dp g
+               dv = w^T dout,  dk = p ds^T q,  dq = p ds k
+    sigmoid    x_ij = -(s q_i.k_j + b_i) log2 e,  b_i = the spec's bias or -ln n_i
+               w = 1 / (1 + 2^x),  g = w (1 - w),  ds = dp g
+               dv = w^T dout,  dk = s ds^T q,  dq = s ds k
+
+(n_i: the keys row i sees; the constant factor p or s is applied once, at the store). w and g come
+from one evaluation per score: threshold p = 1 / 2 with no MUFU op, any other p with MUFU lg2 and ex2 (inline PTX);
+the sigmoid with MUFU ex2 and rcp (the portable backward's default "mufu_approx" path) or, with
+`newton`, MUFU ex2 and a Newton reciprocal.
+
+Two launches, the schedule of `gluon_softmax_bwd` (whose producers, query-block ranges and wgmma
+issue helper these kernels import):
+
+1. `_dkdv_kernel`, FlashAttention-3's key-block schedule: one program per 128 keys of one (batch, kv
+   head); a 1-warp producer TMA-loads K and V once, then Q and dO of every query block that sees the
+   keys, for every query head of the kv head's group, into a ring. Two consumer warpgroups own 64 keys
+   each and per query block issue S^T = K Q^T + c (c per query column as the accumulator's start:
+   -tau_i for the threshold, so S^T is x itself; b_i / s for the sigmoid, so x = -s log2 e S^T) and
+   dP^T = V dO^T back to back; W^T and G^T as soon as S^T lands, dV += W^T dO issued while dP^T still
+   runs, then dS^T = dP^T G^T and dK += dS^T Q. dK, dV stay in registers across the program (GQA:
+   summed over the group's heads) and are stored once.
+2. `_dq_kernel`, the forwards' query-block schedule: one program per 128 query rows of one (batch,
+   head), Q and dO loaded once, K and V streamed through the ring; per key block S = Q K^T and
+   dP = dO V^T back to back, G, dS = dP G, dQ += dS K. dq is written once: no atomics, the same bits
+   every run.
+
+Masks: key-block programs visit only query blocks that see their keys; the causal diagonal's blocks
+compare per score, the rest run without mask arithmetic. Query rows past N (a TMA tile running into the
+next batch's rows) start S^T at -1e30: x = -1e30 gives w = g = 0 for the threshold, and for the sigmoid
+(s > 0, which the spec enforces) z = s (S - 1e30) gives w = g = 0; keys past KV in a key-block program
+touch only their own dK / dV rows, which are not stored. The dQ kernel masks keys as the forwards do
+(`gluon_pipeline.visible_key`). A NaN score gives NaN gradients, as the reference does.
+
+Served: what the Gluon forwards serve (`gluon_weighted_fwd`): one score map, no segments, window,
+key lengths or dropout; causal or full; GQA; D 64 / 128; bf16 / fp16; KV >= N (KV < N also works: rows
+that see no key get zero gradient).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from attn.kernels.gluon_pipeline import (
+    CONSUMER_REGS,
+    LOG2E,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    allocate_ring,
+    check_operands,
+    compile_gluon_sm90,
+    descriptor_type,
+    gl_dtype,
+    invalidate_ring,
+    issue_qk,
+    key_blocks,
+    mbarrier,
+    program_rows,
+    release,
+    tma_view,
+    visible_key,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from attn.kernels.gluon_softmax_bwd import (
+    _descriptor,
+    _dkdv_producer,
+    _dq_producer,
+    _issue_with_columns,
+    dkdv_tile_config,
+    dq_tile_config,
+    query_block_range,
+)
+from attn.kernels.gluon_weighted_fwd import (
+    SIGMOID,
+    THRESHOLD,
+    TINY,
+    _ex2,
+    _rcp,
+    _rcp_newton,
+    _row_value,
+    power_mode,
+)
+
+DEAD_ROW_START = gl.constexpr(-1.0e30)  # S^T's start for query rows past N: w = g = 0 (module docstring)
+# the sigmoid's reciprocal in the backward: MUFU.RCP (0), as the portable backward's default path
+SIGMOID_BWD_NEWTON_STEPS = 0
+
+
+@gluon.jit
+def _lg2(x):
+    """log2(x) on MUFU.LG2 (x a normal float here: the callers clamp it to TINY; gl.log2 compiles to a
+    software log2 of ~20 instructions)."""
+    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _weight_and_grad(x, visible, power, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, NEWTON: gl.constexpr,
+                     MASKED: gl.constexpr):
+    """(w, g) per score from x (module docstring; the threshold's g without the factor p), both 0 where
+    `visible` is false (MASKED). A NaN score gives NaN. Threshold p = 1: g is relu(x) itself, which
+    `_score_grad` reads as the indicator x > 0 (w and g share their registers)."""
+    if WEIGHT == THRESHOLD:
+        if MASKED:  # relu(-inf) = 0: the select rides on x, before either function
+            x = gl.where(visible, x, -float("inf"))
+        relu = gl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
+        if POWER_MODE == 1:
+            w = relu
+            g = relu
+        elif POWER_MODE == 2:
+            w = relu * relu
+            g = relu
+        else:  # relu is 0 for x <= 0 and NaN for a NaN score, so it stands in where no power is taken
+            g = gl.where(x > 0.0, _ex2((power - 1.0) * _lg2(gl.maximum(x, TINY))), relu)
+            w = g * relu
+    else:
+        if NEWTON > 0:  # the Newton guess needs 1 + 2^x <= 2^126: w = 2^-126 from there on
+            w = _rcp_newton(1.0 + _ex2(gl.minimum(x, 126.0, propagate_nan=tl.PropagateNan.ALL)), NEWTON)
+        else:
+            w = _rcp(1.0 + _ex2(x))
+        if MASKED:
+            w = gl.where(visible, w, 0.0)
+        g = w - w * w
+    return w, g
+
+
+@gluon.jit
+def _score_grad(dp, g, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr):
+    """dS = dP g; threshold p = 1 (g = relu(x)): dP where relu(x) > 0, else relu(x) (0, or NaN for a NaN
+    score), a select instead of a product."""
+    if WEIGHT == THRESHOLD and POWER_MODE == 1:
+        ds = gl.where(g > 0.0, dp, g)
+    else:
+        ds = dp * g
+    return ds
+
+
+# ---------------------------------------------------------------------------- dK, dV (key blocks)
+
+
+@gluon.jit
+def _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """S^T's start per query row [m, m + BLOCK_M), one per thread of the warpgroup: the row value of
+    `gluon_weighted_fwd._row_value` (tau_i, or b_i log2 e) times start_scale (-1, or 1 / (s log2 e)),
+    DEAD_ROW_START past q_len."""
+    flat: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[gl.num_warps()],
+                                          order=[0])
+    rows = m + gl.arange(0, BLOCK_M, layout=flat)
+    start = _row_value(rows, kv_len, q_len, row_param, WEIGHT, HAS_BIAS, CAUSAL) * start_scale
+    return gl.where(rows < q_len, start, DEAD_ROW_START)
+
+
+@gluon.jit
+def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len,
+                first_col, score_scale, start_scale, row_param, power, st_layout: gl.constexpr,
+                a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's keys against the query block from row m (ring tile j): S^T (from its start) and
+    dP^T issued back to back; W^T, G^T once S^T is in and dV += W^T dO issued at once; dS^T = dP^T G^T
+    once dP^T is in and dK += dS^T Q; dO's slot handed back when dV retired, Q's when dK did. MASKED: the
+    causal compare, key row r visible to query column c when c >= first_col[r] - m."""
+    start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
+    s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
+    dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
+    if WEIGHT == THRESHOLD:
+        x = s_t
+    else:
+        x = s_t * score_scale
+    visible = 0
+    if MASKED:
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+    w_t, g_t = _weight_and_grad(x, visible, power, WEIGHT, POWER_MODE, NEWTON, MASKED)
+    w16 = gl.convert_layout(w_t.to(q_ring.dtype), a_layout)
+    dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
+    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+    ds16 = gl.convert_layout(_score_grad(dp_t, g_t, WEIGHT, POWER_MODE).to(q_ring.dtype), a_layout)
+    dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
+    dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
+    release(j, do_empty, STAGES)
+    dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+    release(j, q_empty, STAGES)
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, b, hk,
+                   key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, GROUP, q_len, kv_len,
+                   i_lo, i_full, i_hi, score_scale, start_scale, row_param, power, grad_scale,
+                   WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+                   CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
+    each query head of the group; stores its rows of dk (times grad_scale) and dv."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
+    first_col = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    count = i_hi - i_lo
+
+    mbarrier.wait(kv_bar, 0)
+    for gi in range(GROUP):  # the row values do not depend on the head: only the ring tiles move on
+        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        if CAUSAL:
+            for i in range(i_lo, i_full):
+                dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                     q_empty, do_empty, q_len, kv_len, first_col, score_scale, start_scale,
+                                     row_param, power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON,
+                                     CAUSAL, True, HALF_N, BLOCK_M, STAGES)
+        for i in range(i_full, i_hi):
+            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                 q_empty, do_empty, q_len, kv_len, first_col, score_scale, start_scale, row_param,
+                                 power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False,
+                                 HALF_N, BLOCK_M, STAGES)
+
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    in_keys = gl.expand_dims(keys < kv_len, 1)
+    keys64 = gl.expand_dims(keys.to(gl.int64), 1)
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + keys64 * stride_dkn
+    gl.store(dk_ptrs + gl.expand_dims(offs_d, 0), (dk * grad_scale).to(DK.dtype.element_ty), mask=in_keys)
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + keys64 * stride_dvn
+    gl.store(dv_ptrs + gl.expand_dims(offs_d, 0), dv.to(DV.dtype.element_ty), mask=in_keys)
+
+
+@gluon.jit
+def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 H_KV, GROUP, q_len, kv_len, score_scale, start_scale, row_param, power, grad_scale,
+                 WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+                 CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
+    BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                          stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale, row_param,
+                          power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM,
+                          STAGES, NUM_WARPS_C)),
+        (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                          stride_dvn, stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale,
+                          row_param, power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M,
+                          HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
+                          do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
+                          i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+# ------------------------------------------------------------------------------- dQ (query blocks)
+
+
+@gluon.jit
+def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value, last_key,
+              kv_len, score_scale, power, s_layout: gl.constexpr, a_layout: gl.constexpr, WEIGHT: gl.constexpr,
+              POWER_MODE: gl.constexpr, NEWTON: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, G as soon as S is
+    in, V's slot back once dP retired, dS = dP G, dQ += dS K, K's slot back once that retired."""
+    s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    s, q_tile, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_tile, k_tile))  # S retired
+    if WEIGHT == THRESHOLD:
+        x = s - gl.expand_dims(row_value, 1)
+    else:
+        x = s * score_scale - gl.expand_dims(row_value, 1)  # one FFMA per score
+    visible = 0
+    if MASKED:
+        visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
+    w, g = _weight_and_grad(x, visible, power, WEIGHT, POWER_MODE, NEWTON, MASKED)
+    dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
+    release(j, v_empty, STAGES)
+    ds16 = gl.convert_layout(_score_grad(dp, g, WEIGHT, POWER_MODE).to(k_ring.dtype), a_layout)
+    dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
+    dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
+    release(j, k_empty, STAGES)
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ, dq_base, stride_dqn,
+                 m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, grad_scale,
+                 WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+                 CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
+    [n_full, n_tiles) masked); stores its rows of dq (times grad_scale)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    row_value = _row_value(rows, kv_len, q_len, row_param, WEIGHT, HAS_BIAS, CAUSAL)
+    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
+    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):
+        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value,
+                       last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON, False,
+                       CAUSAL, HALF_M, BLOCK_N, STAGES)
+    for j in range(n_full, n_tiles):
+        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value,
+                       last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON, True,
+                       CAUSAL, HALF_M, BLOCK_N, STAGES)
+
+    offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    dq_ptrs = DQ + dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(dq_ptrs, (dq * grad_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+
+
+@gluon.jit
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, stride_dqn, stride_dqh,
+               H, GROUP, q_len, kv_len, score_scale, row_param, power, grad_scale,
+               WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
+    BLOCK_M / 2 rows each and a 1-warp TMA producer; causal programs run the last query blocks first."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_halves, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_halves = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+
+    dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+    gl.warp_specialize([
+        (_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+                        v_empty, DQ, dq_base, stride_dqn, m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param,
+                        power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM,
+                        STAGES, NUM_WARPS_C)),
+        (_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+                        v_empty, DQ, dq_base, stride_dqn, m0 + HALF_M, q_len, kv_len, n_full, n_tiles, score_scale,
+                        row_param, power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N,
+                        HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready,
+                        v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles,
+                        HALF_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def serves(q, k, v) -> bool:
+    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16)."""
+    from attn.kernels.gluon_pipeline import serves as operands_served
+
+    return operands_served(q, k, v)
+
+
+def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_scale: float, row_param: float,
+            power: float, has_bias: bool, newton: int, grad_scale: float):
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    gdt = gl_dtype(q.dtype)
+    kv_cfg, q_cfg = dkdv_tile_config(d), dq_tile_config(d)
+    q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
+    rows_block = [64, d]  # both kernels take Q and dO in 64-row tiles (one consumer's rows, or a ring slot)
+    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
+    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
+    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
+    key_block = [q_cfg["BLOCK_N"], d]
+    k_block_desc, v_block_desc = _descriptor(k_view, key_block, gdt), _descriptor(v_view, key_block, gdt)
+
+    dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
+    constexprs = dict(WEIGHT=weight, POWER_MODE=power_mode(power) if weight == 1 else 1, HAS_BIAS=has_bias,
+                      NEWTON=newton if weight == 2 else 0, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS)
+    scalars = (float(score_scale), float(row_param), float(power), float(grad_scale))
+    _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
+        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        h_kv, h // h_kv, n, kv_len, scalars[0], float(start_scale), *scalars[1:], **constexprs, **kv_cfg)
+    _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
+        q_desc, do_desc, k_block_desc, v_block_desc, dq, dq.stride(0), dq.stride(1), dq.stride(2),
+        h, h // h_kv, n, kv_len, *scalars, **constexprs, **q_cfg)
+    return dq, dk, dv
+
+
+def launch_threshold_backward(q, k, v, dout, causal: bool, beta: float, power: float):
+    """(dq, dk, dv) of threshold attention in the inputs' dtype, without checks (for callers that checked
+    the operands once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D), as
+    `gluon_weighted_fwd.launch_threshold`. Two launches: the key-block dK / dV kernel, the query-block dQ
+    kernel."""
+    return _launch(q, k, v, dout, causal, 1, 1.0, -1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0,
+                   power)
+
+
+def launch_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: float | None,
+                            newton: int | None = None):
+    """(dq, dk, dv) of sigmoid attention in the inputs' dtype, without checks: w = sigmoid(sm_scale q.k +
+    b_i), b_i = bias or -ln n_i, as `gluon_weighted_fwd.launch_sigmoid`; sm_scale > 0 (the spec's rule,
+    which the rows past N rely on). `newton`: the reciprocal's Newton steps (0: MUFU.RCP; None:
+    SIGMOID_BWD_NEWTON_STEPS)."""
+    if newton is None:
+        newton = SIGMOID_BWD_NEWTON_STEPS
+    return _launch(q, k, v, dout, causal, 2, -sm_scale * LOG2E, 1.0 / (sm_scale * LOG2E),
+                   0.0 if bias is None else bias * LOG2E, 1.0, bias is not None, newton, sm_scale)
+
+
+def _check_dout(q, dout, what: str):
+    import torch
+
+    if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != tuple(q.shape):
+        raise ValueError(f"{what}: dout must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(getattr(dout, 'shape', ())) or type(dout)}")
+    if dout.dtype != q.dtype or dout.device != q.device:
+        raise ValueError(f"{what}: dout must be {q.dtype} on {q.device} as q, got {dout.dtype} on {dout.device}")
+
+
+def gluon_threshold_backward(q, k, v, dout, causal: bool, beta: float = 1.0, power: float = 2.0):
+    """`launch_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
+    what = "gluon threshold backward"
+    check_operands(q, k, v, causal, what)
+    _check_dout(q, dout, what)
+    if not (math.isfinite(float(power)) and power > 0):
+        raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
+    if not math.isfinite(float(beta)):
+        raise ValueError(f"{what}: beta must be finite, got {beta}")
+    return launch_threshold_backward(q, k, v, dout, causal, float(beta), float(power))
+
+
+def gluon_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: float | None = None,
+                           newton: int | None = None):
+    """`launch_sigmoid_backward` with its operands checked (ValueError naming what a call misses)."""
+    what = "gluon sigmoid backward"
+    check_operands(q, k, v, causal, what)
+    _check_dout(q, dout, what)
+    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):
+        raise ValueError(f"{what}: sm_scale must be > 0 and finite, got {sm_scale}")
+    if bias is not None and not math.isfinite(float(bias)):
+        raise ValueError(f"{what}: bias must be finite or None, got {bias}")
+    if newton is not None and newton not in (0, 1, 2, 3):
+        raise ValueError(f"{what}: newton must be None or one of 0, 1, 2, 3, got {newton!r}")
+    return launch_sigmoid_backward(q, k, v, dout, causal, float(sm_scale), None if bias is None else float(bias),
+                                   newton)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling without a GPU
+
+KERNELS = ("dkdv", "dq")
+
+
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
+                 kernel: str = "dkdv", weight: int = 1, power: float = 2.0, has_bias: bool = False,
+                 newton: int = SIGMOID_BWD_NEWTON_STEPS):
+    """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
+    (`gluon_pipeline.compile_gluon_sm90`): weight 1 threshold (power picks POWER_MODE), 2 sigmoid."""
+    if weight not in (1, 2):
+        raise ValueError(f"weight must be 1 (threshold) or 2 (sigmoid), got {weight!r}")
+    rows = descriptor_type(dtype, [64, head_dim])
+    scalars = {"q_len": "i32", "kv_len": "i32", "score_scale": "fp32"}
+    params = {"row_param": "fp32", "power": "fp32", "grad_scale": "fp32"}
+    tail = {name: "constexpr" for name in ("WEIGHT", "POWER_MODE", "HAS_BIAS", "NEWTON", "CAUSAL", "HEAD_DIM",
+                                           "BLOCK_M", "BLOCK_N", "STAGES")}
+    if kernel == "dkdv":
+        cfg = dkdv_tile_config(head_dim)
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
+        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
+                     "DV": f"*{dtype}", **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
+                     "H_KV": "i32", "GROUP": "i32", **scalars, "start_scale": "fp32", **params, **tail}
+        fn, aligned = _dkdv_kernel, ("DK", "DV")
+    elif kernel == "dq":
+        cfg = dq_tile_config(head_dim)
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
+        signature = {"q_desc": rows, "do_desc": rows, "k_desc": keys, "v_desc": keys, "DQ": f"*{dtype}",
+                     "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32", "H": "i32", "GROUP": "i32",
+                     **scalars, **params, **tail}
+        fn, aligned = _dq_kernel, ("DQ",)
+    else:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    constexprs = {"WEIGHT": weight, "POWER_MODE": power_mode(power) if weight == 1 else 1, "HAS_BIAS": has_bias,
+                  "NEWTON": newton if weight == 2 else 0, "CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
+    return compile_gluon_sm90(fn, signature, constexprs, aligned, arch)
