@@ -9,7 +9,8 @@ lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / 
 NaN-poisoned allocations; then every cap (binding caps, with the bound shift and with the online
 softmax) and temperatures of every sign. Calls it does not serve (a window, segments, dropout) run the
 portable kernel. With ATTNLAB_GLUON=auto the first call of a key times both tiers and remembers the
-faster. The threshold and sigmoid forwards (attn/kernels/gluon_weighted_fwd.py) the same way: powers
+faster. The threshold and sigmoid forwards and backwards (attn/kernels/gluon_weighted_fwd.py,
+gluon_weighted_bwd.py) the same way, spies on both: powers
 1, 2 and 1.5 on unit-norm q and k whose thresholds leave dense and empty rows, sigmoid with the
 -ln n_i bias and a fixed one; the differential threshold stays on the portable kernel.
 """
@@ -224,18 +225,20 @@ def test_auto_times_both_tiers_once_per_key_and_keeps_the_faster(gluon_launches,
 
 @pytest.fixture
 def weighted_launches(monkeypatch):
-    """Counts the threshold / sigmoid Gluon forward's launches (the wrapped launchers still run)."""
-    from attn.kernels import gluon_weighted_fwd
+    """Names the threshold / sigmoid Gluon forwards' and backwards' launches (the wrapped launchers still run)."""
+    from attn.kernels import gluon_weighted_bwd, gluon_weighted_fwd
 
     calls = []
-    for name in ("launch_threshold", "launch_sigmoid"):
-        real = getattr(gluon_weighted_fwd, name)
+    for module, name in ((gluon_weighted_fwd, "launch_threshold"), (gluon_weighted_fwd, "launch_sigmoid"),
+                         (gluon_weighted_bwd, "launch_threshold_backward"),
+                         (gluon_weighted_bwd, "launch_sigmoid_backward")):
+        real = getattr(module, name)
 
         def counted(*args, real=real, name=name, **kwargs):
             calls.append(name)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(gluon_weighted_fwd, name, counted)
+        monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -278,12 +281,13 @@ WEIGHTED = [
 
 
 @pytest.mark.parametrize("variant,params,case", WEIGHTED, ids=[f"{v}-{p}-{_case_id(c)}" for v, p, c in WEIGHTED])
-def test_threshold_and_sigmoid_calls_on_the_gluon_forward_are_within_the_rule(variant, params, case, weighted_launches,
+def test_threshold_and_sigmoid_calls_on_the_gluon_kernels_are_within_the_rule(variant, params, case, weighted_launches,
                                                                               monkeypatch, nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     out = _check_weighted_on_gluon(case, variant, params, seed=200 + WEIGHTED.index((variant, params, case)),
                                    unit_norm=variant == "threshold")
-    assert weighted_launches, "the call did not run the Gluon forward"
+    assert f"launch_{variant}" in weighted_launches, "the call did not run the Gluon forward"
+    assert f"launch_{variant}_backward" in weighted_launches, "the call did not run the Gluon backward"
     if variant == "threshold" and case[1] > 100:  # the thresholds leave some rows empty and others not
         row_norms = out.norm(dim=-1)
         assert (row_norms == 0).any() and (row_norms > 0).any()

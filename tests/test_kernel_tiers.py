@@ -189,32 +189,43 @@ def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
     assert named["exp2_poly"] == -4  # fp16 P: degree 4, half the scores
 
 
-BACKWARD_SERVED = [  # (variant, params, call options, whether the Gluon backward serves the call)
-    ("softmax", {}, {}, True),
-    ("softmax", {}, {"causal": False}, True),
-    ("softcap_tanh", {"cap": 5.0}, {}, False),
-    ("softmax", {}, {"temperature": True}, False),
-    ("softmax", {}, {"window": 4}, False),
-    ("softmax", {}, {"segments": True}, False),
+BACKWARD_SERVED = [  # (variant, params, call options, the Gluon backward launcher expected or None)
+    ("softmax", {}, {}, "launch_backward"),
+    ("softmax", {}, {"causal": False}, "launch_backward"),
+    ("softcap_tanh", {"cap": 5.0}, {}, None),
+    ("softmax", {}, {"temperature": True}, None),
+    ("softmax", {}, {"window": 4}, None),
+    ("softmax", {}, {"segments": True}, None),
+    ("threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_threshold_backward"),
+    ("threshold", {}, {"window": 4}, None),
+    ("diff_threshold", {}, {}, None),
+    ("sigmoid", {"bias": -1.0}, {"causal": False}, "launch_sigmoid_backward"),
+    ("sigmoid", {}, {}, "launch_sigmoid_backward"),
+    ("sigmoid", {}, {"segments": True}, None),
 ]
 
 
-@pytest.mark.parametrize("variant,params,options,served", BACKWARD_SERVED,
+@pytest.mark.parametrize("variant,params,options,launcher", BACKWARD_SERVED,
                          ids=[f"{v}-{sorted(o)}" for v, _, o, _ in BACKWARD_SERVED])
-def test_the_softmax_backward_plan_offers_the_gluon_tier_to_plain_softmax(variant, params, options, served,
-                                                                        gluon_offered, monkeypatch):
-    """Plain softmax without segments, a window or a temperature reaches the Gluon backward with the
-    forward's out and lse2, the upstream gradient and the call's scale and mask; the rest stay portable."""
+def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, options, launcher,
+                                                                   gluon_offered, monkeypatch):
+    """Each family's backward plan hands exactly the calls the Gluon backwards serve to their launcher,
+    with the upstream gradient, the forward's out and lse2 (softmax), the call's mask and the variant's
+    parameters, and returns the launcher's gradients; the rest stay portable."""
     import attn
-    from attn.kernels import gluon_softmax_bwd
+    from attn.kernels import gluon_softmax_bwd, gluon_weighted_bwd
 
-    backward_log = []
+    log = []
 
-    def launch_backward(q, k, v, out, dout, lse2, sm_scale, causal):
-        backward_log.append((out, dout, lse2, sm_scale, causal))
-        return torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0)
+    def fake(name):
+        def launch(q, k, v, *args):
+            log.append((name, args))
+            return torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0)
+        return launch
 
-    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", launch_backward)
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", fake("launch_backward"))
+    for name in ("launch_threshold_backward", "launch_sigmoid_backward"):
+        monkeypatch.setattr(gluon_weighted_bwd, name, fake(name))
     spec = attn.get_variant(variant).make_spec(**params)
     b, n, h, d = 1, 24, 2, 64
     q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -224,19 +235,30 @@ def test_the_softmax_backward_plan_offers_the_gluon_tier_to_plain_softmax(varian
         kwargs["temperature"] = torch.rand(b, n) + 0.5
     if options.get("segments"):
         kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
+    if variant == "diff_threshold":
+        kwargs["extra"] = {"q2": torch.randn_like(q), "k2": torch.randn_like(k), "lam": torch.full((h,), 0.5)}
     out = attn.attention(q, k, v, spec, **kwargs)
     grad = torch.randn_like(out)
     out.backward(grad)
-    if not served:
-        assert backward_log == []
+    if launcher is None:
+        assert log == []
         return
-    (saved_out, dout, lse2, sm_scale, got_causal), = backward_log
-    assert torch.equal(dout, grad) and saved_out.shape == q.shape and lse2.shape == (b, h, n)
-    assert sm_scale == pytest.approx(d ** -0.5) and got_causal is causal
+    (name, args), = log
+    assert name == launcher
+    if launcher == "launch_backward":
+        saved_out, dout, lse2, sm_scale, got_causal = args
+        assert saved_out.shape == q.shape and lse2.shape == (b, h, n) and sm_scale == pytest.approx(d ** -0.5)
+    else:
+        dout, got_causal, *variant_args = args
+        expected = ([params["beta"], params["power"]] if variant == "threshold"
+                    else [pytest.approx(d ** -0.5), params.get("bias")])
+        assert variant_args == expected
+    assert torch.equal(dout, grad) and got_causal is causal
     assert (q.grad == 2.0).all() and (k.grad == 3.0).all() and (v.grad == 4.0).all()
 
 
-def test_the_softmax_backward_plans_read_the_switch():
-    from attn.kernels import softmax_family as sf
+def test_the_backward_plans_read_the_switch():
+    from attn.kernels import sigmoid_family, softmax_family, threshold_family
 
-    assert tiers.GLUON_ENV in sf._BWD_PLANS.settings
+    for family in (softmax_family, threshold_family, sigmoid_family):
+        assert tiers.GLUON_ENV in family._BWD_PLANS.settings

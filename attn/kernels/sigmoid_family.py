@@ -397,7 +397,7 @@ def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype) -> tuple:
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report()}
+    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report(), **_BWD_TIERS.report()}
 
 
 def _strides(q, k, v):
@@ -548,14 +548,27 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
         _KERNELS["dq"].launch(query_grid, (*ops, dout, dq, seed_arg), scalars, meta, dq_configs, dq_key)
         _KERNELS["dkdv"].launch(key_grid, (*ops, dout, dk, dv, seed_arg), scalars, meta, dkdv_configs, dkdv_key)
         return dq, dk, dv
-    return backward
+
+    # the Gluon backward serves calls without segments, a window or dropout
+    if has_bounds or window or dropout_p or kv_len < n or not sm_scale > 0 or not gluon_candidate(q.device):
+        return backward
+    from attn.kernels import gluon_weighted_bwd
+
+    if not gluon_weighted_bwd.serves(q, k, v):
+        return backward
+
+    def gluon_backward(dout, q, k, v, bounds, seed):
+        return gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, dout, causal, sm_scale, bias)
+    return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, bias is None), backward, gluon_backward)
 
 
 _FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
 # sigmoid forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
 # (attn/kernels/tiers.py)
 _TIERS = TierChoice("sigmoid_family_fwd")
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV,))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
+# sigmoid backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
+_BWD_TIERS = TierChoice("sigmoid_family_bwd")
 
 
 # ----------------------------------------------------------------------------------------

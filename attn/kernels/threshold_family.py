@@ -589,6 +589,7 @@ def tuned_configs() -> dict[str, str]:
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     out.update(_TIERS.report())
+    out.update(_BWD_TIERS.report())
     return out
 
 
@@ -817,10 +818,23 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         # fixed-order reduction of the per-(batch, head, key block) partials: deterministic
         dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
         return dq, dk, dv, dq2, dk2, dlam
-    return backward
+
+    # the Gluon backward serves the one-map threshold without segments, a window or dropout
+    if differential or has_bounds or window or dropout_p or empty or kv_len < n or not gluon_candidate(q.device):
+        return backward
+    from attn.kernels import gluon_weighted_bwd
+
+    if not gluon_weighted_bwd.serves(q, k, v):
+        return backward
+
+    def gluon_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+        return gluon_weighted_bwd.launch_threshold_backward(q, k, v, dout, causal, beta, power)
+    return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, float(power)), backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_backward_plan)
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV,))
+# one-map threshold backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
+_BWD_TIERS = TierChoice("threshold_family_bwd")
 
 
 # ----------------------------------------------------------------------------------------
