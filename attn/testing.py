@@ -113,11 +113,14 @@ def rounding_sensitivity(reference64, tensors: dict, dout: torch.Tensor, dtype: 
     view): about eps x magnitude where the function is well conditioned, far more where it is
     not (p < 1 threshold gradients near tau, large reduced sums such as d-lambda). Kernel tests
     add it to the rule's absolute floor, as FlashAttention's tests scale theirs with the result."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # signs drawn on the CPU: the same on every device
     eps = torch.finfo(dtype).eps
+
+    def signs(t):
+        return (2 * torch.randint(0, 2, t.shape, generator=gen) - 1).to(t.device)
+
     exact = {name: t.detach().double() for name, t in tensors.items()}
-    moved = {name: (t * (1 + eps * (2 * torch.randint(0, 2, t.shape, generator=gen) - 1))).requires_grad_()
-             for name, t in exact.items()}
+    moved = {name: (t * (1 + eps * signs(t))).requires_grad_() for name, t in exact.items()}
     base = outputs_and_grads(reference64, {n: t.clone().requires_grad_() for n, t in exact.items()}, dout.double())
     shifted = outputs_and_grads(reference64, moved, dout.double())
     return {name: max_error(shifted[name], base[name]) for name in base}

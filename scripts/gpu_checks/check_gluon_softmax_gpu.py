@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks' timing harness: TFLOP/s
 
-from timing import attention_flops, median_ms, tflops  # noqa: E402
+from timing import attention_flops, median_ms, result_header, tflops  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -286,11 +286,7 @@ def main() -> int:
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    import triton
-
-    results = {"torch": torch.__version__, "triton": triton.__version__,
-               "device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
-               "cases": []}
+    results = {**result_header(), "capability": torch.cuda.get_device_capability(), "cases": []}
     failed = 0
     from attn.kernels.tiers import gluon_usable
 
