@@ -252,10 +252,13 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     per-query terms as the accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in
     (while dP^T runs), dS^T = P^T dP^T once dP^T is; then dV += P^T dO and dK += dS^T Q issued back
     to back, dO's slot handed back when dV retired, Q's when dK did. A cap or a temperature: S^T = K Q^T
-    from zero, g = cap(S^T) (`_cap`), P^T = exp2(g t c - lse2) with the query columns' lse2 and t
-    (c = qk_scale, the log2-unit scale of g), and P^T t F'(y) formed while dP^T runs, so dS^T = that
-    times dP^T. MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m."""
+    from zero, (g, F'(y)) = `_capped_with_slope(S^T)`, P^T = exp2(g t c - lse2) with the query columns'
+    lse2 and t (c = qk_scale, the log2-unit scale of g), dS^T = P^T t F'(y) dP^T; at D = 64 P^T t F'(y)
+    forms while dP^T runs, at D = 128 after both retired (WAIT_DP_WITH_S: with dK and dV at 128
+    registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spilled).
+    MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
+    WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
     column: gl.constexpr = gl.SliceLayout(0, st_layout)
     cols = gl.arange(0, BLOCK_M, layout=column)
     lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
@@ -270,7 +273,11 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         if HAS_TEMP:
             t = _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M)
     dp_t, do_tile = _issue_with_columns(j, v_tile, do_ring, do_ready, -delta, st_layout, HALF_N, BLOCK_M, STAGES)
-    s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
+    if PLAIN or not WAIT_DP_WITH_S:
+        s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
+    else:  # S^T and dP^T retired: no wait between P^T and dS^T, so they form score by score
+        s_t, dp_t, k_tile, q_tile, v_tile, do_tile = warpgroup_mma_wait(
+            num_outstanding=0, deps=(s_t, dp_t, k_tile, q_tile, v_tile, do_tile))
     if PLAIN:
         p_t = gl.exp2(s_t * qk_scale)
     else:
@@ -288,22 +295,22 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     if MASKED:
         visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
         p_t = gl.where(visible, p_t, 0.0)
-    if not PLAIN:
-        # while dP^T runs: P^T in 16 bits, and dS^T's factor t F'(y) on P^T (g and P^T in fp32 are dead after)
+    if PLAIN:
+        dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+        ds_t = p_t * dp_t
+    else:
+        # dS^T = P^T t F'(y) dP^T
         p_slope = p_t
         if CAP != 0:
             p_slope = p_slope * slope
         if HAS_TEMP:
             p_slope = p_slope * t_cols
-        p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
-    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
-    if PLAIN:
-        ds_t = p_t * dp_t
-        # both products from registers, issued back to back: P^T and dS^T in 16 bits are all that stays
-        # live beside dK and dV while the tensor cores run them
-        p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
-    else:
+        if not WAIT_DP_WITH_S:
+            dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))
         ds_t = p_slope * dp_t
+    # both products from registers, issued back to back: P^T and dS^T in 16 bits are all that stays
+    # live beside dK and dV while the tensor cores run them
+    p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
     ds16 = gl.convert_layout(ds_t.to(q_ring.dtype), a_layout)
     dv = warpgroup_mma(p16, do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
@@ -424,14 +431,15 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v
 
 @gluon.jit
 def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, row_scale,
-              t, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout: gl.constexpr, a_layout: gl.constexpr,
+              last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout: gl.constexpr, a_layout: gl.constexpr,
               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, MASKED: gl.constexpr,
               CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, P as soon as S is
     in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired.
-    A cap or a temperature: g = cap(S) (`_cap`), P = exp2(g row_scale - lse2) (row_scale = t qk_scale, or
-    qk_scale), P t F'(y) formed while dP runs (and P g for d-temperature), dS = that times (dP - delta);
-    NEED_DT adds the rows' sum of P (dP - delta) g to dt. Returns (dq, dt)."""
+    A cap or a temperature: (g, F'(y)) = `_capped_with_slope(S)`, P = exp2(g row_scale - lse2) (row_scale =
+    t qk_scale, or qk_scale), P F'(y) formed while dP runs (and P g for d-temperature), dS = that times
+    (dP - delta) (the row's t is the caller's, once on dQ); NEED_DT adds the rows' sum of P (dP - delta) g
+    to dt. Returns (dq, dt)."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
@@ -450,12 +458,10 @@ def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_em
     if MASKED:
         p = gl.where(visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N), p, 0.0)
     if not PLAIN:
-        # dS's factor t F'(y) on P while dP runs (g is dead after it, but for P g)
+        # dS's factor F'(y) on P while dP runs (g is dead after it, but for P g)
         p_slope = p
         if CAP != 0:
             p_slope = p_slope * slope
-        if HAS_TEMP:
-            p_slope = p_slope * gl.expand_dims(t, 1)
         if NEED_DT:
             p_g = p * g
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
@@ -496,7 +502,6 @@ def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_emp
         t = gl.load(TEMP + temp_base + rows.to(gl.int64) * stride_tn, mask=in_rows, other=0.0).to(gl.float32)
         row_scale = t * qk_scale
     else:
-        t = delta  # unused
         row_scale = delta  # unused
     # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
     last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
@@ -506,16 +511,18 @@ def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_emp
     mbarrier.wait(q_bar, 0)
     for j in range(0, n_full):
         dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
-                           delta, row_scale, t, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
+                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
                            CAP, HAS_TEMP, NEED_DT, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
     for j in range(n_full, n_tiles):
         dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
-                           delta, row_scale, t, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
+                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
                            CAP, HAS_TEMP, NEED_DT, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
 
     offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     dq_ptrs = DQ + dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    if HAS_TEMP:  # dS's factor t, constant along the row: once on dQ
+        dq = dq * gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(1, dq_layout)), 1)
     gl.store(dq_ptrs, (dq * grad_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
     if NEED_DT:
         gl.store(DT + lse_base + rows, dt * dt_scale, mask=in_rows)
@@ -577,11 +584,16 @@ def _descriptor(flat_view, block, gdt):
     return TensorDescriptor(flat, list(shape), list(strides), list(block), smem_layout(list(block), gdt))
 
 
-def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
-    """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once):
-    plain softmax with logits z = sm_scale q.k (sm_scale > 0), `lse2` (B, H, N) fp32 contiguous as the
-    forwards write it. Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+CAPS = {0: "none", 1: "tanh", 2: "soft_sign", 3: "alsc"}  # softmax_family.CAP_IDS' ids
+
+
+def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
+            temperature, need_dt: bool):
+    """(dq, dk, dv, dt or None): the three launches (delta, the key-block dK / dV kernel, the query-block
+    dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows summed over heads."""
     import torch
+
+    from attn.kernels.softmax_family import _scalars
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
@@ -605,24 +617,47 @@ def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    qk_scale = float(sm_scale) * LOG2E
+    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
+    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
+    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, cap_value, knee, float(sm_scale))
+    has_temp = temperature is not None
+    temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
+    dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse2
     _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        h, h_kv, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
+        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta, temp,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), stride_tb, stride_tn,
+        h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+        CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
     _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
-        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, temp, dt_rows,
+        dq.stride(0), dq.stride(1), dq.stride(2), stride_tb, stride_tn,
+        h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
+        CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+    dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else None
+    return dq, dk, dv, dt
+
+
+def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
+                    cap_value: float = 0.0, knee: float = 0.0, temperature=None):
+    """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once).
+    Logits z_ij = t_i F(sm_scale q_i.k_j) as the portable kernels define them: F the cap `cap` (CAPS' ids;
+    its `cap_value` c > 0 and, for ALSC, `knee` in [0, 1), the spec's values), t the optional (B, N)
+    `temperature` (any float dtype and strides, any sign), 1 without; sm_scale > 0 without a cap or a
+    temperature. `lse2` (B, H, N) fp32 contiguous as either forward writes it for these logits.
+    Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+    dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False)
     return dq, dk, dv
 
 
-def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
-    """(dq, dk, dv) of plain softmax attention, Gluon / sm_90, from the forward's `out` and `lse2`
-    (`gluon_softmax_fwd.gluon_softmax_forward` or the portable forward). q, out, dout (B, N, H, D);
-    k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16; lse2 (B, H, N) fp32
-    contiguous. Raises ValueError naming the requirement a call misses."""
+def launch_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
+                            cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
+    """`launch_backward` with the temperature's gradient too: (dq, dk, dv, dt), dt (B, N) in temperature's
+    dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them)."""
+    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True)
+
+
+def _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature):
+    """ValueErrors naming what a call of the checked entries misses."""
     import torch
 
     what = "gluon softmax backward"
@@ -642,9 +677,49 @@ def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bo
                          f"{lse2.device}{'' if lse2.is_contiguous() else ', not contiguous'}")
     if out.stride(-1) != 1:
         raise ValueError(f"{what}: out must be contiguous in its last dim, got strides {tuple(out.stride())}")
-    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):
-        raise ValueError(f"{what}: sm_scale must be > 0 and finite, got {sm_scale}")
-    return launch_backward(q, k, v, out, dout, lse2, float(sm_scale), causal)
+    if isinstance(cap, bool) or cap not in CAPS:
+        raise ValueError(f"{what}: cap must be one of {CAPS} (softmax_family.CAP_IDS), got {cap!r}")
+    if cap != 0 and not (math.isfinite(float(cap_value)) and cap_value > 0):
+        raise ValueError(f"{what}: cap_value must be > 0 and finite with cap {cap} ({CAPS[cap]}), got {cap_value}")
+    if cap == 3 and not (0.0 <= float(knee) < 1.0):
+        raise ValueError(f"{what}: knee must be in [0, 1) with cap 3 (alsc), got {knee}")
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != (bsz, n):
+            raise ValueError(f"{what}: temperature must be (B, N) = {(bsz, n)}, got "
+                             f"{tuple(getattr(temperature, 'shape', ())) or type(temperature)}")
+        if not temperature.is_floating_point() or temperature.device != q.device:
+            raise ValueError(f"{what}: temperature must be a floating-point tensor on {q.device}, got "
+                             f"{temperature.dtype} on {temperature.device}")
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"{what}: sm_scale must be finite, got {sm_scale}")
+    if cap == 0 and temperature is None and not sm_scale > 0:
+        raise ValueError(f"{what}: sm_scale must be > 0 without a cap or a temperature, got {sm_scale}")
+
+
+def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
+                           cap_value: float = 0.0, knee: float = 0.0, temperature=None):
+    """(dq, dk, dv) of softmax-family attention, Gluon / sm_90, from the forward's `out` and `lse2`
+    (`gluon_softmax_fwd`'s or the portable forward's, for the same logits). q, out, dout (B, N, H, D);
+    k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16; lse2 (B, H, N) fp32 contiguous.
+    cap, cap_value, knee, temperature: `launch_backward`'s. Raises ValueError naming the requirement a
+    call misses."""
+    _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
+    return launch_backward(q, k, v, out, dout, lse2, float(sm_scale), causal, cap=cap, cap_value=float(cap_value),
+                           knee=float(knee), temperature=temperature)
+
+
+def gluon_softmax_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
+                                   cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
+    """`gluon_softmax_backward` with the temperature's gradient: (dq, dk, dv, dt), dt (B, N) in temperature's
+    dtype (`launch_backward_with_dt`). Raises ValueError naming the requirement a call misses."""
+    import torch
+
+    if not isinstance(temperature, torch.Tensor):
+        raise ValueError(f"gluon softmax backward: temperature must be a (B, N) tensor for its gradient, got "
+                         f"{type(temperature)}")
+    _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
+    return launch_backward_with_dt(q, k, v, out, dout, lse2, float(sm_scale), causal, temperature=temperature,
+                                   cap=cap, cap_value=float(cap_value), knee=float(knee))
 
 
 # ---------------------------------------------------------------------------------------------
