@@ -1,12 +1,20 @@
-"""The softmax attention backward in Gluon for sm_90 (Hopper): plain softmax (no cap, no temperature).
+"""The softmax family's attention backward in Gluon for sm_90 (Hopper): every cap (none, tanh, soft_sign,
+ALSC) and an optional per-row temperature with its gradient, without segments, a window or dropout.
 
 Inputs and outputs are the portable backward's (`softmax_family._bwd_plan`): q, out, dout (B, N, H, D);
-k, v (B, KV, H_kv, D), H % H_kv == 0; lse2 (B, H, N) fp32, the base-2 logsumexp of the log2-unit
-logits z = s q.k log2(e) (+inf for a row that sees no key) that either forward writes; causal is
-bottom-right aligned (query row i at key position i + KV - N). Returns dq, dk, dv in the inputs' dtype.
+k, v (B, KV, H_kv, D), H % H_kv == 0; an optional temperature t (B, N) (any float dtype and strides, any
+sign); lse2 (B, H, N) fp32, the base-2 logsumexp of the log2-unit logits z = t F(s q.k) log2(e) (+inf
+for a row that sees no key) that either forward writes; causal is bottom-right aligned (query row i at
+key position i + KV - N). Returns dq, dk, dv in the inputs' dtype (`launch_backward`), and dt (B, N) in
+t's dtype (`launch_backward_with_dt`).
 
-Math (softmax_family's module docstring, CAP_NONE, no temperature): p_ij = exp2(z_ij - lse2_i),
-delta_i = dO_i . O_i, dp = dO v^T, ds = p (dp - delta); dv = p^T dO, dk = s ds^T q, dq = s ds k.
+Math (softmax_family's module docstring; the cap's constants are its `_scalars`): with g the capped score
+in the units the kernels compute it (`gluon_softmax_fwd._cap`: F = c' g, c' = s, c or c - a), p_ij =
+exp2(t_i c' log2(e) g_ij - lse2_i), delta_i = dO_i . O_i, dp = dO v^T, dz = p (dp - delta); dv = p^T dO,
+dk = s (t F'(y) dz)^T q, dq = s (t F'(y) dz) k, dt_i = c' sum_j dz_ij g_ij (summed over heads). Plain
+softmax (CAP 0, no temperature): g = q.k, F' = 1, t = 1. The cap and the temperature are constexprs
+(CAP, HAS_TEMP, and NEED_DT in the dQ kernel): the plain kernels compile without any of it
+(scripts/analysis/gluon_sass_counts.py counts their loops).
 
 Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.gluon_api_available`):
 
@@ -24,8 +32,14 @@ Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.glu
 3. `_dq_kernel`, the forwards' query-block schedule: one program per 128 query rows of one (batch,
    head), Q and dO loaded once, K and V streamed through the forwards' ring (`gluon_pipeline`); per
    key block S = Q K^T and dP = dO V^T back to back, P, dS = P (dP - delta), dQ += dS K (dS from
-   registers). dq is written once, scaled by s, in q's dtype: no fp32 accumulator in global memory,
-   no atomics, the same bits every run.
+   registers). dq is written once, scaled by s (and the row's t), in q's dtype: no fp32 accumulator in
+   global memory, no atomics, the same bits every run. NEED_DT: each row's sum of dz g, per (batch, head,
+   row) in fp32, summed over heads on the host.
+
+Caps and temperatures: the plain key-block kernel folds -lse2 / c into S^T's accumulator start; a cap is
+not linear, so capped or tempered blocks start S^T from zero and take lse2 (and t) per query column in
+registers. The cap's slope F' comes from the same intermediates as g (`_capped_with_slope`). At D = 128
+those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and an in-flight dP^T spill).
 
 Why a separate dQ kernel rather than FA3's atomic dQ: dS would have to go through shared memory (the
 key-block program holds dS^T with keys as rows; dQ = dS K needs dS with queries as rows as a wgmma
@@ -255,7 +269,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     from zero, (g, F'(y)) = `_capped_with_slope(S^T)`, P^T = exp2(g t c - lse2) with the query columns'
     lse2 and t (c = qk_scale, the log2-unit scale of g), dS^T = P^T t F'(y) dP^T; at D = 64 P^T t F'(y)
     forms while dP^T runs, at D = 128 after both retired (WAIT_DP_WITH_S: with dK and dV at 128
-    registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spilled).
+    registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spills).
     MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
