@@ -391,7 +391,7 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer.
-    Programs of the first key blocks (the longest under a causal mask) start first. CAP (`_cap`, with
+    Programs of the first key blocks (the longest under a causal mask) start first. CAP (`_capped_with_slope`, with
     cap_scale and alsc_knee) and HAS_TEMP (TEMP (B, N), strides stride_tb, stride_tn) are compiled in
     only where asked; qk_scale is the log2-unit scale of the capped score."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()

@@ -12,7 +12,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant tanh alsc temperature             # the capped / tempered forms
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
-    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # its capped / tempered forms
+    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops

@@ -234,7 +234,8 @@ def time_variants(results, tune_portable: bool):
             rows.append(row)
             cells = "".join(f"{row[key]['ms']:>10.3f}{row[key]['tflops']:>8.0f}" if "ms" in row[key]
                             else f"{'error':>18}" for key in ("sdpa", "portable", "gluon"))
-            ratios = "".join(f"{row[key]['ms'] / row['gluon']['ms']:>12.2f}x" if "ms" in row["gluon"] and "ms" in row[key]
+            timed = "ms" in row["gluon"]
+            ratios = "".join(f"{row[key]['ms'] / row['gluon']['ms']:>12.2f}x" if timed and "ms" in row[key]
                              else f"{'-':>13}" for key in ("sdpa", "portable"))
             print(f"{row_name:<20}{cells}{ratios}")
             for key in ("portable", "gluon"):
