@@ -5,9 +5,11 @@ dq, dk, dv of `gluon_softmax_backward`, fed by the out and lse2 of the portable 
 forward, against the float64 reference by the DESIGN.md section 6 rule (within 2x the error of the PyTorch
 reference run in the kernel's dtype, plus a floor), with torch.empty / empty_like NaN-poisoned so an
 element the kernels never write fails: odd lengths (1, 17, 127, 200, 1000), causal and full masks, more
-keys than queries under the bottom-right causal mask, GQA, D 64 / 128, bf16 / fp16. The tests pair each
-forward with the Gluon backward through an autograd.Function of their own; tests/test_gluon_gpu.py runs
-it behind the public function.
+keys than queries under the bottom-right causal mask, GQA, D 64 / 128, bf16 / fp16; then every cap (tanh,
+soft_sign, ALSC, caps small enough to bind) and per-row temperatures of every sign, zero included (a strided
+one too), with the temperature's gradient (`gluon_softmax_backward_with_dt`) where asked, against the
+reference's d-temperature by the same rule. The tests pair each forward with the Gluon backward through an
+autograd.Function of their own; tests/test_gluon_gpu.py runs the plain one behind the public function.
 """
 
 from __future__ import annotations
@@ -42,41 +44,70 @@ CASES = [
 ]
 
 
+def _portable_forward(q, k, v, temperature, cap, cap_value, knee, sm_scale, causal):
+    """(out, lse2) of the portable forward (the Gluon forward switched off for the call)."""
+    import os
+
+    from attn.kernels import softmax_family
+
+    old = os.environ.get(tiers.GLUON_ENV)
+    os.environ[tiers.GLUON_ENV] = "0"
+    try:
+        return softmax_family._fwd_impl(q, k, v, None, temperature, cap, cap_value, knee, sm_scale, causal, 0)
+    finally:
+        if old is None:
+            os.environ.pop(tiers.GLUON_ENV)
+        else:
+            os.environ[tiers.GLUON_ENV] = old
+
+
+def _gluon_forward(q, k, v, temperature, cap, cap_value, knee, sm_scale, causal):
+    """(out, lse2) of the Gluon forward with the launch arguments the softmax family's plan gives it (a bf16
+    cap without temperature shifts by its bound)."""
+    from attn.kernels.gluon_softmax_fwd import launch_forward
+    from attn.kernels.softmax_family import LOG2E, _scalars
+
+    cap_scale, out_scale, _, _, alsc_knee, _ = _scalars(cap, cap_value, knee, sm_scale)
+    shift = (cap_value * LOG2E if cap != 0 and temperature is None and q.dtype == torch.bfloat16
+             and 2.0 * cap_value * LOG2E <= 100.0 else None)
+    return launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=cap_scale, alsc_knee=alsc_knee, shift=shift,
+                          temperature=temperature)
+
+
 class _GluonBackwardAttention(torch.autograd.Function):
-    """Plain softmax attention whose forward is the portable or the Gluon kernel and whose backward is
-    the Gluon backward (the way `_bwd_plan` would call it)."""
+    """Softmax-family attention whose forward is the portable or the Gluon kernel and whose backward is
+    the Gluon backward (the way `_bwd_plan` would call it); logits (cap, cap_value, knee, sm_scale) as
+    `softmax_family.fused_attention` passes a spec's; the temperature's gradient when it requires one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sm_scale, causal, forward_tier):
-        if forward_tier == "gluon":
-            from attn.kernels.gluon_softmax_fwd import gluon_softmax_forward
-
-            out, lse2 = gluon_softmax_forward(q, k, v, sm_scale, causal)
-        else:
-            import os
-
-            from attn.kernels import softmax_family
-
-            old = os.environ.get(tiers.GLUON_ENV)
-            os.environ[tiers.GLUON_ENV] = "0"
-            try:
-                out, lse2 = softmax_family._fwd_impl(q, k, v, None, None, 0, 0.0, 0.0, sm_scale, causal, 0)
-            finally:
-                if old is None:
-                    os.environ.pop(tiers.GLUON_ENV)
-                else:
-                    os.environ[tiers.GLUON_ENV] = old
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.sm_scale, ctx.causal = sm_scale, causal
+    def forward(ctx, q, k, v, temperature, logits, causal, forward_tier):
+        forward = _gluon_forward if forward_tier == "gluon" else _portable_forward
+        out, lse2 = forward(q, k, v, temperature, *logits, causal)
+        ctx.save_for_backward(q, k, v, out, lse2, temperature)
+        ctx.logits, ctx.causal = logits, causal
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward
+        from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward, gluon_softmax_backward_with_dt
 
-        q, k, v, out, lse2 = ctx.saved_tensors
-        dq, dk, dv = gluon_softmax_backward(q, k, v, out, dout, lse2, ctx.sm_scale, ctx.causal)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse2, temperature = ctx.saved_tensors
+        cap, cap_value, knee, sm_scale = ctx.logits
+        caps = dict(cap=cap, cap_value=cap_value, knee=knee)
+        if temperature is not None and ctx.needs_input_grad[3]:
+            dq, dk, dv, dt = gluon_softmax_backward_with_dt(q, k, v, out, dout, lse2, sm_scale, ctx.causal,
+                                                            temperature=temperature, **caps)
+        else:
+            dq, dk, dv = gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale, ctx.causal,
+                                                temperature=temperature, **caps)
+            dt = None
+        return dq, dk, dv, dt, None, None, None
+
+
+def _logits(spec, head_dim):
+    from attn.kernels.softmax_family import CAP_IDS
+
+    return CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee), float(spec.scale(head_dim))
 
 
 def _inputs(b, n, kv, h, h_kv, d, seed):
@@ -92,23 +123,50 @@ def _case_id(c):
     return f"B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}"
 
 
-def _check(case, forward_tier, seed):
+def _check(case, forward_tier, seed, variant="softmax", params=None, temperature_kind=None, need_dt=False):
+    """Out and grads (and d-temperature with need_dt) against float64 by the rule. temperature_kind: None,
+    "rows" (every sign, every seventh zero) or "strided" (the same values, every other element of a wider
+    tensor)."""
     b, n, kv, h, h_kv, d, causal, dtype = case
-    sm_scale = d ** -0.5
-    spec = attn.get_variant("softmax").make_spec(sm_scale=sm_scale)
+    spec = attn.get_variant(variant).make_spec(**(params or {"sm_scale": d ** -0.5}))
     tensors, do = _inputs(b, n, kv, h, h_kv, d, seed)
+    temperature = None
+    if temperature_kind is not None:  # every sign, zero included: t z may be any real
+        gen = torch.Generator(device=CUDA).manual_seed(seed + 1)
+        temperature = torch.rand(b, n, device=CUDA, dtype=torch.float64, generator=gen) * 2.5 - 0.5
+        temperature[:, ::7] = 0.0
 
-    def reference(q, k, v):
-        return attn.attention(q, k, v, spec, causal=causal, backend="reference")
+    def reference(q, k, v, temperature=None):
+        return attn.attention(q, k, v, spec, causal=causal, temperature=temperature, backend="reference")
 
-    ref64 = outputs_and_grads(reference, {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
-    same = outputs_and_grads(reference, {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}, do)
-    fused = outputs_and_grads(lambda q, k, v: _GluonBackwardAttention.apply(q, k, v, sm_scale, causal, forward_tier),
-                              {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}, do)
-    for name in ("out", "dq", "dk", "dv"):
+    def fused(q, k, v, temperature=None):
+        return _GluonBackwardAttention.apply(q, k, v, temperature, _logits(spec, d), causal, forward_tier)
+
+    def leaves(to_dtype):
+        out = {name: t.to(to_dtype).requires_grad_() for name, t in tensors.items()}
+        if temperature is not None:
+            out["temperature"] = temperature.to(torch.float64 if to_dtype == torch.float64 else torch.float32)
+            if temperature_kind == "strided":
+                wide = torch.zeros(b, 2 * n, device=CUDA, dtype=out["temperature"].dtype)
+                wide[:, ::2] = out["temperature"]
+                out["temperature"] = wide[:, ::2]
+            out["temperature"].requires_grad_(need_dt)
+        return out
+
+    def grads_of(fn, to_dtype):
+        inputs = leaves(to_dtype)
+        with_grad = {name: t for name, t in inputs.items() if t.requires_grad}
+        rest = {name: t for name, t in inputs.items() if not t.requires_grad}
+        return outputs_and_grads(lambda **kw: fn(**kw, **rest), with_grad, do)
+
+    ref64 = grads_of(reference, torch.float64)
+    same = grads_of(reference, dtype)
+    got = grads_of(fused, dtype)
+    names = ("out", "dq", "dk", "dv") + (("dtemperature",) if need_dt else ())
+    for name in names:
         allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item())
-        assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
-    return fused
+        assert_within_reference_error(name, got[name], same[name], ref64[name], floor=allowance)
+    return got
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -119,6 +177,70 @@ def test_gluon_backward_after_the_portable_forward_is_within_the_rule(case, nan_
 @pytest.mark.parametrize("case", CASES[::2], ids=[_case_id(c) for c in CASES[::2]])
 def test_gluon_backward_after_the_gluon_forward_is_within_the_rule(case, nan_poison):
     _check(case, "gluon", seed=50 + CASES.index(case))
+
+
+# (variant, params, temperature kind, need_dt, case): caps small enough to bind, temperatures of every sign;
+# odd lengths, GQA, causal and full, KV >= N (the public reference refuses fewer keys than queries)
+CAPPED = [
+    ("softcap_tanh", {"cap": 2.0}, None, False, (2, 127, 127, 4, 1, 128, True, torch.bfloat16)),
+    ("softcap_tanh", {"cap": 5.0}, None, False, (1, 100, 300, 4, 4, 128, True, torch.bfloat16)),
+    ("softcap_softsign", {"cap": 2.0}, None, False, (1, 200, 200, 4, 4, 64, False, torch.bfloat16)),
+    ("softcap_softsign", {"cap": 4.0}, None, False, (2, 17, 17, 4, 2, 128, False, torch.float16)),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, None, False, (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16)),
+    ("alsc", {"cap": 2.0, "knee": 0.0}, None, False, (2, 333, 333, 8, 2, 64, True, torch.float16)),
+    ("softmax", {}, "rows", False, (1, 257, 600, 2, 1, 64, False, torch.float16)),
+    ("softmax", {}, "rows", True, (2, 127, 127, 4, 1, 128, True, torch.bfloat16)),
+    ("softmax", {}, "strided", True, (2, 1000, 1000, 4, 4, 64, True, torch.float16)),
+    ("softcap_tanh", {"cap": 2.0}, "rows", True, (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16)),
+    ("softcap_softsign", {"cap": 3.0}, "rows", True, (1, 200, 1000, 8, 2, 128, False, torch.bfloat16)),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, "rows", True, (2, 333, 333, 8, 2, 64, True, torch.float16)),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, "strided", False, (1, 1, 1, 2, 2, 64, True, torch.bfloat16)),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, "rows", True, (1, 77, 200, 4, 2, 64, False, torch.bfloat16)),
+]
+
+
+def _capped_id(entry):
+    variant, params, temperature_kind, need_dt, case = entry
+    extra = (f"-{temperature_kind}-temp" if temperature_kind else "") + ("-dt" if need_dt else "")
+    return f"{variant}{''.join(f'-{k}{v}' for k, v in params.items())}{extra}-{_case_id(case)}"
+
+
+@pytest.mark.parametrize("entry", CAPPED, ids=[_capped_id(e) for e in CAPPED])
+def test_capped_and_tempered_gluon_backward_after_the_portable_forward_is_within_the_rule(entry, nan_poison):
+    variant, params, temperature_kind, need_dt, case = entry
+    _check(case, "portable", 200 + CAPPED.index(entry), variant, params, temperature_kind, need_dt)
+
+
+@pytest.mark.parametrize("entry", CAPPED[::2], ids=[_capped_id(e) for e in CAPPED[::2]])
+def test_capped_and_tempered_gluon_backward_after_the_gluon_forward_is_within_the_rule(entry, nan_poison):
+    variant, params, temperature_kind, need_dt, case = entry
+    _check(case, "gluon", 300 + CAPPED.index(entry), variant, params, temperature_kind, need_dt)
+
+
+def test_capped_gluon_backward_matches_the_portable_backward(monkeypatch):
+    """Tanh cap and a temperature with its gradient: the Gluon and portable backwards agree to a bf16
+    rounding or two, and the Gluon one gives the same bits twice."""
+    from attn.kernels import softmax_family
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "0")  # the portable kernels for _fwd_impl and _bwd_impl
+    from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward_with_dt
+
+    gen = torch.Generator(device=CUDA).manual_seed(6)
+    q, do = (torch.randn(2, 700, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 700, 2, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    temperature = torch.rand(2, 700, device=CUDA, generator=gen) * 2.5 - 0.5
+    sm_scale, cap, cap_value = 128 ** -0.5, 1, 3.0
+    out, lse2 = softmax_family._fwd_impl(q, k, v, None, temperature, cap, cap_value, 0.0, sm_scale, True, 0)
+    first = gluon_softmax_backward_with_dt(q, k, v, out, do, lse2, sm_scale, True, temperature=temperature, cap=cap,
+                                           cap_value=cap_value)
+    second = gluon_softmax_backward_with_dt(q, k, v, out, do, lse2, sm_scale, True, temperature=temperature,
+                                            cap=cap, cap_value=cap_value)
+    portable = softmax_family._bwd_impl(do, q, k, v, out, lse2, None, temperature, True, cap, cap_value, 0.0,
+                                        sm_scale, True, 0)
+    for name, a, b, p in zip(("dq", "dk", "dv", "dt"), first, second, portable):
+        assert torch.equal(a, b), name
+        scale = p.float().abs().max().item()
+        assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
 
 
 def test_gluon_backward_matches_the_portable_backward_bitwise_repeatably():
@@ -156,3 +278,23 @@ def test_checked_entry_names_what_a_call_misses():
     with pytest.raises(ValueError, match="head dim"):
         q96 = torch.randn(1, 64, 2, 96, device=CUDA, dtype=torch.bfloat16)
         gluon_softmax_backward(q96, q96, q96, q96, q96, lse2, 0.125, True)
+    with pytest.raises(ValueError, match="cap must be"):
+        gluon_softmax_backward(q, k, v, q, q, lse2, 0.125, True, cap=4, cap_value=2.0)
+    with pytest.raises(ValueError, match="cap_value"):
+        gluon_softmax_backward(q, k, v, q, q, lse2, 0.125, True, cap=1, cap_value=0.0)
+    with pytest.raises(ValueError, match="knee"):
+        gluon_softmax_backward(q, k, v, q, q, lse2, 0.125, True, cap=3, cap_value=2.0, knee=1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        gluon_softmax_backward(q, k, v, q, q, lse2, 0.125, True, temperature=torch.ones(1, 63, device=CUDA))
+    with pytest.raises(ValueError, match="temperature"):
+        gluon_softmax_backward(q, k, v, q, q, lse2, 0.125, True,
+                               temperature=torch.ones(1, 64, device=CUDA, dtype=torch.int32))
+
+
+def test_checked_entry_with_dt_needs_a_temperature():
+    from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward_with_dt
+
+    q = torch.randn(1, 64, 2, 64, device=CUDA, dtype=torch.bfloat16)
+    lse2 = torch.zeros(1, 2, 64, device=CUDA)
+    with pytest.raises(ValueError, match="temperature"):
+        gluon_softmax_backward_with_dt(q, q, q, q, q, lse2, 0.125, True, temperature=None)

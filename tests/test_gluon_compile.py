@@ -7,7 +7,8 @@ The PTX must hold the schedule's instructions: wgmma (async, with waits), TMA bu
 mbarrier waits, setmaxnreg for the partitions, and no local memory (spills); the SASS of both key-block
 loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL.
 The backward's key-block (dK / dV) and query-block (dQ) kernels: the same PTX checks, and SASS loops with
-their wgmma counts, one exp2 per score and no local memory inside a loop.
+their wgmma counts, one exp2 per score and no local memory inside a loop; the same for their capped and
+tempered forms (and d-temperature in the dQ kernel), whose caps add one MUFU per score.
 
 The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the same PTX checks, the same
 wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
@@ -54,6 +55,24 @@ REQUESTS.update({
     f"{name}-{k}-{d}-{c}-{t}": ("gluon_weighted_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=k, **WEIGHTS[name]),
                                 f"{name}_bwd_{k}")
     for name, configs in WEIGHTED_CONFIGS.items() for k in ("dkdv", "dq") for d, c, t in configs})
+# the backward's capped / tempered forms: (gluon_sass_counts variant, its compile_sm90 arguments, D, causal, dtype)
+CAPPED_BACKWARD = [
+    ("bwd_dkdv_tanh", dict(kernel="dkdv", cap=1), 128, True, "bf16"),
+    ("bwd_dkdv_soft_sign", dict(kernel="dkdv", cap=2), 64, True, "bf16"),
+    ("bwd_dkdv_alsc", dict(kernel="dkdv", cap=3), 128, True, "bf16"),
+    ("bwd_dkdv_alsc_temperature", dict(kernel="dkdv", cap=3, has_temp=True), 128, True, "fp16"),
+    ("bwd_dkdv_tanh", dict(kernel="dkdv", cap=1), 64, False, "fp16"),
+    ("bwd_dkdv_temperature", dict(kernel="dkdv", has_temp=True), 64, True, "bf16"),
+    ("bwd_dq_tanh", dict(kernel="dq", cap=1), 64, True, "bf16"),
+    ("bwd_dq_soft_sign", dict(kernel="dq", cap=2), 128, True, "bf16"),
+    ("bwd_dq_alsc", dict(kernel="dq", cap=3), 128, False, "fp16"),
+    ("bwd_dq_temperature", dict(kernel="dq", has_temp=True), 128, True, "bf16"),
+    ("bwd_dq_temperature_dt", dict(kernel="dq", has_temp=True, need_dt=True), 64, True, "bf16"),
+    ("bwd_dq_alsc_temperature_dt", dict(kernel="dq", cap=3, has_temp=True, need_dt=True), 128, True, "bf16"),
+]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
+                 for variant, kwargs, d, c, t in CAPPED_BACKWARD})
+
 
 CHILD = r'''
 import json, sys
@@ -176,4 +195,24 @@ def test_weighted_backward_compiles_for_sm90_with_its_products_and_no_local_memo
             assert row["mufu"] <= 4, row
         else:
             assert row["mufu"] >= width, row
+        assert row["loop_spills"] == 0, row
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", CAPPED_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in CAPPED_BACKWARD])
+def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_local_memory_in_its_loops(
+        compiled, variant, kwargs, head_dim, causal, dtype):
+    """The capped / tempered kernels keep the plain schedule (the same wgmma per loop iteration) and add
+    the cap's MUFU (tanh or rcp) beside the exp2 of each score; no loop spills."""
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == ({"unmasked"} if (kwargs["kernel"] == "dkdv" and not causal) else {"unmasked", "masked"})
+    products_over_width = 2 if kwargs["kernel"] == "dkdv" else 1
+    mufu_per_score = 2 if kwargs.get("cap", 0) else 1
+    for row in rows.values():
+        assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
+        assert row["mufu"] >= mufu_per_score * width // 2, row
         assert row["loop_spills"] == 0, row

@@ -1,12 +1,20 @@
-"""The softmax attention backward in Gluon for sm_90 (Hopper): plain softmax (no cap, no temperature).
+"""The softmax family's attention backward in Gluon for sm_90 (Hopper): every cap (none, tanh, soft_sign,
+ALSC) and an optional per-row temperature with its gradient, without segments, a window or dropout.
 
 Inputs and outputs are the portable backward's (`softmax_family._bwd_plan`): q, out, dout (B, N, H, D);
-k, v (B, KV, H_kv, D), H % H_kv == 0; lse2 (B, H, N) fp32, the base-2 logsumexp of the log2-unit
-logits z = s q.k log2(e) (+inf for a row that sees no key) that either forward writes; causal is
-bottom-right aligned (query row i at key position i + KV - N). Returns dq, dk, dv in the inputs' dtype.
+k, v (B, KV, H_kv, D), H % H_kv == 0; an optional temperature t (B, N) (any float dtype and strides, any
+sign); lse2 (B, H, N) fp32, the base-2 logsumexp of the log2-unit logits z = t F(s q.k) log2(e) (+inf
+for a row that sees no key) that either forward writes; causal is bottom-right aligned (query row i at
+key position i + KV - N). Returns dq, dk, dv in the inputs' dtype (`launch_backward`), and dt (B, N) in
+t's dtype (`launch_backward_with_dt`).
 
-Math (softmax_family's module docstring, CAP_NONE, no temperature): p_ij = exp2(z_ij - lse2_i),
-delta_i = dO_i . O_i, dp = dO v^T, ds = p (dp - delta); dv = p^T dO, dk = s ds^T q, dq = s ds k.
+Math (softmax_family's module docstring; the cap's constants are its `_scalars`): with g the capped score
+in the units the kernels compute it (`gluon_softmax_fwd._cap`: F = c' g, c' = s, c or c - a), p_ij =
+exp2(t_i c' log2(e) g_ij - lse2_i), delta_i = dO_i . O_i, dp = dO v^T, dz = p (dp - delta); dv = p^T dO,
+dk = s (t F'(y) dz)^T q, dq = s (t F'(y) dz) k, dt_i = c' sum_j dz_ij g_ij (summed over heads). Plain
+softmax (CAP 0, no temperature): g = q.k, F' = 1, t = 1. The cap and the temperature are constexprs
+(CAP, HAS_TEMP, and NEED_DT in the dQ kernel): the plain kernels compile without any of it
+(scripts/analysis/gluon_sass_counts.py counts their loops).
 
 Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.gluon_api_available`):
 
@@ -24,8 +32,14 @@ Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.glu
 3. `_dq_kernel`, the forwards' query-block schedule: one program per 128 query rows of one (batch,
    head), Q and dO loaded once, K and V streamed through the forwards' ring (`gluon_pipeline`); per
    key block S = Q K^T and dP = dO V^T back to back, P, dS = P (dP - delta), dQ += dS K (dS from
-   registers). dq is written once, scaled by s, in q's dtype: no fp32 accumulator in global memory,
-   no atomics, the same bits every run.
+   registers). dq is written once, scaled by s (and the row's t), in q's dtype: no fp32 accumulator in
+   global memory, no atomics, the same bits every run. NEED_DT: each row's sum of dz g, per (batch, head,
+   row) in fp32, summed over heads on the host.
+
+Caps and temperatures: the plain key-block kernel folds -lse2 / c into S^T's accumulator start; a cap is
+not linear, so capped or tempered blocks start S^T from zero and take lse2 (and t) per query column in
+registers. The cap's slope F' comes from the same intermediates as g (`_capped_with_slope`). At D = 128
+those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and an in-flight dP^T spill).
 
 Why a separate dQ kernel rather than FA3's atomic dQ: dS would have to go through shared memory (the
 key-block program holds dS^T with keys as rows; dQ = dS K needs dS with queries as rows as a wgmma
@@ -77,6 +91,7 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from attn.kernels.gluon_softmax_fwd import _rcp, _tanh
 
 DELTA_BLOCK_M = 64  # rows per program of the delta kernel
 
@@ -181,6 +196,40 @@ def _query_rows(rows_ptr, m, q_len, other, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M: gl.constexpr):
+    """The temperatures of query rows [m, m + BLOCK_M) in fp32 (`_query_rows`' layout; 0 past q_len),
+    from one batch's row of the (B, N) temperature with row stride stride_tn."""
+    flat: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[gl.num_warps()],
+                                          order=[0])
+    rows = m + gl.arange(0, BLOCK_M, layout=flat)
+    return gl.load(temp_rows + rows.to(gl.int64) * stride_tn, mask=rows < q_len, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _capped_with_slope(x, cap_scale, alsc_knee, CAP: gl.constexpr):
+    """Raw scores x = q.k -> (g, F'(y)): g the capped score in `gluon_softmax_fwd._cap`'s units (the same
+    formulas, so the same values as the forward's), F' the cap's slope from the same intermediates, as
+    the portable `softmax_family._cap` gives them (CAP 1, 2 or 3): tanh g = T = tanh(x s/c), F' = 1 - T^2;
+    soft_sign r = 1/(1 + |u|), g = u r, F' = r^2 (u = x s/c); ALSC g = clamp(y, +-a') + T,
+    T = tanh(y - clamp), F' = 1 - T^2 (y = x s/(c - a))."""
+    if CAP == 1:
+        g = _tanh(x * cap_scale)
+        slope = 1.0 - g * g
+    elif CAP == 2:
+        u = x * cap_scale
+        r = _rcp(1.0 + gl.abs(u))
+        g = u * r
+        slope = r * r
+    else:
+        y = x * cap_scale
+        clamped = gl.minimum(gl.maximum(y, -alsc_knee), alsc_knee)
+        t = _tanh(y - clamped)
+        g = clamped + t
+        slope = 1.0 - t * t
+    return g, slope
+
+
+@gluon.jit
 def _issue_with_columns(j, a_tile, ring, ready, columns, st_layout: gl.constexpr, ROWS: gl.constexpr,
                         COLS: gl.constexpr, STAGES: gl.constexpr):
     """Waits for ring tile j, then issues A ring_tile^T + C as an async wgmma, the accumulator C
@@ -196,31 +245,83 @@ def _issue_with_columns(j, a_tile, ring, ready, columns, st_layout: gl.constexpr
 
 
 @gluon.jit
-def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse_rows,
-                delta_rows, q_len, first_col, qk_scale, st_layout: gl.constexpr, a_layout: gl.constexpr,
-                MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's keys against the query block from row m (ring tile j). S^T = K Q^T - lse2 / c
-    (c = s log2 e) and dP^T = V dO^T - delta issued back to back, the per-query terms as the
-    accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in (while dP^T runs), dS^T =
-    P^T dP^T once dP^T is; then dV += P^T dO and dK += dS^T Q issued back to back, dO's slot handed
-    back when dV retired, Q's when dK did. MASKED: the causal compare, key row r visible to query
-    column c when c >= first_col[r] - m."""
-    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    # rows past q_len, and rows that see no key (lse2 = +inf): a start of -1e30, so p = exp2(-huge) = 0
-    # (finite, as the tensor cores' accumulator takes it); delta 0
-    lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
-    s_start = gl.where(lse == float("inf"), -1.0e30, -lse / qk_scale)
-    delta = _query_rows(delta_rows, m, q_len, 0.0, BLOCK_M)
+def _issue_from_zero(j, a_tile, ring, ready, st_layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """Waits for ring tile j, then issues A ring_tile^T as an async wgmma from a zero accumulator.
+    Returns (the accumulator, the ring tile)."""
+    s = j % STAGES
+    tile = ring.index(s)
+    mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+    zero = gl.zeros([ROWS, COLS], gl.float32, st_layout)
+    return warpgroup_mma(a_tile, tile.permute((1, 0)), zero, use_acc=False, is_async=True), tile
 
-    s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, s_start, st_layout, HALF_N, BLOCK_M, STAGES)
+
+@gluon.jit
+def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse_rows,
+                delta_rows, temp_rows, stride_tn, q_len, first_col, qk_scale, cap_scale, alsc_knee,
+                st_layout: gl.constexpr, a_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
+                MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's keys against the query block from row m (ring tile j). Plain softmax: S^T =
+    K Q^T - lse2 / c (c = qk_scale = s log2 e) and dP^T = V dO^T - delta issued back to back, the
+    per-query terms as the accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in
+    (while dP^T runs), dS^T = P^T dP^T once dP^T is; then dV += P^T dO and dK += dS^T Q issued back
+    to back, dO's slot handed back when dV retired, Q's when dK did. A cap or a temperature: S^T = K Q^T
+    from zero, (g, F'(y)) = `_capped_with_slope(S^T)`, P^T = exp2(g t c - lse2) with the query columns'
+    lse2 and t (c = qk_scale, the log2-unit scale of g), dS^T = P^T t F'(y) dP^T; at D = 64 P^T t F'(y)
+    forms while dP^T runs, at D = 128 after both retired (WAIT_DP_WITH_S: with dK and dV at 128
+    registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spills).
+    MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m."""
+    PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
+    WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
+    column: gl.constexpr = gl.SliceLayout(0, st_layout)
+    cols = gl.arange(0, BLOCK_M, layout=column)
+    lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
+    delta = _query_rows(delta_rows, m, q_len, 0.0, BLOCK_M)
+    if PLAIN:
+        # rows past q_len, and rows that see no key (lse2 = +inf): a start of -1e30, so p = exp2(-huge) = 0
+        # (finite, as the tensor cores' accumulator takes it); delta 0
+        s_start = gl.where(lse == float("inf"), -1.0e30, -lse / qk_scale)
+        s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, s_start, st_layout, HALF_N, BLOCK_M, STAGES)
+    else:
+        s_t, q_tile = _issue_from_zero(j, k_tile, q_ring, q_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+        if HAS_TEMP:
+            t = _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M)
     dp_t, do_tile = _issue_with_columns(j, v_tile, do_ring, do_ready, -delta, st_layout, HALF_N, BLOCK_M, STAGES)
-    s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
-    p_t = gl.exp2(s_t * qk_scale)
+    if PLAIN or not WAIT_DP_WITH_S:
+        s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
+    else:  # S^T and dP^T retired: no wait between P^T and dS^T, so they form score by score
+        s_t, dp_t, k_tile, q_tile, v_tile, do_tile = warpgroup_mma_wait(
+            num_outstanding=0, deps=(s_t, dp_t, k_tile, q_tile, v_tile, do_tile))
+    if PLAIN:
+        p_t = gl.exp2(s_t * qk_scale)
+    else:
+        # rows past q_len and rows that see no key: lse2 = +inf, p = exp2(-inf) = 0
+        neg_lse = gl.expand_dims(gl.convert_layout(-lse, column), 0)
+        if CAP != 0:
+            g, slope = _capped_with_slope(s_t, cap_scale, alsc_knee, CAP)
+        else:
+            g = s_t
+        if HAS_TEMP:
+            t_cols = gl.expand_dims(gl.convert_layout(t, column), 0)
+            p_t = gl.exp2(g * (t_cols * qk_scale) + neg_lse)
+        else:
+            p_t = gl.exp2(g * qk_scale + neg_lse)
     if MASKED:
         visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
         p_t = gl.where(visible, p_t, 0.0)
-    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
-    ds_t = p_t * dp_t
+    if PLAIN:
+        dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+        ds_t = p_t * dp_t
+    else:
+        # dS^T = P^T t F'(y) dP^T
+        p_slope = p_t
+        if CAP != 0:
+            p_slope = p_slope * slope
+        if HAS_TEMP:
+            p_slope = p_slope * t_cols
+        if not WAIT_DP_WITH_S:
+            dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))
+        ds_t = p_slope * dp_t
     # both products from registers, issued back to back: P^T and dS^T in 16 bits are all that stays
     # live beside dK and dV while the tensor cores run them
     p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
@@ -236,12 +337,13 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
 
 @gluon.jit
 def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                   DK, DV, LSE, DELTA, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                   stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, grad_scale,
-                   CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                   DK, DV, LSE, DELTA, TEMP, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                   stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale,
+                   alsc_knee, grad_scale, CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr,
+                   HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS_C: gl.constexpr):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
-    each query head of the group; stores its rows of dk (times s) and dv."""
+    each query head of the group; stores its rows of dk (times grad_scale) and dv."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -252,6 +354,7 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
+    temp_rows = TEMP + b.to(gl.int64) * stride_tb
 
     mbarrier.wait(kv_bar, 0)
     for gi in range(GROUP):
@@ -261,12 +364,14 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
         for i in range(i_lo, i_full):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, lse_rows, delta_rows, q_len, first_col, qk_scale, st_layout,
-                                 a_layout, True, HALF_N, BLOCK_M, STAGES)
+                                 q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
+                                 qk_scale, cap_scale, alsc_knee, st_layout, a_layout, CAP, HAS_TEMP, True, HALF_N,
+                                 BLOCK_M, STAGES)
         for i in range(i_full, i_hi):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, lse_rows, delta_rows, q_len, first_col, qk_scale, st_layout,
-                                 a_layout, False, HALF_N, BLOCK_M, STAGES)
+                                 q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
+                                 qk_scale, cap_scale, alsc_knee, st_layout, a_layout, CAP, HAS_TEMP, False, HALF_N,
+                                 BLOCK_M, STAGES)
 
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -279,14 +384,16 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
 
 
 @gluon.jit
-def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA,
-                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                 H, H_KV, GROUP, q_len, kv_len, qk_scale, grad_scale,
-                 CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr):
+def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
+                 H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+                 CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer.
-    Programs of the first key blocks (the longest under a causal mask) start first."""
+    Programs of the first key blocks (the longest under a causal mask) start first. CAP (`_capped_with_slope`, with
+    cap_scale and alsc_knee) and HAS_TEMP (TEMP (B, N), strides stride_tb, stride_tn) are compiled in
+    only where asked; qk_scale is the log2-unit scale of the capped score."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -302,13 +409,15 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA,
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
-                          do_empty, DK, DV, LSE, DELTA, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                          stride_dvn, stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, grad_scale,
-                          CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
+                          stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
+                          i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, CAP, HAS_TEMP, CAUSAL, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
-                          do_empty, DK, DV, LSE, DELTA, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh,
-                          stride_dvb, stride_dvn, stride_dvh, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale,
-                          grad_scale, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
+                          stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
+                          kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, CAP, HAS_TEMP,
+                          CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
@@ -335,34 +444,65 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v
 
 
 @gluon.jit
-def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, last_key,
-              kv_len, qk_scale, s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
+def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, row_scale,
+              last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout: gl.constexpr, a_layout: gl.constexpr,
+              CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, MASKED: gl.constexpr,
               CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, P as soon as S is
-    in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired."""
+    in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired.
+    A cap or a temperature: (g, F'(y)) = `_capped_with_slope(S)`, P = exp2(g row_scale - lse2) (row_scale =
+    t qk_scale, or qk_scale), P F'(y) formed while dP runs (and P g for d-temperature), dS = that times
+    (dP - delta) (the row's t is the caller's, once on dQ); NEED_DT adds the rows' sum of P (dP - delta) g
+    to dt. Returns (dq, dt)."""
+    PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     s, q_tile, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_tile, k_tile))  # S retired
-    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    if PLAIN:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+    else:
+        if CAP != 0:
+            g, slope = _capped_with_slope(s, cap_scale, alsc_knee, CAP)
+        else:
+            g = s
+        if HAS_TEMP:
+            p = gl.exp2(g * gl.expand_dims(row_scale, 1) - gl.expand_dims(lse, 1))
+        else:
+            p = gl.exp2(g * qk_scale - gl.expand_dims(lse, 1))
     if MASKED:
         p = gl.where(visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N), p, 0.0)
+    if not PLAIN:
+        # dS's factor F'(y) on P while dP runs (g is dead after it, but for P g)
+        p_slope = p
+        if CAP != 0:
+            p_slope = p_slope * slope
+        if NEED_DT:
+            p_g = p * g
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
     release(j, v_empty, STAGES)
-    ds = p * (dp - gl.expand_dims(delta, 1))
+    if PLAIN:
+        ds = p * (dp - gl.expand_dims(delta, 1))
+    else:
+        dz = dp - gl.expand_dims(delta, 1)
+        ds = p_slope * dz
+        if NEED_DT:
+            dt += gl.sum(p_g * dz, axis=1)
     ds16 = gl.convert_layout(ds.to(k_ring.dtype), a_layout)
     dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
     dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
     release(j, k_empty, STAGES)
-    return dq
+    return dq, dt
 
 
 @gluon.jit
 def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
-                 DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0, q_len, kv_len, n_full, n_tiles, qk_scale,
-                 grad_scale, CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                 DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn, m0, q_len, kv_len,
+                 n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, CAP: gl.constexpr,
+                 HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
-    [n_full, n_tiles) masked); stores its rows of dq (times s)."""
+    [n_full, n_tiles) masked); stores its rows of dq (times grad_scale) and, NEED_DT, of the rows'
+    d-temperature share (times dt_scale, one value per (batch, head, row))."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -372,31 +512,45 @@ def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_emp
     in_rows = rows < q_len
     lse = gl.load(LSE + lse_base + rows, mask=in_rows, other=float("inf"))
     delta = gl.load(DELTA + lse_base + rows, mask=in_rows, other=0.0)
+    if HAS_TEMP:  # rows past q_len: t = 0 (their p is 0 through lse2 = +inf)
+        t = gl.load(TEMP + temp_base + rows.to(gl.int64) * stride_tn, mask=in_rows, other=0.0).to(gl.float32)
+        row_scale = t * qk_scale
+    else:
+        row_scale = delta  # unused
     # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
     last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
+    dt = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bar, 0)
     for j in range(0, n_full):
-        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta,
-                       last_key, kv_len, qk_scale, s_layout, a_layout, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
+                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
+                           CAP, HAS_TEMP, NEED_DT, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
     for j in range(n_full, n_tiles):
-        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta,
-                       last_key, kv_len, qk_scale, s_layout, a_layout, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
+                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
+                           CAP, HAS_TEMP, NEED_DT, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
 
     offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
     dq_ptrs = DQ + dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    if HAS_TEMP:  # dS's factor t, constant along the row: once on dQ
+        dq = dq * gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(1, dq_layout)), 1)
     gl.store(dq_ptrs, (dq * grad_scale).to(DQ.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+    if NEED_DT:
+        gl.store(DT + lse_base + rows, dt * dt_scale, mask=in_rows)
 
 
 @gluon.jit
-def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, stride_dqb, stride_dqn, stride_dqh,
-               H, GROUP, q_len, kv_len, qk_scale, grad_scale,
-               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr):
+def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride_dqb, stride_dqn, stride_dqh,
+               stride_tb, stride_tn, H, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
+               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, CAUSAL: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
-    BLOCK_M / 2 rows each and a 1-warp TMA producer; causal programs run the last query blocks first."""
+    BLOCK_M / 2 rows each and a 1-warp TMA producer; causal programs run the last query blocks first.
+    CAP, HAS_TEMP (TEMP (B, N), strides stride_tb, stride_tn) and NEED_DT (DT (B, H, N) fp32, the rows'
+    d-temperature per head) are compiled in only where asked."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -408,13 +562,16 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, stride_dqb, stri
 
     dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
     lse_base = bh.to(gl.int64) * q_len
+    temp_base = b.to(gl.int64) * stride_tb
     gl.warp_specialize([
         (_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
-                        v_empty, DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0, q_len, kv_len, n_full, n_tiles,
-                        qk_scale, grad_scale, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        v_empty, DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn, m0,
+                        q_len, kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, CAP,
+                        HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
-                        v_empty, DQ, LSE, DELTA, dq_base, stride_dqn, lse_base, m0 + HALF_M, q_len, kv_len, n_full,
-                        n_tiles, qk_scale, grad_scale, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        v_empty, DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn,
+                        m0 + HALF_M, q_len, kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale,
+                        dt_scale, CAP, HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready,
                         v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles,
                         HALF_M, BLOCK_N, STAGES)),
@@ -441,11 +598,16 @@ def _descriptor(flat_view, block, gdt):
     return TensorDescriptor(flat, list(shape), list(strides), list(block), smem_layout(list(block), gdt))
 
 
-def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
-    """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once):
-    plain softmax with logits z = sm_scale q.k (sm_scale > 0), `lse2` (B, H, N) fp32 contiguous as the
-    forwards write it. Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+CAPS = {0: "none", 1: "tanh", 2: "soft_sign", 3: "alsc"}  # softmax_family.CAP_IDS' ids
+
+
+def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
+            temperature, need_dt: bool):
+    """(dq, dk, dv, dt or None): the three launches (delta, the key-block dK / dV kernel, the query-block
+    dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows summed over heads."""
     import torch
+
+    from attn.kernels.softmax_family import _scalars
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
@@ -469,24 +631,47 @@ def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    qk_scale = float(sm_scale) * LOG2E
+    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
+    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
+    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, cap_value, knee, float(sm_scale))
+    has_temp = temperature is not None
+    temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
+    dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse2
     _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        h, h_kv, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
+        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta, temp,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), stride_tb, stride_tn,
+        h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+        CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
     _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
-        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // h_kv, n, kv_len, qk_scale, float(sm_scale),
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, temp, dt_rows,
+        dq.stride(0), dq.stride(1), dq.stride(2), stride_tb, stride_tn,
+        h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
+        CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+    dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else None
+    return dq, dk, dv, dt
+
+
+def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
+                    cap_value: float = 0.0, knee: float = 0.0, temperature=None):
+    """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once).
+    Logits z_ij = t_i F(sm_scale q_i.k_j) as the portable kernels define them: F the cap `cap` (CAPS' ids;
+    its `cap_value` c > 0 and, for ALSC, `knee` in [0, 1), the spec's values), t the optional (B, N)
+    `temperature` (any float dtype and strides, any sign), 1 without; sm_scale > 0 without a cap or a
+    temperature. `lse2` (B, H, N) fp32 contiguous as either forward writes it for these logits.
+    Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+    dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False)
     return dq, dk, dv
 
 
-def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool):
-    """(dq, dk, dv) of plain softmax attention, Gluon / sm_90, from the forward's `out` and `lse2`
-    (`gluon_softmax_fwd.gluon_softmax_forward` or the portable forward). q, out, dout (B, N, H, D);
-    k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16; lse2 (B, H, N) fp32
-    contiguous. Raises ValueError naming the requirement a call misses."""
+def launch_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
+                            cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
+    """`launch_backward` with the temperature's gradient too: (dq, dk, dv, dt), dt (B, N) in temperature's
+    dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them)."""
+    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True)
+
+
+def _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature):
+    """ValueErrors naming what a call of the checked entries misses."""
     import torch
 
     what = "gluon softmax backward"
@@ -506,9 +691,49 @@ def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bo
                          f"{lse2.device}{'' if lse2.is_contiguous() else ', not contiguous'}")
     if out.stride(-1) != 1:
         raise ValueError(f"{what}: out must be contiguous in its last dim, got strides {tuple(out.stride())}")
-    if not (math.isfinite(float(sm_scale)) and sm_scale > 0):
-        raise ValueError(f"{what}: sm_scale must be > 0 and finite, got {sm_scale}")
-    return launch_backward(q, k, v, out, dout, lse2, float(sm_scale), causal)
+    if isinstance(cap, bool) or cap not in CAPS:
+        raise ValueError(f"{what}: cap must be one of {CAPS} (softmax_family.CAP_IDS), got {cap!r}")
+    if cap != 0 and not (math.isfinite(float(cap_value)) and cap_value > 0):
+        raise ValueError(f"{what}: cap_value must be > 0 and finite with cap {cap} ({CAPS[cap]}), got {cap_value}")
+    if cap == 3 and not (0.0 <= float(knee) < 1.0):
+        raise ValueError(f"{what}: knee must be in [0, 1) with cap 3 (alsc), got {knee}")
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor) or tuple(temperature.shape) != (bsz, n):
+            raise ValueError(f"{what}: temperature must be (B, N) = {(bsz, n)}, got "
+                             f"{tuple(getattr(temperature, 'shape', ())) or type(temperature)}")
+        if not temperature.is_floating_point() or temperature.device != q.device:
+            raise ValueError(f"{what}: temperature must be a floating-point tensor on {q.device}, got "
+                             f"{temperature.dtype} on {temperature.device}")
+    if not math.isfinite(float(sm_scale)):
+        raise ValueError(f"{what}: sm_scale must be finite, got {sm_scale}")
+    if cap == 0 and temperature is None and not sm_scale > 0:
+        raise ValueError(f"{what}: sm_scale must be > 0 without a cap or a temperature, got {sm_scale}")
+
+
+def gluon_softmax_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
+                           cap_value: float = 0.0, knee: float = 0.0, temperature=None):
+    """(dq, dk, dv) of softmax-family attention, Gluon / sm_90, from the forward's `out` and `lse2`
+    (`gluon_softmax_fwd`'s or the portable forward's, for the same logits). q, out, dout (B, N, H, D);
+    k, v (B, KV, H_kv, D), H % H_kv == 0; D in {64, 128}; bf16 or fp16; lse2 (B, H, N) fp32 contiguous.
+    cap, cap_value, knee, temperature: `launch_backward`'s. Raises ValueError naming the requirement a
+    call misses."""
+    _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
+    return launch_backward(q, k, v, out, dout, lse2, float(sm_scale), causal, cap=cap, cap_value=float(cap_value),
+                           knee=float(knee), temperature=temperature)
+
+
+def gluon_softmax_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
+                                   cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
+    """`gluon_softmax_backward` with the temperature's gradient: (dq, dk, dv, dt), dt (B, N) in temperature's
+    dtype (`launch_backward_with_dt`). Raises ValueError naming the requirement a call misses."""
+    import torch
+
+    if not isinstance(temperature, torch.Tensor):
+        raise ValueError(f"gluon softmax backward: temperature must be a (B, N) tensor for its gradient, got "
+                         f"{type(temperature)}")
+    _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
+    return launch_backward_with_dt(q, k, v, out, dout, lse2, float(sm_scale), causal, temperature=temperature,
+                                   cap=cap, cap_value=float(cap_value), knee=float(knee))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,9 +743,10 @@ KERNELS = ("delta", "dkdv", "dq")
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
-                 kernel: str = "dkdv"):
+                 kernel: str = "dkdv", cap: int = 0, has_temp: bool = False, need_dt: bool = False):
     """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
-    (`gluon_pipeline.compile_gluon_sm90`)."""
+    (`gluon_pipeline.compile_gluon_sm90`): the dK / dV and dQ kernels with a cap (`cap`, CAP_IDS' ids) and
+    a temperature (`has_temp`), the dQ kernel also with d-temperature (`need_dt`)."""
     if kernel == "delta":
         signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32",
                      **{name: "i32" for name in ("stride_ob", "stride_on", "stride_oh", "stride_dob", "stride_don",
@@ -528,15 +754,20 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                      "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr"}
         return compile_gluon_sm90(_delta_kernel, signature, {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M},
                                   ("O", "DO", "DELTA"), arch)
+    if need_dt and not (kernel == "dq" and has_temp):
+        raise ValueError(f"need_dt compiles into the dq kernel with has_temp only, got kernel={kernel!r}, "
+                         f"has_temp={has_temp}")
     rows = descriptor_type(dtype, [64, head_dim])
-    scalars = {"q_len": "i32", "kv_len": "i32", "qk_scale": "fp32", "grad_scale": "fp32"}
-    tail = {"CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-            "STAGES": "constexpr"}
+    scalars = {"stride_tb": "i32", "stride_tn": "i32", "q_len": "i32", "kv_len": "i32", "qk_scale": "fp32",
+               "cap_scale": "fp32", "alsc_knee": "fp32", "grad_scale": "fp32"}
+    tail = {"CAP": "constexpr", "HAS_TEMP": "constexpr", "CAUSAL": "constexpr", "HEAD_DIM": "constexpr",
+            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
+    constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "CAUSAL": causal, "HEAD_DIM": head_dim}
     if kernel == "dkdv":
         cfg = dkdv_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
         signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
-                     "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32",
+                     "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32",
                      **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
                      "H": "i32", "H_KV": "i32", "GROUP": "i32", **scalars, **tail}
         fn, aligned = _dkdv_kernel, ("DK", "DV", "LSE", "DELTA")
@@ -544,9 +775,11 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         cfg = dq_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
         signature = {"q_desc": rows, "do_desc": rows, "k_desc": keys, "v_desc": keys, "DQ": f"*{dtype}",
-                     "LSE": "*fp32", "DELTA": "*fp32", "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32",
-                     "H": "i32", "GROUP": "i32", **scalars, **tail}
-        fn, aligned = _dq_kernel, ("DQ", "LSE", "DELTA")
+                     "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32", "DT": "*fp32", "stride_dqb": "i32",
+                     "stride_dqn": "i32", "stride_dqh": "i32", "H": "i32", "GROUP": "i32", **scalars,
+                     "dt_scale": "fp32", "NEED_DT": "constexpr", **tail}
+        fn, aligned = _dq_kernel, ("DQ", "LSE", "DELTA", "DT")
+        constexprs["NEED_DT"] = need_dt
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return compile_gluon_sm90(fn, signature, {"CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}, aligned, arch)
+    return compile_gluon_sm90(fn, signature, {**constexprs, **cfg}, aligned, arch)

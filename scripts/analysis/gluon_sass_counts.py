@@ -12,6 +12,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant tanh alsc temperature             # the capped / tempered forms
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
+    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
@@ -22,10 +23,12 @@ thread-level operations per score.
 The backward (attn/kernels/gluon_softmax_bwd.py, `--variant bwd_dkdv bwd_dq`): the key-block kernel's
 loops run one query block (BLOCK_M rows) against a warpgroup's 64 keys (S^T, dP^T, dV, dK: its masked
 loop is the causal diagonal, and only causal programs have one); the query-block kernel's loops one key
-block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. The threshold
-and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for
-threshold, threshold_p1, threshold_p1.5 and sigmoid) have the same loops. `loop_spills`
-counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
+block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. The variants
+bwd_<kernel>_<form> compile a cap (tanh, soft_sign, alsc), a temperature or both into either kernel, and the
+_dt ones the temperature's gradient into the dQ kernel too. The threshold and sigmoid backwards
+(attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for threshold, threshold_p1,
+threshold_p1.5 and sigmoid) have the same loops. `loop_spills` counts local-memory instructions inside the
+counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -106,8 +109,14 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "soft_sign_half_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=-3),
             "alsc_half_poly_exp2": dict(cap=3, fixed_shift=True, exp2_poly=-3)}
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
-# the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel)
+# the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel, cap, has_temp, need_dt)
 VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})
+BACKWARD_FORMS = {"tanh": dict(cap=1), "soft_sign": dict(cap=2), "alsc": dict(cap=3),
+                  "temperature": dict(has_temp=True), "alsc_temperature": dict(cap=3, has_temp=True)}
+VARIANTS.update({f"bwd_{kernel}_{form}": dict(kernel=kernel, **kwargs)
+                 for kernel in ("dkdv", "dq") for form, kwargs in BACKWARD_FORMS.items()})
+VARIANTS.update({"bwd_dq_temperature_dt": dict(kernel="dq", has_temp=True, need_dt=True),
+                 "bwd_dq_alsc_temperature_dt": dict(kernel="dq", cap=3, has_temp=True, need_dt=True)})
 BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_bwd.py"
 # the threshold and sigmoid backwards' kernels (gluon_weighted_bwd.compile_sm90's kernel, weight, power)
 VARIANTS.update({f"{name}_bwd_{kernel}": dict(kernel=kernel, **weight)

@@ -3,18 +3,22 @@
 1. Correctness against float64, DESIGN.md section 6's rule (attn.testing.error_ratio: err(kernel) <= 2
    err(PyTorch in the same dtype) + floor) for dq, dk, dv from the portable forward's out and lse2, on odd
    lengths, causal and not, KV > N and KV < N, GQA, D 64 / 128, bf16 / fp16, after filling the caching
-   allocator's free blocks with NaN (an unwritten element shows). (tests/test_gluon_bwd_gpu.py holds the
-   same checks with torch.empty poisoned, and with the Gluon forward's out and lse2.)
+   allocator's free blocks with NaN (an unwritten element shows); then CAPPED_CASES: every cap (binding) and
+   temperatures of every sign with d-temperature, against attn.attention's float64 reference (KV >= N, as
+   the public function takes them). (tests/test_gluon_bwd_gpu.py holds the same checks with torch.empty
+   poisoned, and with the Gluon forward's out and lse2.)
 2. Timing, backward only (triton.testing.do_bench median ms; TFLOP/s of 2.5x the forward's useful FLOPs,
-   halved when causal): SDPA's backward (torch.autograd.grad through scaled_dot_product_attention, the
-   graph kept), the portable backward (softmax_family._bwd_impl as the public function's autograd calls it,
-   its tuning done before the timing) and the Gluon backward (`launch_backward`: delta, dK / dV, dQ), at
-   SHAPES (B, H, N, D, causal), bf16.
+   halved when causal) at SHAPE (B, H, N, D, causal), bf16, one row per TIMED variant (plain softmax, the
+   three caps, ALSC with a temperature and its gradient): SDPA's plain softmax backward (torch.autograd.grad
+   through scaled_dot_product_attention, the graph kept; the same number on every row, the speed users
+   know), the portable backward (softmax_family._bwd_impl with ATTNLAB_GLUON=0, on its first tile configs
+   unless --tune-portable, which tunes each variant's kernels before the timing: a dozen compiles each) and
+   the Gluon backward (`launch_backward`, or `launch_backward_with_dt`: delta, dK / dV, dQ).
 
 Prints both tables and writes <out>/gluon_softmax_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
 
-    python scripts/gpu_checks/check_gluon_softmax_bwd_gpu.py --out $OUT
+    python scripts/gpu_checks/check_gluon_softmax_bwd_gpu.py --out $OUT [--tune-portable] [--no-timing]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -50,7 +55,21 @@ CASES = [
     (1, 4096, 4096, 4, 4, 128, True, "bf16"),
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SHAPES = [(4, 16, 4096, 128, True), (16, 12, 1024, 64, True), (16, 12, 1024, 64, False)]
+# (variant, spec params, temperature, need_dt, (B, N, KV, H, H_kv, D, causal, dtype)): binding caps, KV >= N
+CAPPED_CASES = [
+    ("softcap_tanh", {"cap": 2.0}, False, False, (2, 127, 127, 4, 1, 128, True, "bf16")),
+    ("softcap_softsign", {"cap": 2.0}, False, False, (1, 200, 300, 4, 2, 64, False, "fp16")),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, False, False, (1, 1000, 1000, 4, 2, 128, True, "bf16")),
+    ("softmax", {}, True, True, (2, 333, 333, 8, 2, 64, True, "fp16")),
+    ("softcap_tanh", {"cap": 2.0}, True, True, (1, 100, 300, 4, 4, 128, True, "bf16")),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, True, True, (1, 1000, 1000, 4, 4, 64, True, "bf16")),
+]
+SHAPE = (4, 16, 4096, 128, True)
+# (row name, variant, spec params, temperature, need_dt) timed at SHAPE
+TIMED = [("softmax", "softmax", {}, False, False), ("tanh c=30", "softcap_tanh", {"cap": 30.0}, False, False),
+         ("soft_sign c=30", "softcap_softsign", {"cap": 30.0}, False, False),
+         ("alsc c=30", "alsc", {"cap": 30.0, "knee": 0.5}, False, False),
+         ("alsc c=30 +t, dt", "alsc", {"cap": 30.0, "knee": 0.5}, True, True)]
 
 
 def reference_grads(q, k, v, do, sm_scale, causal):
@@ -70,21 +89,26 @@ def reference_grads(q, k, v, do, sm_scale, causal):
     return torch.autograd.grad(out, (q, k, v), do)
 
 
-def portable_forward(q, k, v, sm_scale, causal):
+def portable_forward(q, k, v, sm_scale, causal, temperature=None, cap=0, cap_value=0.0, knee=0.0):
     """(out, lse2) of the portable forward (ATTNLAB_GLUON=0 for the call)."""
-    import os
-
     from attn.kernels import softmax_family
 
     old = os.environ.get("ATTNLAB_GLUON")
     os.environ["ATTNLAB_GLUON"] = "0"
     try:
-        return softmax_family._fwd_impl(q, k, v, None, None, 0, 0.0, 0.0, sm_scale, causal, 0)
+        return softmax_family._fwd_impl(q, k, v, None, temperature, cap, cap_value, knee, sm_scale, causal, 0)
     finally:
         if old is None:
             os.environ.pop("ATTNLAB_GLUON")
         else:
             os.environ["ATTNLAB_GLUON"] = old
+
+
+def logits(spec, head_dim):
+    """(cap, cap_value, knee, sm_scale) of a softmax-family spec, as fused_attention passes them."""
+    from attn.kernels.softmax_family import CAP_IDS
+
+    return CAP_IDS[spec.cap], float(spec.cap_value), float(spec.knee), float(spec.scale(head_dim))
 
 
 def check_case(case, error_ratio):
@@ -112,54 +136,126 @@ def check_case(case, error_ratio):
     return row
 
 
-def time_shapes(results):
+def check_capped_case(entry, error_ratio):
+    """Ratios of dq, dk, dv (and dt) for one CAPPED_CASES entry, after the portable forward."""
+    import attn
+    from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward, gluon_softmax_backward_with_dt
+
+    variant, params, with_temperature, need_dt, case = entry
+    bsz, n, kv_len, h, h_kv, d, causal, dt = case
+    dtype = DTYPES[dt]
+    spec = attn.get_variant(variant).make_spec(**params)
+    g = torch.Generator(device="cuda").manual_seed(3000 + CAPPED_CASES.index(entry))
+    x64 = {"q": torch.randn(bsz, n, h, d, device="cuda", dtype=torch.float64, generator=g),
+           "k": torch.randn(bsz, kv_len, h_kv, d, device="cuda", dtype=torch.float64, generator=g),
+           "v": torch.randn(bsz, kv_len, h_kv, d, device="cuda", dtype=torch.float64, generator=g)}
+    do64 = torch.randn(bsz, n, h, d, device="cuda", dtype=torch.float64, generator=g)
+    t64 = None
+    if with_temperature:  # every sign, zero included
+        t64 = torch.rand(bsz, n, device="cuda", dtype=torch.float64, generator=g) * 2.5 - 0.5
+        t64[:, ::7] = 0.0
+
+    def reference_grads(to_dtype, t_dtype):
+        leaves = {name: x.to(to_dtype).requires_grad_() for name, x in x64.items()}
+        t = None if t64 is None else t64.to(t_dtype).requires_grad_(need_dt)
+        out = attn.attention(**leaves, spec=spec, causal=causal, temperature=t, backend="reference")
+        wrt = list(leaves.values()) + ([t] if need_dt else [])
+        return torch.autograd.grad(out, wrt, do64.to(out.dtype))
+
+    ref = reference_grads(torch.float64, torch.float64)
+    same = reference_grads(dtype, torch.float32)
+    q, k, v, do = (x.to(dtype) for x in (x64["q"], x64["k"], x64["v"], do64))
+    temperature = None if t64 is None else t64.float()
+    cap, cap_value, knee, sm_scale = logits(spec, d)
+    out, lse2 = portable_forward(q, k, v, sm_scale, causal, temperature, cap, cap_value, knee)
+    poison_allocator(q.device)
+    caps = dict(cap=cap, cap_value=cap_value, knee=knee)
+    if need_dt:
+        got = gluon_softmax_backward_with_dt(q, k, v, out, do, lse2, sm_scale, causal, temperature=temperature, **caps)
+    else:
+        got = gluon_softmax_backward(q, k, v, out, do, lse2, sm_scale, causal, temperature=temperature, **caps)
+    torch.cuda.synchronize()
+    row = {}
+    for name, fused, torch_same, ref64 in zip(("dq", "dk", "dv", "dt"), got, same, ref):
+        floor = 1e-3 * max(1.0, ref64.abs().max().item())
+        row[f"ratio_{name}"] = error_ratio(fused.double(), torch_same.double(), ref64, floor=floor)
+    return row
+
+
+def time_variants(results, tune_portable: bool):
+    """One row per TIMED variant at SHAPE: SDPA's plain backward, the portable and the Gluon backward."""
+    import attn
     import torch.nn.functional as F
 
     from attn.kernels import softmax_family
-    from attn.kernels.gluon_softmax_bwd import launch_backward
+    from attn.kernels.gluon_softmax_bwd import launch_backward, launch_backward_with_dt
 
+    b, h, n, d, causal = SHAPE
+    flops = 2.5 * attention_flops(b, h, n, d, causal)
+    q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    # SDPA on its own (B, H, N, D) tensors, the graph kept for repeated backwards
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    out_s = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=d ** -0.5)
+    do_s = do.transpose(1, 2).contiguous()
+    sdpa = lambda: torch.autograd.grad(out_s, (qs, ks, vs), do_s, retain_graph=True)  # noqa: E731
+    sdpa()
+    sdpa_ms = median_ms(sdpa)
+    del out_s, qs, ks, vs, do_s, sdpa
+    temperature = torch.rand(b, n, device="cuda") * 2.5 - 0.5
+    settings = {"ATTNLAB_GLUON": "0", **({} if tune_portable else {"ATTNLAB_AUTOTUNE": "0"})}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     rows = []
-    for b, h, n, d, causal in SHAPES:
-        sm_scale = d ** -0.5
-        q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        # SDPA on its own (B, H, N, D) tensors, the graph kept for repeated backwards
-        qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-        out_s = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=sm_scale)
-        do_s = do.transpose(1, 2).contiguous()
-        out, lse2 = portable_forward(q, k, v, sm_scale, causal)
+    try:
+        for row_name, variant, params, with_temperature, need_dt in TIMED:
+            spec = attn.get_variant(variant).make_spec(**params)
+            cap, cap_value, knee, sm_scale = logits(spec, d)
+            t = temperature if with_temperature else None
+            out, lse2 = portable_forward(q, k, v, sm_scale, causal, t, cap, cap_value, knee)
+            caps = dict(cap=cap, cap_value=cap_value, knee=knee, temperature=t)
 
-        def portable():
-            return softmax_family._bwd_impl(do, q, k, v, out, lse2, None, None, False, 0, 0.0, 0.0, sm_scale,
-                                            causal, 0)
+            def portable():
+                return softmax_family._bwd_impl(do, q, k, v, out, lse2, None, t, need_dt, cap, cap_value, knee,
+                                                sm_scale, causal, 0)
 
-        impls = {
-            "sdpa": lambda: torch.autograd.grad(out_s, (qs, ks, vs), do_s, retain_graph=True),
-            "portable": portable,
-            "gluon": lambda: launch_backward(q, k, v, out, do, lse2, sm_scale, causal),
-        }
-        flops = 2.5 * attention_flops(b, h, n, d, causal)
-        row = {"shape": [b, h, n, d, causal]}
-        for name, fn in impls.items():
-            try:
-                fn()  # compiles and tunes outside the timing
-                ms = median_ms(fn)
-                row[name] = {"ms": ms, "tflops": tflops(flops, ms)}
-            except Exception:
-                row[name] = {"error": traceback.format_exc(limit=3)}
-        rows.append(row)
-        cells = "".join(f"{row[k]['ms']:>10.3f}{row[k]['tflops']:>8.0f}" if "ms" in row[k] else f"{'error':>18}"
-                        for k in impls)
-        vs_sdpa = (f"{row['sdpa']['ms'] / row['gluon']['ms']:.2f}x" if "ms" in row["gluon"] and "ms" in row["sdpa"]
-                   else "-")
-        print(f"{str((b, h, n, d, 'causal' if causal else 'full')):<30}{cells}   gluon vs sdpa {vs_sdpa}")
-        impls.clear()  # the SDPA graph and its tensors go before the next shape's
-    results["timing"] = rows
+            def gluon():
+                if need_dt:
+                    return launch_backward_with_dt(q, k, v, out, do, lse2, sm_scale, causal, **caps)
+                return launch_backward(q, k, v, out, do, lse2, sm_scale, causal, **caps)
+
+            row = {"variant": row_name, "shape": list(SHAPE), "sdpa": {"ms": sdpa_ms, "tflops": tflops(flops, sdpa_ms)}}
+            for name, fn in (("portable", portable), ("gluon", gluon)):
+                try:
+                    fn()  # compiles (and tunes) outside the timing
+                    ms = median_ms(fn)
+                    row[name] = {"ms": ms, "tflops": tflops(flops, ms)}
+                except Exception:
+                    row[name] = {"error": traceback.format_exc(limit=3)}
+            rows.append(row)
+            cells = "".join(f"{row[key]['ms']:>10.3f}{row[key]['tflops']:>8.0f}" if "ms" in row[key]
+                            else f"{'error':>18}" for key in ("sdpa", "portable", "gluon"))
+            timed = "ms" in row["gluon"]
+            ratios = "".join(f"{row[key]['ms'] / row['gluon']['ms']:>12.2f}x" if timed and "ms" in row[key]
+                             else f"{'-':>13}" for key in ("sdpa", "portable"))
+            print(f"{row_name:<20}{cells}{ratios}")
+            for key in ("portable", "gluon"):
+                if "error" in row[key]:
+                    print(row[key]["error"])
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    results["timing"] = {"portable_tuned": tune_portable, "rows": rows}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax_bwd.json")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--tune-portable", action="store_true",
+                    help="tune the portable backward's tiles per variant before timing it (slow: compiles)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {**result_header(), "capability": torch.cuda.get_device_capability(), "cases": []}
@@ -192,11 +288,37 @@ def main() -> int:
         print(f"{str(case):<44}{ratios}  {'ok' if ok else 'FAIL'}")
         if "error" in row:
             print(row["error"])
+    results["capped_cases"] = []
+    print(f"\n{'variant, params, t, dt, case':<90}{'dq':>8}{'dk':>8}{'dv':>8}{'dt':>8}  status")
+    for entry in CAPPED_CASES:
+        variant, params, with_temperature, need_dt, case = entry
+        row = {"variant": variant, "params": params, "temperature": with_temperature, "need_dt": need_dt,
+               "case": list(case)}
+        t0 = time.perf_counter()
+        names = ("dq", "dk", "dv") + (("dt",) if need_dt else ())
+        try:
+            row.update(check_capped_case(entry, error_ratio))
+            ok = all(row[f"ratio_{name}"] <= 1.0 for name in names)
+        except Exception:
+            row["error"] = traceback.format_exc()
+            ok = False
+        row["ok"] = ok
+        row["s"] = round(time.perf_counter() - t0, 2)
+        failed += not ok
+        results["capped_cases"].append(row)
+        ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>8.3f}" for name in ("dq", "dk", "dv", "dt"))
+        label = f"{variant} {params} {'t' if with_temperature else '-'} {'dt' if need_dt else '-'} {case}"
+        print(f"{label:<90}{ratios}  {'ok' if ok else 'FAIL'}")
+        if "error" in row:
+            print(row["error"])
     dump()
     if not args.no_timing:
-        print(f"\n{'(B,H,N,D,mask) bf16, backward':<30}" + "".join(f"{name + ' ms':>10}{'TF/s':>8}"
-                                                                   for name in ("sdpa", "portable", "gluon")))
-        time_shapes(results)
+        b, h, n, d, causal = SHAPE
+        mask = "causal" if causal else "full"
+        print(f"\n{f'({b},{h},{n},{d}) {mask} bf16':<20}"
+              + "".join(f"{name + ' ms':>10}{'TF/s':>8}" for name in ("sdpa", "portable", "gluon"))
+              + f"{'sdpa/gluon':>13}{'portable/gl':>13}")
+        time_variants(results, args.tune_portable)
         dump()
     return 1 if failed else 0
 
