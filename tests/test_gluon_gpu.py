@@ -2,9 +2,8 @@
 (skipped elsewhere: Gluon has no interpreter; `python3 scripts/gpu_check.py kernels` runs it).
 
 With ATTNLAB_GLUON=1 every softmax-family call that the Gluon kernel serves runs it (a spy on its
-launcher proves the call did): out, dq, dk, dv (plain softmax's backward is the Gluon backward's, a
-spy proves it; the capped and tempered backwards are the portable kernels', from the Gluon forward's
-output and logsumexp) against the float64 reference by the DESIGN.md section 6 rule, on odd
+launcher proves the call did) and the Gluon backward (a spy on it too): out, dq, dk, dv against the
+float64 reference by the DESIGN.md section 6 rule, on odd
 lengths, causal and full masks, GQA, more keys than queries, D 64 / 128, bf16 / fp16, with
 NaN-poisoned allocations; then every cap (binding caps, with the bound shift and with the online
 softmax) and temperatures of every sign. Calls it does not serve (a window, segments, dropout) run the
@@ -144,12 +143,14 @@ CAPPED = [
 
 @pytest.mark.parametrize("variant,params,with_temperature,case", CAPPED,
                          ids=[f"{v}-{p}-{'temp-' if t else ''}{_case_id(c)}" for v, p, t, c in CAPPED])
-def test_capped_and_tempered_calls_on_the_gluon_forward_are_within_the_rule(variant, params, with_temperature, case,
-                                                                            gluon_launches, monkeypatch, nan_poison):
+def test_capped_and_tempered_calls_on_the_gluon_kernels_are_within_the_rule(variant, params, with_temperature, case,
+                                                                            gluon_launches, gluon_backward_launches,
+                                                                            monkeypatch, nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     _check_on_gluon(case, variant, params, with_temperature, seed=100 + CAPPED.index((variant, params,
                                                                                        with_temperature, case)))
     assert gluon_launches, "the call did not run the Gluon forward"
+    assert gluon_backward_launches, "the call did not run the Gluon backward"
 
 
 EXP2_FORMS = [("poly", "softcap_tanh", {"cap": 2.0}, CASES[2]), ("half", "softcap_tanh", {"cap": 2.0}, CASES[7]),

@@ -192,8 +192,9 @@ def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
 BACKWARD_SERVED = [  # (variant, params, call options, the Gluon backward launcher expected or None)
     ("softmax", {}, {}, "launch_backward"),
     ("softmax", {}, {"causal": False}, "launch_backward"),
-    ("softcap_tanh", {"cap": 5.0}, {}, None),
-    ("softmax", {}, {"temperature": True}, None),
+    ("softcap_tanh", {"cap": 5.0}, {}, "launch_backward"),
+    ("alsc", {"cap": 3.0, "knee": 0.25}, {"temperature": True}, "launch_backward"),
+    ("softmax", {}, {"temperature": "grad"}, "launch_backward_with_dt"),
     ("softmax", {}, {"window": 4}, None),
     ("softmax", {}, {"segments": True}, None),
     ("threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_threshold_backward"),
@@ -218,12 +219,14 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
     log = []
 
     def fake(name):
-        def launch(q, k, v, *args):
-            log.append((name, args))
-            return torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0)
+        def launch(q, k, v, *args, **named):
+            log.append((name, args, named))
+            grads = (torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0))
+            return (*grads, torch.full_like(named["temperature"], 5.0)) if name.endswith("_dt") else grads
         return launch
 
-    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", fake("launch_backward"))
+    for name in ("launch_backward", "launch_backward_with_dt"):
+        monkeypatch.setattr(gluon_softmax_bwd, name, fake(name))
     for name in ("launch_threshold_backward", "launch_sigmoid_backward"):
         monkeypatch.setattr(gluon_weighted_bwd, name, fake(name))
     spec = attn.get_variant(variant).make_spec(**params)
@@ -232,7 +235,7 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
     causal = options.get("causal", True)
     kwargs = dict(causal=causal, window=options.get("window"), backend="triton")
     if options.get("temperature"):
-        kwargs["temperature"] = torch.rand(b, n) + 0.5
+        kwargs["temperature"] = (torch.rand(b, n) + 0.5).requires_grad_(options["temperature"] == "grad")
     if options.get("segments"):
         kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
     if variant == "diff_threshold":
@@ -243,11 +246,20 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
     if launcher is None:
         assert log == []
         return
-    (name, args), = log
+    (name, args, named), = log
     assert name == launcher
-    if launcher == "launch_backward":
+    if launcher.startswith("launch_backward"):
         saved_out, dout, lse2, sm_scale, got_causal = args
         assert saved_out.shape == q.shape and lse2.shape == (b, h, n) and sm_scale == pytest.approx(d ** -0.5)
+        cap_id = {"softmax": 0, "softcap_tanh": 1, "alsc": 3}[variant]
+        assert named["cap"] == cap_id
+        if cap_id:  # a plain softmax spec's cap value is never read, nor a knee but ALSC's
+            assert named["cap_value"] == params["cap"]
+        if variant == "alsc":
+            assert named["knee"] == params["knee"]
+        assert (named["temperature"] is None) == ("temperature" not in kwargs)
+        if launcher.endswith("_dt"):
+            assert (kwargs["temperature"].grad == 5.0).all()
     else:
         dout, got_causal, *variant_args = args
         expected = ([params["beta"], params["power"]] if variant == "threshold"

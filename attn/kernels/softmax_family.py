@@ -916,9 +916,9 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
         dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else q.new_empty(0)
         return dq, dk, dv, dt
 
-    # the Gluon backward serves plain softmax (no cap or temperature) without segments, a window or
+    # the Gluon backward serves every cap and temperature (and its gradient) without segments, a window or
     # dropout, from either forward's (out, lse2)
-    if cap != 0 or has_temp or has_bounds or window or dropout_p or not sm_scale > 0 or kv_len < n:
+    if has_bounds or window or dropout_p or kv_len < n or not (cap != 0 or has_temp or sm_scale > 0):
         return backward
     if not gluon_candidate(q.device):
         return backward
@@ -926,12 +926,17 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
 
     if not gluon_softmax_bwd.serves(q, k, v):
         return backward
+    logits = dict(cap=cap, cap_value=float(cap_value), knee=float(knee))
 
     def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
-        dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal)
+        if need_dt:
+            return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse, sm_scale, causal,
+                                                             temperature=temperature, **logits)
+        dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal,
+                                                       temperature=temperature, **logits)
         return dq, dk, dv, q.new_empty(0)
 
-    return tiered(_BWD_TIERS, (q.dtype, *nb, group, d, causal), backward, gluon_backward)
+    return tiered(_BWD_TIERS, (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt), backward, gluon_backward)
 
 
 _BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV,))
