@@ -36,8 +36,9 @@ GLUON_EXP2_MODES = ("mufu", "poly", "half")
 def gluon_exp2_degree(dtype: torch.dtype) -> int:
     """The Gluon softmax forward's exp2 in its key blocks without masked scores, by ATTNLAB_GLUON_EXP2:
     `mufu` (default) 0, MUFU.EX2; `poly` the polynomial on the FMA pipes for every score (degree 3 for
-    bf16 P, 4 for fp16), `half` for every other score (the negated degree): the capped forms spend two
-    MUFU ops a score, which bounds them (docs/gluon.md). A ValueError naming the variable otherwise."""
+    bf16 P, 4 for fp16), `half` for every other score (the negated degree). On an H100 both forms were
+    slower than MUFU.EX2 for every cap (docs/gluon.md), hence the default. A ValueError naming the
+    variable otherwise."""
     raw = setting(GLUON_EXP2_ENV, "mufu")
     if raw not in GLUON_EXP2_MODES:
         raise ValueError(f"{GLUON_EXP2_ENV} must be one of {GLUON_EXP2_MODES}, got {raw!r}")
