@@ -14,6 +14,10 @@ The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the sa
 wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
 any other p and for the sigmoid) and no local memory inside a loop.
 
+The differential threshold forward (attn/kernels/gluon_diff_fwd.py): the same PTX checks, per loop iteration
+both views' S products and one W V product, MUFU ops per score as the power needs (none at p = 1 and 2, a
+MUFU lg2 and ex2 per view's score for any other p) and no local memory inside a loop.
+
 The compiles run in one child Python per test session with TRITON_INTERPRET=0: on a machine without a GPU
 conftest.py sets TRITON_INTERPRET=1 before Triton is imported, which turns Triton's own jit helpers (the
 combine functions behind gl.sum and gl.max) into interpreter objects that a Gluon compile cannot call
@@ -72,6 +76,19 @@ CAPPED_BACKWARD = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
                  for variant, kwargs, d, c, t in CAPPED_BACKWARD})
+# the differential threshold forward: (gluon_sass_counts variant, its power, D, causal, dtype)
+DIFFERENTIAL = [
+    ("diff_threshold", 2.0, 128, True, "bf16"),
+    ("diff_threshold", 2.0, 64, True, "bf16"),
+    ("diff_threshold", 2.0, 128, False, "fp16"),
+    ("diff_threshold", 2.0, 64, False, "bf16"),
+    ("diff_threshold_p1", 1.0, 128, True, "bf16"),
+    ("diff_threshold_p1", 1.0, 64, True, "fp16"),
+    ("diff_threshold_p1.5", 1.5, 128, True, "bf16"),
+    ("diff_threshold_p1.5", 1.5, 64, False, "bf16"),
+]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_fwd", dict(head_dim=d, dtype=t, causal=c, power=power), variant)
+                 for variant, power, d, c, t in DIFFERENTIAL})
 
 
 CHILD = r'''
@@ -79,9 +96,9 @@ import json, sys
 root, requests = sys.argv[1], json.loads(sys.stdin.read())
 sys.path[:0] = [root, root + "/scripts/analysis"]
 import gluon_sass_counts as counts
-from attn.kernels import gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
+from attn.kernels import gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
 modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
-           "gluon_weighted_bwd": gluon_weighted_bwd}
+           "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd}
 out = {}
 for name, (module, kwargs, variant) in requests.items():
     compiled = modules[module].compile_sm90(**kwargs)
@@ -215,4 +232,27 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
     for row in rows.values():
         assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
         assert row["mufu"] >= mufu_per_score * width // 2, row
+        assert row["loop_spills"] == 0, row
+
+
+@pytest.mark.parametrize("variant,power,head_dim,causal,dtype", DIFFERENTIAL,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in DIFFERENTIAL])
+def test_differential_forward_runs_three_products_per_key_block_without_local_memory_in_its_loops(
+        compiled, variant, power, head_dim, causal, dtype):
+    """Per key block a consumer runs S1 = Q K^T and S2 = Q2 K2^T (k = D) and one O += W V (k = BLOCK_N), a
+    wgmma taking 16 of k per instruction; the weights of both views need no MUFU op at p = 1 and 2 and a lg2
+    and an ex2 per view's score otherwise (BLOCK_N / 2 positions per thread). Both score tiles and the
+    accumulator stay in registers: no local memory in either loop."""
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == {"unmasked", "masked"}
+    for row in rows.values():
+        assert row["hgmma"] == 2 * (head_dim // 16) + width // 16, row
+        if power in (1.0, 2.0):
+            assert row["mufu"] == 0, row
+        else:
+            assert row["mufu"] == 2 * 2 * (width // 2), row
         assert row["loop_spills"] == 0, row

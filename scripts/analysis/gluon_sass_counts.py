@@ -13,6 +13,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
+    python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
@@ -27,8 +28,11 @@ block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the fo
 bwd_<kernel>_<form> compile a cap (tanh, soft_sign, alsc), a temperature or both into either kernel, and the
 _dt ones the temperature's gradient into the dQ kernel too. The threshold and sigmoid backwards
 (attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for threshold, threshold_p1,
-threshold_p1.5 and sigmoid) have the same loops. `loop_spills` counts local-memory instructions inside the
-counted loop, `spills` those of the whole kernel.
+threshold_p1.5 and sigmoid) have the same loops. The differential threshold forward
+(attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
+forward's two loops with two score products per key block; its per_score counts per (query, key) position,
+both views' scores together. `loop_spills` counts local-memory instructions inside the counted loop, `spills`
+those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -126,10 +130,17 @@ VARIANTS.update({f"{name}_bwd_{kernel}": dict(kernel=kernel, **weight)
                                       ("sigmoid", dict(weight=2)))
                  for kernel in ("dkdv", "dq")})
 WEIGHTED_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_bwd.py"
+# the differential threshold forward (gluon_diff_fwd.compile_sm90's power)
+DIFFERENTIAL_VARIANTS = {"diff_threshold": dict(power=2.0), "diff_threshold_p1": dict(power=1.0),
+                         "diff_threshold_p1.5": dict(power=1.5)}
+VARIANTS.update(DIFFERENTIAL_VARIANTS)
+DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_fwd.py"
 
 
 def kernel_file(variant: str) -> Path | None:
     """The kernel file of a variant other than the softmax forward's (None: --kernel's)."""
+    if variant in DIFFERENTIAL_VARIANTS:
+        return DIFFERENTIAL
     if "weight" in VARIANTS[variant] and "kernel" in VARIANTS[variant]:
         return WEIGHTED_BACKWARD
     if "weight" in VARIANTS[variant]:
