@@ -11,7 +11,9 @@
    public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16; then every
    softmax-family variant (caps, temperature), threshold and sigmoid through the public function on
    either tier against SDPA, forward and forward + backward (their correctness through the public
-   function: tests/test_gluon_gpu.py).
+   function: tests/test_gluon_gpu.py); the differential threshold through the public function (portable)
+   and its Gluon forward called directly (attn/kernels/gluon_diff_fwd.py, not behind the public function;
+   forward only; correctness: tests/test_gluon_diff_fwd_gpu.py).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -212,7 +214,7 @@ def time_shapes(kernels: dict, results):
 # forward (ATTNLAB_GLUON=0) and the Gluon forward (ATTNLAB_GLUON=1); forward, and forward + backward
 VARIANT_SHAPES = [(4, 16, 4096, 128), (16, 12, 1024, 64)]
 VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, False), ("softcap_softsign", {}, False),
-            ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False)]
+            ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False), ("diff_threshold", {}, False)]
 
 
 def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
@@ -233,11 +235,20 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
         for name, params, tempered in VARIANTS:
             spec = attn.get_variant(name).make_spec(**params)
             t = temperature if tempered else None
+            extra = None
+            if spec.differential:  # the second view and per-head lambdas
+                extra = {"q2": torch.randn_like(q.detach()), "k2": torch.randn_like(k.detach()),
+                         "lam": torch.full((h,), 0.5, device="cuda")}
 
             def ours(mode):
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
-                                                                      backend="triton"))
+                                                                      extra=extra, backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
+            if spec.differential:  # the Gluon forward is not behind the public function: called directly
+                from attn.kernels.gluon_diff_fwd import launch_diff_threshold
+
+                impls["gluon"] = (lambda: launch_diff_threshold(q, k, v, extra["q2"], extra["k2"], extra["lam"], True,
+                                                                float(spec.beta), float(spec.power)), None)
             if name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered):
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
@@ -271,8 +282,9 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
         ms, x = r["ms"], r["x_sdpa"]
         extra = "".join(f"  {impl} {t:.3f} ms ({x[impl]:.2f}x)" for impl, t in ms.items()
                         if impl not in ("sdpa", "portable", "gluon"))
+        gluon_ms, gluon_x = ms.get("gluon", float("nan")), x.get("gluon", float("nan"))
         print(f"{str(tuple(r['shape'])):<28}{r['variant']:<24}{r['pass']:<9}{ms['sdpa']:>9.3f}{ms['portable']:>10.3f}"
-              f"{ms['gluon']:>9.3f}{x['portable']:>12.2f}{x['gluon']:>9.2f}{extra}")
+              f"{gluon_ms:>9.3f}{x['portable']:>12.2f}{gluon_x:>9.2f}{extra}")
 
 
 def main() -> int:
