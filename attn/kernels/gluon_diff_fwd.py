@@ -60,7 +60,7 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from attn.kernels.gluon_weighted_fwd import THRESHOLD, TINY, _ex2, _row_value, power_mode
+from attn.kernels.gluon_weighted_fwd import THRESHOLD, TINY, _ex2, _lg2, _row_value, power_mode
 
 HEAD_DIMS = (64, 128)
 
@@ -150,13 +150,6 @@ def _issue_scores(j, q_smem, q2_smem, k_smem, k2_smem, k_ready, s_layout: gl.con
     s1 = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     s2 = warpgroup_mma(q2_smem, k2_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     return s1, s2, k_tile, k2_tile
-
-
-@gluon.jit
-def _lg2(x):
-    """log2 x on MUFU.LG2 (absolute error ~2^-22; gl.log2 compiles to a longer sequence without it)."""
-    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
 
 
 @gluon.jit

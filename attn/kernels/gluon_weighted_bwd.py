@@ -92,6 +92,7 @@ from attn.kernels.gluon_weighted_fwd import (
     THRESHOLD,
     TINY,
     _ex2,
+    _lg2,
     _rcp,
     _rcp_newton,
     _row_value,
@@ -101,14 +102,6 @@ from attn.kernels.gluon_weighted_fwd import (
 DEAD_ROW_START = gl.constexpr(-1.0e30)  # S^T's start for query rows past N: w = g = 0 (module docstring)
 # the sigmoid's reciprocal in the backward: MUFU.RCP (0), as the portable backward's default path
 SIGMOID_BWD_NEWTON_STEPS = 0
-
-
-@gluon.jit
-def _lg2(x):
-    """log2(x) on MUFU.LG2 (x a normal float here: the callers clamp it to TINY; gl.log2 compiles to a
-    software log2 of ~20 instructions)."""
-    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
 
 
 @gluon.jit

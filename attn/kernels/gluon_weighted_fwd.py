@@ -59,6 +59,14 @@ def _ex2(x):
 
 
 @gluon.jit
+def _lg2(x):
+    """log2 x on MUFU.LG2 (x a normal float: callers clamp it to TINY; absolute error ~2^-22; gl.log2
+    compiles to a software log2 of ~20 instructions)."""
+    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
 def _rcp(x):
     """1/x on MUFU.RCP (relative error ~2^-23; 1/inf = 0)."""
     return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
@@ -113,7 +121,7 @@ def _weights(s, j, row_value, last_key, kv_len, score_scale, power, WEIGHT: gl.c
         elif POWER_MODE == 2:
             w = relu * relu
         else:  # relu is 0 for x <= 0 and NaN for a NaN score, so it stands in where no power is taken
-            w = gl.where(x > 0.0, _ex2(power * gl.log2(gl.maximum(x, TINY))), relu)
+            w = gl.where(x > 0.0, _ex2(power * _lg2(gl.maximum(x, TINY))), relu)
     else:
         x = s * score_scale - r  # score_scale = -s log2 e: one FFMA per score
         if NEWTON > 0:  # 2^x >= 2^126 gives w = 2^-126, not 0: the first guess needs d <= 2^126
