@@ -191,97 +191,148 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_stride(x: torch.Tensor) -> int | None:
+    """The stride of x's tokens, its dims before the last two (S, D) taken as one, where they merge into
+    one dim (as a view would), else None; 0 for a single token."""
+    token, expected = 0, None
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size == 1:
+            continue
+        if expected is None:
+            token = stride
+        elif stride != expected:
+            return None
+        expected = stride * size
+    return token
+
+
+def _token_layout(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, its token stride) with a unit D stride and tokens of one stride (a contiguous copy if need be):
+    the layout the kernels read, x's shape kept (no view, so no view node in the autograd graph)."""
+    token = _token_stride(x) if x.stride(-1) == 1 else None
+    if token is None:
+        x = x.contiguous()
+        token = _token_stride(x)
+    return x, token
+
+
+def _once_differentiable(backward):
+    """torch.autograd.function.once_differentiable, without its no_grad context where grad mode is off
+    already (a backward without create_graph): there it only costs host time."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return run
+
+
 class _HeadRMSNorm(torch.autograd.Function):
-    """The kernels over x3 (T, S, D) with a unit D stride; returns a contiguous (T, S, D)."""
+    """The kernels over x (..., S, D) with a unit D stride and tokens (the leading dims) of one stride
+    `token_stride`; returns a contiguous tensor of x's shape."""
 
     @staticmethod
-    def forward(ctx, x3, weight, second_weight, first_slots, period, eps, scale, out_dtype):
-        t, s, d = x3.shape
+    def forward(ctx, x, token_stride, weight, second_weight, first_slots, period, eps, scale, out_dtype):
+        s, d = x.shape[-2], x.shape[-1]
+        t = x.numel() // (s * d)
         cfg = _config(d)
-        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
-        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x.device, dtype=torch.float32)
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
-                 (t, s, d, x3.stride(0), x3.stride(1), first_slots, period, eps, scale),
+        _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x, w_a, w_b, out, rstd),
+                 (t, s, d, token_stride, x.stride(-2), first_slots, period, eps, scale),
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
-        ctx.save_for_backward(x3, weight, second_weight, rstd)
-        ctx.first_slots, ctx.period, ctx.scale = first_slots, period, scale
+        ctx.save_for_backward(x, weight, second_weight, rstd)
+        ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = token_stride, first_slots, period, scale
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dy):
-        x3, weight, second_weight, rstd = ctx.saved_tensors
-        t, s, d = x3.shape
+        x, weight, second_weight, rstd = ctx.saved_tensors
+        t, s = rstd.shape
+        d = x.shape[-1]
         cfg = _config(d)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        dy, dy_token_stride = _token_layout(dy)
+        weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
-        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
-        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        # without a weight gradient the kernel writes no partial sums: rstd stands in for them
+        partial = torch.empty((n_t_blocks, s, d), device=x.device, dtype=torch.float32) if weight_grad else rstd
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, dy, rstd, dx, partial),
-                 (t, s, d, x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period,
-                  ctx.scale),
+        _BWD.run(cfg, (n_t_blocks, s), (x, w_a, w_b, dy, rstd, dx, partial),
+                 (t, s, d, ctx.token_stride, x.stride(-2), dy_token_stride, dy.stride(-2), ctx.first_slots,
+                  ctx.period, ctx.scale),
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
         d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
-        return dx, d_weight, d_second, None, None, None, None, None
+        return dx, None, d_weight, d_second, None, None, None, None, None
 
 
 def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad):
     """(d weight, d second_weight) from the per-program partial sums (n_t_blocks, S, D): one reduction
-    per weight (the eager step pays per op on the host); None each without a weight gradient."""
+    per weight (the eager step pays per op on the host), cast to the weight's dtype where it is not
+    fp32; None each without a weight gradient."""
     if not weight_grad:
         return None, None
     if second_weight is None:
-        return partial.sum((0, 1)).to(weight.dtype), None
+        return _as_dtype(partial.sum((0, 1)), weight.dtype), None
     n_t_blocks, s, d = partial.shape
     per_kind = partial.view(n_t_blocks, s // period, period, d)
-    return (per_kind[:, :, :first_slots].sum((0, 1, 2)).to(weight.dtype),
-            per_kind[:, :, first_slots:].sum((0, 1, 2)).to(second_weight.dtype))
+    return (_as_dtype(per_kind[:, :, :first_slots].sum((0, 1, 2)), weight.dtype),
+            _as_dtype(per_kind[:, :, first_slots:].sum((0, 1, 2)), second_weight.dtype))
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype) without the dispatcher's no-op call where t has that dtype already."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _HeadNormRope(torch.autograd.Function):
-    """`_HeadRMSNorm` followed by RoPE, in one kernel each way, over x3 (T, S, D) with a unit D stride at
-    positions t % n_pos (cos, sin (n_pos, D/2) fp32 tables); returns a contiguous (T, S, D)."""
+    """`_HeadRMSNorm` followed by RoPE, in one kernel each way, over x (..., S, D) with a unit D stride and
+    tokens of one stride `token_stride`, at positions t % n_pos (cos, sin (n_pos, D/2) fp32 tables);
+    returns a contiguous tensor of x's shape."""
 
     @staticmethod
-    def forward(ctx, x3, weight, second_weight, cos, sin, first_slots, period, eps, scale, out_dtype):
-        t, s, d = x3.shape
+    def forward(ctx, x, token_stride, weight, second_weight, cos, sin, first_slots, period, eps, scale, out_dtype):
+        s, d = x.shape[-2], x.shape[-1]
+        t = x.numel() // (s * d)
         cfg = _config(d // 2)
-        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
-        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x.device, dtype=torch.float32)
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
         meta = {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None}
-        _ROPE_FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, cos, sin, out, rstd),
-                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), first_slots, period, eps, scale), meta)
-        ctx.save_for_backward(x3, weight, second_weight, cos, sin, rstd)
-        ctx.meta, ctx.first_slots, ctx.period, ctx.scale = meta, first_slots, period, scale
+        _ROPE_FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x, w_a, w_b, cos, sin, out, rstd),
+                      (t, s, d, cos.shape[0], token_stride, x.stride(-2), first_slots, period, eps, scale), meta)
+        ctx.save_for_backward(x, weight, second_weight, cos, sin, rstd)
+        ctx.meta, ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = meta, token_stride, first_slots, period, scale
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dy):
-        x3, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
-        t, s, d = x3.shape
+        x, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
+        t, s = rstd.shape
+        d = x.shape[-1]
         cfg = _config(d // 2)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        dy, dy_token_stride = _token_layout(dy)
+        weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
-        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
-        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        # without a weight gradient the kernel writes no partial sums: rstd stands in for them
+        partial = torch.empty((n_t_blocks, s, d), device=x.device, dtype=torch.float32) if weight_grad else rstd
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _ROPE_BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, cos, sin, dy, rstd, dx, partial),
-                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1),
+        _ROPE_BWD.run(cfg, (n_t_blocks, s), (x, w_a, w_b, cos, sin, dy, rstd, dx, partial),
+                      (t, s, d, cos.shape[0], ctx.token_stride, x.stride(-2), dy_token_stride, dy.stride(-2),
                        ctx.first_slots, ctx.period, ctx.scale), {**ctx.meta, "WEIGHT_GRAD": weight_grad})
         d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
-        return dx, d_weight, d_second, None, None, None, None, None, None, None
+        return dx, None, d_weight, d_second, None, None, None, None, None, None, None
 
 
 def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
@@ -349,19 +400,16 @@ def _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel):
 
 
 def _kernel_operands(x, weight, second_weight, first_slots, period, eps, out_dtype):
-    """x as (T, S, D) with a unit D stride, the weights in one dtype, the slot rule and eps as the kernels
-    take them."""
-    s, d = x.shape[-2], x.shape[-1]
+    """x in the kernels' layout (`_token_layout`) and its token stride, the weights in one dtype, the slot
+    rule and eps as the kernels take them."""
     if eps is None:
         eps = torch.finfo(x.dtype if second_weight is None and out_dtype == x.dtype else out_dtype).eps
-    x3 = x.reshape(-1, s, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x, token_stride = _token_layout(x)
     if second_weight is None:
         first_slots, period = 0, 1
     elif second_weight.dtype != weight.dtype:
         second_weight = second_weight.to(weight.dtype)  # the kernels read both through one pointer type
-    return x3, second_weight, first_slots, period, float(eps)
+    return x, token_stride, second_weight, first_slots, period, float(eps)
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
@@ -382,10 +430,15 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
     out_dtype, kernel = _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel)
     if not kernel:
         return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
-    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
-                                                                  eps, out_dtype)
-    out = _HeadRMSNorm.apply(x3, weight, second_weight, first_slots, period, eps, float(scale), out_dtype)
-    return out.view(x.shape)
+    x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
+                                                                              first_slots, period, eps, out_dtype)
+    return _HeadRMSNorm.apply(x, token_stride, weight, second_weight, first_slots, period, eps, float(scale),
+                              out_dtype)
+
+
+@functools.cache
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -414,14 +467,18 @@ def head_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
         if table.shape != (n, d // 2) or not table.dtype.is_floating_point or table.device != x.device:
             raise ValueError(f"{name} must be a floating ({n}, {d // 2}) tensor on {x.device} (x's positions, "
                              f"D / 2), got {table.dtype} {tuple(table.shape)} on {table.device}")
-    wide = torch.promote_types(out_dtype, torch.float32)
+    wide = _at_least_fp32(out_dtype)
     if eps is None:
         eps = torch.finfo(wide).eps
     if not kernel:
         y = _plain(x, weight, second_weight, first_slots, period, eps, scale, wide)
         return rotate_pairs(y, cos, sin).to(out_dtype)
-    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
-                                                                  eps, out_dtype)
-    out = _HeadNormRope.apply(x3, weight, second_weight, cos.float().contiguous(), sin.float().contiguous(),
-                              first_slots, period, eps, float(scale), out_dtype)
-    return out.view(x.shape)
+    x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
+                                                                              first_slots, period, eps, out_dtype)
+    return _HeadNormRope.apply(x, token_stride, weight, second_weight, _fp32_contiguous(cos), _fp32_contiguous(sin),
+                               first_slots, period, eps, float(scale), out_dtype)
+
+
+def _fp32_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous fp32, itself where it is (the RoPE tables' rows): no dispatcher calls then."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
