@@ -62,16 +62,20 @@ def _row_block(T, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
-                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, ROUND_W: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
-    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+    rows t of slot s (BLOCK_N: D padded to a power of two); ROUND_W: w rounded to OUT's dtype first. OUT
+    is contiguous (T, S, D), RSTD (T, S) fp32."""
     pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
     x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+        w = _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)
+        if ROUND_W:
+            w = w.to(OUT.dtype.element_ty).to(tl.float32)
+        y = y * w[None, :]
     y = y * scale
     tl.store(OUT + (rows[:, None] * S + s) * D + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows * S + s, rstd, mask=row_ok)
@@ -80,8 +84,10 @@ def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, fi
 @triton.jit
 def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride_xs, stride_dyt, stride_dys,
                        first_slots, period, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr,
-                       WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale; with
+                       ROUND_W: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale (ROUND_W: w
+    rounded to DY's dtype, the forward's output dtype, first); with
     WEIGHT_GRAD, DW[pid_t, s] = sum over the program's rows of dy * xhat * scale (DW (n_t_blocks, S, D)
     fp32). DX is contiguous (T, S, D)."""
     pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
@@ -92,7 +98,10 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
     xhat = x * rstd[:, None]
     g = dy * scale
     if HAS_WEIGHT:
-        g = g * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+        w = _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)
+        if ROUND_W:
+            w = w.to(DY.dtype.element_ty).to(tl.float32)
+        g = g * w[None, :]
     mean_gx = tl.sum(g * xhat, axis=1) / D
     dx = rstd[:, None] * (g - xhat * mean_gx[:, None])
     tl.store(DX + (rows[:, None] * S + s) * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -235,7 +244,7 @@ class _HeadRMSNorm(torch.autograd.Function):
     `token_stride`; returns a contiguous tensor of x's shape."""
 
     @staticmethod
-    def forward(ctx, x, token_stride, weight, second_weight, first_slots, period, eps, scale, out_dtype):
+    def forward(ctx, x, token_stride, weight, second_weight, first_slots, period, eps, scale, out_dtype, round_weight):
         s, d = x.shape[-2], x.shape[-1]
         t = x.numel() // (s * d)
         cfg = _config(d)
@@ -245,9 +254,10 @@ class _HeadRMSNorm(torch.autograd.Function):
         w_b = w_a if second_weight is None else second_weight
         _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x, w_a, w_b, out, rstd),
                  (t, s, d, token_stride, x.stride(-2), first_slots, period, eps, scale),
-                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "ROUND_W": round_weight})
         ctx.save_for_backward(x, weight, second_weight, rstd)
         ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = token_stride, first_slots, period, scale
+        ctx.out_dtype, ctx.round_weight = out_dtype, round_weight
         return out
 
     @staticmethod
@@ -268,19 +278,25 @@ class _HeadRMSNorm(torch.autograd.Function):
         _BWD.run(cfg, (n_t_blocks, s), (x, w_a, w_b, dy, rstd, dx, partial),
                  (t, s, d, ctx.token_stride, x.stride(-2), dy_token_stride, dy.stride(-2), ctx.first_slots,
                   ctx.period, ctx.scale),
-                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
-        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
-        return dx, None, d_weight, d_second, None, None, None, None, None
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "ROUND_W": ctx.round_weight,
+                  "WEIGHT_GRAD": weight_grad})
+        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad,
+                                           ctx.out_dtype if ctx.round_weight else None)
+        return dx, None, d_weight, d_second, None, None, None, None, None, None
 
 
-def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad):
+def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad, rounded_to=None):
     """(d weight, d second_weight) from the per-program partial sums (n_t_blocks, S, D): one reduction
     per weight (the eager step pays per op on the host), cast to the weight's dtype where it is not
-    fp32; None each without a weight gradient."""
+    fp32; None each without a weight gradient. rounded_to: the dtype the forward rounded the weight to
+    (the gradient of weight.to(rounded_to), in the weight's dtype); one weight only."""
     if not weight_grad:
         return None, None
     if second_weight is None:
-        return _as_dtype(partial.sum((0, 1)), weight.dtype), None
+        d_weight = partial.sum((0, 1))
+        if rounded_to is not None:
+            d_weight = _as_dtype(d_weight, rounded_to)
+        return _as_dtype(d_weight, weight.dtype), None
     n_t_blocks, s, d = partial.shape
     per_kind = partial.view(n_t_blocks, s // period, period, d)
     return (_as_dtype(per_kind[:, :, :first_slots].sum((0, 1, 2)), weight.dtype),
@@ -415,7 +431,7 @@ def _kernel_operands(x, weight, second_weight, first_slots, period, eps, out_dty
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
                   scale: float = 1.0, out_dtype: torch.dtype | None = None,
                   second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
-                  kernel: bool | None = None) -> torch.Tensor:
+                  round_weight: bool = False, kernel: bool | None = None) -> torch.Tensor:
     """RMSNorm of every row of D of x (..., S, D), times its slot's weight and `scale`, in `out_dtype`
     (default x's dtype), autocast off.
 
@@ -423,17 +439,25 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
     every `period` slots (S a multiple of period), the rest taking second_weight. eps: added to the
     mean square; None is the machine epsilon of the dtype the plain form normalizes in (x's dtype when
     out_dtype is x's and there is no second weight, else out_dtype), as F.rms_norm's None.
+    round_weight: the weight (one for every slot, no second_weight) rounded to out_dtype first, as
+    `weight.to(out_dtype)` passed in its place gives (autocast rounds linear weights so), its gradient
+    too; the kernels round it as they read it, without a cast op and its autograd node.
     kernel: None runs the Triton kernels for eager CUDA tensors of fp16 / bf16 / fp32 (rows of at most
     MAX_KERNEL_HEAD_DIM) and the plain torch form otherwise (under torch.compile inductor fuses it); True
     forces the kernels (tests: on CPU under TRITON_INTERPRET=1); False forces the plain form.
     Gradients flow to x and the weights (not twice: the kernels' backward is not differentiable)."""
     out_dtype, kernel = _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel)
+    if round_weight and second_weight is not None:
+        raise ValueError("round_weight serves one weight for every slot (no second_weight)")
+    round_weight = bool(round_weight) and weight is not None and weight.dtype != out_dtype
     if not kernel:
+        if round_weight:
+            weight = weight.to(out_dtype)
         return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
     x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
                                                                               first_slots, period, eps, out_dtype)
     return _HeadRMSNorm.apply(x, token_stride, weight, second_weight, first_slots, period, eps, float(scale),
-                              out_dtype)
+                              out_dtype, round_weight)
 
 
 @functools.cache
