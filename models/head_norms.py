@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig
+from attn.kernels.runtime import Kernel, TileConfig, direct_apply
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
@@ -351,6 +351,11 @@ class _HeadNormRope(torch.autograd.Function):
         return dx, None, d_weight, d_second, None, None, None, None, None, None, None
 
 
+# the Functions' apply, without torch's Python layer where no functorch transform is active
+_HEAD_RMS_NORM = direct_apply(_HeadRMSNorm)
+_HEAD_NORM_ROPE = direct_apply(_HeadNormRope)
+
+
 def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
     """The same norm in plain torch ops, which inductor fuses: one F.rms_norm of x's dtype with the
     weight inside when the output keeps x's dtype and one weight serves all slots, else F.rms_norm of
@@ -456,8 +461,8 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
         return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
     x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
                                                                               first_slots, period, eps, out_dtype)
-    return _HeadRMSNorm.apply(x, token_stride, weight, second_weight, first_slots, period, eps, float(scale),
-                              out_dtype, round_weight)
+    return _HEAD_RMS_NORM(x, token_stride, weight, second_weight, first_slots, period, eps, float(scale), out_dtype,
+                          round_weight)
 
 
 @functools.cache
@@ -499,8 +504,8 @@ def head_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
         return rotate_pairs(y, cos, sin).to(out_dtype)
     x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
                                                                               first_slots, period, eps, out_dtype)
-    return _HeadNormRope.apply(x, token_stride, weight, second_weight, _fp32_contiguous(cos), _fp32_contiguous(sin),
-                               first_slots, period, eps, float(scale), out_dtype)
+    return _HEAD_NORM_ROPE(x, token_stride, weight, second_weight, _fp32_contiguous(cos), _fp32_contiguous(sin),
+                           first_slots, period, eps, float(scale), out_dtype)
 
 
 def _fp32_contiguous(t: torch.Tensor) -> torch.Tensor:
