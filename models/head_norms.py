@@ -257,7 +257,7 @@ class _HeadRMSNorm(torch.autograd.Function):
                  {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "ROUND_W": round_weight})
         ctx.save_for_backward(x, weight, second_weight, rstd)
         ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = token_stride, first_slots, period, scale
-        ctx.out_dtype, ctx.round_weight = out_dtype, round_weight
+        ctx.out_dtype, ctx.round_weight, ctx.cfg = out_dtype, round_weight, cfg
         return out
 
     @staticmethod
@@ -266,7 +266,7 @@ class _HeadRMSNorm(torch.autograd.Function):
         x, weight, second_weight, rstd = ctx.saved_tensors
         t, s = rstd.shape
         d = x.shape[-1]
-        cfg = _config(d)
+        cfg = ctx.cfg  # the forward's launch config
         dy, dy_token_stride = _token_layout(dy)
         weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
@@ -327,6 +327,7 @@ class _HeadNormRope(torch.autograd.Function):
                       (t, s, d, cos.shape[0], token_stride, x.stride(-2), first_slots, period, eps, scale), meta)
         ctx.save_for_backward(x, weight, second_weight, cos, sin, rstd)
         ctx.meta, ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = meta, token_stride, first_slots, period, scale
+        ctx.cfg = cfg
         return out
 
     @staticmethod
@@ -335,7 +336,7 @@ class _HeadNormRope(torch.autograd.Function):
         x, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
         t, s = rstd.shape
         d = x.shape[-1]
-        cfg = _config(d // 2)
+        cfg = ctx.cfg  # the forward's launch config
         dy, dy_token_stride = _token_layout(dy)
         weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
@@ -387,7 +388,10 @@ def _kernel_runs(x: torch.Tensor, weights, out_dtype: torch.dtype) -> bool:
         return False
     if x.shape[-1] > MAX_KERNEL_HEAD_DIM:
         return False
-    return all(w is None or w.dtype in KERNEL_DTYPES for w in weights)
+    for w in weights:  # a loop, not all(generator): this runs on every eager call
+        if w is not None and w.dtype not in KERNEL_DTYPES:
+            return False
+    return True
 
 
 def _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel):
