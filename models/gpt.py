@@ -311,12 +311,13 @@ class Attention(nn.Module):
 
     def normalize_output(self, y: torch.Tensor) -> torch.Tensor:
         """head_norm (the per-head output RMSNorm) in one fused kernel of y's dtype, fp32 arithmetic
-        inside, its weight cast to y's dtype as autocast casts linear weights. Autocast is off around it:
+        inside, its weight rounded to y's dtype as autocast rounds linear weights (by the kernels as they
+        read it: head_rms_norm's round_weight, no cast op). Autocast is off around it:
         it would widen y to fp32 and back (at the `small` shape, forward and backward, 259 us and 11
         kernels against 173 us and 9 for torch's rms_norm, docs/results/public_path/). On CUDA in eager
         mode the norm is models/head_norms.py's kernel, elsewhere torch's rms_norm."""
         norm = self.head_norm
-        return head_rms_norm(y, norm.weight.to(y.dtype), eps=norm.eps)
+        return head_rms_norm(y, norm.weight, eps=norm.eps, round_weight=True)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig
+from attn.kernels.runtime import Kernel, TileConfig, direct_apply
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
@@ -62,16 +62,20 @@ def _row_block(T, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, first_slots, period, eps, scale,
-                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                       HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr, ROUND_W: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """out[t, s] = x[t, s] * rstd * w[s] * scale, rstd = 1 / sqrt(mean(x[t, s]^2) + eps), for BLOCK_M
-    rows t of slot s (BLOCK_N: D padded to a power of two). OUT is contiguous (T, S, D), RSTD (T, S) fp32."""
+    rows t of slot s (BLOCK_N: D padded to a power of two); ROUND_W: w rounded to OUT's dtype first. OUT
+    is contiguous (T, S, D), RSTD (T, S) fp32."""
     pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
     x = tl.load(X + rows[:, None] * stride_xt + s * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+        w = _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)
+        if ROUND_W:
+            w = w.to(OUT.dtype.element_ty).to(tl.float32)
+        y = y * w[None, :]
     y = y * scale
     tl.store(OUT + (rows[:, None] * S + s) * D + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows * S + s, rstd, mask=row_ok)
@@ -80,8 +84,10 @@ def _head_rms_norm_fwd(X, W_A, W_B, OUT, RSTD, T, S, D, stride_xt, stride_xs, fi
 @triton.jit
 def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride_xs, stride_dyt, stride_dys,
                        first_slots, period, scale, HAS_WEIGHT: tl.constexpr, HAS_B: tl.constexpr,
-                       WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale; with
+                       ROUND_W: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """dx = rstd * (g - xhat * mean(g * xhat)) with xhat = x * rstd, g = dy * w[s] * scale (ROUND_W: w
+    rounded to DY's dtype, the forward's output dtype, first); with
     WEIGHT_GRAD, DW[pid_t, s] = sum over the program's rows of dy * xhat * scale (DW (n_t_blocks, S, D)
     fp32). DX is contiguous (T, S, D)."""
     pid_t, s, rows, cols, row_ok, col_ok, mask = _row_block(T, D, BLOCK_M, BLOCK_N)
@@ -92,7 +98,10 @@ def _head_rms_norm_bwd(X, W_A, W_B, DY, RSTD, DX, DW, T, S, D, stride_xt, stride
     xhat = x * rstd[:, None]
     g = dy * scale
     if HAS_WEIGHT:
-        g = g * _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)[None, :]
+        w = _slot_weight(W_A, W_B, s, first_slots, period, cols, col_ok, HAS_B)
+        if ROUND_W:
+            w = w.to(DY.dtype.element_ty).to(tl.float32)
+        g = g * w[None, :]
     mean_gx = tl.sum(g * xhat, axis=1) / D
     dx = rstd[:, None] * (g - xhat * mean_gx[:, None])
     tl.store(DX + (rows[:, None] * S + s) * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
@@ -191,97 +200,161 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_stride(x: torch.Tensor) -> int | None:
+    """The stride of x's tokens, its dims before the last two (S, D) taken as one, where they merge into
+    one dim (as a view would), else None; 0 for a single token."""
+    token, expected = 0, None
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size == 1:
+            continue
+        if expected is None:
+            token = stride
+        elif stride != expected:
+            return None
+        expected = stride * size
+    return token
+
+
+def _token_layout(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, its token stride) with a unit D stride and tokens of one stride (a contiguous copy if need be):
+    the layout the kernels read, x's shape kept (no view, so no view node in the autograd graph)."""
+    token = _token_stride(x) if x.stride(-1) == 1 else None
+    if token is None:
+        x = x.contiguous()
+        token = _token_stride(x)
+    return x, token
+
+
+def _once_differentiable(backward):
+    """torch.autograd.function.once_differentiable, without its no_grad context where grad mode is off
+    already (a backward without create_graph): there it only costs host time."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return run
+
+
 class _HeadRMSNorm(torch.autograd.Function):
-    """The kernels over x3 (T, S, D) with a unit D stride; returns a contiguous (T, S, D)."""
+    """The kernels over x (..., S, D) with a unit D stride and tokens (the leading dims) of one stride
+    `token_stride`; returns a contiguous tensor of x's shape."""
 
     @staticmethod
-    def forward(ctx, x3, weight, second_weight, first_slots, period, eps, scale, out_dtype):
-        t, s, d = x3.shape
+    def forward(ctx, x, token_stride, weight, second_weight, first_slots, period, eps, scale, out_dtype, round_weight):
+        s, d = x.shape[-2], x.shape[-1]
+        t = x.numel() // (s * d)
         cfg = _config(d)
-        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
-        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x.device, dtype=torch.float32)
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, out, rstd),
-                 (t, s, d, x3.stride(0), x3.stride(1), first_slots, period, eps, scale),
-                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None})
-        ctx.save_for_backward(x3, weight, second_weight, rstd)
-        ctx.first_slots, ctx.period, ctx.scale = first_slots, period, scale
+        _FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x, w_a, w_b, out, rstd),
+                 (t, s, d, token_stride, x.stride(-2), first_slots, period, eps, scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "ROUND_W": round_weight})
+        ctx.save_for_backward(x, weight, second_weight, rstd)
+        ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = token_stride, first_slots, period, scale
+        ctx.out_dtype, ctx.round_weight, ctx.cfg = out_dtype, round_weight, cfg
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dy):
-        x3, weight, second_weight, rstd = ctx.saved_tensors
-        t, s, d = x3.shape
-        cfg = _config(d)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        x, weight, second_weight, rstd = ctx.saved_tensors
+        t, s = rstd.shape
+        d = x.shape[-1]
+        cfg = ctx.cfg  # the forward's launch config
+        dy, dy_token_stride = _token_layout(dy)
+        weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
-        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
-        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        # without a weight gradient the kernel writes no partial sums: rstd stands in for them
+        partial = torch.empty((n_t_blocks, s, d), device=x.device, dtype=torch.float32) if weight_grad else rstd
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, dy, rstd, dx, partial),
-                 (t, s, d, x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1), ctx.first_slots, ctx.period,
-                  ctx.scale),
-                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "WEIGHT_GRAD": weight_grad})
-        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
-        return dx, d_weight, d_second, None, None, None, None, None
+        _BWD.run(cfg, (n_t_blocks, s), (x, w_a, w_b, dy, rstd, dx, partial),
+                 (t, s, d, ctx.token_stride, x.stride(-2), dy_token_stride, dy.stride(-2), ctx.first_slots,
+                  ctx.period, ctx.scale),
+                 {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None, "ROUND_W": ctx.round_weight,
+                  "WEIGHT_GRAD": weight_grad})
+        d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad,
+                                           ctx.out_dtype if ctx.round_weight else None)
+        return dx, None, d_weight, d_second, None, None, None, None, None, None
 
 
-def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad):
+def _weight_grads(partial, weight, second_weight, first_slots, period, weight_grad, rounded_to=None):
     """(d weight, d second_weight) from the per-program partial sums (n_t_blocks, S, D): one reduction
-    per weight (the eager step pays per op on the host); None each without a weight gradient."""
+    per weight (the eager step pays per op on the host), cast to the weight's dtype where it is not
+    fp32; None each without a weight gradient. rounded_to: the dtype the forward rounded the weight to
+    (the gradient of weight.to(rounded_to), in the weight's dtype); one weight only."""
     if not weight_grad:
         return None, None
     if second_weight is None:
-        return partial.sum((0, 1)).to(weight.dtype), None
+        d_weight = partial.sum((0, 1))
+        if rounded_to is not None:
+            d_weight = _as_dtype(d_weight, rounded_to)
+        return _as_dtype(d_weight, weight.dtype), None
     n_t_blocks, s, d = partial.shape
     per_kind = partial.view(n_t_blocks, s // period, period, d)
-    return (per_kind[:, :, :first_slots].sum((0, 1, 2)).to(weight.dtype),
-            per_kind[:, :, first_slots:].sum((0, 1, 2)).to(second_weight.dtype))
+    return (_as_dtype(per_kind[:, :, :first_slots].sum((0, 1, 2)), weight.dtype),
+            _as_dtype(per_kind[:, :, first_slots:].sum((0, 1, 2)), second_weight.dtype))
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype) without the dispatcher's no-op call where t has that dtype already."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class _HeadNormRope(torch.autograd.Function):
-    """`_HeadRMSNorm` followed by RoPE, in one kernel each way, over x3 (T, S, D) with a unit D stride at
-    positions t % n_pos (cos, sin (n_pos, D/2) fp32 tables); returns a contiguous (T, S, D)."""
+    """`_HeadRMSNorm` followed by RoPE, in one kernel each way, over x (..., S, D) with a unit D stride and
+    tokens of one stride `token_stride`, at positions t % n_pos (cos, sin (n_pos, D/2) fp32 tables);
+    returns a contiguous tensor of x's shape."""
 
     @staticmethod
-    def forward(ctx, x3, weight, second_weight, cos, sin, first_slots, period, eps, scale, out_dtype):
-        t, s, d = x3.shape
+    def forward(ctx, x, token_stride, weight, second_weight, cos, sin, first_slots, period, eps, scale, out_dtype):
+        s, d = x.shape[-2], x.shape[-1]
+        t = x.numel() // (s * d)
         cfg = _config(d // 2)
-        out = torch.empty((t, s, d), device=x3.device, dtype=out_dtype)
-        rstd = torch.empty((t, s), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
+        rstd = torch.empty((t, s), device=x.device, dtype=torch.float32)
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
         meta = {"HAS_WEIGHT": weight is not None, "HAS_B": second_weight is not None}
-        _ROPE_FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x3, w_a, w_b, cos, sin, out, rstd),
-                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), first_slots, period, eps, scale), meta)
-        ctx.save_for_backward(x3, weight, second_weight, cos, sin, rstd)
-        ctx.meta, ctx.first_slots, ctx.period, ctx.scale = meta, first_slots, period, scale
+        _ROPE_FWD.run(cfg, (_cdiv(t, cfg.block_m), s), (x, w_a, w_b, cos, sin, out, rstd),
+                      (t, s, d, cos.shape[0], token_stride, x.stride(-2), first_slots, period, eps, scale), meta)
+        ctx.save_for_backward(x, weight, second_weight, cos, sin, rstd)
+        ctx.meta, ctx.token_stride, ctx.first_slots, ctx.period, ctx.scale = meta, token_stride, first_slots, period, scale
+        ctx.cfg = cfg
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, dy):
-        x3, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
-        t, s, d = x3.shape
-        cfg = _config(d // 2)
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        weight_grad = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        x, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
+        t, s = rstd.shape
+        d = x.shape[-1]
+        cfg = ctx.cfg  # the forward's launch config
+        dy, dy_token_stride = _token_layout(dy)
+        weight_grad = weight is not None and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
         n_t_blocks = _cdiv(t, cfg.block_m)
-        dx = torch.empty((t, s, d), device=x3.device, dtype=x3.dtype)
-        partial = torch.empty((n_t_blocks, s, d) if weight_grad else (1,), device=x3.device, dtype=torch.float32)
-        w_a = x3 if weight is None else weight
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        # without a weight gradient the kernel writes no partial sums: rstd stands in for them
+        partial = torch.empty((n_t_blocks, s, d), device=x.device, dtype=torch.float32) if weight_grad else rstd
+        w_a = x if weight is None else weight
         w_b = w_a if second_weight is None else second_weight
-        _ROPE_BWD.run(cfg, (n_t_blocks, s), (x3, w_a, w_b, cos, sin, dy, rstd, dx, partial),
-                      (t, s, d, cos.shape[0], x3.stride(0), x3.stride(1), dy.stride(0), dy.stride(1),
+        _ROPE_BWD.run(cfg, (n_t_blocks, s), (x, w_a, w_b, cos, sin, dy, rstd, dx, partial),
+                      (t, s, d, cos.shape[0], ctx.token_stride, x.stride(-2), dy_token_stride, dy.stride(-2),
                        ctx.first_slots, ctx.period, ctx.scale), {**ctx.meta, "WEIGHT_GRAD": weight_grad})
         d_weight, d_second = _weight_grads(partial, weight, second_weight, ctx.first_slots, ctx.period, weight_grad)
-        return dx, d_weight, d_second, None, None, None, None, None, None, None
+        return dx, None, d_weight, d_second, None, None, None, None, None, None, None
+
+
+# the Functions' apply, without torch's Python layer where no functorch transform is active
+_HEAD_RMS_NORM = direct_apply(_HeadRMSNorm)
+_HEAD_NORM_ROPE = direct_apply(_HeadNormRope)
 
 
 def _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype):
@@ -315,7 +388,10 @@ def _kernel_runs(x: torch.Tensor, weights, out_dtype: torch.dtype) -> bool:
         return False
     if x.shape[-1] > MAX_KERNEL_HEAD_DIM:
         return False
-    return all(w is None or w.dtype in KERNEL_DTYPES for w in weights)
+    for w in weights:  # a loop, not all(generator): this runs on every eager call
+        if w is not None and w.dtype not in KERNEL_DTYPES:
+            return False
+    return True
 
 
 def _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel):
@@ -349,25 +425,22 @@ def _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel):
 
 
 def _kernel_operands(x, weight, second_weight, first_slots, period, eps, out_dtype):
-    """x as (T, S, D) with a unit D stride, the weights in one dtype, the slot rule and eps as the kernels
-    take them."""
-    s, d = x.shape[-2], x.shape[-1]
+    """x in the kernels' layout (`_token_layout`) and its token stride, the weights in one dtype, the slot
+    rule and eps as the kernels take them."""
     if eps is None:
         eps = torch.finfo(x.dtype if second_weight is None and out_dtype == x.dtype else out_dtype).eps
-    x3 = x.reshape(-1, s, d)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
+    x, token_stride = _token_layout(x)
     if second_weight is None:
         first_slots, period = 0, 1
     elif second_weight.dtype != weight.dtype:
         second_weight = second_weight.to(weight.dtype)  # the kernels read both through one pointer type
-    return x3, second_weight, first_slots, period, float(eps)
+    return x, token_stride, second_weight, first_slots, period, float(eps)
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: float | None = None,
                   scale: float = 1.0, out_dtype: torch.dtype | None = None,
                   second_weight: torch.Tensor | None = None, first_slots: int = 0, period: int = 0,
-                  kernel: bool | None = None) -> torch.Tensor:
+                  round_weight: bool = False, kernel: bool | None = None) -> torch.Tensor:
     """RMSNorm of every row of D of x (..., S, D), times its slot's weight and `scale`, in `out_dtype`
     (default x's dtype), autocast off.
 
@@ -375,17 +448,30 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, *, eps: f
     every `period` slots (S a multiple of period), the rest taking second_weight. eps: added to the
     mean square; None is the machine epsilon of the dtype the plain form normalizes in (x's dtype when
     out_dtype is x's and there is no second weight, else out_dtype), as F.rms_norm's None.
+    round_weight: the weight (one for every slot, no second_weight) rounded to out_dtype first, as
+    `weight.to(out_dtype)` passed in its place gives (autocast rounds linear weights so), its gradient
+    too; the kernels round it as they read it, without a cast op and its autograd node.
     kernel: None runs the Triton kernels for eager CUDA tensors of fp16 / bf16 / fp32 (rows of at most
     MAX_KERNEL_HEAD_DIM) and the plain torch form otherwise (under torch.compile inductor fuses it); True
     forces the kernels (tests: on CPU under TRITON_INTERPRET=1); False forces the plain form.
     Gradients flow to x and the weights (not twice: the kernels' backward is not differentiable)."""
     out_dtype, kernel = _checked(x, weight, second_weight, first_slots, period, out_dtype, kernel)
+    if round_weight and second_weight is not None:
+        raise ValueError("round_weight serves one weight for every slot (no second_weight)")
+    round_weight = bool(round_weight) and weight is not None and weight.dtype != out_dtype
     if not kernel:
+        if round_weight:
+            weight = weight.to(out_dtype)
         return _plain(x, weight, second_weight, first_slots, period, eps, scale, out_dtype)
-    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
-                                                                  eps, out_dtype)
-    out = _HeadRMSNorm.apply(x3, weight, second_weight, first_slots, period, eps, float(scale), out_dtype)
-    return out.view(x.shape)
+    x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
+                                                                              first_slots, period, eps, out_dtype)
+    return _HEAD_RMS_NORM(x, token_stride, weight, second_weight, first_slots, period, eps, float(scale), out_dtype,
+                          round_weight)
+
+
+@functools.cache
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -414,14 +500,18 @@ def head_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight
         if table.shape != (n, d // 2) or not table.dtype.is_floating_point or table.device != x.device:
             raise ValueError(f"{name} must be a floating ({n}, {d // 2}) tensor on {x.device} (x's positions, "
                              f"D / 2), got {table.dtype} {tuple(table.shape)} on {table.device}")
-    wide = torch.promote_types(out_dtype, torch.float32)
+    wide = _at_least_fp32(out_dtype)
     if eps is None:
         eps = torch.finfo(wide).eps
     if not kernel:
         y = _plain(x, weight, second_weight, first_slots, period, eps, scale, wide)
         return rotate_pairs(y, cos, sin).to(out_dtype)
-    x3, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight, first_slots, period,
-                                                                  eps, out_dtype)
-    out = _HeadNormRope.apply(x3, weight, second_weight, cos.float().contiguous(), sin.float().contiguous(),
-                              first_slots, period, eps, float(scale), out_dtype)
-    return out.view(x.shape)
+    x, token_stride, second_weight, first_slots, period, eps = _kernel_operands(x, weight, second_weight,
+                                                                              first_slots, period, eps, out_dtype)
+    return _HEAD_NORM_ROPE(x, token_stride, weight, second_weight, _fp32_contiguous(cos), _fp32_contiguous(sin),
+                           first_slots, period, eps, float(scale), out_dtype)
+
+
+def _fp32_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous fp32, itself where it is (the RoPE tables' rows): no dispatcher calls then."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()

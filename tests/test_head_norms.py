@@ -126,6 +126,32 @@ def test_default_eps_is_the_normalizing_dtypes_machine_epsilon():
         torch.testing.assert_close(fused, torch.full_like(x, want), rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [dt for dt in DTYPES if dt != torch.float32])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_round_weight_is_the_weight_cast_to_the_output_dtype(dtype, kernel):
+    """round_weight=True gives bit for bit what passing weight.to(out_dtype) gives: the output, dx and the
+    fp32 weight's gradient (that of the cast), on the kernels (which round as they read the weight) and
+    on the plain form; with second_weight it is refused."""
+    gen = torch.Generator().manual_seed(3)
+    x64 = torch.randn(2, 17, 3, 48, generator=gen, dtype=torch.float64)
+    w64 = torch.rand(48, generator=gen, dtype=torch.float64) + 0.5
+    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+
+    def grads(round_weight):
+        x = x64.to(DEVICE, dtype).requires_grad_()
+        w = w64.to(DEVICE, torch.float32).requires_grad_()
+        out = hn.head_rms_norm(x, w if round_weight else w.to(dtype), eps=1e-5, round_weight=round_weight,
+                               kernel=kernel)
+        out.backward(dy)
+        return out, x.grad, w.grad
+
+    for name, got, want in zip(("out", "dx", "dweight"), grads(True), grads(False)):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    with pytest.raises(ValueError, match=r"round_weight serves one weight for every slot"):
+        hn.head_rms_norm(x64.float(), torch.ones(48), second_weight=torch.ones(48), first_slots=1, period=3,
+                         round_weight=True)
+
+
 def test_bad_arguments_are_refused_by_name():
     x = torch.randn(3, 4, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\)"):
@@ -149,11 +175,11 @@ def kernel_calls(monkeypatch):
     """The number of kernel forwards so far, the norm's and the norm-with-RoPE's (a list of one int)."""
     calls = [0]
     for function in (hn._HeadRMSNorm, hn._HeadNormRope):
-        def counting(*args, apply=function.apply):
+        def counting(ctx, *args, forward=function.forward):
             calls[0] += 1
-            return apply(*args)
+            return forward(ctx, *args)
 
-        monkeypatch.setattr(function, "apply", counting)
+        monkeypatch.setattr(function, "forward", staticmethod(counting))
     return calls
 
 

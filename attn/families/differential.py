@@ -22,6 +22,11 @@ import torch.nn as nn
 from attn.families.layer_extras import LayerExtras, LayerShape
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """t.float(), without the dispatcher's call where t is fp32 already (a parameter per layer and step)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def lambda_init(layer_index: int) -> float:
     """0.8 - 0.6 exp(-0.3 * layer_index): the Differential Transformer's lambda_init."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
@@ -58,7 +63,7 @@ class ReparamLambda(DifferentialLambda):
         self.lambda_vectors = nn.Parameter(torch.zeros(4, shape.n_head, shape.head_dim).normal_(0, 0.1))
 
     def per_head_lambda(self):
-        lq1, lk1, lq2, lk2 = self.lambda_vectors.float()
+        lq1, lk1, lq2, lk2 = _fp32(self.lambda_vectors)
         return torch.exp((lq1 * lk1).sum(-1)) - torch.exp((lq2 * lk2).sum(-1)) + self.lambda_init
 
     def scale_output(self, y):
@@ -73,7 +78,7 @@ class ClampLambda(DifferentialLambda):
         self.lambda_raw = nn.Parameter(torch.full((shape.n_head,), self.lambda_init))
 
     def per_head_lambda(self):
-        return self.lambda_raw.float().clamp(0.0, 1.0)
+        return _fp32(self.lambda_raw).clamp(0.0, 1.0)
 
 
 class ScalarClampLambda(DifferentialLambda):
@@ -84,7 +89,7 @@ class ScalarClampLambda(DifferentialLambda):
         self.lambda_scalar = nn.Parameter(torch.tensor(0.5))
 
     def per_head_lambda(self):
-        return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()
+        return _fp32(self.lambda_scalar).clamp(0.0, 1.0).expand(self.n_head).contiguous()
 
 
 LAMBDA_PARAMETRIZATIONS: dict[str, type[DifferentialLambda]] = {

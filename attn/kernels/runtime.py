@@ -189,6 +189,23 @@ def kernel_op(name: str):
     return register
 
 
+def direct_apply(function: type[torch.autograd.Function]) -> Callable:
+    """`function.apply` without torch's Python layer over it where no functorch transform (vmap, grad, ...)
+    is active: that layer binds setup_context's defaults (these Functions have none) and unwraps dead
+    functorch wrappers, a generator step per argument (about 3 us a call at a dozen arguments, and the
+    eager step makes a few per layer); under a transform or while torch.compile traces (which knows
+    `function.apply`, not the layer below), `function.apply` itself."""
+    c_apply = super(torch.autograd.Function, function).apply
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*args):
+        if torch.compiler.is_compiling() or transforms_active():
+            return function.apply(*args)
+        return c_apply(*args)
+
+    return apply
+
+
 class AutogradOp:
     """A family's differentiable fused attention: one autograd.Function named `name` whose forward runs
     the launcher op `op` when traced (torch.compile traces the Function, its op's fake and its
@@ -219,13 +236,16 @@ class AutogradOp:
 
         self.function = type(name, (torch.autograd.Function,), {"forward": staticmethod(function_forward),
                                                                  "backward": staticmethod(function_backward)})
+        self.apply = direct_apply(self.function)
 
     def __call__(self, args: tuple, watched: tuple):
         """The public result, differentiable in the tensors of `watched`: through the Function when a
         gradient may be asked for (or the call is traced), else the forward alone, without an autograd
         node (grad mode off, or no tensor of `watched` requires a gradient)."""
-        if traced(*watched) or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in watched)):
+        if traced(*watched):
             return self.function.apply(*args)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in watched):
+            return self.apply(*args)
         return self.result(self.forward(*args))
 
     def inference(self, args: tuple, watched: tuple):
