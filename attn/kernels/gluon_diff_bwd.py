@@ -13,8 +13,8 @@ sees) and dp_ij = dout_i . v_j (DESIGN.md §4, `diff_threshold`):
     dk2 = -lam_h p (dp g_2)^T q2                    dq2 = -lam_h p (dp g_2) k2
     dlam_h = -sum_ij dp_ij relu(x2_ij)^p
 
-(the factor p of d relu(x)^p / dx and -lam_h are applied once per head: at the store where a program
-serves one query head, per score where a GQA key-block program sums a group of heads). d-lambda is reduced
+(the factor p of d relu(x)^p / dx and -lam_h p are applied at the stores, except dK2's -lam_h p, which the
+key-block kernels apply per score: a GQA program there sums heads with different lambdas). d-lambda is reduced
 without atomics: the query-block kernel writes sum_j dp_ij relu(x2_ij)^p per (batch, head, query row) into
 an fp32 buffer of its own, and torch sums it over batch and rows in a fixed order and negates it: the same
 bits every run.
@@ -84,9 +84,9 @@ from attn.kernels.gluon_softmax_bwd import _descriptor, _dkdv_producer, _issue_w
 from attn.kernels.gluon_weighted_bwd import _query_starts, _score_grad, _weight_and_grad
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 
-FUSED = 0  # dK, dV, dK2 and the d-lambda sums in one key-block launch
+FUSED = 0  # dK, dV and dK2 in one key-block launch
 FIRST_VIEW = 1  # dK and dV
-SECOND_VIEW = 2  # dK2 and the d-lambda sums
+SECOND_VIEW = 2  # dK2
 
 
 def dkdv_tile_config(head_dim: int, views: int) -> dict:
@@ -117,7 +117,8 @@ def dkdv_forms(head_dim: int) -> tuple[int, ...]:
 def dq_tile_config(head_dim: int) -> dict:
     """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
     BLOCK_N keys per ring slot (K, K2 and V), STAGES slots. Registers per consumer thread: dQ and dQ2
-    D / 2 fp32 each, S1, S2, dP BLOCK_N / 2 each: BLOCK_N is 32 at D = 128."""
+    D / 2 fp32 each, S1, S2, dP BLOCK_N / 2 each: BLOCK_N is 32 at D = 128 (64 spilled inside the
+    loops)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
     if head_dim == 128:
@@ -125,7 +126,7 @@ def dq_tile_config(head_dim: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=64, STAGES=3)  # 48 KiB + 3 x 24 KiB
 
 
-# ------------------------------------------------------------------- dK, dV, dK2, d-lambda (key blocks)
+# ----------------------------------------------------------------------------- dK, dV, dK2 (key blocks)
 
 
 @gluon.jit
@@ -204,8 +205,8 @@ def _second_view_block(j, m, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do
                        a_layout: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                        HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Form 2: one warpgroup's keys against the query block from row m (ring tile j): S2^T and dP^T
-    issued back to back, W2^T and G2^T once S2^T is in, then the d-lambda sums dP^T W2^T and
-    dK2 += dk2_scale (dP^T G2^T) Q2."""
+    issued back to back, G2^T once S2^T is in, dO's slot back once dP^T retired, then
+    dK2 += dk2_scale (dP^T G2^T) Q2 and the Q2 slot back once it retired."""
     start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
     s2_t, q2_tile = _issue_with_columns(j, k2_tile, q2_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
@@ -213,7 +214,7 @@ def _second_view_block(j, m, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do
     visible = 0
     if MASKED:
         visible = _visible_columns(m, first_col, st_layout, BLOCK_M)
-    w2_t, g2_t = _weight_and_grad(s2_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
+    _, g2_t = _weight_and_grad(s2_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
     dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
     release(j, do_empty, STAGES)
     ds2_16 = gl.convert_layout((_score_grad(dp_t, g2_t, THRESHOLD, POWER_MODE) * dk2_scale).to(q2_ring.dtype),
@@ -239,8 +240,8 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
                    VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
-    each query head of the group; stores its rows of its form's gradients (dk times p) and, per query
-    head, its keys' d-lambda sums. Form 2 gets K2 as k_tile and the Q2 ring as q2_ring."""
+    each query head of the group (lambda per head: dK2's factor -lam_h p rides on its scores); stores its
+    rows of its form's gradients (dk times p). Form 2 gets K2 as k_tile and the Q2 ring as q2_ring."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -331,8 +332,8 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer. dk, dv,
-    dk2 share one (B, KV, H_kv, D) layout (strides stride_kv*). Form 2
-    reads only k2_desc, v_desc, q2_desc and do_desc."""
+    dk2 share one (B, KV, H_kv, D) layout (strides stride_kv*). Form 2 reads only k2_desc, v_desc, q2_desc
+    and do_desc."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -394,9 +395,9 @@ def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, 
               v_empty, tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
               POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Key block j for one warpgroup's rows: S1 = Q K^T, S2 = Q2 K2^T and dP = dO V^T back to back, G1
-    and G2 once the scores are in, V's slot back once dP retired, dQ += (dP G1) K and dQ2 += (dP G2) K2,
-    the K / K2 slot back once those retired."""
+    """Key block j for one warpgroup's rows: S1 = Q K^T, S2 = Q2 K2^T and dP = dO V^T back to back, G1,
+    G2 and W2 once the scores are in, V's slot back once dP retired, the rows' d-lambda sums of dP W2,
+    dQ += (dP G1) K and dQ2 += (dP G2) K2, the K / K2 slot back once those retired."""
     s = j % STAGES
     k_tile = k_ring.index(s)
     k2_tile = k2_ring.index(s)
@@ -414,7 +415,7 @@ def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, 
         visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
         x1 = gl.where(visible, x1, -float("inf"))
         x2 = gl.where(visible, x2, -float("inf"))
-    w1, g1 = _weight_and_grad(x1, 0, power, THRESHOLD, POWER_MODE, 0, False)
+    _, g1 = _weight_and_grad(x1, 0, power, THRESHOLD, POWER_MODE, 0, False)
     w2, g2 = _weight_and_grad(x2, 0, power, THRESHOLD, POWER_MODE, 0, False)
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
     release(j, v_empty, STAGES)
@@ -435,7 +436,8 @@ def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_rea
                  tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
-    [n_full, n_tiles) masked); stores its rows of dq (times p) and dq2 (times -lam p)."""
+    [n_full, n_tiles) masked); stores its rows of dq (times p), dq2 (times -lam p) and their d-lambda
+    sums."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
