@@ -7,7 +7,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
   kernels   bf16 correctness of every variant's kernels, natively: the pytest files that run on a
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
             test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py, test_gluon_gpu.py,
-            test_gluon_bwd_gpu.py, test_gluon_weighted_bwd_gpu.py, test_gluon_diff_fwd_gpu.py, test_head_norms.py),
+            test_gluon_bwd_gpu.py, test_gluon_weighted_bwd_gpu.py, test_gluon_diff_fwd_gpu.py,
+            test_gluon_diff_bwd_gpu.py, test_head_norms.py),
             gpu_checks/check_softmax_family_gpu.py, gpu_checks/check_gluon_softmax_gpu.py,
             gpu_checks/check_gluon_softmax_bwd_gpu.py, gpu_checks/check_gluon_weighted_bwd_gpu.py,
             gpu_checks/check_threshold_gpu.py
@@ -80,7 +81,7 @@ MIN_START_S = 60  # a step is not started with less of the budget left
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
              "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py",
              "tests/test_gluon_gpu.py", "tests/test_gluon_bwd_gpu.py", "tests/test_gluon_weighted_bwd_gpu.py",
-             "tests/test_gluon_diff_fwd_gpu.py", "tests/test_head_norms.py"]
+             "tests/test_gluon_diff_fwd_gpu.py", "tests/test_gluon_diff_bwd_gpu.py", "tests/test_head_norms.py"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,10 @@ The differential threshold forward (attn/kernels/gluon_diff_fwd.py): the same PT
 both views' S products and one W V product, MUFU ops per score as the power needs (none at p = 1 and 2, a
 MUFU lg2 and ex2 per view's score for any other p) and no local memory inside a loop.
 
+The differential threshold backward (attn/kernels/gluon_diff_bwd.py): the same PTX checks, per loop iteration
+the products of its kernel (key-block forms: S1^T, S2^T, dP^T, dV, dK and, fused, dK2; the second view's S2^T,
+dP^T, dK2; the query-block kernel S1, S2, dP, dQ, dQ2), the power's MUFU ops and no local memory inside a loop.
+
 The compiles run in one child Python per test session with TRITON_INTERPRET=0: on a machine without a GPU
 conftest.py sets TRITON_INTERPRET=1 before Triton is imported, which turns Triton's own jit helpers (the
 combine functions behind gl.sum and gl.max) into interpreter objects that a Gluon compile cannot call
@@ -89,6 +93,17 @@ DIFFERENTIAL = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_fwd", dict(head_dim=d, dtype=t, causal=c, power=power), variant)
                  for variant, power, d, c, t in DIFFERENTIAL})
+# the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
+DIFFERENTIAL_BACKWARD = [
+    (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
+    for kernel in ("dkdv", "dkdv_second", "dq")
+    for suffix, power, d, c, t in (("", 2.0, 128, True, "bf16"), ("", 2.0, 64, True, "bf16"),
+                                   ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
+                                   ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
+                                   ("_p1.5", 1.5, 64, False, "bf16"))]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=kernel,
+                                                                   power=power), variant)
+                 for variant, kernel, power, d, c, t in DIFFERENTIAL_BACKWARD})
 
 
 CHILD = r'''
@@ -96,9 +111,10 @@ import json, sys
 root, requests = sys.argv[1], json.loads(sys.stdin.read())
 sys.path[:0] = [root, root + "/scripts/analysis"]
 import gluon_sass_counts as counts
-from attn.kernels import gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
+from attn.kernels import gluon_diff_bwd, gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
 modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
-           "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd}
+           "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd,
+           "gluon_diff_bwd": gluon_diff_bwd}
 out = {}
 for name, (module, kwargs, variant) in requests.items():
     compiled = modules[module].compile_sm90(**kwargs)
@@ -255,4 +271,33 @@ def test_differential_forward_runs_three_products_per_key_block_without_local_me
             assert row["mufu"] == 0, row
         else:
             assert row["mufu"] == 2 * 2 * (width // 2), row
+        assert row["loop_spills"] == 0, row
+
+
+@pytest.mark.parametrize("variant,kernel,power,head_dim,causal,dtype", DIFFERENTIAL_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, _, d, c, t in DIFFERENTIAL_BACKWARD])
+def test_differential_backward_runs_its_products_without_local_memory_in_its_loops(
+        compiled, variant, kernel, power, head_dim, causal, dtype):
+    """Per loop iteration (a k of 16 per wgmma instruction): the key-block kernel that computes dV (the fused form
+    at D = 64, the first view's at D = 128) runs S1^T, S2^T, dP^T (k = D) and dV, dK (fused also dK2; k = its
+    query block); the second view's key-block kernel S2^T, dP^T (k = D) and dK2; the query-block kernel S1, S2,
+    dP (k = D) and dQ, dQ2 (k = its key block). The weights and gradients of both views need no MUFU op per score
+    at p = 1 and 2 (a handful per loop for the row thresholds) and a lg2 and an ex2 per view's score otherwise
+    (width / 2 scores per thread). Every score tile and accumulator stays in registers: no local memory in a
+    loop."""
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == ({"unmasked"} if (kernel.startswith("dkdv") and not causal) else {"unmasked", "masked"})
+    score_products, width_products = {"dkdv": (3, 3 if head_dim == 64 else 2), "dkdv_second": (2, 1),
+                                      "dq": (3, 2)}[kernel]
+    views = 1 if kernel == "dkdv_second" else 2
+    for row in rows.values():
+        assert row["hgmma"] == score_products * (head_dim // 16) + width_products * (width // 16), row
+        if power in (1.0, 2.0):
+            assert row["mufu"] <= 4, row
+        else:
+            assert row["mufu"] >= views * width, row
         assert row["loop_spills"] == 0, row

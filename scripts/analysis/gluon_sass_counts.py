@@ -14,6 +14,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
     python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
+    python scripts/analysis/gluon_sass_counts.py --variant diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq  # its backward
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
 a masked loop (the causal diagonal and the ragged last block: it selects -inf). Both consumers' loops
@@ -31,8 +32,12 @@ _dt ones the temperature's gradient into the dQ kernel too. The threshold and si
 threshold_p1.5 and sigmoid) have the same loops. The differential threshold forward
 (attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
 forward's two loops with two score products per key block; its per_score counts per (query, key) position,
-both views' scores together. `loop_spills` counts local-memory instructions inside the counted loop, `spills`
-those of the whole kernel.
+both views' scores together. The differential backward (attn/kernels/gluon_diff_bwd.py, `--variant
+diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is the key-block
+launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both on 32-row
+query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dq the query-block dQ / dQ2 /
+d-lambda kernel; their per_score counts per (query, key) position as well. `loop_spills` counts local-memory
+instructions inside the counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -135,12 +140,20 @@ DIFFERENTIAL_VARIANTS = {"diff_threshold": dict(power=2.0), "diff_threshold_p1":
                          "diff_threshold_p1.5": dict(power=1.5)}
 VARIANTS.update(DIFFERENTIAL_VARIANTS)
 DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_fwd.py"
+# the differential threshold backward's kernels (gluon_diff_bwd.compile_sm90's kernel, power)
+DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kernel, power=power)
+                                  for kernel in ("dkdv", "dkdv_second", "dq")
+                                  for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
+VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
+DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"
 
 
 def kernel_file(variant: str) -> Path | None:
     """The kernel file of a variant other than the softmax forward's (None: --kernel's)."""
     if variant in DIFFERENTIAL_VARIANTS:
         return DIFFERENTIAL
+    if variant in DIFFERENTIAL_BACKWARD_VARIANTS:
+        return DIFFERENTIAL_BACKWARD
     if "weight" in VARIANTS[variant] and "kernel" in VARIANTS[variant]:
         return WEIGHTED_BACKWARD
     if "weight" in VARIANTS[variant]:
@@ -154,6 +167,11 @@ def tile_width(module, variant: str, head_dim: int) -> int:
     """The score tile's second dim per warpgroup and loop iteration (the first is 64): the forwards'
     and the dQ kernel's BLOCK_N keys, the dK / dV kernel's BLOCK_M query rows."""
     kernel = VARIANTS[variant].get("kernel")
+    if variant in DIFFERENTIAL_BACKWARD_VARIANTS:  # its key-block kernels' forms differ in BLOCK_M
+        if kernel == "dq":
+            return module.dq_tile_config(head_dim)["BLOCK_N"]
+        views = module.SECOND_VIEW if kernel == "dkdv_second" else module.dkdv_forms(head_dim)[0]
+        return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
     if kernel == "dkdv":
         return module.dkdv_tile_config(head_dim)["BLOCK_M"]
     if kernel == "dq":
@@ -175,7 +193,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel") == "dkdv" and not causal:
+    if VARIANTS[variant].get("kernel", "").startswith("dkdv") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
     for kind, masked in kinds:
         bodies = [body for body in loops if is_masked(body, 64 * block_n // 128) == masked]

@@ -11,7 +11,9 @@ then times.
    halved when causal): SDPA's backward (plain softmax, the speed users know: torch.autograd.grad through
    scaled_dot_product_attention, the graph kept), and per variant the portable backward (the family's
    `_backward_impl`, its tuning done before the timing) and the Gluon backward (`launch_*_backward`), at
-   SHAPES (B, H, N, D, causal), bf16.
+   SHAPES (B, H, N, D, causal), bf16; also the differential threshold's (diff_threshold: both views' six
+   gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
+   correctness is tests/test_gluon_diff_bwd_gpu.py's).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -52,7 +54,8 @@ CASES = [
 ]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4, 16, 4096, 128, True)]
-TIMED = [("threshold", {}), ("sigmoid", {})]  # p = 2 and the -ln n_i bias: the families' defaults
+# p = 2 and the -ln n_i bias: the families' defaults
+TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 COLUMNS = ["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
 
 
@@ -107,12 +110,16 @@ def time_shapes(results):
     import torch.nn.functional as F
 
     from attn.kernels import sigmoid_family, threshold_family
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
     from attn.kernels.gluon_weighted_bwd import launch_sigmoid_backward, launch_threshold_backward
 
     rows = []
     for b, h, n, d, causal in SHAPES:
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         qn, kn = (torch.nn.functional.normalize(x.float(), dim=-1).to(torch.bfloat16) for x in (q, k))
+        q2n, k2n = (torch.nn.functional.normalize(torch.randn(b, n, h, d, device="cuda"), dim=-1).to(torch.bfloat16)
+                    for _ in range(2))
+        lam = torch.linspace(-0.5, 1.2, h, device="cuda")
         qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         out_s = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=d ** -0.5)
         do_s = do.transpose(1, 2).contiguous()
@@ -124,6 +131,12 @@ def time_shapes(results):
                 impls["threshold portable"] = (lambda: threshold_family._backward_impl(
                     do, qn, kn, v, None, None, None, None, beta, power, causal, 0))
                 impls["threshold gluon"] = lambda: launch_threshold_backward(qn, kn, v, do, causal, beta, power)
+            elif variant == "diff_threshold":
+                diff_beta, diff_power = float(spec.beta), float(spec.power)
+                impls["diff_threshold portable"] = (lambda: threshold_family._backward_impl(
+                    do, qn, kn, v, q2n, k2n, lam, None, diff_beta, diff_power, causal, 0))
+                impls["diff_threshold gluon"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
                 impls["sigmoid portable"] = (lambda: sigmoid_family._backward_impl(

@@ -1,0 +1,667 @@
+"""The differential threshold attention backward in Gluon for sm_90 (Hopper).
+
+Inputs and outputs are the portable differential backward's (`threshold_family._backward_plan` with q2,
+k2, lam): q, q2, dout (B, N, H, D); k, k2, v (B, KV, H_kv, D), H % H_kv == 0; lam (H,) of any float
+dtype, read in fp32; causal is bottom-right aligned (query row i at key position i + KV - N). Returns
+(dq, dk, dv, dq2, dk2, dlam): the first five in the inputs' dtype, dlam (H,) in lam's dtype. With
+x1_ij = q_i.k_j - tau_i, x2_ij = q2_i.k2_j - tau_i, tau_i = beta sqrt(2 ln n_i / D) (n_i: the keys row i
+sees) and dp_ij = dout_i . v_j (DESIGN.md §4, `diff_threshold`):
+
+    w   = relu(x1)^p - lam_h relu(x2)^p             g_v = relu(x_v)^(p-1)  (0 where x_v <= 0)
+    dv  = w^T dout
+    dk  = p (dp g_1)^T q                            dq  = p (dp g_1) k
+    dk2 = -lam_h p (dp g_2)^T q2                    dq2 = -lam_h p (dp g_2) k2
+    dlam_h = -sum_ij dp_ij relu(x2_ij)^p
+
+(the factor p of d relu(x)^p / dx and -lam_h p are applied at the stores, except dK2's -lam_h p, which the
+key-block kernels apply per score: a GQA program there sums heads with different lambdas). d-lambda is reduced
+without atomics: the query-block kernel writes sum_j dp_ij relu(x2_ij)^p per (batch, head, query row) into
+an fp32 buffer of its own, and torch sums it over batch and rows in a fixed order and negates it: the same
+bits every run.
+
+Launches, on the schedules of `gluon_weighted_bwd` (producer warp, two consumer warpgroups, wgmma
+accumulators started at -tau_i so the scores are x itself):
+
+1. key-block kernels, one program per 128 keys of one (batch, kv head), each warpgroup 64 keys; K, K2
+   and V are loaded once, the query blocks that see the keys streamed through a ring for every query
+   head of the kv head's group (GQA sums stay in registers). Per query block S1^T = K Q^T - tau,
+   S2^T = K2 Q2^T - tau and dP^T = V dO^T are issued back to back. Three forms (`VIEWS`):
+   - 0, fused: dV += W^T dO, dK += (dP^T G1^T) Q and dK2 += (dP^T G2^T) Q2 in one launch (three 64 x D
+     fp32 accumulators beside three 64 x BLOCK_M score tiles: used at D = 64);
+   - 1, first view: dV and dK (the ring slot carries Q, Q2 and dO, both views form W);
+   - 2, second view: dK2 (the ring carries Q2 and dO only: the one-map kernel's ring and producer).
+   At D = 128 three accumulators do not fit a warpgroup's registers beside the score tiles, so the
+   backward runs forms 1 (on 32-row query blocks) and 2 (`dkdv_forms`, `dkdv_tile_config`).
+2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
+   K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
+   dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
+   dq, dq2 and the sums are written once (no atomics).
+
+Masks: as `gluon_weighted_bwd`: the causal diagonal's blocks compare per score (both views' scores
+select -inf where a key is not seen, so w and g vanish there), the rest run without mask arithmetic;
+query rows past N start at -1e30 (w = g = 0); keys past KV touch only gradient rows that are not stored;
+the dQ kernel masks keys with `gluon_pipeline.visible_key` and stores no row past N. A NaN score gives NaN
+gradients, as the reference does.
+
+Served: what the Gluon differential forward serves (`gluon_diff_fwd`): no segments, key lengths, window
+or dropout; causal or full; GQA with q2, k2 shaped like q, k; D 64 / 128; bf16 / fp16; KV >= N (KV < N
+also works: rows that see no key get zero gradient). Not reachable from the public function:
+`threshold_family` runs the differential backward on the portable kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from attn.kernels.gluon_diff_fwd import _allocate_ring, _invalidate_ring, _rectified_power
+from attn.kernels.gluon_pipeline import (
+    CONSUMER_REGS,
+    HEAD_DIMS,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    allocate_ring,
+    check_operands,
+    compile_gluon_sm90,
+    descriptor_type,
+    gl_dtype,
+    invalidate_ring,
+    issue_qk,
+    key_blocks,
+    mbarrier,
+    program_rows,
+    release,
+    tma,
+    tma_view,
+    visible_key,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from attn.kernels.gluon_softmax_bwd import _descriptor, _dkdv_producer, _issue_with_columns, query_block_range
+from attn.kernels.gluon_weighted_bwd import _query_starts, _score_grad, _weight_and_grad
+from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
+
+FUSED = 0  # dK, dV and dK2 in one key-block launch
+FIRST_VIEW = 1  # dK and dV
+SECOND_VIEW = 2  # dK2
+
+
+def dkdv_tile_config(head_dim: int, views: int) -> dict:
+    """The key-block kernels' constexprs: BLOCK_N keys per program (64 per consumer warpgroup), BLOCK_M
+    query rows per ring slot, STAGES ring slots. Forms 0 and 1 hold two or three 64 x D fp32 accumulators
+    beside S1^T, S2^T and dP^T (BLOCK_M / 2 fp32 registers each per thread): BLOCK_M is 32 there (64
+    spilled inside their loops: form 1 at D = 128, form 0 at D = 64 with p = 1.5); they keep K, K2, V
+    (D = 128: 96 KiB; D = 64: 48 KiB) and 4 slots of Q, Q2, dO (24 / 12 KiB each). Form 2 takes 64 rows
+    a slot: K2, V (64 / 32 KiB) and 3 slots of Q2, dO (32 / 16 KiB each)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if views not in (FUSED, FIRST_VIEW, SECOND_VIEW):
+        raise ValueError(f"views must be {FUSED} (fused), {FIRST_VIEW} or {SECOND_VIEW}, got {views!r}")
+    if views == SECOND_VIEW:
+        return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
+    return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
+
+
+def dkdv_forms(head_dim: int) -> tuple[int, ...]:
+    """The key-block launches per head dim: the fused form at D = 64; at D = 128 the first and the
+    second view's launches (the fused form's three 64 x 128 fp32 accumulators do not fit a warpgroup's
+    registers beside its three score tiles)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    return (FUSED,) if head_dim == 64 else (FIRST_VIEW, SECOND_VIEW)
+
+
+def dq_tile_config(head_dim: int) -> dict:
+    """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
+    BLOCK_N keys per ring slot (K, K2 and V), STAGES slots. Registers per consumer thread: dQ and dQ2
+    D / 2 fp32 each, S1, S2, dP BLOCK_N / 2 each: BLOCK_N is 32 at D = 128 (64 spilled inside the
+    loops)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if head_dim == 128:
+        return dict(BLOCK_M=128, BLOCK_N=32, STAGES=3)  # Q, Q2, dO 96 KiB + 3 x 24 KiB
+    return dict(BLOCK_M=128, BLOCK_N=64, STAGES=3)  # 48 KiB + 3 x 24 KiB
+
+
+# ----------------------------------------------------------------------------- dK, dV, dK2 (key blocks)
+
+
+@gluon.jit
+def _issue_two_views(j, k_tile, k2_tile, q_ring, q2_ring, q_ready, start, st_layout: gl.constexpr,
+                     ROWS: gl.constexpr, COLS: gl.constexpr, STAGES: gl.constexpr):
+    """Waits for ring tile j (its Q and Q2 share one ready barrier), then issues S1^T = K Q^T + start and
+    S2^T = K2 Q2^T + start as async wgmmas, the accumulators starting as `start` (one value per query
+    column). Returns (S1^T, S2^T, Q tile, Q2 tile)."""
+    s = j % STAGES
+    q_tile = q_ring.index(s)
+    q2_tile = q2_ring.index(s)
+    mbarrier.wait(q_ready.index(s), (j // STAGES) & 1)
+    column_values = gl.convert_layout(start, gl.SliceLayout(0, st_layout))
+    acc = gl.expand_dims(column_values, 0).broadcast_to([ROWS, COLS])
+    s1_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), acc, use_acc=True, is_async=True)
+    s2_t = warpgroup_mma(k2_tile, q2_tile.permute((1, 0)), acc, use_acc=True, is_async=True)
+    return s1_t, s2_t, q_tile, q2_tile
+
+
+@gluon.jit
+def _visible_columns(m, first_col, st_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The causal diagonal's [keys, queries] mask: key row r sees query column c when c >= first_col[r] - m."""
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    return gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+
+
+@gluon.jit
+def _two_view_block(j, m, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, q_ready,
+                    do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale, power,
+                    st_layout: gl.constexpr, a_layout: gl.constexpr, VIEWS: gl.constexpr, POWER_MODE: gl.constexpr,
+                    CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """Forms 0 and 1: one warpgroup's keys against the query block from row m (ring tile j). S1^T, S2^T
+    and dP^T issued back to back; W^T = relu(S1^T)^p - lam relu(S2^T)^p and G1^T (form 0: G2^T) once the
+    scores are in, dV += W^T dO issued at once; then dK += (dP^T G1^T) Q (form 0: dK2 += dk2_scale
+    (dP^T G2^T) Q2). dO's slot goes back when dV retired, the Q / Q2 slot when the last product did."""
+    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    s1_t, s2_t, q_tile, q2_tile = _issue_two_views(j, k_tile, k2_tile, q_ring, q2_ring, q_ready, start, st_layout,
+                                                   HALF_N, BLOCK_M, STAGES)
+    dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    s1_t, s2_t, k_tile, k2_tile, q_tile, q2_tile = warpgroup_mma_wait(
+        num_outstanding=1, deps=(s1_t, s2_t, k_tile, k2_tile, q_tile, q2_tile))  # S1^T, S2^T retired
+    if MASKED:  # relu(-inf) = 0: the select rides on the scores, before either function
+        visible = _visible_columns(m, first_col, st_layout, BLOCK_M)
+        s1_t = gl.where(visible, s1_t, -float("inf"))
+        s2_t = gl.where(visible, s2_t, -float("inf"))
+    w1_t, g1_t = _weight_and_grad(s1_t, 0, power, THRESHOLD, POWER_MODE, 0, False)
+    if VIEWS == 0:
+        w2_t, g2_t = _weight_and_grad(s2_t, 0, power, THRESHOLD, POWER_MODE, 0, False)
+    else:
+        w2_t = _rectified_power(s2_t, power, POWER_MODE)
+    w16 = gl.convert_layout((w1_t - lam * w2_t).to(q_ring.dtype), a_layout)
+    dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
+    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+    ds16 = gl.convert_layout(_score_grad(dp_t, g1_t, THRESHOLD, POWER_MODE).to(q_ring.dtype), a_layout)
+    dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
+    if VIEWS == 0:
+        ds2_16 = gl.convert_layout((_score_grad(dp_t, g2_t, THRESHOLD, POWER_MODE) * dk2_scale).to(q_ring.dtype),
+                                   a_layout)
+        dk2 = warpgroup_mma(ds2_16, q2_tile, dk2, is_async=True)
+        dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=2, deps=(dv, w16, do_tile))
+        release(j, do_empty, STAGES)
+        dk, dk2, ds16, ds2_16, q_tile, q2_tile = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dk, dk2, ds16, ds2_16, q_tile, q2_tile))
+    else:
+        dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
+        release(j, do_empty, STAGES)
+        dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+    release(j, q_empty, STAGES)
+    return dk, dv, dk2
+
+
+@gluon.jit
+def _second_view_block(j, m, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
+                       q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout: gl.constexpr,
+                       a_layout: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                       HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Form 2: one warpgroup's keys against the query block from row m (ring tile j): S2^T and dP^T
+    issued back to back, G2^T once S2^T is in, dO's slot back once dP^T retired, then
+    dK2 += dk2_scale (dP^T G2^T) Q2 and the Q2 slot back once it retired."""
+    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    s2_t, q2_tile = _issue_with_columns(j, k2_tile, q2_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
+    dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    s2_t, k2_tile, q2_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s2_t, k2_tile, q2_tile))  # S2^T retired
+    visible = 0
+    if MASKED:
+        visible = _visible_columns(m, first_col, st_layout, BLOCK_M)
+    _, g2_t = _weight_and_grad(s2_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
+    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+    release(j, do_empty, STAGES)
+    ds2_16 = gl.convert_layout((_score_grad(dp_t, g2_t, THRESHOLD, POWER_MODE) * dk2_scale).to(q2_ring.dtype),
+                               a_layout)
+    dk2 = warpgroup_mma(ds2_16, q2_tile, dk2, is_async=True)
+    dk2, ds2_16, q2_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk2, ds2_16, q2_tile))
+    release(j, q_empty, STAGES)
+    return dk2
+
+
+@gluon.jit
+def _store_key_rows(ptr, base, keys, stride_n, acc, kv_len, kv_layout: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Stores the fp32 accumulator's key rows (those < kv_len) at ptr + base + key stride_n + d."""
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    rows = ptr + base + gl.expand_dims(keys.to(gl.int64) * stride_n, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(rows, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < kv_len, 1))
+
+
+@gluon.jit
+def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                   DK, DV, DK2, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len,
+                   kv_len, i_lo, i_full, i_hi, tau_scale, power,
+                   VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
+    each query head of the group (lambda per head: dK2's factor -lam_h p rides on its scores); stores its
+    rows of its form's gradients (dk times p). Form 2 gets K2 as k_tile and the Q2 ring as q2_ring."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
+    key_rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+    first_col = key_rows - (kv_len - q_len)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    dk2 = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
+    count = i_hi - i_lo
+
+    mbarrier.wait(kv_bar, 0)
+    for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
+        h = hk * GROUP + gi
+        lam = gl.load(LAM + h.to(gl.int64) * stride_lam).to(gl.float32)
+        dk2_scale = -lam * power
+        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        if CAUSAL:
+            for i in range(i_lo, i_full):
+                if VIEWS == 2:
+                    dk2 = _second_view_block(
+                        j0 + i, i * BLOCK_M, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
+                        q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout,
+                        a_layout, POWER_MODE, CAUSAL, True, HALF_N, BLOCK_M, STAGES)
+                else:
+                    dk, dv, dk2 = _two_view_block(
+                        j0 + i, i * BLOCK_M, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                        do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam,
+                        dk2_scale, power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, True, HALF_N,
+                        BLOCK_M, STAGES)
+        for i in range(i_full, i_hi):
+            if VIEWS == 2:
+                dk2 = _second_view_block(
+                    j0 + i, i * BLOCK_M, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
+                    q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout, a_layout,
+                    POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
+            else:
+                dk, dv, dk2 = _two_view_block(
+                    j0 + i, i * BLOCK_M, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
+                    q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale,
+                    power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
+
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    if VIEWS != 2:
+        _store_key_rows(DK, kv_base, keys, stride_kvn, dk * power, kv_len, kv_layout, HEAD_DIM)
+        _store_key_rows(DV, kv_base, keys, stride_kvn, dv, kv_len, kv_layout, HEAD_DIM)
+    if VIEWS != 1:
+        _store_key_rows(DK2, kv_base, keys, stride_kvn, dk2, kv_len, kv_layout, HEAD_DIM)
+
+
+@gluon.jit
+def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves, q_ring,
+                       q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, k_row, kv_col, q_row, hk,
+                       GROUP, i_lo, i_hi, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       STAGES: gl.constexpr):
+    """One warp: the program's K, K2 and V (two HALF_N-row halves each) once, then Q and Q2 (one ready
+    barrier) and dO of query blocks i_lo .. i_hi - 1 of each query head of kv head hk's group, in that
+    order, into ring tile j's slot j % STAGES once both consumers released its previous use (empty
+    phase parity starts at 1: the first round does not wait)."""
+    mbarrier.expect(kv_bar, 6 * k_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [k_row + half * HALF_N, kv_col], kv_bar, k_halves.index(half))
+        tma.async_copy_global_to_shared(k2_desc, [k_row + half * HALF_N, kv_col], kv_bar, k2_halves.index(half))
+        tma.async_copy_global_to_shared(v_desc, [k_row + half * HALF_N, kv_col], kv_bar, v_halves.index(half))
+    count = i_hi - i_lo
+    for gi in range(GROUP):
+        q_col = (hk * GROUP + gi) * HEAD_DIM
+        for i in range(count):
+            j = gi * count + i
+            s = j % STAGES
+            empty_phase = ((j // STAGES) & 1) ^ 1
+            r = q_row + (i_lo + i) * BLOCK_M
+            mbarrier.wait(q_empty.index(s), empty_phase)
+            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [r, q_col], q_ready.index(s), q_ring.index(s))
+            tma.async_copy_global_to_shared(q2_desc, [r, q_col], q_ready.index(s), q2_ring.index(s))
+            mbarrier.wait(do_empty.index(s), empty_phase)
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [r, q_col], do_ready.index(s), do_ring.index(s))
+
+
+@gluon.jit
+def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2, LAM,
+                 stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, q_len, kv_len, tau_scale, power,
+                 VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
+    BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer. dk, dv,
+    dk2 share one (B, KV, H_kv, D) layout (strides stride_kv*). Form 2 reads only k2_desc, v_desc, q2_desc
+    and do_desc."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
+    if VIEWS == 2:
+        k2_halves, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+            k2_desc, q2_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+        v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+        gl.warp_specialize([
+            (_dkdv_consumer, (k2_halves.index(0), k2_halves.index(0), v_halves.index(0), q2_ring, q2_ring, do_ring,
+                              kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
+                              kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                              power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              NUM_WARPS_C)),
+            (_dkdv_consumer, (k2_halves.index(1), k2_halves.index(1), v_halves.index(1), q2_ring, q2_ring, do_ring,
+                              kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
+                              kv_base, stride_kvn, hk, n0 + HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                              tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              NUM_WARPS_C)),
+            (_dkdv_producer, (k2_desc, v_desc, q2_desc, do_desc, k2_halves, v_halves, q2_ring, do_ring, kv_bar,
+                              q_ready, do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk,
+                              GROUP, i_lo, i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    else:
+        # gluon_diff_fwd's ring: two stationary tiles (here K and K2 halves), Q and Q2 in one slot, dO
+        k_halves, k2_halves, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
+            k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+        v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+        gl.warp_specialize([
+            (_dkdv_consumer, (k_halves.index(0), k2_halves.index(0), v_halves.index(0), q_ring, q2_ring, do_ring,
+                              kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
+                              kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                              power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              NUM_WARPS_C)),
+            (_dkdv_consumer, (k_halves.index(1), k2_halves.index(1), v_halves.index(1), q_ring, q2_ring, do_ring,
+                              kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
+                              kv_base, stride_kvn, hk, n0 + HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                              tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              NUM_WARPS_C)),
+            (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves,
+                                  q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                                  b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, HALF_N, HEAD_DIM,
+                                  BLOCK_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+# ------------------------------------------------------------------------- dQ, dQ2 (query blocks)
+
+
+@gluon.jit
+def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, k_ready, v_ready, k_empty,
+              v_empty, tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
+              POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j for one warpgroup's rows: S1 = Q K^T, S2 = Q2 K2^T and dP = dO V^T back to back, G1,
+    G2 and W2 once the scores are in, V's slot back once dP retired, the rows' d-lambda sums of dP W2,
+    dQ += (dP G1) K and dQ2 += (dP G2) K2, the K / K2 slot back once those retired."""
+    s = j % STAGES
+    k_tile = k_ring.index(s)
+    k2_tile = k2_ring.index(s)
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    s1 = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s2 = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    s1, s2, q_tile, q2_tile, k_tile, k2_tile = warpgroup_mma_wait(
+        num_outstanding=1, deps=(s1, s2, q_tile, q2_tile, k_tile, k2_tile))  # S1, S2 retired
+    t = gl.expand_dims(tau, 1)
+    x1 = s1 - t
+    x2 = s2 - t
+    if MASKED:  # relu(-inf) = 0 for both views
+        visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
+        x1 = gl.where(visible, x1, -float("inf"))
+        x2 = gl.where(visible, x2, -float("inf"))
+    _, g1 = _weight_and_grad(x1, 0, power, THRESHOLD, POWER_MODE, 0, False)
+    w2, g2 = _weight_and_grad(x2, 0, power, THRESHOLD, POWER_MODE, 0, False)
+    dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
+    release(j, v_empty, STAGES)
+    dlam_rows = dlam_rows + gl.sum(dp * w2, axis=1)
+    ds1_16 = gl.convert_layout(_score_grad(dp, g1, THRESHOLD, POWER_MODE).to(k_ring.dtype), a_layout)
+    dq = warpgroup_mma(ds1_16, k_tile, dq, is_async=True)
+    ds2_16 = gl.convert_layout(_score_grad(dp, g2, THRESHOLD, POWER_MODE).to(k_ring.dtype), a_layout)
+    dq2 = warpgroup_mma(ds2_16, k2_tile, dq2, is_async=True)
+    dq, dq2, k_tile, k2_tile, ds1_16, ds2_16 = warpgroup_mma_wait(
+        num_outstanding=0, deps=(dq, dq2, k_tile, k2_tile, ds1_16, ds2_16))
+    release(j, k_empty, STAGES)
+    return dq, dq2, dlam_rows
+
+
+@gluon.jit
+def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ,
+                 DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base, m0, q_len, kv_len, n_full, n_tiles,
+                 tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
+    [n_full, n_tiles) masked); stores its rows of dq (times p), dq2 (times -lam p) and their d-lambda
+    sums."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+    tau = _row_value(rows, kv_len, q_len, tau_scale, THRESHOLD, False, CAUSAL)
+    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
+    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
+    dq2 = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
+    dlam_rows = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):
+        dq, dq2, dlam_rows = _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
+                                       k_ready, v_ready, k_empty, v_empty, tau, last_key, kv_len, power, s_layout,
+                                       a_layout, POWER_MODE, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
+    for j in range(n_full, n_tiles):
+        dq, dq2, dlam_rows = _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
+                                       k_ready, v_ready, k_empty, v_empty, tau, last_key, kv_len, power, s_layout,
+                                       a_layout, POWER_MODE, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+
+    lam = gl.load(LAM + lam_offset).to(gl.float32)
+    offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    offs = dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    in_rows = gl.expand_dims(offs_m < q_len, 1)
+    gl.store(DQ + offs, (dq * power).to(DQ.dtype.element_ty), mask=in_rows)
+    gl.store(DQ2 + offs, (dq2 * (-lam * power)).to(DQ2.dtype.element_ty), mask=in_rows)
+    # this head's d-lambda sums over its keys, one per query row: DLAM_PART[b, h, row]
+    gl.store(DLAM_PART + dlam_base + rows, dlam_rows, mask=rows < q_len)
+
+
+@gluon.jit
+def _dq_producer(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring,
+                 q_bar, k_ready, v_ready, k_empty, v_empty, q_row, q_col, k_row, kv_col, n_tiles,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both consumers' Q, Q2 and dO rows once (one barrier), then per key block j < n_tiles K
+    and K2 (one ready barrier) and V into ring slot j % STAGES, each once both consumers released the
+    slot's previous use."""
+    mbarrier.expect(q_bar, 6 * q_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF_M, q_col], q_bar, q_smem.index(half))
+        tma.async_copy_global_to_shared(q2_desc, [q_row + half * HALF_M, q_col], q_bar, q2_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [q_row + half * HALF_M, q_col], q_bar, do_smem.index(half))
+    for j in range(n_tiles):
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        r = k_row + j * BLOCK_N
+        mbarrier.wait(k_empty.index(s), empty_phase)
+        mbarrier.expect(k_ready.index(s), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [r, kv_col], k_ready.index(s), k_ring.index(s))
+        tma.async_copy_global_to_shared(k2_desc, [r, kv_col], k_ready.index(s), k2_ring.index(s))
+        mbarrier.wait(v_empty.index(s), empty_phase)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [r, kv_col], v_ready.index(s), v_ring.index(s))
+
+
+@gluon.jit
+def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, DLAM_PART, stride_dqb, stride_dqn,
+               stride_dqh, stride_lam, H, GROUP, q_len, kv_len, tau_scale, power,
+               POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
+    BLOCK_M / 2 rows each and a 1-warp TMA producer; causal programs run the last query blocks first. dq
+    and dq2 share one (B, N, H, D) layout (strides stride_dq*)."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_smem, q2_smem, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+    dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+    lam_offset = h.to(gl.int64) * stride_lam
+    dlam_base = bh.to(gl.int64) * q_len
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), k_ring, k2_ring, v_ring, q_bar, k_ready,
+                        v_ready, k_empty, v_empty, DQ, DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base,
+                        m0, q_len, kv_len, n_full, n_tiles, tau_scale, power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N,
+                        HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), k_ring, k2_ring, v_ring, q_bar, k_ready,
+                        v_ready, k_empty, v_empty, DQ, DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base,
+                        m0 + HALF_M, q_len, kv_len, n_full, n_tiles, tau_scale, power, POWER_MODE, CAUSAL, HALF_M,
+                        BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, do_smem, k_ring, k2_ring,
+                        v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len,
+                        hk * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def serves(q, k, v) -> bool:
+    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16; q2 and
+    k2 are checked to match q and k by the family's validation)."""
+    from attn.kernels.gluon_pipeline import serves as operands_served
+
+    return operands_served(q, k, v)
+
+
+def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float):
+    """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
+    checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
+    tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
+    k2 in their dtype, dlam (H,) in lam's dtype. Launches: the key-block kernel per form of
+    `dkdv_forms(D)`, the query-block kernel, and torch's fixed-order sum of the d-lambda partials."""
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    gdt = gl_dtype(q.dtype)
+    tau_scale = beta * math.sqrt(2.0 / d)
+    power_constexpr = power_mode(power)
+    q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
+    k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
+    # the dQ kernel takes Q, Q2, dO in 64-row tiles (one consumer's rows)
+    q_desc, q2_desc, do_desc = (_descriptor(t, [64, d], gdt) for t in (q_view, q2_view, do_view))
+
+    dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    dq2 = torch.empty((bsz, n, h, d), device=q.device, dtype=q2.dtype)
+    dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
+    dk2 = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k2.dtype)
+    dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
+    dlam_part = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+
+    for form in dkdv_forms(d):
+        cfg = dkdv_tile_config(d, form)
+        half_keys, query_block = [cfg["BLOCK_N"] // 2, d], [cfg["BLOCK_M"], d]
+        k_desc, k2_desc, v_desc = (_descriptor(t, half_keys, gdt) for t in (k_view, k2_view, v_view))
+        slot_q, slot_q2, slot_do = (_descriptor(t, query_block, gdt) for t in (q_view, q2_view, do_view))
+        _dkdv_kernel[(triton.cdiv(kv_len, cfg["BLOCK_N"]), bsz * h_kv)](
+            k_desc, k2_desc, v_desc, slot_q, slot_q2, slot_do, dk, dv, dk2, lam,
+            dk.stride(0), dk.stride(1), dk.stride(2), lam.stride(0), h_kv, h // h_kv, n, kv_len, tau_scale,
+            float(power), VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS,
+            **cfg)
+
+    cfg = dq_tile_config(d)
+    key_block = [cfg["BLOCK_N"], d]
+    k_desc, k2_desc, v_desc = (_descriptor(t, key_block, gdt) for t in (k_view, k2_view, v_view))
+    _dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)](
+        q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, dq, dq2, lam, dlam_part, dq.stride(0), dq.stride(1),
+        dq.stride(2), lam.stride(0), h, h // h_kv, n, kv_len, tau_scale, float(power), POWER_MODE=power_constexpr,
+        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    # fixed-order reduction of the per-(batch, head, query row) sums: deterministic
+    dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
+    return dq, dk, dv, dq2, dk2, dlam
+
+
+def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0):
+    """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
+    import torch
+
+    what = "gluon differential threshold backward"
+    check_operands(q, k, v, causal, what)
+    for name, t, like in (("q2", q2, q), ("k2", k2, k), ("dout", dout, q)):
+        like_name = "q" if name == "dout" else name[0]
+        if not isinstance(t, torch.Tensor) or t.shape != like.shape:
+            raise ValueError(f"{what}: {name} must have the shape of {like_name} {tuple(like.shape)}, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+        if t.dtype != like.dtype or t.device != like.device:
+            raise ValueError(f"{what}: {name} must match {like_name}'s dtype and device ({like.dtype}, "
+                             f"{like.device}), got {t.dtype}, {t.device}")
+    h = q.shape[2]
+    if not isinstance(lam, torch.Tensor) or tuple(lam.shape) != (h,):
+        raise ValueError(f"{what}: lam must be a tensor of shape (H,) = ({h},), got {getattr(lam, 'shape', lam)}")
+    if lam.dtype not in (torch.float32, torch.bfloat16, torch.float16) or lam.device != q.device:
+        raise ValueError(f"{what}: lam must be float32, bfloat16 or float16 on q's device ({q.device}), got "
+                         f"{lam.dtype} on {lam.device}")
+    if not (math.isfinite(float(power)) and power > 0):
+        raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
+    if not math.isfinite(float(beta)):
+        raise ValueError(f"{what}: beta must be finite, got {beta}")
+    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power))
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling without a GPU
+
+KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dq")
+_DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW}
+
+
+def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
+                 kernel: str = "dkdv", power: float = 2.0, lam_dtype: str = "fp32", views: int | None = None,
+                 block_n: int | None = None, block_m: int | None = None, stages: int | None = None):
+    """One of the backward's kernels compiled for sm_<arch> without a GPU
+    (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
+    dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
+    "dkdv_first" / "dkdv_second" (forms 1 / 2)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    rows = descriptor_type(dtype, [64, head_dim])
+    scalars = {"q_len": "i32", "kv_len": "i32", "tau_scale": "fp32", "power": "fp32"}
+    tail = {name: "constexpr" for name in ("POWER_MODE", "CAUSAL", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES")}
+    constexprs = {"POWER_MODE": power_mode(power), "CAUSAL": causal, "HEAD_DIM": head_dim}
+    if kernel == "dq":
+        cfg = dq_tile_config(head_dim)
+        if block_n is not None:
+            cfg["BLOCK_N"] = block_n
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
+        signature = {"q_desc": rows, "q2_desc": rows, "do_desc": rows, "k_desc": keys, "k2_desc": keys,
+                     "v_desc": keys, "DQ": f"*{dtype}", "DQ2": f"*{dtype}", "LAM": f"*{lam_dtype}",
+                     "DLAM_PART": "*fp32",
+                     "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32", "stride_lam": "i32", "H": "i32",
+                     "GROUP": "i32", **scalars, **tail}
+        return compile_gluon_sm90(_dq_kernel, signature, {**constexprs, **cfg}, ("DQ", "DQ2", "DLAM_PART"), arch)
+    if views is None:
+        views = _DKDV_VIEWS[kernel] if kernel != "dkdv" else dkdv_forms(head_dim)[0]
+    cfg = dkdv_tile_config(head_dim, views)
+    if block_m is not None:
+        cfg["BLOCK_M"] = block_m
+    if stages is not None:
+        cfg["STAGES"] = stages
+    rows = descriptor_type(dtype, [cfg["BLOCK_M"], head_dim])
+    keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
+    signature = {"k_desc": keys, "k2_desc": keys, "v_desc": keys, "q_desc": rows, "q2_desc": rows, "do_desc": rows,
+                 "DK": f"*{dtype}", "DV": f"*{dtype}", "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}",
+                 "stride_kvb": "i32", "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32",
+                 "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail}
+    return compile_gluon_sm90(_dkdv_kernel, signature, {**constexprs, "VIEWS": views, **cfg},
+                              ("DK", "DV", "DK2"), arch)

@@ -1,0 +1,236 @@
+"""The Gluon sm_90 differential threshold backward (attn/kernels/gluon_diff_bwd.py), natively on a Hopper GPU
+(skipped elsewhere: Gluon has no interpreter; its CPU compile checks are in tests/test_gluon_compile.py).
+
+All six gradients (dq, dk, dv, dq2, dk2, d-lambda) of `gluon_diff_threshold_backward` after the portable or the
+Gluon differential forward, against the float64 reference by the DESIGN.md section 6 rule (within 2x the error
+of the PyTorch reference run in the kernel's dtype, plus a floor that also holds what one rounding of the inputs
+moves the exact result by, as tests/test_threshold_kernels.py does: relu(x)^(p-1) jumps at tau for p = 1, and
+d-lambda sums N x KV terms), with torch.empty / empty_like NaN-poisoned so an element the kernels never write
+fails: odd lengths, causal and full masks, more keys than queries (bottom-right causal), GQA, D 64 / 128,
+bf16 / fp16, p = 1, 2, 1.5 and 3, per-head lambdas of both signs (fp32, the parameter's dtype) on unit-norm q,
+k, q2, k2 whose thresholds leave dense and empty rows. Then: two calls give the same bits and are close to the
+portable differential backward; lambda in another dtype or with a stride gives the bits of its fp32 copy
+(d-lambda in lambda's dtype); the checked entry names what a call misses. The backward is not behind the public
+function: the tests call it through an autograd.Function of their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attn
+from attn.kernels import tiers
+from attn.testing import outputs_and_grads, rounding_sensitivity
+from tolerance import assert_within_reference_error
+
+CUDA = torch.device("cuda")
+# the portable kernels on their first tile config (conftest)
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
+                                 reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
+              pytest.mark.usefixtures("first_tile_configs")]
+FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
+
+# (B, N, KV, H, H_kv, D, causal, dtype)
+SHAPES = [
+    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
+    (2, 17, 17, 4, 2, 128, False, torch.float16),
+    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
+    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
+    (2, 333, 333, 8, 2, 64, True, torch.float16),
+    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),   # KV > N: every row sees the first KV - N keys
+    (1, 257, 600, 2, 1, 64, False, torch.float16),
+    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
+    (2, 190, 321, 8, 2, 128, False, torch.bfloat16),
+]
+
+# (spec parameters, shape)
+CASES = [
+    ({}, SHAPES[0]),
+    ({}, SHAPES[1]),
+    ({}, SHAPES[2]),
+    ({"power": 1.0}, SHAPES[1]),
+    ({"power": 1.0}, SHAPES[4]),
+    ({"power": 1.0}, SHAPES[8]),
+    ({"power": 1.5, "beta": 0.5}, SHAPES[4]),
+    ({"power": 1.5}, SHAPES[6]),
+    ({"power": 1.5}, SHAPES[7]),
+    ({"power": 3.0}, SHAPES[3]),
+    ({"beta": 0.25}, SHAPES[5]),  # low thresholds: dense rows
+    ({}, SHAPES[6]),
+    ({}, SHAPES[7]),
+    ({"power": 1.0, "beta": 0.5}, SHAPES[5]),
+]
+
+
+class _GluonDiffBackward(torch.autograd.Function):
+    """Differential threshold attention whose forward is the portable or the Gluon kernel and whose backward is
+    the Gluon backward (the way the family's backward plan would call it)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier):
+        from attn.kernels import gluon_diff_fwd, threshold_family
+
+        beta, power = float(spec.beta), float(spec.power)
+        if forward_tier == "portable":
+            out = threshold_family._forward_impl(q, k, v, q2, k2, lam, None, beta, power, causal, 0)
+        else:
+            out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
+        ctx.save_for_backward(q, k, v, q2, k2, lam)
+        ctx.spec, ctx.causal = spec, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from attn.kernels.gluon_diff_bwd import gluon_diff_threshold_backward
+
+        q, k, v, q2, k2, lam = ctx.saved_tensors
+        spec = ctx.spec
+        dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout.contiguous(),
+                                                                   ctx.causal, float(spec.beta), float(spec.power))
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None
+
+
+def _inputs(shape, seed):
+    """float64 tensors on the GPU: unit-norm q, k, q2, k2 (cosine scores, as the threshold model feeds them:
+    thresholds that bind), v, per-head lambdas in [-0.5, 1.2], and the cotangent."""
+    b, n, kv, h, h_kv, d = shape[:6]
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+
+    def unit(*size):
+        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, dtype=torch.float64, generator=gen),
+                                             dim=-1)
+
+    tensors = {"q": unit(b, n, h, d), "k": unit(b, kv, h_kv, d),
+               "v": torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen),
+               "q2": unit(b, n, h, d), "k2": unit(b, kv, h_kv, d),
+               "lam": torch.rand(h, device=CUDA, dtype=torch.float64, generator=gen) * 1.7 - 0.5}
+    do = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
+    return tensors, do
+
+
+def _leaves(tensors, dtype):
+    """Leaf copies in dtype; lam stays fp32 for 16-bit runs, as a model keeps it."""
+    return {name: t.to(torch.float32 if name == "lam" and dtype != torch.float64 else dtype).requires_grad_()
+            for name, t in tensors.items()}
+
+
+def _case_id(case):
+    params, c = case
+    extra = "".join(f"-{name}{value}" for name, value in params.items())
+    return f"diff{extra}-B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}"
+
+
+def _check(case, forward_tier, seed):
+    params, shape = case
+    causal, dtype = shape[6], shape[7]
+    spec = attn.get_variant("diff_threshold").make_spec(**params)
+    tensors, do = _inputs(shape, seed)
+
+    def reference(q, k, v, q2, k2, lam):
+        return attn.attention(q, k, v, spec, causal=causal, backend="reference",
+                              extra={"q2": q2, "k2": k2, "lam": lam})
+
+    ref64 = outputs_and_grads(reference, _leaves(tensors, torch.float64), do)
+    same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
+    fused = outputs_and_grads(
+        lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier),
+        _leaves(tensors, dtype), do)
+    sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
+    for name in ("out", *GRADIENTS):
+        expected_dtype = torch.float32 if name == "dlam" else dtype
+        assert fused[name].dtype == expected_dtype and fused[name].shape == ref64[name].shape, name
+        allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item()) + sensitivity[name]
+        assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
+    return fused, ref64
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_gluon_differential_backward_after_the_portable_forward_is_within_the_rule(case, nan_poison):
+    _check(case, "portable", seed=CASES.index(case))
+
+
+@pytest.mark.parametrize("case", CASES[::3], ids=[_case_id(c) for c in CASES[::3]])
+def test_gluon_differential_backward_after_the_gluon_forward_is_within_the_rule(case, nan_poison):
+    _check(case, "gluon", seed=100 + CASES.index(case))
+
+
+def _packed(seed, b=2, n=700, kv=700, h=8, h_kv=2, d=128, dtype=torch.bfloat16):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+
+    def unit(*size):
+        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, generator=gen), dim=-1).to(dtype)
+
+    q, q2, k, k2 = unit(b, n, h, d), unit(b, n, h, d), unit(b, kv, h_kv, d), unit(b, kv, h_kv, d)
+    v = torch.randn(b, kv, h_kv, d, device=CUDA, generator=gen).to(dtype)
+    do = torch.randn(b, n, h, d, device=CUDA, generator=gen).to(dtype)
+    lam = torch.linspace(-0.5, 1.2, h, device=CUDA)
+    return q, k, v, q2, k2, lam, do
+
+
+@pytest.mark.parametrize("power,causal", [(2.0, True), (1.0, True), (1.5, False)])
+def test_gluon_differential_backward_is_repeatable_and_close_to_the_portable_backward(power, causal):
+    """Two calls give the same bits (no atomics; d-lambda summed in a fixed order), and the result is close to the
+    portable differential backward's (both within the rule; here a direct comparison at a rounding or two of the
+    16-bit results, d-lambda at a few of its fp32 sum's magnitude)."""
+    from attn.kernels import threshold_family
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, lam, do = _packed(seed=5)
+    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    portable = threshold_family._backward_impl(do, q, k, v, q2, k2, lam, None, 1.0, power, causal, 0)
+    for name, a, b, p in zip(GRADIENTS, first, second, portable):
+        assert torch.equal(a, b), name
+        assert a.dtype == p.dtype and a.shape == p.shape, name
+        scale = p.float().abs().max().item()
+        assert scale > 0, name
+        assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):
+    """lambda is read per head through its stride and converted to fp32 in the kernels: a bf16 or fp16 lambda, or a
+    strided one, gives the gradients of q, k, v, q2, k2 of its contiguous fp32 copy, and d-lambda in its own dtype
+    (the fp32 d-lambda rounded to it)."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, _, do = _packed(seed=3, n=300, kv=300, h=4)
+    lam16 = torch.tensor([0.75, -0.25, 0.5, 1.0], device=CUDA, dtype=torch.bfloat16)
+    lam_strided = torch.zeros(8, device=CUDA)
+    lam_strided[::2] = lam16.float()
+    base = launch_diff_threshold_backward(q, k, v, q2, k2, lam16.float(), do, True, 1.0, 2.0)
+    for lam in (lam16, lam_strided[::2], lam16.half()):
+        got = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, True, 1.0, 2.0)
+        for name, a, b in zip(GRADIENTS[:5], got[:5], base[:5]):
+            assert torch.equal(a, b), (name, lam.dtype)
+        assert got[5].dtype == lam.dtype and torch.equal(got[5], base[5].to(lam.dtype)), lam.dtype
+
+
+def test_checked_entry_names_what_a_call_misses():
+    from attn.kernels.gluon_diff_bwd import gluon_diff_threshold_backward
+
+    q = torch.randn(1, 64, 2, 64, device=CUDA, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 64, 1, 64, device=CUDA, dtype=torch.bfloat16)
+    lam = torch.full((2,), 0.5, device=CUDA)
+    with pytest.raises(ValueError, match="q2"):
+        gluon_diff_threshold_backward(q, k, v, q[:, :32], k, lam, q, True)
+    with pytest.raises(ValueError, match="k2"):
+        gluon_diff_threshold_backward(q, k, v, q, k.half(), lam, q, True)
+    with pytest.raises(ValueError, match="dout"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q[:, :32], True)
+    with pytest.raises(ValueError, match="dout"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q.half(), True)
+    with pytest.raises(ValueError, match="lam"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam[:1], q, True)
+    with pytest.raises(ValueError, match="lam"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam.double(), q, True)
+    with pytest.raises(ValueError, match="power"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, power=0.0)
+    with pytest.raises(ValueError, match="beta"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, beta=float("nan"))
+    with pytest.raises(ValueError, match="causal"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, 1)
+    with pytest.raises(ValueError, match="head dim"):
+        q96 = torch.randn(1, 64, 2, 96, device=CUDA, dtype=torch.bfloat16)
+        gluon_diff_threshold_backward(q96, q96, q96, q96, q96, lam, q96, True)
