@@ -10,7 +10,8 @@ then times.
 2. Timing, backward only (triton.testing.do_bench median ms; TFLOP/s of 2.5x the forward's useful FLOPs,
    halved when causal): SDPA's backward (plain softmax, the speed users know: torch.autograd.grad through
    scaled_dot_product_attention, the graph kept), and per variant the portable backward (the family's
-   `_backward_impl`, its tuning done before the timing) and the Gluon backward (`launch_*_backward`), at
+   `_backward_impl` with ATTNLAB_GLUON=0, which its plans would otherwise hand to the Gluon tier; its tuning
+   done before the timing) and the Gluon backward (`launch_*_backward`), at
    SHAPES (B, H, N, D, causal), bf16; also the differential threshold's (diff_threshold: both views' six
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
    correctness is tests/test_gluon_diff_bwd_gpu.py's).
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 from timing import attention_flops, median_ms, result_header, tflops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gluon_softmax_gpu import poison_allocator  # noqa: E402
+from check_gluon_softmax_gpu import poison_allocator, with_gluon  # noqa: E402
 
 # (variant, spec parameters, (B, N, KV, H, H_kv, D, causal, dtype))
 CASES = [
@@ -128,19 +129,19 @@ def time_shapes(results):
             spec = _spec(variant, params)
             if variant == "threshold":
                 beta, power = float(spec.beta), float(spec.power)
-                impls["threshold portable"] = (lambda: threshold_family._backward_impl(
-                    do, qn, kn, v, None, None, None, None, beta, power, causal, 0))
+                impls["threshold portable"] = (lambda: with_gluon("0", lambda: threshold_family._backward_impl(
+                    do, qn, kn, v, None, None, None, None, beta, power, causal, 0)))
                 impls["threshold gluon"] = lambda: launch_threshold_backward(qn, kn, v, do, causal, beta, power)
             elif variant == "diff_threshold":
                 diff_beta, diff_power = float(spec.beta), float(spec.power)
-                impls["diff_threshold portable"] = (lambda: threshold_family._backward_impl(
-                    do, qn, kn, v, q2n, k2n, lam, None, diff_beta, diff_power, causal, 0))
+                impls["diff_threshold portable"] = (lambda: with_gluon("0", lambda: threshold_family._backward_impl(
+                    do, qn, kn, v, q2n, k2n, lam, None, diff_beta, diff_power, causal, 0)))
                 impls["diff_threshold gluon"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
-                impls["sigmoid portable"] = (lambda: sigmoid_family._backward_impl(
-                    do, q, k, v, None, bias, sm_scale, causal, 0))
+                impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
+                    do, q, k, v, None, bias, sm_scale, causal, 0)))
                 impls["sigmoid gluon"] = lambda: launch_sigmoid_backward(q, k, v, do, causal, sm_scale, bias)
         flops = 2.5 * attention_flops(b, h, n, d, causal)
         row = {"shape": [b, h, n, d, causal]}
