@@ -196,7 +196,9 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable:
     eager step makes a few per layer); under a transform or while torch.compile traces (which knows
     `function.apply`, not the layer below), `function.apply` itself."""
     c_apply = super(torch.autograd.Function, function).apply
-    transforms_active = torch._C._are_functorch_transforms_active
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if transforms_active is None:  # a torch without that query: its public apply
+        return function.apply
 
     def apply(*args):
         if torch.compiler.is_compiling() or transforms_active():
