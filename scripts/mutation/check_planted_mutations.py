@@ -253,8 +253,8 @@ MUTATIONS = [
     ),
     Mutation(
         "scalar-lambda-not-clamped", "attn/families/differential.py",
-        "return self.lambda_scalar.float().clamp(0.0, 1.0).expand(self.n_head).contiguous()",
-        "return self.lambda_scalar.float().expand(self.n_head).contiguous()",
+        "return _fp32(self.lambda_scalar).clamp(0.0, 1.0).expand(self.n_head).contiguous()",
+        "return _fp32(self.lambda_scalar).expand(self.n_head).contiguous()",
         "the official TDA lambda (scalar_clamp) is not clamped to [0, 1]",
         (f"{MODEL}::test_differential_lambda_is_learned",),
     ),
