@@ -59,6 +59,7 @@ from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_diff_fwd import _allocate_ring, _invalidate_ring, _rectified_power
 from attn.kernels.gluon_pipeline import (
+    serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     HEAD_DIMS,
     NUM_WARPS,
@@ -534,14 +535,6 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def serves(q, k, v) -> bool:
-    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16; q2 and
-    k2 are checked to match q and k by the family's validation)."""
-    from attn.kernels.gluon_pipeline import serves as operands_served
-
-    return operands_served(q, k, v)
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float):

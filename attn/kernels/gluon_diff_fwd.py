@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
+    serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     NUM_WARPS,
     PRODUCER_REGS,
@@ -283,14 +284,6 @@ def _gluon_diff_threshold_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, O
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def serves(q, k, v) -> bool:
-    """Whether the kernel serves these operands (`gluon_pipeline.serves`; q2 and k2 are checked to match
-    q and k by the family's validation)."""
-    from attn.kernels.gluon_pipeline import serves as operands_served
-
-    return operands_served(q, k, v)
 
 
 def _descriptors(q, k, v, q2, k2, cfg: dict):

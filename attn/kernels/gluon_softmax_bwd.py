@@ -67,6 +67,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
+    serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     HEAD_DIMS,
     LOG2E,
@@ -582,13 +583,6 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def serves(q, k, v) -> bool:
-    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16)."""
-    from attn.kernels.gluon_pipeline import serves as operands_served
-
-    return operands_served(q, k, v)
 
 
 def _descriptor(flat_view, block, gdt):

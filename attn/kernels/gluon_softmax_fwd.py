@@ -24,6 +24,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
+    serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     LOG2E,
     NUM_WARPS,
@@ -294,13 +295,6 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def serves(q, k, v) -> bool:
-    """Whether the kernel serves these operands (`gluon_pipeline.serves`)."""
-    from attn.kernels.gluon_pipeline import serves as operands_served
-
-    return operands_served(q, k, v)
 
 
 def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):

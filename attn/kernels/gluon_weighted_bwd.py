@@ -58,6 +58,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
+    serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     LOG2E,
     NUM_WARPS,
@@ -383,13 +384,6 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, stride_dqn, stri
 
 # ---------------------------------------------------------------------------------------------
 # host side
-
-
-def serves(q, k, v) -> bool:
-    """Whether the kernels serve these operands (`gluon_pipeline.serves`: D 64 / 128, bf16 / fp16)."""
-    from attn.kernels.gluon_pipeline import serves as operands_served
-
-    return operands_served(q, k, v)
 
 
 def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_scale: float, row_param: float,
