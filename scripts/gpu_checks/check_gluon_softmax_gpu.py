@@ -214,10 +214,17 @@ def time_shapes(kernels: dict, results):
 # forward (ATTNLAB_GLUON=0) and the Gluon forward (ATTNLAB_GLUON=1); forward, and forward + backward
 VARIANT_SHAPES = [(4, 16, 4096, 128), (16, 12, 1024, 64)]
 VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, False), ("softcap_softsign", {}, False),
-            ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False), ("diff_threshold", {}, False)]
+            ("alsc", {}, False), ("threshold", {}, False), ("threshold", {"power": 1.5}, False), ("sigmoid", {}, False),
+            ("diff_threshold", {}, False)]
 
 
-def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
+def variant_label(name, params, tempered):
+    """A row's name: the variant, its non-default parameters, "+ temperature"."""
+    label = name + "".join(f" {key}={value}" for key, value in params.items())
+    return label + (" + temperature" if tempered else "")
+
+
+def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), only=None):
     import torch.nn.functional as F
 
     import attn
@@ -233,6 +240,9 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
         def sdpa():
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
         for name, params, tempered in VARIANTS:
+            label = variant_label(name, params, tempered)
+            if only is not None and label not in only:
+                continue
             spec = attn.get_variant(name).make_spec(**params)
             t = temperature if tempered else None
             extra = None
@@ -257,7 +267,6 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
                 from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
 
                 impls["gluon_newton2"] = (lambda: gluon_sigmoid_forward(q, k, v, True, d ** -0.5, None, newton=2), None)
-            label = name + (" + temperature" if tempered else "")
             for pass_name in passes:
                 times = {}
                 for impl, (fn, grad) in impls.items():
@@ -294,6 +303,8 @@ def main() -> int:
     ap.add_argument("--variants-only", action="store_true",
                     help="only the per-variant timing at the first variant shape (no checks, no shape table)")
     ap.add_argument("--passes", default="fwd", help="with --variants-only: comma list of fwd, fwd+bwd")
+    ap.add_argument("--only", default=None, help="with --variants-only: comma list of row names to time (default all): "
+                    + ", ".join(variant_label(*v) for v in VARIANTS))
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
@@ -320,7 +331,12 @@ def main() -> int:
         passes = tuple(args.passes.split(","))
         if not set(passes) <= {"fwd", "fwd+bwd"}:
             raise SystemExit(f"--passes must be a comma list of fwd, fwd+bwd, got {args.passes!r}")
-        time_variants(results, VARIANT_SHAPES[:1], passes)
+        only = None if args.only is None else set(args.only.split(","))
+        unknown = (only or set()) - {variant_label(*v) for v in VARIANTS}
+        if unknown:
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; the rows are "
+                             + ", ".join(variant_label(*v) for v in VARIANTS))
+        time_variants(results, VARIANT_SHAPES[:1], passes, only)
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
     kernels = {"gluon_sm90": gluon_softmax_forward}
