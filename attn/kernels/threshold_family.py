@@ -631,16 +631,12 @@ def _stride_of(t: Optional[torch.Tensor]):
     return None if t is None else t.stride()
 
 
-def _dtype_of(t: Optional[torch.Tensor]):
-    return None if t is None else t.dtype
-
-
 def _signature(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p) -> tuple:
     """What a call's launch plan follows from (LaunchPlans); the second view's dtypes decide whether a
     Gluon kernel serves the call."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), _stride_of(q2), _stride_of(k2), _stride_of(lam),
-            q.dtype, _dtype_of(q2), _dtype_of(k2), q.device, bounds is not None, beta, power, causal, window,
-            dropout_p)
+            q.dtype, None if q2 is None else (q2.dtype, k2.dtype), q.device, bounds is not None, beta, power, causal,
+            window, dropout_p)
 
 
 # lambda dtypes the Gluon differential kernels read; lambda of another float dtype goes to them as its
