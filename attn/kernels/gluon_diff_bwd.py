@@ -45,8 +45,9 @@ gradients, as the reference does.
 
 Served: what the Gluon differential forward serves (`gluon_diff_fwd`): no segments, key lengths, window
 or dropout; causal or full; GQA with q2, k2 shaped like q, k; D 64 / 128; bf16 / fp16; KV >= N (KV < N
-also works: rows that see no key get zero gradient). Not reachable from the public function:
-`threshold_family` runs the differential backward on the portable kernels.
+also works: rows that see no key get zero gradient). Behind the public function through the kernel tiers:
+`threshold_family`'s backward plan offers `launch_diff_threshold_backward` to the differential calls it
+serves, after either tier's forward (both save only the inputs).
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ Two fp32 score tiles of 64 x BLOCK_N and the 64 x D accumulator live in a consum
 
 Serves what the one-map Gluon forward serves (`gluon_weighted_fwd`): no segments, key lengths, window
 or dropout; causal (bottom-right aligned: query row i at key position i + KV - N) or full; GQA with q2
-and k2 shaped like q and k; D 64 / 128; bf16 / fp16. Not reachable from the public function:
-`attn/kernels/threshold_family.py` runs the differential form on the portable kernels.
+and k2 shaped like q and k; D 64 / 128; bf16 / fp16. Behind the public function through the kernel tiers:
+`attn/kernels/threshold_family.py`'s forward plan offers `launch_diff_threshold` to the differential calls
+it serves (`attn/kernels/tiers.py`, ATTNLAB_GLUON).
 """
 
 from __future__ import annotations

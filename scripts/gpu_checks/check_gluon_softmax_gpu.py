@@ -11,9 +11,8 @@
    public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16; then every
    softmax-family variant (caps, temperature), threshold and sigmoid through the public function on
    either tier against SDPA, forward and forward + backward (their correctness through the public
-   function: tests/test_gluon_gpu.py); the differential threshold through the public function (portable)
-   and its Gluon forward called directly (attn/kernels/gluon_diff_fwd.py, not behind the public function;
-   forward only; correctness: tests/test_gluon_diff_fwd_gpu.py).
+   function: tests/test_gluon_gpu.py), the differential threshold included (attn/kernels/gluon_diff_fwd.py,
+   gluon_diff_bwd.py).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -254,11 +253,6 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       extra=extra, backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
-            if spec.differential:  # the Gluon forward is not behind the public function: called directly
-                from attn.kernels.gluon_diff_fwd import launch_diff_threshold
-
-                impls["gluon"] = (lambda: launch_diff_threshold(q, k, v, extra["q2"], extra["k2"], extra["lam"], True,
-                                                                float(spec.beta), float(spec.power)), None)
             if name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered):
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
