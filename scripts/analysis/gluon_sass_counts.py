@@ -14,6 +14,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
     python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
+    python scripts/analysis/gluon_sass_counts.py --variant tanh tanh_pingpong sigmoid_pingpong  # consumers in ping-pong
     python scripts/analysis/gluon_sass_counts.py --variant diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq  # its backward
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
@@ -36,8 +37,10 @@ both views' scores together. The differential backward (attn/kernels/gluon_diff_
 diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is the key-block
 launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both on 32-row
 query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dq the query-block dQ / dQ2 /
-d-lambda kernel; their per_score counts per (query, key) position as well. `loop_spills` counts local-memory
-instructions inside the counted loop, `spills` those of the whole kernel.
+d-lambda kernel; their per_score counts per (query, key) position as well. The forwards' <form>_pingpong
+variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
+BAR.SYNC and one BAR.ARV more, counted as sync). `loop_spills` counts local-memory instructions inside the
+counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -117,6 +120,10 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "softmax_poly_exp2": dict(cap=0, exp2_poly=3), "soft_sign_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=3),
             "soft_sign_half_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=-3),
             "alsc_half_poly_exp2": dict(cap=3, fixed_shift=True, exp2_poly=-3)}
+# the forwards with the two consumer warpgroups in ping-pong (compile_sm90's pingpong): <form>_pingpong
+PINGPONG_FORMS = ("softmax", "temperature", "tanh", "tanh_online", "soft_sign", "alsc", "alsc_temperature",
+                  "threshold", "threshold_p1", "threshold_p1.5", "sigmoid")
+VARIANTS.update({f"{form}_pingpong": {**VARIANTS[form], "pingpong": True} for form in PINGPONG_FORMS})
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
 # the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel, cap, has_temp, need_dt)
 VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})
