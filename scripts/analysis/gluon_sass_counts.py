@@ -91,6 +91,27 @@ def load_kernel_module(path: Path = KERNEL):
 
 
 
+TURN_EVENTS = [  # (event, instruction pattern): gluon_pipeline's ping-pong as it reads in the SASS
+    ("wait14", re.compile(r"^BAR\.SYNC(\.\S+)? 0xe, 0x100$")), ("wait15", re.compile(r"^BAR\.SYNC(\.\S+)? 0xf, 0x100$")),
+    ("pass14", re.compile(r"^BAR\.ARV 0xe, 0x100$")), ("pass15", re.compile(r"^BAR\.ARV 0xf, 0x100$")),
+    ("issue", re.compile(r"^WARPGROUP\.ARRIVE")), ("retire", re.compile(r"^WARPGROUP\.DEPBAR")),
+    ("ring_wait", re.compile(r"^SYNCS\.PHASECHK")), ("exit", re.compile(r"^EXIT")),
+]
+
+
+def turn_events(instrs: list[tuple[int, str]]) -> list[str]:
+    """The kernel's SASS in address order reduced to the events of the consumers' ping-pong: waitN / passN
+    (BAR.SYNC / BAR.ARV on named barrier N for 256 threads), issue (WARPGROUP.ARRIVE: a wgmma issue
+    starts), retire (WARPGROUP.DEPBAR: a wgmma wait), ring_wait (an mbarrier wait of the K / V ring),
+    exit."""
+    events = []
+    for _, ins in instrs:
+        event = next((name for name, pattern in TURN_EVENTS if pattern.match(ins)), None)
+        if event is not None:
+            events.append(event)
+    return events
+
+
 def is_masked(body: list[str], scores_per_thread: int = 64) -> bool:
     """The masked loop compares each score's key with the row's last key (ISETP per score pair or
     more; the unmasked loop has a few, for the loop itself)."""
@@ -222,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=["softmax"])
     ap.add_argument("--sass", type=Path, help="a folder: write each counted loop body there")
     ap.add_argument("--kernel", type=Path, default=KERNEL, help="another version of the kernel file (before/after)")
+    ap.add_argument("--turns", action="store_true",
+                    help="also print each kernel's ping-pong events in SASS order (turn_events)")
     args = ap.parse_args(argv)
     module = load_kernel_module(args.kernel)
     from attn.kernels.gluon_pipeline import gluon_api_available
@@ -236,6 +259,14 @@ def main(argv=None) -> int:
     rows = [row for variant in args.variant for d in args.head_dim for c in args.causal
             for row in count(others.get(kernel_file(variant), module), d, bool(c), args.dtype, args.sass, variant)]
     print(markdown_table(rows, COLUMNS))
+    if args.turns:
+        for variant in args.variant:
+            kernel_module = others.get(kernel_file(variant), module)
+            for d in args.head_dim:
+                for c in args.causal:
+                    compiled = kernel_module.compile_sm90(d, args.dtype, bool(c), **VARIANTS[variant])
+                    events = turn_events(parse_sass(cuobjdump(compiled.asm["cubin"], "-sass")))
+                    print(f"\n{variant} D={d} {'causal' if c else 'full'}: {' '.join(events)}")
     return 0
 
 
