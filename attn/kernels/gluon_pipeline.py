@@ -11,10 +11,11 @@ Schedule (one program = BLOCK_M query rows of one (batch, head)):
   read the slot); the producer waits on "empty" before it overwrites a slot.
 - two consumer warpgroups (the default partition and a 4-warp worker partition, 64 rows each,
   each with its own register budget through setmaxnreg) share the ring: a slot's empty barriers
-  count one arrival per warpgroup. They are not tied to each other, so one's elementwise work can
-  run while the other's wgmma does (FA3's inter-warpgroup overlap, without FA3's explicit ping-pong
-  ordering). Each consumer issues block j's S = Q K^T and block j-1's O += P V back to back (FA3's
-  intra-warpgroup overlap) and turns S into P while the tensor cores run P V.
+  count one arrival per warpgroup. By default they are not tied to each other, so one's elementwise
+  work can run while the other's wgmma does (FA3's inter-warpgroup overlap); a kernel's PINGPONG
+  constexpr orders them as FA3's ping-pong does (they take turns at issuing their wgmmas, two named
+  barriers: the protocol below `release`). Each consumer issues block j's S = Q K^T and block j-1's
+  O += P V back to back (FA3's intra-warpgroup overlap) and turns S into P while the tensor cores run P V.
 - causal programs are issued longest first (the last query block first).
 
 Layouts as the portable kernels take them: q, out (B, N, H, D); k, v (B, KV, H_kv, D) with

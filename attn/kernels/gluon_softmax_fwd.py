@@ -7,7 +7,8 @@ Gluon changes between Triton releases, so `gluon_pipeline.gluon_api_available()`
 has what this file uses. `attn/kernels/tiers.py` decides when the softmax family's forward runs it
 (sm_90, without segments, key lengths, a window or dropout; ATTNLAB_GLUON).
 
-The schedule, the ring and the host side are `gluon_pipeline`'s. Per key block a consumer turns
+The schedule, the ring and the host side are `gluon_pipeline`'s (its two consumer warpgroups unordered,
+or with `launch_forward(pingpong=True)` taking turns at issuing their wgmmas). Per key block a consumer turns
 S = Q K^T into P with the online softmax in registers (exp2 of log2-unit logits, running max and
 sum, rescale of the accumulator), P V runs as an async wgmma with P from registers. Key blocks
 wholly visible to every row of the tile run without mask arithmetic; the blocks on the causal

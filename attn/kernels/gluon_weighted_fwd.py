@@ -9,7 +9,8 @@ loop has no running max, no sum and no accumulator rescale:
     out_i = sum_j w_ij v_j over the keys j query i sees (n_i of them; a row that sees none: 0)
 
 The schedule, the ring and the host side are `gluon_pipeline`'s (FA3's producer / two consumer
-warpgroups, block j's S = Q K^T issued beside block j-1's W V). A NaN score gives a NaN weight, as
+warpgroups, unordered or in ping-pong with `pingpong=True`, block j's S = Q K^T issued beside block j-1's
+W V). A NaN score gives a NaN weight, as
 the reference does. The differential threshold (two score maps), segments, a window, key lengths
 and dropout stay on the portable kernels (`attn/kernels/tiers.py` chooses per launch).
 """
