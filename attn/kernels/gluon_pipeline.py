@@ -260,11 +260,14 @@ def release(j, empty, STAGES: gl.constexpr):
 # (K_j, V_{j-1}) reuse the ring slots of K_{j-STAGES} and V_{j-1-STAGES}, which each consumer frees in its
 # key-block iteration j - STAGES (STAGES >= 2), and a warpgroup at its group j has the other warpgroup at
 # least past issuing its group j - 2 (it waited for that group's turn), after which that iteration's frees
-# need only the other warpgroup's own wgmmas to retire.
+# need only the other warpgroup's own wgmmas to retire. tests/test_gluon_pingpong_protocol.py checks the
+# protocol as a model (every interleaving of producer and consumers), tests/test_gluon_compile.py the turn
+# waits and passes in the compiled SASS.
 #
 # Barrier ids: Triton 3.6's warp-specialize lowering uses named barrier 0 (the default partition's
 # gl.thread_barrier), 1 (the partition switch, all threads) and 2 + i (worker partition i's
-# gl.thread_barrier when it has more than one warp): 2 and 3 here. The turn takes two of the remaining ids.
+# gl.thread_barrier when it has more than one warp): 0, 1 and 2 here (the 1-warp producer's barriers are
+# bar.warp.sync). The turn takes two of the remaining ids, spelled out in `_wait_turn` / `_pass_turn`'s PTX.
 TURN_BARRIERS = (14, 15)
 
 
