@@ -105,6 +105,26 @@ def test_softmax_plans_read_the_switch(monkeypatch):
     assert tiers.GLUON_ENV in sf._FWD_PLANS.settings and tiers.GLUON_EXP2_ENV in sf._FWD_PLANS.settings
 
 
+@pytest.mark.parametrize("value,pingpong", [(None, False), ("unordered", False), ("pingpong", True)])
+def test_schedule_switch_values(value, pingpong, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(tiers.GLUON_SCHEDULE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, value)
+    assert tiers.gluon_pingpong() is pingpong
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "ping-pong")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_SCHEDULE must be one of"):
+        tiers.gluon_pingpong()
+
+
+def test_every_gluon_forward_plan_reads_the_schedule_switch():
+    """A changed ATTNLAB_GLUON_SCHEDULE takes effect at the next call of every family with a Gluon forward."""
+    from attn.kernels import sigmoid_family, softmax_family, threshold_family
+
+    for family in (softmax_family, threshold_family, sigmoid_family):
+        assert tiers.GLUON_SCHEDULE_ENV in family._FWD_PLANS.settings, family.__name__
+
+
 def _fake_gluon(monkeypatch, module, name, log, result):
     """Replaces a Gluon launcher by one that logs its arguments and returns `result(q)`."""
     def launch(q, k, v, *args, **kwargs):
@@ -197,6 +217,7 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
     if launcher == "launch_forward":
         assert named["exp2_poly"] == 0  # MUFU.EX2 unless ATTNLAB_GLUON_EXP2 says otherwise
+    assert named["pingpong"] is False  # consumers unordered unless ATTNLAB_GLUON_SCHEDULE says otherwise
 
 
 def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
@@ -208,6 +229,21 @@ def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
         attn.attention(q, k, v, attn.get_variant("softcap_tanh").make_spec(cap=5.0), causal=True, backend="triton")
     (_, _, named), = gluon_offered
     assert named["exp2_poly"] == -4  # fp16 P: degree 4, half the scores
+
+
+@pytest.mark.parametrize("variant,params,launcher", [("softcap_tanh", {"cap": 5.0}, "launch_forward"),
+                                                     ("threshold", {}, "launch_threshold"),
+                                                     ("sigmoid", {}, "launch_sigmoid")])
+def test_the_schedule_switch_reaches_every_gluon_forward_launcher(variant, params, launcher, gluon_offered,
+                                                                  monkeypatch):
+    import attn
+
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "pingpong")
+    q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        attn.attention(q, k, v, attn.get_variant(variant).make_spec(**params), causal=True, backend="triton")
+    (name, _, named), = gluon_offered
+    assert name == launcher and named["pingpong"] is True
 
 
 BACKWARD_SERVED = [  # (variant, params, call options, the Gluon backward launcher expected or None)

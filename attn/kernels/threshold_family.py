@@ -58,7 +58,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
+from attn.kernels.tiers import GLUON_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate, gluon_pingpong, tiered
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -733,12 +733,14 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
     if not gluon_weighted_fwd.serves(q, k, v):
         return forward
 
+    pingpong = gluon_pingpong()
+
     def gluon_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
-        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power)
+        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power, pingpong=pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV,))
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_SCHEDULE_ENV))
 # forwards on sm_90 that a Gluon kernel serves: the portable kernel or the Gluon one (attn/kernels/tiers.py),
 # chosen per tuning key for the one-map threshold and for the differential threshold
 _TIERS = TierChoice("threshold_family_fwd")

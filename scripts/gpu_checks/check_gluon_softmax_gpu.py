@@ -12,7 +12,8 @@
    softmax-family variant (caps, temperature), threshold and sigmoid through the public function on
    either tier against SDPA, forward and forward + backward (their correctness through the public
    function: tests/test_gluon_gpu.py), the differential threshold included (attn/kernels/gluon_diff_fwd.py,
-   gluon_diff_bwd.py).
+   gluon_diff_bwd.py); the Gluon forwards also with their two consumer warpgroups in
+   ping-pong (ATTNLAB_GLUON_SCHEDULE=pingpong: `gluon_pingpong` columns, forward only).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -156,6 +157,11 @@ def with_exp2(form: str, fn):
     return with_env("ATTNLAB_GLUON_EXP2", form, fn)
 
 
+def with_schedule(schedule: str, fn):
+    """fn() with ATTNLAB_GLUON_SCHEDULE=schedule (the Gluon forwards' consumer order, attn/kernels/tiers.py)."""
+    return with_env("ATTNLAB_GLUON_SCHEDULE", schedule, fn)
+
+
 SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128, False), (8, 16, 1024, 64, True),
           (16, 12, 1024, 64, True)]
 
@@ -257,6 +263,9 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
                     impls[f"gluon_exp2_{form}"] = (lambda form=form: with_exp2(form, ours("1")), None)
+            if not spec.differential:
+                # the two consumer warpgroups in ping-pong (ATTNLAB_GLUON_SCHEDULE; forward only)
+                impls["gluon_pingpong"] = (lambda: with_schedule("pingpong", ours("1")), None)
             if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
                 from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
 
