@@ -12,8 +12,8 @@ kernels' host side (attn/kernels/gluon_*.py), on the CPU: nothing here runs a ke
   binds every parameter (lengths, heads, strides of the tensors it writes, descriptors of the operands),
   and a repeated call with fresh tensors takes the direct path with exactly the JIT's arguments of that
   call; another length goes through the JIT again.
-- `tma_view` (a tensor the 2-d TMA view cannot read as it is gets copied into standard strides, a
-  size-1 dim's stride included), `tma_tile` (one block shape and layout object per tile), `descriptor`
+- `tma_view` (read in place where the strides allow, a size-1 dim's stride free; copied into standard
+  strides otherwise), `tma_tile` (one block shape and layout object per tile), `descriptor`
   (equal to TensorDescriptor's own construction).
 
 tests/test_gluon_launch_gpu.py runs the direct launches on an H100 against ATTNLAB_DIRECT_LAUNCH=0 bitwise.
@@ -231,23 +231,32 @@ needs_descriptor = pytest.mark.skipif(gluon_pipeline._IMPORT_ERROR is not None,
                                       reason=f"no Gluon TensorDescriptor: {gluon_pipeline._IMPORT_ERROR}")
 
 
-def test_tma_view_keeps_a_readable_tensor_and_copies_the_rest_to_standard_strides():
+def test_tma_view_reads_a_tensor_in_place_where_its_strides_allow_and_copies_the_rest():
     base = torch.randn(2, 5, 3, 64, dtype=torch.bfloat16)
     flat, shape, strides = gluon_pipeline.tma_view(base)
     assert flat is base and shape == (10, 192) and strides == (192, 1)
-    # one query per batch, heads first in memory: torch calls it contiguous (a size-1 dim's stride is free),
-    # but row b of the 2-d view is at b * H * D, not b * stride(1)
+    # one query per batch, heads first in memory: the rows step by stride(0), not by stride(1)
     one_row = torch.randn(2, 3, 1, 64, dtype=torch.bfloat16).transpose(1, 2)
-    assert one_row.is_contiguous() and one_row.stride() == (192, 64, 64, 1)
+    assert one_row.stride() == (192, 64, 64, 1)
     flat, shape, strides = gluon_pipeline.tma_view(one_row)
-    assert flat.stride() == (192, 192, 64, 1) and strides == (192, 1) and torch.equal(flat, one_row)
+    assert flat is one_row and shape == (2, 192) and strides == (192, 1)
+    # one batch: its stride is free (a slice of a longer cache is read in place)
+    window = torch.randn(1, 10, 3, 64, dtype=torch.bfloat16)[:, 2:7]
+    flat, shape, strides = gluon_pipeline.tma_view(window)
+    assert flat is window and shape == (5, 192) and strides == (192, 1)
+    # one head: its stride is free
+    one_head = torch.randn(2, 5, 64, dtype=torch.bfloat16).as_strided((2, 5, 1, 64), (320, 64, 7, 1))
+    flat, shape, strides = gluon_pipeline.tma_view(one_head)
+    assert flat is one_head and shape == (10, 64) and strides == (64, 1)
+    # copied: an address 2 bytes past a 16-byte boundary, heads-major rows, batches not L rows apart
     storage = torch.randn(2 * 5 * 3 * 64 + 1, dtype=torch.bfloat16)
-    misaligned = storage[1:].view(2, 5, 3, 64)  # base 2 bytes past a 16-byte boundary
-    flat, _, _ = gluon_pipeline.tma_view(misaligned)
-    assert flat.data_ptr() % 16 == 0 and torch.equal(flat, misaligned)
+    misaligned = storage[1:].view(2, 5, 3, 64)
     heads_major = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16).transpose(1, 2)
-    flat, _, strides = gluon_pipeline.tma_view(heads_major)
-    assert strides == (192, 1) and torch.equal(flat, heads_major)
+    gapped = torch.randn(2, 7, 3, 64, dtype=torch.bfloat16)[:, :5]
+    for t in (misaligned, heads_major, gapped):
+        flat, shape, strides = gluon_pipeline.tma_view(t)
+        assert flat is not t and flat.stride() == (960, 192, 64, 1) and flat.data_ptr() % 16 == 0
+        assert shape == (10, 192) and strides == (192, 1) and torch.equal(flat, t)
 
 
 @needs_descriptor

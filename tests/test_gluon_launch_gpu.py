@@ -10,7 +10,9 @@ launcher compiles or binds again) and give bitwise what ATTNLAB_DIRECT_LAUNCH=0 
 then the same at a second specialization (odd lengths, the other head dim, fp16 for some, a query tensor
 that is not 16-byte aligned, a temperature view whose address is not 16-byte aligned and a strided lambda).
 Through `attn.attention` with ATTNLAB_GLUON=1: fwd+bwd of softmax, tanh, threshold and sigmoid (and a
-temperature) on the Gluon tier, direct against the JIT, bitwise.
+temperature) on the Gluon tier, direct against the JIT, bitwise. Operands the TMA view reads in place
+(one query per batch stored heads first, a window of a one-batch cache) give the bits of their contiguous
+copies.
 """
 
 from __future__ import annotations
@@ -208,3 +210,41 @@ def test_public_calls_on_the_gluon_tier_launch_directly_with_the_bits_of_the_jit
     jit = fwd_bwd(x)
     for i, (a, b_) in enumerate(zip(direct, jit, strict=True)):
         assert torch.equal(_bits(a), _bits(b_)), f"{variant} output {i}: direct launch differs from the JIT's"
+
+
+def _layouts():
+    """name -> operands whose layout the TMA view reads in place (tma_view: a size-1 dim's stride is free)."""
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(*shape, device=CUDA, generator=gen).to(torch.bfloat16)
+
+    return {
+        # one query per batch, heads first in memory: the 2-d view's rows step by the batch stride
+        "one_query_heads_major": dict(q=r(2, 4, 1, 64).transpose(1, 2), k=r(2, 200, 2, 64), v=r(2, 200, 2, 64),
+                                      do=r(2, 4, 1, 64).transpose(1, 2)),
+        # one batch: keys and values a window of a longer cache
+        "one_batch_cache_window": dict(q=r(1, 200, 4, 64), k=r(1, 500, 2, 64)[:, 100:300],
+                                       v=r(1, 500, 2, 64)[:, 100:300], do=r(1, 200, 4, 64)),
+    }
+
+
+@pytest.mark.parametrize("layout", ["one_query_heads_major", "one_batch_cache_window"])
+def test_operands_read_in_place_give_the_bits_of_their_contiguous_copies(layout):
+    from attn.kernels import gluon_softmax_fwd as sfw
+    from attn.kernels import gluon_weighted_bwd as wbw
+
+    x = _layouts()[layout]
+    # copies with standard strides (torch calls these layouts contiguous, so .contiguous() would not copy)
+    copies = {name: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for name, t in x.items()}
+    assert any(t.stride() != copies[name].stride() for name, t in x.items())
+
+    def run(t):
+        scale = 1.0 / math.sqrt(t["q"].shape[-1])
+        out, lse = sfw.gluon_softmax_forward(t["q"], t["k"], t["v"], scale, True)
+        grads = wbw.launch_threshold_backward(t["q"], t["k"], t["v"], t["do"], True, 1.0, 2.0)
+        return [out, lse, *grads]
+
+    for i, (a, b) in enumerate(zip(run(x), run(copies), strict=True)):
+        assert torch.equal(_bits(a), _bits(b)), f"{layout} output {i}"
+        assert a.float().abs().sum() > 0, f"{layout} output {i} is all zeros"

@@ -304,19 +304,21 @@ def descriptor(view, tile) -> "TensorDescriptor":
 
 
 def tma_view(t):
-    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: (tensor, shape, strides), the
-    tensor contiguous in (H, D), rows of one batch consecutive, 16-byte aligned base and row stride (TMA's
-    requirements). A tensor without that layout is copied once into a fresh one with standard strides
-    (`Tensor.contiguous` keeps any stride of a size-1 dim, which the 2-d view would misread)."""
+    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: (tensor, shape, strides). Row
+    b L + l (one batch and position) starts at b stride(0) + l stride(1), so the view needs unit stride in D,
+    stride(2) = D, stride(0) = L stride(1), a 16-byte aligned base and row stride (TMA's requirements); a
+    size-1 dim's stride is free (with L = 1 the rows step by stride(0)). A tensor without that layout is
+    copied once into a fresh one with standard strides."""
     bsz, length, heads, d = t.shape
     stride = t.stride()
-    if (stride[3] != 1 or stride[2] != d or stride[0] != length * stride[1] or t.data_ptr() % 16
-            or stride[1] * t.element_size() % 16):
+    row = stride[1] if length > 1 else stride[0] if bsz > 1 else heads * d
+    if (stride[3] != 1 or (heads > 1 and stride[2] != d) or (bsz > 1 and stride[0] != length * row)
+            or t.data_ptr() % 16 or row * t.element_size() % 16):
         import torch
 
         t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-        stride = t.stride()
-    return t, (bsz * length, heads * d), (stride[1], 1)
+        row = heads * d
+    return t, (bsz * length, heads * d), (row, 1)
 
 
 def serves(q, k, v) -> bool:
