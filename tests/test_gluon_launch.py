@@ -357,7 +357,8 @@ def _check_binding(fn, args, bound, x, n, kv):
             assert bound[key] == value, (name, key, bound[key], value)
     for tensor, stride_names in STRIDES:
         if tensor in bound and all(s in bound for s in stride_names):
-            want = bound[tensor].stride()[:len(stride_names)] if bound.get("HAS_TEMP", True) or tensor != "TEMP" else (0, 0)
+            unused = tensor == "TEMP" and not bound.get("HAS_TEMP", True)  # a stand-in pointer, strides 0
+            want = (0, 0) if unused else bound[tensor].stride()[:len(stride_names)]
             assert tuple(bound[s] for s in stride_names) == tuple(want), (name, tensor)
     inputs = {t.data_ptr(): key for key, t in x.items()}
     for param, value in bound.items():

@@ -276,7 +276,9 @@ def _plain_descriptor_class() -> bool:
     which `descriptor` fills without its constructor."""
     import dataclasses
 
-    if _IMPORT_ERROR is not None or not dataclasses.is_dataclass(TensorDescriptor) or "__slots__" in vars(TensorDescriptor):
+    if _IMPORT_ERROR is not None or not dataclasses.is_dataclass(TensorDescriptor):
+        return False
+    if "__slots__" in vars(TensorDescriptor):
         return False
     return [f.name for f in dataclasses.fields(TensorDescriptor)] == ["base", "shape", "strides", "block_shape",
                                                                        "layout", "padding"]

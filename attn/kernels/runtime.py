@@ -13,11 +13,11 @@ possible, because at training shapes a call's host work can exceed its GPU time:
   remembered (one dict lookup per launch after that).
 * launch (`DirectLauncher`, the portable kernels' and the Gluon kernels' alike): the compiled kernel
   of one specialization (integer values, pointer alignment, dtypes, TMA descriptors' dtype, block
-  shape and layout, constexprs) is remembered after its first launch
-  through Triton's JIT; later launches call its launcher directly, skipping the JIT's argument
-  binding and cache-key work. `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the
-  yardstick the GPU checks compare the direct path against). Tuning and first launches time and
-  compile: they belong in warm-up steps, never inside a CUDA-graph capture.
+  shape and layout, constexprs) is remembered after its first launch through Triton's JIT; later
+  launches call its launcher directly, skipping the JIT's argument binding and cache-key work.
+  `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the yardstick the GPU checks
+  compare the direct path against). Tuning and first launches time and compile: they belong in
+  warm-up steps, never inside a CUDA-graph capture.
 * plans: a family's entry keeps, per call signature (shapes, strides, dtypes, flags, scalars and
   the launch settings), everything its launches derive from it (`LaunchPlans`), so a repeated call
   allocates its outputs and launches without recomputing configs, keys or scalars.
