@@ -357,26 +357,89 @@ def pv_operand(p, v_smem, p_layout: gl.constexpr):
 # host side
 
 
+# Triton's options of every launch of the warp-specialized kernels (read, never changed)
+GLUON_OPTIONS = {"num_warps": NUM_WARPS}
+
+
 def gl_dtype(torch_dtype):
     import torch
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
-def smem_layout(block_shape, element_type):
-    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B)."""
+@functools.cache
+def _default_layout(block_shape: tuple, element_type):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), element_type)
 
 
+def smem_layout(block_shape, element_type):
+    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B), one object
+    per block shape and element type."""
+    return _default_layout(tuple(block_shape), element_type)
+
+
+@functools.cache
+def tma_tile(dtype, rows: int, cols: int) -> tuple[list, object]:
+    """(block shape, NVMMA shared layout) of TMA tiles of rows x cols elements of torch `dtype`, made once
+    per tile and checked once by TensorDescriptor's own checks (block shape, layout) on a stand-in tensor."""
+    import torch
+
+    block = [rows, cols]
+    layout = smem_layout(block, gl_dtype(dtype))
+    TensorDescriptor(torch.empty((rows, cols), dtype=dtype), [rows, cols], [cols, 1], block, layout)
+    return block, layout
+
+
+def _plain_descriptor_class() -> bool:
+    """Whether TensorDescriptor is the plain dataclass of Triton 3.6 (these fields, an instance __dict__),
+    which `descriptor` fills without its constructor."""
+    import dataclasses
+
+    if _IMPORT_ERROR is not None or not dataclasses.is_dataclass(TensorDescriptor):
+        return False
+    if "__slots__" in vars(TensorDescriptor):
+        return False
+    return [f.name for f in dataclasses.fields(TensorDescriptor)] == ["base", "shape", "strides", "block_shape",
+                                                                       "layout", "padding"]
+
+
+_PLAIN_DESCRIPTOR = _plain_descriptor_class()
+
+
+def descriptor(view, tile) -> "TensorDescriptor":
+    """The TMA descriptor of `view` (`tma_view`'s (tensor, shape, strides)) in tiles `tile` (`tma_tile`'s).
+
+    Filled without TensorDescriptor's per-call checks (a few microseconds per descriptor), whose
+    conditions hold by construction: `tma_view` gives a 16-byte aligned base and row stride and a unit
+    last stride, `tma_tile` checked the block shape and layout once, and the operands' checks (or the
+    launch plans') keep N, KV and the head sizes positive. The driver's cuTensorMapEncodeTiled, which
+    Triton's launcher calls with these fields, refuses a base or stride that breaks them."""
+    flat, shape, strides = view
+    block, layout = tile
+    if not _PLAIN_DESCRIPTOR:
+        return TensorDescriptor(flat, list(shape), list(strides), block, layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__ = {"base": flat, "shape": list(shape), "strides": list(strides), "block_shape": block,
+                     "layout": layout, "padding": "zero"}
+    return desc
+
+
 def tma_view(t):
-    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: contiguous in (H, D),
-    rows of one batch consecutive, 16-byte aligned base and row stride (TMA's requirements). A
-    tensor without that layout is copied contiguous once."""
+    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: (tensor, shape, strides). Row
+    b L + l (one batch and position) starts at b stride(0) + l stride(1), so the view needs unit stride in D,
+    stride(2) = D, stride(0) = L stride(1), a 16-byte aligned base and row stride (TMA's requirements); a
+    size-1 dim's stride is free (with L = 1 the rows step by stride(0)). A tensor without that layout is
+    copied once into a fresh one with standard strides."""
     bsz, length, heads, d = t.shape
-    flat = (t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == length * t.stride(1))
-    if not flat or t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
-        t = t.contiguous()
-    return t, (bsz * length, heads * d), (t.stride(1), 1)
+    stride = t.stride()
+    row = stride[1] if length > 1 else stride[0] if bsz > 1 else heads * d
+    if (stride[3] != 1 or (heads > 1 and stride[2] != d) or (bsz > 1 and stride[0] != length * row)
+            or t.data_ptr() % 16 or row * t.element_size() % 16):
+        import torch
+
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+        row = heads * d
+    return t, (bsz * length, heads * d), (row, 1)
 
 
 def serves(q, k, v) -> bool:
@@ -421,18 +484,6 @@ def check_operands(q, k, v, causal, what: str):
         raise ValueError(f"{what}: N and KV must be positive, got N={n}, KV={k.shape[1]}")
     if not isinstance(causal, bool):
         raise ValueError(f"{what}: causal must be a bool, got {causal!r}")
-
-
-def descriptors(q, k, v, cfg: dict):
-    """TMA descriptors of q (half a query block per consumer), k and v (BLOCK_N keys per slot)."""
-    d = q.shape[-1]
-    gdt = gl_dtype(q.dtype)
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
-    out = []
-    for t, block in ((q, q_block), (k, kv_block), (v, kv_block)):
-        flat, shape, strides = tma_view(t)
-        out.append(TensorDescriptor(flat, list(shape), list(strides), block, smem_layout(block, gdt)))
-    return out
 
 
 def descriptor_type(dtype: str, block) -> str:

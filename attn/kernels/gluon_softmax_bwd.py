@@ -60,39 +60,40 @@ as the forward does (`gluon_pipeline.visible_key`).
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     HEAD_DIMS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
+    descriptor,
     descriptor_type,
-    gl_dtype,
     invalidate_ring,
     issue_qk,
     key_blocks,
     mbarrier,
     program_rows,
     release,
-    smem_layout,
     stream_ring,
     tma,
+    tma_tile,
     tma_view,
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from attn.kernels.gluon_softmax_fwd import _rcp, _tanh
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 DELTA_BLOCK_M = 64  # rows per program of the delta kernel
 
@@ -585,14 +586,49 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride
 # host side
 
 
-def _descriptor(flat_view, block, gdt):
-    from attn.kernels.gluon_pipeline import TensorDescriptor
-
-    flat, shape, strides = flat_view
-    return TensorDescriptor(flat, list(shape), list(strides), list(block), smem_layout(list(block), gdt))
-
-
 CAPS = {0: "none", 1: "tanh", 2: "soft_sign", 3: "alsc"}  # softmax_family.CAP_IDS' ids
+
+
+class BackwardTiles:
+    """The TMA tiles both backward kernels read (`tma_tile`'s), per dtype and head dim: 64-row tiles of Q and
+    dO (one consumer's rows, or a ring slot), the dK / dV kernel's half key blocks, the dQ kernel's key blocks."""
+
+    def __init__(self, dtype, head_dim: int, kv_cfg: dict, q_cfg: dict):
+        self.rows = tma_tile(dtype, 64, head_dim)
+        self.half_keys = tma_tile(dtype, kv_cfg["BLOCK_N"] // 2, head_dim)
+        self.key_block = tma_tile(dtype, q_cfg["BLOCK_N"], head_dim)
+
+
+@functools.cache
+def backward_tiles(dtype, head_dim: int) -> tuple[dict, dict, BackwardTiles]:
+    """(dK / dV tile config, dQ tile config, their TMA tiles) of the backward kernels (also the threshold and
+    sigmoid backwards'), made once per dtype and head dim."""
+    kv_cfg, q_cfg = dkdv_tile_config(head_dim), dq_tile_config(head_dim)
+    return kv_cfg, q_cfg, BackwardTiles(dtype, head_dim, kv_cfg, q_cfg)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(dtype, head_dim: int, causal: bool, cap: int, cap_value: float, knee: float, sm_scale: float,
+                   has_temp: bool, need_dt: bool):
+    """What every launch of one backward form shares: (dK / dV config, dQ config, tiles, the kernels' float
+    scalars (qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale), the delta / dK dV / dQ constexprs)."""
+    from attn.kernels.softmax_family import _scalars
+
+    kv_cfg, q_cfg, tiles = backward_tiles(dtype, head_dim)
+    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
+    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
+    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, float(cap_value), float(knee),
+                                                                       float(sm_scale))
+    delta_constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M)
+    dkdv_constexprs = dict(CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=head_dim, **kv_cfg)
+    dq_constexprs = dict(CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
+    return (kv_cfg, q_cfg, tiles, (qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale), delta_constexprs,
+            dkdv_constexprs, dq_constexprs)
+
+
+_DELTA = DirectLauncher(_delta_kernel, "gluon_softmax_bwd_delta")
+_DKDV = DirectLauncher(_dkdv_kernel, "gluon_softmax_bwd_dkdv")
+_DQ = DirectLauncher(_dq_kernel, "gluon_softmax_bwd_dq")
 
 
 def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
@@ -601,46 +637,39 @@ def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, c
     dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows summed over heads."""
     import torch
 
-    from attn.kernels.softmax_family import _scalars
-
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    gdt = gl_dtype(q.dtype)
-    kv_cfg, q_cfg = dkdv_tile_config(d), dq_tile_config(d)
+    has_temp = temperature is not None
+    kv_cfg, q_cfg, tiles, floats, delta_constexprs, dkdv_constexprs, dq_constexprs = _backward_plan(
+        q.dtype, d, causal, cap, cap_value, knee, sm_scale, has_temp, need_dt)
+    qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale = floats
     q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
-    rows_block = [64, d]  # both kernels take Q and dO in 64-row tiles (one consumer's rows, or a ring slot)
-    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
-    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
-    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
-    key_block = [q_cfg["BLOCK_N"], d]
-    k_block_desc, v_block_desc = _descriptor(k_view, key_block, gdt), _descriptor(v_view, key_block, gdt)
+    q_desc, do_desc = descriptor(q_view, tiles.rows), descriptor(do_view, tiles.rows)
+    k_half_desc, v_half_desc = descriptor(k_view, tiles.half_keys), descriptor(v_view, tiles.half_keys)
+    k_block_desc, v_block_desc = descriptor(k_view, tiles.key_block), descriptor(v_view, tiles.key_block)
 
     do_flat = do_view[0]  # contiguous in (H, D): the strides below are its own
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    _delta_kernel[(triton.cdiv(n, DELTA_BLOCK_M), bsz * h)](
-        out, do_flat, delta, out.stride(0), out.stride(1), out.stride(2),
-        do_flat.stride(0), do_flat.stride(1), do_flat.stride(2), h, n,
-        HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M, num_warps=4)
+    so, sdo = out.stride(), do_flat.stride()
+    _DELTA.run((cdiv(n, DELTA_BLOCK_M), bsz * h), (), (out, do_flat, delta),
+               (so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], h, n), delta_constexprs, GLUON_OPTIONS)
 
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
-    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
-    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, cap_value, knee, float(sm_scale))
-    has_temp = temperature is not None
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse2
-    _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta, temp,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), stride_tb, stride_tn,
-        h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-        CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
-    _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
-        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, temp, dt_rows,
-        dq.stride(0), dq.stride(1), dq.stride(2), stride_tb, stride_tn,
-        h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
-        CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+    kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
+    _DKDV.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc),
+              (dk, dv, lse2, delta, temp),
+              (*kv_strides, *kv_strides, stride_tb, stride_tn,
+               h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale),
+              dkdv_constexprs, GLUON_OPTIONS)
+    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), (q_desc, do_desc, k_block_desc, v_block_desc),
+            (dq, lse2, delta, temp, dt_rows),
+            (n * h * d, h * d, d, stride_tb, stride_tn,  # dq's strides (contiguous), the temperature's
+             h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale),
+            dq_constexprs, GLUON_OPTIONS)
     dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else None
     return dq, dk, dv, dt
 

@@ -18,22 +18,22 @@ logsumexp of the logits (+inf for a row that sees no key, whose output is 0).
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_sm90 as compile_kernel,
-    descriptors,
+    descriptor,
     invalidate_ring,
     issue_first_qk,
     issue_last_pv,
@@ -45,9 +45,12 @@ from attn.kernels.gluon_pipeline import (
     pv_operand,
     release,
     tile_config,
+    tma_tile,
+    tma_view,
     visible_key,
     warpgroup_mma_wait,
 )
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 
 @gluon.jit
@@ -317,6 +320,21 @@ def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
     return launch_forward(q, k, v, causal, float(sm_scale) * LOG2E)
 
 
+@functools.cache
+def _forward_plan(dtype, head_dim: int, causal: bool, cap: int, has_temp: bool, fixed_shift: bool, exp2_poly: int,
+                  pingpong: bool):
+    """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
+    constexprs)."""
+    cfg = tile_config(head_dim)
+    constexprs = dict(CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=fixed_shift, CAUSAL=causal, HEAD_DIM=head_dim,
+                      EXP2_POLY=exp2_poly, PINGPONG=pingpong, **cfg)
+    return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
+            constexprs)
+
+
+_FORWARD = DirectLauncher(_gluon_softmax_fwd_kernel, "gluon_softmax_fwd")
+
+
 def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
                    alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0,
                    pingpong: bool = False):
@@ -333,20 +351,19 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = tile_config(d)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
+    has_temp = temperature is not None
+    block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, cap, has_temp, shift is not None,
+                                                         exp2_poly, bool(pingpong))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    has_temp = temperature is not None
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse, (0, 0))
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
-    _gluon_softmax_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, temp,
-        out.stride(0), out.stride(1), out.stride(2), stride_tb, stride_tn,
-        h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
-        0.0 if shift is None else float(shift),
-        CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=shift is not None,
-        CAUSAL=causal, HEAD_DIM=d, EXP2_POLY=exp2_poly, PINGPONG=bool(pingpong), num_warps=NUM_WARPS, **cfg)
+    _FORWARD.run((cdiv(n, block_m), bsz * h),
+                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile)),
+                 (out, lse, temp),
+                 (n * h * d, h * d, d, stride_tb, stride_tn,  # out's strides (contiguous), the temperature's
+                  h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
+                  0.0 if shift is None else float(shift)),
+                 constexprs, GLUON_OPTIONS)
     return out, lse
 
 

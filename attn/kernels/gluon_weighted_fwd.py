@@ -17,9 +17,9 @@ and dropout stay on the portable kernels (`attn/kernels/tiers.py` chooses per la
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,12 +28,12 @@ from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
+    GLUON_OPTIONS,
     compile_sm90 as compile_kernel,
-    descriptors,
+    descriptor,
     invalidate_ring,
     issue_first_qk,
     issue_last_pv,
@@ -45,9 +45,12 @@ from attn.kernels.gluon_pipeline import (
     pv_operand,
     release,
     tile_config,
+    tma_tile,
+    tma_view,
     visible_key,
     warpgroup_mma_wait,
 )
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 THRESHOLD = gl.constexpr(1)
 SIGMOID = gl.constexpr(2)
@@ -255,21 +258,36 @@ def power_mode(power: float) -> int:
 SIGMOID_NEWTON_STEPS = 0
 
 
+@functools.cache
+def _forward_plan(dtype, head_dim: int, causal: bool, weight: int, power_constexpr: int, has_bias: bool, newton: int,
+                  pingpong: bool):
+    """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
+    constexprs)."""
+    cfg = tile_config(head_dim)
+    constexprs = dict(WEIGHT=weight, POWER_MODE=power_constexpr, HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
+                      HEAD_DIM=head_dim, PINGPONG=pingpong, **cfg)
+    return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
+            constexprs)
+
+
+_FORWARD = DirectLauncher(_gluon_weighted_fwd_kernel, "gluon_weighted_fwd")
+
+
 def _launch(q, k, v, causal: bool, weight: int, score_scale: float, row_param: float, power: float, has_bias: bool,
             newton: int, pingpong: bool = False):
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = tile_config(d)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
+    block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, weight, power_mode(power), has_bias,
+                                                         newton, bool(pingpong))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
-    _gluon_weighted_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), out.stride(2),
-        h, h // h_kv, n, kv_len, float(score_scale), float(row_param), float(power),
-        WEIGHT=weight, POWER_MODE=power_mode(power), HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
-        HEAD_DIM=d, PINGPONG=bool(pingpong), num_warps=NUM_WARPS, **cfg)
+    _FORWARD.run((cdiv(n, block_m), bsz * h),
+                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile)),
+                 (out,),
+                 (n * h * d, h * d, d,  # out's strides (contiguous)
+                  h, h // h_kv, n, kv_len, float(score_scale), float(row_param), float(power)),
+                 constexprs, GLUON_OPTIONS)
     return out
 
 
