@@ -229,7 +229,7 @@ def variant_label(name, params, tempered):
     return label + (" + temperature" if tempered else "")
 
 
-def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), only=None):
+def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), only=None, exp2_forms=False):
     import torch.nn.functional as F
 
     import attn
@@ -251,7 +251,7 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
             spec = attn.get_variant(name).make_spec(**params)
             t = temperature if tempered else None
             extra = None
-            if spec.differential:  # the second view and per-head lambdas
+            if getattr(spec, "differential", False):  # the second view and per-head lambdas
                 extra = {"q2": torch.randn_like(q.detach()), "k2": torch.randn_like(k.detach()),
                          "lam": torch.full((h,), 0.5, device="cuda")}
 
@@ -259,11 +259,11 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       extra=extra, backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
-            if name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered):
+            if exp2_forms and (name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered)):
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
                     impls[f"gluon_exp2_{form}"] = (lambda form=form: with_exp2(form, ours("1")), None)
-            if not spec.differential:
+            if not getattr(spec, "differential", False):
                 # the two consumer warpgroups in ping-pong (ATTNLAB_GLUON_SCHEDULE; forward only)
                 impls["gluon_pingpong"] = (lambda: with_schedule("pingpong", ours("1")), None)
             if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
@@ -308,6 +308,8 @@ def main() -> int:
     ap.add_argument("--passes", default="fwd", help="with --variants-only: comma list of fwd, fwd+bwd")
     ap.add_argument("--only", default=None, help="with --variants-only: comma list of row names to time (default all): "
                     + ", ".join(variant_label(*v) for v in VARIANTS))
+    ap.add_argument("--exp2-forms", action="store_true",
+                    help="with --variants-only: also the polynomial exp2 forms (ATTNLAB_GLUON_EXP2=poly, half; slower than MUFU)")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
@@ -339,7 +341,7 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"--only: unknown rows {sorted(unknown)}; the rows are "
                              + ", ".join(variant_label(*v) for v in VARIANTS))
-        time_variants(results, VARIANT_SHAPES[:1], passes, only)
+        time_variants(results, VARIANT_SHAPES[:1], passes, only, args.exp2_forms)
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
     kernels = {"gluon_sm90": gluon_softmax_forward}
