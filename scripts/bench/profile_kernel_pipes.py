@@ -47,7 +47,8 @@ METRICS = [
 COLUMNS = [
     ("us", "gpu__time_duration.sum"),
     ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
-    ("tensor (gmma) %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"),
+    # Hopper's wgmma (HGMMA) cycles count under the hmma pipe
+    ("tensor %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("xu (MUFU) inst %", "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
     ("fma %", "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active"),
     ("alu %", "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"),
@@ -125,6 +126,24 @@ def profile(variant: str, args, out: Path) -> dict:
     return metrics
 
 
+def profile_source(variant: str, args, out: Path) -> str:
+    """The kernel's SASS with sampled warp stalls per instruction (ncu's source page), raw, beside <out>."""
+    env = {**os.environ, "ATTNLAB_GLUON": args.tier}
+    tier = "sdpa" if variant == "sdpa" else ("gluon" if args.tier == "1" else "portable")
+    cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS[tier],
+           "--launch-skip", str(args.calls - 1), "--launch-count", "1", "--section", "SourceCounters",
+           "--section", "WarpStateStats", "--page", "source", "--print-source", "sass", "--csv",
+           sys.executable, __file__, "--child", "--variant", variant,
+           "--shape", *map(str, args.shape), "--calls", str(args.calls)]
+    path = Path(f"{out}_{variant}_source.csv")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"ncu ran past {args.timeout} s"
+    path.write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
+    return f"exit {done.returncode}, {path.name}"
+
+
 def table(results: dict) -> str:
     stalls = sorted({k for m in results.values() for k in m if k.startswith(STALL_PREFIX)})
     # the stall reasons that matter somewhere: >= 0.05 warps per issue in any row
@@ -155,6 +174,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=3, help="forward calls per child; the last is profiled")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per child under ncu")
     ap.add_argument("--ncu", default="ncu")
+    ap.add_argument("--source", default="", help="comma list of variants: also their SASS with sampled stalls "
+                                                 "per instruction (ncu's source page, raw CSV)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -177,6 +198,8 @@ def main() -> int:
                 + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(results) + "\n")
         out.with_suffix(".md").write_text(text)
     print(text)
+    for variant in filter(None, args.source.split(",")):
+        print(f"{variant} source: {profile_source(variant, args, out)}", flush=True)
     return 1 if any("error" in m for m in results.values()) else 0
 
 
