@@ -189,7 +189,8 @@ def main() -> int:
     meta = {**result_header(), "shape (B,N,H,D)": args.shape, "causal": True, "dtype": "bf16",
             "tier": "gluon" if args.tier == "1" else "portable", "profiled": f"call {args.calls} of {args.calls}"}
     results = {}
-    for variant in args.variants.split(","):
+    text = ""
+    for variant in filter(None, args.variants.split(",")):
         results[variant] = profile(variant, args, out)
         print(variant, "error: " + results[variant]["error"] if "error" in results[variant] else "ok", flush=True)
         # written after every variant: a run cut short keeps what it measured
@@ -197,7 +198,7 @@ def main() -> int:
         text = ("# Per-pipe profile of one forward launch (Nsight Compute)\n\n"
                 + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(results) + "\n")
         out.with_suffix(".md").write_text(text)
-    print(text)
+    print(text, flush=True)
     for variant in filter(None, args.source.split(",")):
         print(f"{variant} source: {profile_source(variant, args, out)}", flush=True)
     return 1 if any("error" in m for m in results.values()) else 0
