@@ -165,6 +165,11 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(meta: dict, results: dict) -> str:
+    return ("# Per-pipe profile of one forward launch (Nsight Compute)\n\n"
+            + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(results) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_out/pipes")
@@ -176,11 +181,16 @@ def main() -> int:
     ap.add_argument("--ncu", default="ncu")
     ap.add_argument("--source", default="", help="comma list of variants: also their SASS with sampled stalls "
                                                  "per instruction (ncu's source page, raw CSV)")
+    ap.add_argument("--render", default=None, help="rewrite FILE.md from a result FILE.json (no profiling)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
+        return 0
+    if args.render:
+        found = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(markdown(found["meta"], found["metrics"]))
         return 0
     from timing import result_header
 
@@ -195,8 +205,7 @@ def main() -> int:
         print(variant, "error: " + results[variant]["error"] if "error" in results[variant] else "ok", flush=True)
         # written after every variant: a run cut short keeps what it measured
         out.with_suffix(".json").write_text(json.dumps({"meta": meta, "metrics": results}, indent=1))
-        text = ("# Per-pipe profile of one forward launch (Nsight Compute)\n\n"
-                + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + table(results) + "\n")
+        text = markdown(meta, results)
         out.with_suffix(".md").write_text(text)
     print(text, flush=True)
     for variant in filter(None, args.source.split(",")):
