@@ -98,29 +98,34 @@ def parse_raw_csv(text: str) -> dict[str, float | str]:
     return out
 
 
-def profile(variant: str, args, out: Path) -> dict:
+def run_ncu(variant: str, args, report: list[str]):
+    """ncu (counters, clocks left alone) over a child process making `variant`'s calls, profiling the last
+    launch of the variant's kernel; `report`: ncu's options for what to collect and print. The finished
+    process, or None past --timeout seconds."""
     tier = "sdpa" if variant == "sdpa" else ("gluon" if args.tier == "1" else "portable")
-    env = {**os.environ, "ATTNLAB_GLUON": args.tier}
     cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS[tier],
-           "--launch-skip", str(args.calls - 1), "--launch-count", "1", "--csv", "--page", "raw",
-           "--metrics", ",".join(METRICS),
+           "--launch-skip", str(args.calls - 1), "--launch-count", "1", *report,
            sys.executable, __file__, "--child", "--variant", variant,
            "--shape", *map(str, args.shape), "--calls", str(args.calls)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ATTNLAB_GLUON": args.tier},
+                              timeout=args.timeout)
     except subprocess.TimeoutExpired:
+        return None
+
+
+def profile(variant: str, args, out: Path) -> dict:
+    """METRICS of the variant's kernel; when ncu refuses them, its SECTIONS' text beside <out>."""
+    done = run_ncu(variant, args, ["--csv", "--page", "raw", "--metrics", ",".join(METRICS)])
+    if done is None:
         return {"error": f"ncu ran past {args.timeout} s"}
     Path(f"{out}_{variant}.csv").write_text(done.stdout + "\n# stderr\n" + done.stderr)
     metrics = parse_raw_csv(done.stdout)
     if done.returncode != 0 or not metrics:
         # ncu's own sections instead of the metric list (their names are stable across versions)
-        sections = [a for name in SECTIONS for a in ("--section", name)]
-        details = cmd[:cmd.index("--csv")] + ["--page", "details", *sections] + cmd[cmd.index("--metrics") + 2:]
-        try:
-            again = subprocess.run(details, capture_output=True, text=True, env=env, timeout=args.timeout)
+        again = run_ncu(variant, args, ["--page", "details", *(a for name in SECTIONS for a in ("--section", name))])
+        if again is not None:
             Path(f"{out}_{variant}_sections.txt").write_text(again.stdout + "\n# stderr\n" + again.stderr)
-        except subprocess.TimeoutExpired:
-            pass
         return {"error": f"ncu exit {done.returncode}: {done.stderr.strip()[-600:]} (sections: "
                          f"{Path(out).name}_{variant}_sections.txt)"}
     return metrics
@@ -128,18 +133,11 @@ def profile(variant: str, args, out: Path) -> dict:
 
 def profile_source(variant: str, args, out: Path) -> str:
     """The kernel's SASS with sampled warp stalls per instruction (ncu's source page), raw, beside <out>."""
-    env = {**os.environ, "ATTNLAB_GLUON": args.tier}
-    tier = "sdpa" if variant == "sdpa" else ("gluon" if args.tier == "1" else "portable")
-    cmd = [args.ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", KERNELS[tier],
-           "--launch-skip", str(args.calls - 1), "--launch-count", "1", "--section", "SourceCounters",
-           "--section", "WarpStateStats", "--page", "source", "--print-source", "sass", "--csv",
-           sys.executable, __file__, "--child", "--variant", variant,
-           "--shape", *map(str, args.shape), "--calls", str(args.calls)]
-    path = Path(f"{out}_{variant}_source.csv")
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
+    done = run_ncu(variant, args, ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
+                                   "--print-source", "sass", "--csv"])
+    if done is None:
         return f"ncu ran past {args.timeout} s"
+    path = Path(f"{out}_{variant}_source.csv")
     path.write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
     return f"exit {done.returncode}, {path.name}"
 
