@@ -27,6 +27,10 @@ def test_the_raw_csv_gives_the_last_kernels_numbers():
     metrics = pipes.parse_raw_csv(RAW)
     assert metrics["Kernel Name"] == "_gluon_softmax_fwd_kernel"
     assert metrics["gpu__time_duration.sum"] == 586368.0 and metrics[TENSOR] == 53.86 and metrics[STALL] == 2.16
+    assert metrics["units"]["gpu__time_duration.sum"] == "nsecond"
+    assert pipes.duration_us(metrics) == pytest.approx(586.368)
+    in_us = {**metrics, "gpu__time_duration.sum": 586.368, "units": {"gpu__time_duration.sum": "usecond"}}
+    assert pipes.duration_us(in_us) == pytest.approx(586.368)
     assert pipes.parse_raw_csv("==PROF== nothing profiled\n") == {}
 
 

@@ -81,21 +81,32 @@ def child(args) -> None:
     torch.cuda.synchronize()
 
 
-def parse_raw_csv(text: str) -> dict[str, float | str]:
+def parse_raw_csv(text: str) -> dict:
     """ncu --csv --page raw: a header row of metric names, a units row, one row per profiled kernel;
-    the last kernel's values (numbers where they parse)."""
+    the last kernel's values (numbers where they parse) and, under "units", each metric's unit."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(rows) < 3:
         return {}
-    header, last = rows[0], rows[-1]
-    out: dict[str, float | str] = {}
+    header, units, last = rows[0], rows[1], rows[-1]
+    out: dict = {"units": {name: unit for name, unit in zip(header, units) if unit}}
     for name, value in zip(header, last):
         try:
             out[name] = float(value.replace(",", ""))
         except ValueError:
             out[name] = value
     return out
+
+
+US_PER = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+
+
+def duration_us(metrics: dict) -> float | None:
+    """The kernel's duration in microseconds, by the unit ncu reported (ns where none was kept)."""
+    value = metrics.get("gpu__time_duration.sum")
+    if not isinstance(value, float):
+        return None
+    return value * US_PER.get(metrics.get("units", {}).get("gpu__time_duration.sum", "nsecond"), 1e-3)
 
 
 def run_ncu(variant: str, args, report: list[str]):
@@ -155,9 +166,7 @@ def table(results: dict) -> str:
             continue
         cells = []
         for _, metric in [*COLUMNS, *((None, s) for s in stalls)]:
-            v = m.get(metric)
-            if metric == "gpu__time_duration.sum" and isinstance(v, float):
-                v = v / 1e3 if v > 1e4 else v  # ns -> us (ncu's unit for durations is ns or us by version)
+            v = duration_us(m) if metric == "gpu__time_duration.sum" else m.get(metric)
             cells.append(f"{v:.2f}" if isinstance(v, float) else "-")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
