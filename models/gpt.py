@@ -310,14 +310,15 @@ class Attention(nn.Module):
                              out_dtype=torch.promote_types(heads.dtype, torch.float32))
 
     def normalize_output(self, y: torch.Tensor) -> torch.Tensor:
-        """head_norm (the per-head output RMSNorm) in one fused kernel of y's dtype, fp32 arithmetic
-        inside, its weight rounded to y's dtype as autocast rounds linear weights (by the kernels as they
-        read it: head_rms_norm's round_weight, no cast op). Autocast is off around it:
+        """head_norm (the per-head output RMSNorm) times the family's `extras.output_scale` in one fused
+        kernel of y's dtype, fp32 arithmetic inside, its weight rounded to y's dtype as autocast rounds
+        linear weights (by the kernels as they read it: head_rms_norm's round_weight, no cast op).
+        Autocast is off around it:
         it would widen y to fp32 and back (at the `small` shape, forward and backward, 259 us and 11
         kernels against 173 us and 9 for torch's rms_norm, docs/results/public_path/). On CUDA in eager
         mode the norm is models/head_norms.py's kernel, elsewhere torch's rms_norm."""
         norm = self.head_norm
-        return head_rms_norm(y, norm.weight, eps=norm.eps, round_weight=True)
+        return head_rms_norm(y, norm.weight, eps=norm.eps, scale=self.extras.output_scale, round_weight=True)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 segment_bounds: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -342,7 +343,9 @@ class Attention(nn.Module):
                         key_lengths=key_lengths, extra=self.extras(qs, ks))
         if self.head_norm is not None:
             y = self.normalize_output(y)
-        return self.proj(self.extras.scale_output(y).reshape(b, n, -1))
+        elif self.extras.output_scale != 1.0:
+            y = y * self.extras.output_scale
+        return self.proj(y.reshape(b, n, -1))
 
 
 class MLP(nn.Module):

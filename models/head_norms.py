@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from attn.kernels.env import interpreting
-from attn.kernels.runtime import Kernel, TileConfig, direct_apply
+from attn.kernels.runtime import Kernel, TileConfig, direct_apply, once_differentiable
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # devices whose tensors take the kernels when not forced (tests add "cpu" to run the model's norms
@@ -225,20 +225,6 @@ def _token_layout(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, token
 
 
-def _once_differentiable(backward):
-    """torch.autograd.function.once_differentiable, without its no_grad context where grad mode is off
-    already (a backward without create_graph): there it only costs host time."""
-    wrapped = torch.autograd.function.once_differentiable(backward)
-
-    @functools.wraps(backward)
-    def run(ctx, *grads):
-        if torch.is_grad_enabled():
-            return wrapped(ctx, *grads)
-        return backward(ctx, *grads)
-
-    return run
-
-
 class _HeadRMSNorm(torch.autograd.Function):
     """The kernels over x (..., S, D) with a unit D stride and tokens (the leading dims) of one stride
     `token_stride`; returns a contiguous tensor of x's shape."""
@@ -261,7 +247,7 @@ class _HeadRMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @_once_differentiable
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, second_weight, rstd = ctx.saved_tensors
         t, s = rstd.shape
@@ -331,7 +317,7 @@ class _HeadNormRope(torch.autograd.Function):
         return out
 
     @staticmethod
-    @_once_differentiable
+    @once_differentiable
     def backward(ctx, dy):
         x, weight, second_weight, cos, sin, rstd = ctx.saved_tensors
         t, s = rstd.shape

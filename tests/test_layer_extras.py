@@ -131,7 +131,7 @@ def test_families_without_extra_tensors_get_the_empty_layer_module():
     extras = model.blocks[0].attn.extras
     assert type(extras) is attn.LayerExtras and list(extras.parameters()) == []
     qs = [torch.randn(1, 3, 2, 8)]
-    assert extras(qs, qs) == {} and extras.per_head_values() == {} and extras.scale_output(qs[0]) is qs[0]
+    assert extras(qs, qs) == {} and extras.per_head_values() == {} and extras.output_scale == 1.0
     assert not any(".extras." in name for name in model.state_dict())
 
 

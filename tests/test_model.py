@@ -237,12 +237,16 @@ def test_sdpa_backend_matches_reference_and_refuses_other_variants():
 
 @pytest.mark.parametrize("name", list(VARIANT_PARAMS))
 def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
-    """Norms run in fp32 under autocast; the kernels need q, k, v (and views) in one dtype."""
-    seen = []
+    """Norms run in fp32 under autocast; the kernels need q, k, v (and the second view's q2, k2) in one
+    dtype. The differential lambda stays fp32 (the kernels read it as fp32: no cast op either way)."""
+    seen, lambdas = [], []
     real = attn.AttentionCall.__call__
 
     def spy(self, q, k, v, **kw):
-        seen.append({t.dtype for t in (q, k, v, *(kw.get("extra") or {}).values())})
+        extra = dict(kw.get("extra") or {})
+        if "lam" in extra:
+            lambdas.append(extra.pop("lam").dtype)
+        seen.append({t.dtype for t in (q, k, v, *extra.values())})
         return real(self, q, k, v, **kw)
 
     monkeypatch.setattr(attn.AttentionCall, "__call__", spy)
@@ -250,6 +254,8 @@ def test_attention_inputs_share_one_dtype_under_autocast(name, monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 37, (2, 16)))
     assert seen and all(s == {torch.bfloat16} for s in seen), seen
+    assert all(dtype == torch.float32 for dtype in lambdas), lambdas
+    assert bool(lambdas) == (attn.get_variant(name).views == 2)
 
 
 def test_the_rms_qk_norm_of_all_heads_at_once_is_each_kinds_own_rmsnorm():

@@ -22,6 +22,20 @@ import torch.nn as nn
 from attn.families.layer_extras import LayerExtras, LayerShape
 
 
+# devices whose lambda vectors take the one-launch kernels (attn/kernels/reparam_lambda.py) in eager mode;
+# tests add "cpu" to run them under the interpreter
+KERNEL_DEVICE_TYPES = ("cuda",)
+
+
+def _lambda_kernel_serves(vectors: torch.Tensor) -> bool:
+    """Whether ReparamLambda computes with the kernels: eager, contiguous fp32 vectors on a kernel device
+    (plain tensors or parameters: under torch.compile, or for other tensor subclasses, the torch ops, which
+    inductor fuses)."""
+    return (vectors.device.type in KERNEL_DEVICE_TYPES and vectors.dtype == torch.float32
+            and type(vectors) in (torch.Tensor, nn.Parameter) and vectors.is_contiguous()
+            and not torch.compiler.is_compiling())
+
+
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     """t.float(), without the dispatcher's call where t is fp32 already (a parameter per layer and step)."""
     return t if t.dtype == torch.float32 else t.float()
@@ -34,7 +48,9 @@ def lambda_init(layer_index: int) -> float:
 
 class DifferentialLambda(LayerExtras):
     """The extra mapping of a differential variant: the second view's 'q2' and 'k2' and the
-    per-head 'lam' (H,) in q's dtype. Subclasses hold the parameters and compute `per_head_lambda`."""
+    per-head 'lam' (H,) in fp32 (the kernels read it as fp32 whatever its dtype: passed as computed, it
+    needs no cast op, nor one in the backward). Subclasses hold the parameters and compute
+    `per_head_lambda`."""
 
     def __init__(self, shape: LayerShape):
         super().__init__()
@@ -48,7 +64,7 @@ class DifferentialLambda(LayerExtras):
         raise NotImplementedError
 
     def forward(self, qs, ks):
-        return {"q2": qs[1], "k2": ks[1], "lam": self.per_head_lambda().to(qs[0].dtype)}
+        return {"q2": qs[1], "k2": ks[1], "lam": self.per_head_lambda()}
 
     def per_head_values(self):
         return {"lambda": self.per_head_lambda()}
@@ -61,16 +77,18 @@ class ReparamLambda(DifferentialLambda):
         super().__init__(shape)
         # lq1, lk1, lq2, lk2 of every head
         self.lambda_vectors = nn.Parameter(torch.zeros(4, shape.n_head, shape.head_dim).normal_(0, 0.1))
+        self.output_scale = 1.0 - self.lambda_init
 
     def per_head_lambda(self):
-        # both terms in one product, sum and exp over (2, H, D): (lq1, lq2) times (lk1, lk2); fewer small ops
-        # (launches in an eager step) than a product, sum and exp per term
-        lq, lk = _fp32(self.lambda_vectors).view(2, 2, self.n_head, -1).unbind(1)
+        vectors = self.lambda_vectors
+        if _lambda_kernel_serves(vectors):  # one launch each way instead of about five small kernels each way
+            from attn.kernels.reparam_lambda import reparam_lambda
+
+            return reparam_lambda(vectors, self.lambda_init)
+        # both terms in one product, sum and exp over (2, H, D): (lq1, lq2) times (lk1, lk2)
+        lq, lk = _fp32(vectors).view(2, 2, self.n_head, -1).unbind(1)
         first, second = torch.exp((lq * lk).sum(-1)).unbind(0)
         return first - second + self.lambda_init
-
-    def scale_output(self, y):
-        return y * (1.0 - self.lambda_init)
 
 
 class ClampLambda(DifferentialLambda):

@@ -28,16 +28,18 @@ class LayerShape:
 
 class LayerExtras(nn.Module):
     """The base: no parameters, no extra tensors, the output as it is. A family whose spec takes
-    extra tensors returns a subclass from `Family.layer_extras`."""
+    extra tensors returns a subclass from `Family.layer_extras`.
+
+    `output_scale`: a constant the model multiplies the attention output by, after the per-head output
+    norm and before the projection (a number, so that the model folds it into the norm's kernel
+    instead of a multiply and its backward per layer)."""
+
+    output_scale: float = 1.0
 
     def forward(self, qs: list[torch.Tensor], ks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The extra mapping from the layer's q views `qs` (B, N, H, D) and k views `ks`
         (B, KV, H_kv, D), after RoPE and QK-norm, in attention's dtype."""
         return {}
-
-    def scale_output(self, y: torch.Tensor) -> torch.Tensor:
-        """The attention output (B, N, H, D), after the per-head output norm, before the projection."""
-        return y
 
     def per_head_values(self) -> dict[str, torch.Tensor]:
         """Learned per-head quantities by name, each (H,) in fp32: what the validation monitor logs

@@ -215,6 +215,20 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable:
     return apply
 
 
+def once_differentiable(backward):
+    """torch.autograd.function.once_differentiable, without its no_grad context where grad mode is off
+    already (a backward without create_graph): there it only costs host time."""
+    wrapped = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if torch.is_grad_enabled():
+            return wrapped(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return run
+
+
 class AutogradOp:
     """A family's differentiable fused attention: one autograd.Function named `name` whose forward runs
     the launcher op `op` when traced (torch.compile traces the Function, its op's fake and its

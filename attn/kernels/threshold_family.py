@@ -447,11 +447,12 @@ def _dkdv_kernel(
                                            HEAD_DIM, BLOCK_M, True, POWER_MODE, CAUSAL, HAS_WINDOW, HAS_SEG, DIFF,
                                            VIEWS, DOT_PREC, seed, bh, dropout_p, DROPOUT)
         if SECOND:
-            # this program owns slots [n0, n0 + BLOCK_N) / DLAM_SLOT of head h: the partial
-            # goes to the first, zeros to the rest, so the buffer is fully written whatever
-            # the block size (no zero-fill, no stale autotuning trials)
+            # this program owns slots [n0, n0 + BLOCK_N) / DLAM_SLOT of head h: its partial of d-lambda
+            # (-sum dp w2, negated here so that the launcher's reduction is a sum alone) goes to the first,
+            # zeros to the rest, so the buffer is fully written whatever the block size (no zero-fill, no
+            # stale autotuning trials)
             slots = n0 // DLAM_SLOT + tl.arange(0, BLOCK_N // DLAM_SLOT)
-            vals = tl.where(tl.arange(0, BLOCK_N // DLAM_SLOT) == 0, dlam, 0.0)
+            vals = tl.where(tl.arange(0, BLOCK_N // DLAM_SLOT) == 0, -dlam, 0.0)
             tl.store(DLAM_PART + (b64 * num_heads + h) * dlam_slots + slots, vals, mask=slots < dlam_slots)
     # dk / dv / dk2 are contiguous (B, N, H_kv, D) allocations of the launcher
     out_offs = b64 * kv_len * num_kv_heads * HEAD_DIM + offs_n[:, None] * (num_kv_heads * HEAD_DIM) + hk * HEAD_DIM
@@ -839,7 +840,7 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         if empty:
             dlam_part.zero_()
         # fixed-order reduction of the per-(batch, head, key block) partials: deterministic
-        dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
+        dlam = dlam_part.sum(dim=(0, 2)).to(lam.dtype)
         return dq, dk, dv, dq2, dk2, dlam
 
     # the Gluon backwards serve calls without segments, a window or dropout, with at least as many keys as queries

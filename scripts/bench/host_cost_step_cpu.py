@@ -42,15 +42,18 @@ sys.path.insert(0, str(HERE))
 from bench_train import CASES, build_step  # noqa: E402
 from host_cost_cpu import calls_per_call, host_us, stub_launches  # noqa: E402
 
+import attn.families.differential  # noqa: E402
 import models.head_norms  # noqa: E402
 
 DEFAULT_CASES = ("softmax/sdpa", "softmax/triton", "threshold/triton", "sigmoid/triton", "diff_threshold/triton")
 
 
 def stub_device() -> None:
-    """host_cost_cpu's stubs, and the head norms' kernels serving CPU tensors (as they serve CUDA ones)."""
+    """host_cost_cpu's stubs, and the head norms' and the differential lambda's kernels serving CPU tensors
+    (as they serve CUDA ones)."""
     stub_launches()
     models.head_norms.KERNEL_DEVICE_TYPES = ("cuda", "cpu")
+    attn.families.differential.KERNEL_DEVICE_TYPES = ("cuda", "cpu")
 
 
 def make_step(model_cfg: dict, case: str, batch: int):
