@@ -13,6 +13,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
+    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_one_pass bwd_dkdv_one_pass_tanh  # dQ in the dK / dV kernel
     python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
     python scripts/analysis/gluon_sass_counts.py --variant diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq  # its backward
 
@@ -27,7 +28,9 @@ loops run one query block (BLOCK_M rows) against a warpgroup's 64 keys (S^T, dP^
 loop is the causal diagonal, and only causal programs have one); the query-block kernel's loops one key
 block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. The variants
 bwd_<kernel>_<form> compile a cap (tanh, soft_sign, alsc), a temperature or both into either kernel, and the
-_dt ones the temperature's gradient into the dQ kernel too. The threshold and sigmoid backwards
+_dt ones the temperature's gradient into the dQ kernel too. bwd_dkdv_one_pass(_<form>) is the key-block
+kernel of the one-pass form (ATTNLAB_GLUON_DQ=one_pass): the same loops with dS^T to shared memory, the dQ
+product and its TMA reduce-add per tile (no dQ kernel runs in that form). The threshold and sigmoid backwards
 (attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for threshold, threshold_p1,
 threshold_p1.5 and sigmoid) have the same loops. The differential threshold forward
 (attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
@@ -124,6 +127,10 @@ BACKWARD_FORMS = {"tanh": dict(cap=1), "soft_sign": dict(cap=2), "alsc": dict(ca
                   "temperature": dict(has_temp=True), "alsc_temperature": dict(cap=3, has_temp=True)}
 VARIANTS.update({f"bwd_{kernel}_{form}": dict(kernel=kernel, **kwargs)
                  for kernel in ("dkdv", "dq") for form, kwargs in BACKWARD_FORMS.items()})
+# the key-block kernel with FlashAttention-3's dQ path (ATTNLAB_GLUON_DQ=one_pass), plain and capped / tempered
+VARIANTS.update({"bwd_dkdv_one_pass": dict(kernel="dkdv_one_pass")})
+VARIANTS.update({f"bwd_dkdv_one_pass_{form}": dict(kernel="dkdv_one_pass", **kwargs)
+                 for form, kwargs in BACKWARD_FORMS.items()})
 VARIANTS.update({"bwd_dq_temperature_dt": dict(kernel="dq", has_temp=True, need_dt=True),
                  "bwd_dq_alsc_temperature_dt": dict(kernel="dq", cap=3, has_temp=True, need_dt=True)})
 BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_bwd.py"
@@ -172,7 +179,7 @@ def tile_width(module, variant: str, head_dim: int) -> int:
             return module.dq_tile_config(head_dim)["BLOCK_N"]
         views = module.SECOND_VIEW if kernel == "dkdv_second" else module.dkdv_forms(head_dim)[0]
         return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
-    if kernel == "dkdv":
+    if kernel in ("dkdv", "dkdv_one_pass"):
         return module.dkdv_tile_config(head_dim)["BLOCK_M"]
     if kernel == "dq":
         return module.dq_tile_config(head_dim)["BLOCK_N"]
