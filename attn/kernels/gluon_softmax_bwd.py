@@ -136,6 +136,15 @@ def dq_accumulator_block(head_dim: int) -> list[int]:
     return [dkdv_tile_config(head_dim)["BLOCK_M"], head_dim // 2]
 
 
+def dq_staging_layout():
+    """The shared layout of the one-pass form's fp32 dQ staging tile and of its TMA reduce descriptor:
+    a 32-byte swizzle (8 fp32 columns a box, so a 64 x 64 tile is 8 reduce messages, 2 per warp). The
+    warpgroup's 16 STS.64 of its wgmma accumulator then take one address register and no bank conflict
+    (8 rows of 32 bytes, 32 bytes apart); the 128-byte swizzle needs four address registers, which the
+    loops spilled at D = 128 (scripts/analysis/gluon_sass_counts.py)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
+
+
 def dq_tile_config(head_dim: int) -> dict:
     """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
     BLOCK_N keys per ring slot, STAGES slots of K and V. Registers per consumer thread: S and dP
@@ -329,12 +338,13 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     forms while dP^T runs, at D = 128 after both retired (WAIT_DP_WITH_S: with dK and dV at 128
     registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spills).
     MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m.
-    ONE_PASS_DQ: dS^T's rows of this warpgroup's keys also go to ds_rows (its half of ds_smem, both
-    warpgroups' BLOCK_N x BLOCK_M dS^T), ds_ready counts both halves in; then, beside dV and dK, this
-    warpgroup's dQ columns dQ[:, dq_col:] = dS K[:, cols] (ds_smem^T, queries as rows, times k_cols, the
-    program's BLOCK_N keys' columns of this warpgroup, both from shared memory; 64 x D / 2 fp32), ds_free
-    counts both warpgroups' dQ products out of ds_smem, and the tile goes through dq_staging to the fp32 dq
-    at (dq_row, dq_col) by a TMA reduce-add (the previous tile's reduce waited for first)."""
+    ONE_PASS_DQ: dS^T also goes to ds_rows, the transposed view of this warpgroup's key columns of ds_smem
+    (dS, BLOCK_M queries x BLOCK_N keys, both warpgroups'; a transposing stmatrix), and ds_ready counts both
+    halves in. Once dV and dK retired (their 16-bit operands' registers free), this warpgroup's dQ columns:
+    dQ[:, dq_col:] = dS K[:, cols] (ds_smem times k_cols, all BLOCK_N keys' rows of its D / 2 columns, both
+    from shared memory; a 64 x D / 2 fp32 accumulator); ds_free counts both warpgroups' dQ products out of
+    ds_smem, and the tile goes through dq_staging to the fp32 dq at (dq_row, dq_col) by a TMA reduce-add
+    (after waiting for the previous tile's reduce to have read dq_staging)."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
     DQ_COLS: gl.constexpr = dk.shape[1] // 2
@@ -408,7 +418,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         release(j, q_empty, STAGES)
         mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem, k_cols, dq_zero, use_acc=False, is_async=True)
         dq, ds_smem, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_smem, k_cols))
         tma.store_wait(0)  # the previous tile's reduce has read dq_staging
         gl.thread_barrier()  # and every warp's dQ product retired
@@ -534,9 +544,10 @@ def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, 
                   CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, ONE_PASS_DQ: gl.constexpr,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The key-block program of either kernel: shared memory, barriers and the three partitions.
-    ONE_PASS_DQ adds dS^T's BLOCK_N x BLOCK_M buffer (each warpgroup writes its keys' rows), a
-    BLOCK_M x D / 2 fp32 staging tile per warpgroup, and the ds_ready / ds_free barriers (one arrival
-    per warpgroup); without it they are placeholders the consumers never touch."""
+    ONE_PASS_DQ adds dS's BLOCK_M x BLOCK_N buffer (each warpgroup writes its keys' columns), a
+    BLOCK_M x D / 2 fp32 staging tile per warpgroup (`dq_staging_layout`), and the ds_ready / ds_free
+    barriers (one arrival per warpgroup); without it they are placeholders the consumers never touch.
+    Shared memory at D = 128: 160 KiB of K, V and the ring, 16 KiB of dS, 2 x 16 KiB of staging."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -551,8 +562,8 @@ def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, 
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
     if ONE_PASS_DQ:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], k_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, BLOCK_M], ds_layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
         dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
         ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -560,8 +571,8 @@ def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, 
         mbarrier.init(ds_free, count=2)
         fence_async_shared()
         k_all = k_halves._reinterpret(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        ds_rows_0 = ds_smem.slice(0, HALF_N)
-        ds_rows_1 = ds_smem.slice(HALF_N, HALF_N)
+        ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))
+        ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
         k_cols_0 = k_all.slice(0, DQ_COLS, dim=1)
         k_cols_1 = k_all.slice(DQ_COLS, DQ_COLS, dim=1)
         staging_0 = dq_staging.index(0)
@@ -852,7 +863,7 @@ def _launch_one_pass(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, ca
         do_flat.stride(0), do_flat.stride(1), do_flat.stride(2), h, n,
         HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=True, num_warps=4)
     dq_block = dq_accumulator_block(d)
-    dq_desc = TensorDescriptor(dq_acc, [bsz * n, h * d], [h * d, 1], dq_block, smem_layout(dq_block, gl.float32))
+    dq_desc = TensorDescriptor(dq_acc, [bsz * n, h * d], [h * d, 1], dq_block, dq_staging_layout())
 
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
@@ -994,7 +1005,7 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         cfg = dkdv_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
         dq_block = dq_accumulator_block(head_dim)
-        dq_acc = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{smem_layout(dq_block, gl.float32)!r}>"
+        dq_acc = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_staging_layout()!r}>"
         signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "dq_desc": dq_acc,
                      "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32",
                      **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
