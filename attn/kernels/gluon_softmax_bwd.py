@@ -16,7 +16,11 @@ softmax (CAP 0, no temperature): g = q.k, F' = 1, t = 1. The cap and the tempera
 (CAP, HAS_TEMP, and NEED_DT in the dQ kernel): the plain kernels compile without any of it
 (scripts/analysis/gluon_sass_counts.py counts their loops).
 
-Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.gluon_api_available`):
+Two forms of dq, by ATTNLAB_GLUON_DQ (`dq_form`): "separate" (the default, the validated one, and always for
+the temperature's gradient) and "one_pass". Each launch is written against Triton 3.6's Gluon API
+(`gluon_pipeline.gluon_api_available`).
+
+The separate form, three launches:
 
 1. `_delta_kernel`: delta (B, H, N) fp32 = rowsum(dO * O) (the portable `_bwd_preprocess`).
 2. `_dkdv_kernel`, FlashAttention-3's key-block schedule: one program per BLOCK_N (128) keys of one
@@ -36,26 +40,49 @@ Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.glu
    global memory, no atomics, the same bits every run. NEED_DT: each row's sum of dz g, per (batch, head,
    row) in fp32, summed over heads on the host.
 
+The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launches:
+
+1. `_delta_kernel` with ZERO_DQ: delta, and zeros in an fp32 dq (B, N, H, D).
+2. `_dkdv_dq_kernel`: the key-block kernel above, and per (query head, query block) each consumer also
+   writes its dS^T to shared memory as the transposed view of its 64 key columns of dS (BLOCK_M queries x
+   BLOCK_N keys, a transposing stmatrix); an mbarrier counts both warpgroups' halves in, and each
+   warpgroup, once its dV and dK retired, loads dS (ldmatrix) as the register operand of dQ's D / 2
+   columns over all 128 keys, dS K[:, cols] (K from shared memory, a 64 x D / 2 fp32 accumulator), stores
+   the tile to an fp32 staging tile and adds it to the fp32 dq by a TMA bulk reduce-add
+   (`_tma_reduce_add`: Triton 3.6's Gluon builder has the op, its tma module no wrapper). A second
+   mbarrier holds the next dS until both warpgroups have loaded this one; the staging tile is rewritten
+   once its previous reduce has read it. Keys past
+   KV in the program's last block get p = 0 from the masked blocks' compare (every block of such a
+   program runs masked), so they add nothing to dq. dS carries t F'(y), so dq needs only the scale s.
+3. `_dq_cast_kernel`: dq = s dq_acc in q's dtype.
+
+5 matrix products per (key block, query block) tile instead of 7 over two kernels, and every score's
+exp2 (and cap) computed once instead of twice; in exchange the two consumer warpgroups of a program
+advance in step (dS's buffer is shared), dq's sums arrive in any order (not bit-reproducible), and
+an fp32 dq of 4 B N H D bytes is zeroed, reduced into and read back. The temperature's gradient stays
+on the separate form (only the dQ kernel sums dz g per row).
+
 Caps and temperatures: the plain key-block kernel folds -lse2 / c into S^T's accumulator start; a cap is
 not linear, so capped or tempered blocks start S^T from zero and take lse2 (and t) per query column in
 registers. The cap's slope F' comes from the same intermediates as g (`_capped_with_slope`). At D = 128
 those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and an in-flight dP^T spill).
 
-Why a separate dQ kernel rather than FA3's atomic dQ: dS would have to go through shared memory (the
-key-block program holds dS^T with keys as rows; dQ = dS K needs dS with queries as rows as a wgmma
-operand), a third 64 x D fp32 accumulator does not fit beside dK and dV at D = 128 (3 x 64 + S^T +
-dP^T > 240 registers), and FA3's dQ path (fp32 tile to shared memory, TMA reduce-add to an fp32 global
-buffer, a final scale-and-cast kernel) is three more synchronised stages to get right without a GPU.
-The price is two more matrix products per tile (S and dP recomputed: 7 instead of 5). The portable
-backward's default form is the same split (`_dq_form`: "separate" unless tuning finds "one_pass"
-faster, which it did only at D = 64 with 2048+ keys).
+Why the separate form is the default: it is the one validated on an H100 (every case; the plain backward
+in 0.90x cuDNN's time at (4, 16, 4096, 128) causal bf16), and it is deterministic. The one-pass form
+trades two products and the recomputed exp2 / cap per score for dS's shared-memory round trip, the
+warpgroups' lockstep and the fp32 dq's traffic; at D = 128 its capped and tempered loops reload a few
+spilled loop invariants (scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
+portable backward's default is the same split (`softmax_family._dq_form`: "separate" unless tuning
+finds "one_pass" faster, which it did only at D = 64 with 2048+ keys).
 
 Masks: key-block programs visit only query blocks that see their keys (causal: from the first row at
 key position >= n0); blocks on the causal diagonal run with one compare per score, the rest without
 mask arithmetic. Rows past N (a TMA tile that runs into the next batch's rows, or zeros past the
 tensor) get lse2 = +inf and delta = 0 from masked loads, so their p is exactly 0; keys past KV in a
-key-block program only touch their own dK / dV rows, which are not stored. The dQ kernel masks keys
-as the forward does (`gluon_pipeline.visible_key`).
+key-block program only touch their own dK / dV rows, which are not stored (one-pass: they are masked, as
+dq would see them). A one-pass query block's TMA reduce-add past N adds the zero dS rows of those queries
+to the next batch's rows, or is clipped past the tensor. The dQ kernel masks keys as the forward does
+(`gluon_pipeline.visible_key`).
 """
 
 from __future__ import annotations
@@ -341,10 +368,12 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     ONE_PASS_DQ: dS^T also goes to ds_rows, the transposed view of this warpgroup's key columns of ds_smem
     (dS, BLOCK_M queries x BLOCK_N keys, both warpgroups'; a transposing stmatrix), and ds_ready counts both
     halves in. Once dV and dK retired (their 16-bit operands' registers free), this warpgroup's dQ columns:
-    dQ[:, dq_col:] = dS K[:, cols] (ds_smem times k_cols, all BLOCK_N keys' rows of its D / 2 columns, both
-    from shared memory; a 64 x D / 2 fp32 accumulator); ds_free counts both warpgroups' dQ products out of
-    ds_smem, and the tile goes through dq_staging to the fp32 dq at (dq_row, dq_col) by a TMA reduce-add
-    (after waiting for the previous tile's reduce to have read dq_staging)."""
+    dQ[:, dq_col:] = dS K[:, cols] (ds_smem loaded to registers, times k_cols, all BLOCK_N keys' rows of
+    its D / 2 columns in shared memory; a 64 x D / 2 fp32 accumulator); ds_free counts both warpgroups'
+    loads out of ds_smem, and the tile goes through dq_staging to the fp32 dq at (dq_row, dq_col) by a TMA
+    reduce-add (after waiting for the previous tile's reduce to have read dq_staging). dS as a register
+    operand rather than a shared-memory one: its 8 k steps' descriptors would stay live across the loop,
+    and the D = 128 loops spilled."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
     DQ_COLS: gl.constexpr = dk.shape[1] // 2
@@ -403,7 +432,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     ds_t16 = ds_t.to(q_ring.dtype)
     ds16 = gl.convert_layout(ds_t16, a_layout)
     if ONE_PASS_DQ:
-        mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups' previous dQ products have read ds_smem
+        mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups have loaded the previous tile's dS
         ds_rows.store(ds_t16)
         fence_async_shared()
         gl.thread_barrier()
@@ -417,12 +446,16 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
         release(j, q_empty, STAGES)
         mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_smem, k_cols, dq_zero, use_acc=False, is_async=True)
-        dq, ds_smem, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_smem, k_cols))
-        tma.store_wait(0)  # the previous tile's reduce has read dq_staging
-        gl.thread_barrier()  # and every warp's dQ product retired
+        # dS as the dQ product's register operand (ldmatrix): its k steps need no shared-memory
+        # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it
+        ds_a = ds_smem.load(gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+        gl.thread_barrier()
         mbarrier.arrive(ds_free)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dq = warpgroup_mma(ds_a, k_cols, dq_zero, use_acc=False, is_async=True)
+        dq, ds_a, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_a, k_cols))
+        tma.store_wait(0)  # the previous tile's reduce has read dq_staging
+        gl.thread_barrier()
         dq_staging.store(dq)
         fence_async_shared()
         gl.thread_barrier()
@@ -446,9 +479,12 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
     each query head of the group; stores its rows of dk (times grad_scale) and dv. ONE_PASS_DQ: also
     adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile to the fp32 dq
-    (`_dkdv_block`; ds_smem .. ds_free are its buffers and barriers, unused otherwise), after zeroing the
-    rows of its K half past kv_len (the next batch's keys, or the TMA's zeros past the tensor): the dQ
-    product runs over all BLOCK_N keys, and a zero key row adds nothing whatever its dS."""
+    (`_dkdv_block`; ds_smem .. ds_free are its buffers and barriers, unused otherwise). The dQ product
+    runs over all BLOCK_N keys, so keys past kv_len (the next batch's, or the TMA's zeros past the tensor)
+    must have dS = 0: the masked blocks' compare hides them (p = 0 whatever their scores). Causal, it
+    already does (a key past kv_len is visible to query columns past q_len only, whose p is 0), and
+    every block of a program whose keys run past kv_len is a masked one; full, the compare is
+    key < kv_len, and `_dkdv_program` makes every block of such a program a masked one."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -457,22 +493,16 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM // 2, 16])
     # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
-    first_col = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    key_rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+    first_col = key_rows - (kv_len - q_len)
+    if ONE_PASS_DQ and not CAUSAL:  # every query sees a key before kv_len, none one past it
+        first_col = gl.where(key_rows < kv_len, 0, 1 << 30)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
     temp_rows = TEMP + b.to(gl.int64) * stride_tb
 
     mbarrier.wait(kv_bar, 0)
-    if ONE_PASS_DQ:
-        if key0 + HALF_N > kv_len:
-            rows_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                         warps_per_cta=[NUM_WARPS_C, 1], order=[1, 0])
-            key_rows = gl.arange(0, HALF_N, layout=gl.SliceLayout(1, rows_layout))
-            k_rows = k_tile.load(rows_layout)
-            k_tile.store(gl.where(gl.expand_dims(key_rows < kv_len - key0, 1), k_rows, gl.zeros_like(k_rows)))
-            fence_async_shared()
-            gl.thread_barrier()
     for gi in range(GROUP):
         h = hk * GROUP + gi
         bh = b * H + h
@@ -557,6 +587,9 @@ def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, 
     b = bhk // H_KV
     hk = bhk % H_KV
     i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    if ONE_PASS_DQ and not CAUSAL:
+        if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
+            i_full = i_hi
     # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)

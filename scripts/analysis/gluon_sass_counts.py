@@ -97,6 +97,12 @@ def is_masked(body: list[str], scores_per_thread: int = 64) -> bool:
     return sum(ins.startswith("ISETP") for ins in body) >= scores_per_thread // 2
 
 
+def is_masked_by_select(body: list[str], scores_per_thread: int = 32) -> bool:
+    """The one-pass key-block kernel's masked loop without the causal mask (keys past the key length): its
+    mask is per key row, so ptxas keeps a predicate per row and selects (FSEL) each score, with few ISETP."""
+    return sum(ins.startswith(("ISETP", "FSEL")) for ins in body) >= scores_per_thread // 2
+
+
 def loop_counts(body: list[str], block_n: int) -> dict:
     """Counts per category of one loop body of a 64 x block_n score tile per warpgroup."""
     row = {col: 0 for col, _ in CATEGORIES} | {"other": 0}
@@ -200,10 +206,15 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel", "").startswith("dkdv") and not causal:
+    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
+    # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
+    # of a program whose keys run past the key length, whose keys must not reach dq)
+    masked_loop = is_masked
+    if VARIANTS[variant].get("kernel") == "dkdv_one_pass" and not causal:
+        masked_loop = is_masked_by_select
     for kind, masked in kinds:
-        bodies = [body for body in loops if is_masked(body, 64 * block_n // 128) == masked]
+        bodies = [body for body in loops if masked_loop(body, 64 * block_n // 128) == masked]
         if not bodies:
             raise RuntimeError(f"{config}: no {kind} loop with HGMMA in the SASS")
         body = min(bodies, key=len)
