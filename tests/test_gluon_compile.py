@@ -268,9 +268,9 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
         assert row["loop_spills"] == 0, row
 
 
-# local-memory instructions (loop-invariant addresses ptxas spilled) in one-pass key-block loops at D = 128
-# (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): the plain masked loop's 3 reloads and 3 stores
-# (the causal diagonal, and full-mask programs whose keys run past the key length); no other loop has any
+# local-memory instructions (loop-invariant addresses ptxas spilled) in the one-pass key-block loops compiled
+# below (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): the plain causal masked loop's 3 reloads
+# and 3 stores at D = 128 (the diagonal blocks only); no other loop here has any
 ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass", 128, "masked"): 6}
 
 

@@ -70,8 +70,9 @@ those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and
 Why the separate form is the default: it is the one validated on an H100 (every case; the plain backward
 in 0.90x cuDNN's time at (4, 16, 4096, 128) causal bf16), and it is deterministic. The one-pass form
 trades two products and the recomputed exp2 / cap per score for dS's shared-memory round trip, the
-warpgroups' lockstep and the fp32 dq's traffic; at D = 128 its capped and tempered loops reload a few
-spilled loop invariants (scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
+warpgroups' lockstep and the fp32 dq's traffic. Its loops keep no local memory but for a few spilled
+loop invariants at D = 128: the plain causal diagonal's, and ALSC with a temperature's
+(scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
 portable backward's default is the same split (`softmax_family._dq_form`: "separate" unless tuning
 finds "one_pass" faster, which it did only at D = 64 with 2048+ keys).
 
@@ -433,8 +434,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     ds16 = gl.convert_layout(ds_t16, a_layout)
     if ONE_PASS_DQ:
         mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups have loaded the previous tile's dS
-        ds_rows.store(ds_t16)
-        fence_async_shared()
+        ds_rows.store(ds_t16)  # read back by ldmatrix only: no async-proxy fence
         gl.thread_barrier()
         mbarrier.arrive(ds_ready)
     dv = warpgroup_mma(p16, do_tile, dv, is_async=True)
