@@ -8,7 +8,9 @@ mbarrier waits, setmaxnreg for the partitions, and no local memory (spills); the
 loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL.
 The backward's key-block (dK / dV) and query-block (dQ) kernels: the same PTX checks, and SASS loops with
 their wgmma counts, one exp2 per score and no local memory inside a loop; the same for their capped and
-tempered forms (and d-temperature in the dQ kernel), whose caps add one MUFU per score.
+tempered forms (and d-temperature in the dQ kernel), whose caps add one MUFU per score. The one-pass dQ form's
+key-block kernel (ATTNLAB_GLUON_DQ=one_pass): the same checks with the dQ product and its TMA reduce-add per
+iteration, and its delta (zeroing the fp32 dq) and scale-and-cast kernels.
 
 The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the same PTX checks, the same
 wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
@@ -80,6 +82,21 @@ CAPPED_BACKWARD = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
                  for variant, kwargs, d, c, t in CAPPED_BACKWARD})
+# the one-pass dQ form's key-block kernel (ATTNLAB_GLUON_DQ=one_pass): (gluon_sass_counts variant, compile_sm90
+# arguments, D, causal, dtype)
+ONE_PASS_BACKWARD = [
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 128, True, "bf16"),
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 128, False, "fp16"),
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 64, True, "bf16"),
+    ("bwd_dkdv_one_pass_tanh", dict(kernel="dkdv_one_pass", cap=1), 128, True, "bf16"),
+    ("bwd_dkdv_one_pass_tanh", dict(kernel="dkdv_one_pass", cap=1), 64, False, "fp16"),
+    ("bwd_dkdv_one_pass_alsc_temperature", dict(kernel="dkdv_one_pass", cap=3, has_temp=True), 64, True, "bf16"),
+    ("bwd_dkdv_one_pass_temperature", dict(kernel="dkdv_one_pass", has_temp=True), 128, True, "bf16"),
+]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
+                 for variant, kwargs, d, c, t in ONE_PASS_BACKWARD})
+REQUESTS.update({kernel: ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel=kernel), None)
+                 for kernel in ("delta_zero_dq", "dq_cast")})
 # the differential threshold forward: (gluon_sass_counts variant, its power, D, causal, dtype)
 DIFFERENTIAL = [
     ("diff_threshold", 2.0, 128, True, "bf16"),
@@ -249,6 +266,49 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
         assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
         assert row["mufu"] >= mufu_per_score * width // 2, row
         assert row["loop_spills"] == 0, row
+
+
+# local-memory instructions (loop-invariant addresses ptxas spilled) in the one-pass key-block loops compiled
+# below (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): the plain causal masked loop's 3 reloads
+# and 3 stores at D = 128 (the diagonal blocks only); no other loop here has any
+ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass", 128, "masked"): 6}
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_block_iteration(
+        compiled, variant, kwargs, head_dim, causal, dtype):
+    """The one-pass form's key-block kernel: the key-block schedule's products (S^T, dP^T with k = D; dV, dK
+    with k = BLOCK_M) plus dQ's columns of a warpgroup over all BLOCK_N keys (k = BLOCK_N), dS through shared
+    memory and the fp32 tile to global memory by a TMA bulk reduce-add (cp.reduce.async.bulk.tensor .add);
+    one exp2 per score (and the cap's MUFU), within shared memory, and no local memory in a loop but
+    ONE_PASS_LOOP_SPILLS' known ones. A masked loop with either mask."""
+    from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
+
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    ptx = result["ptx"]
+    _assert_hopper_schedule(ptx, {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    assert "cp.async.bulk.wait_group.read" in ptx  # the staging tile reused only once its reduce read it
+    assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx  # dS^T to shared memory as dS
+    assert "ldmatrix" in ptx  # dS back as the dQ product's register operand
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == {"unmasked", "masked"}  # full: the masked loop hides keys past the key length
+    block_n = dkdv_tile_config(head_dim)["BLOCK_N"]
+    mufu_per_score = 2 if kwargs.get("cap", 0) else 1
+    for kind, row in rows.items():
+        assert row["hgmma"] == 2 * (head_dim // 16) + 2 * (width // 16) + block_n // 16, row
+        assert row["mufu"] >= mufu_per_score * width // 2, row
+        assert row["loop_spills"] <= ONE_PASS_LOOP_SPILLS.get((variant, head_dim, kind), 0), row
+
+
+def test_one_pass_delta_and_cast_kernels_compile(compiled):
+    """The one-pass form's delta kernel also stores the fp32 dq's zeros; its last kernel reads fp32, stores dq."""
+    assert compiled["delta_zero_dq"]["ptx"].count("st.global") > compiled["delta"]["ptx"].count("st.global")
+    cast = compiled["dq_cast"]["ptx"]
+    assert "ld.global" in cast and "st.global" in cast
 
 
 @pytest.mark.parametrize("variant,power,head_dim,causal,dtype", DIFFERENTIAL,

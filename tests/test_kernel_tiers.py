@@ -86,6 +86,22 @@ def test_gluon_never_usable_off_a_cuda_device_or_under_the_interpreter(monkeypat
     assert not tiers.gluon_usable(torch.device("cuda", 0))  # decided before any CUDA query
 
 
+@pytest.mark.parametrize("value,form", [(None, "separate"), ("separate", "separate"), ("one_pass", "one_pass")])
+def test_gluon_dq_form_switch_values(value, form, monkeypatch):
+    """ATTNLAB_GLUON_DQ picks the Gluon softmax backward's dq form (separate by default); anything else is a
+    ValueError naming the variable."""
+    from attn.kernels import gluon_softmax_bwd
+
+    if value is None:
+        monkeypatch.delenv(gluon_softmax_bwd.DQ_FORM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, value)
+    assert gluon_softmax_bwd.dq_form() == form
+    monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "one-pass")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_DQ must be one of"):
+        gluon_softmax_bwd.dq_form()
+
+
 @pytest.mark.parametrize("value,bf16,fp16", [(None, 0, 0), ("mufu", 0, 0), ("poly", 3, 4), ("half", -3, -4)])
 def test_exp2_switch_values(value, bf16, fp16, monkeypatch):
     if value is None:
