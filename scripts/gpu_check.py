@@ -8,14 +8,15 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             GPU (tests/test_gpu.py, test_attention_dropout.py, test_kernels_longer_keys.py,
             test_kv_cache.py, test_extra_inputs.py, test_public_path_gpu.py, test_gluon_gpu.py,
             test_gluon_bwd_gpu.py, test_gluon_weighted_bwd_gpu.py, test_gluon_diff_fwd_gpu.py,
-            test_gluon_diff_bwd_gpu.py, test_head_norms.py),
+            test_gluon_diff_bwd_gpu.py, test_gluon_launch_gpu.py, test_head_norms.py),
             gpu_checks/check_softmax_family_gpu.py, gpu_checks/check_gluon_softmax_gpu.py,
             gpu_checks/check_gluon_softmax_bwd_gpu.py, gpu_checks/check_gluon_weighted_bwd_gpu.py,
             gpu_checks/check_threshold_gpu.py
   sanitize  compute-sanitizer memcheck over both kernel families' small-shape matrix
   bench     bench/bench_attention.py suites (main, masks, threshold, sigmoid, and every kernel target row
             in one process) and one attention call at a training shape, eager and compiled, with its
-            host time (bench/bench_attention_call.py); the opt-in kernel options against the defaults
+            host time (bench/bench_attention_call.py); host time per call per kernel tier and launch path
+            (bench/host_cost_call_gpu.py); the opt-in kernel options against the defaults
             (bench/ab_kernel_options.py: TMA loads, the online-softmax forward, the one-pass backward with its
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
             (bench/probe_warp_specialize.py); the public function as users call it (bench/bench_public_path.py),
@@ -81,7 +82,8 @@ MIN_START_S = 60  # a step is not started with less of the budget left
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_attention_dropout.py", "tests/test_kernels_longer_keys.py",
              "tests/test_kv_cache.py", "tests/test_extra_inputs.py", "tests/test_public_path_gpu.py",
              "tests/test_gluon_gpu.py", "tests/test_gluon_bwd_gpu.py", "tests/test_gluon_weighted_bwd_gpu.py",
-             "tests/test_gluon_diff_fwd_gpu.py", "tests/test_gluon_diff_bwd_gpu.py", "tests/test_head_norms.py"]
+             "tests/test_gluon_diff_fwd_gpu.py", "tests/test_gluon_diff_bwd_gpu.py", "tests/test_gluon_launch_gpu.py",
+             "tests/test_head_norms.py"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,7 @@ PHASES: dict[str, list[Step]] = {
         Step("targets", 330, (PY, "scripts/bench/bench_attention.py", "--only", "issue15", "--prewarm", "6",
                               "--out", "{dir}/bench_targets")),
         Step("call", 150, (PY, "scripts/bench/bench_attention_call.py", "--out", "{dir}/attention_call")),
+        Step("host_cost", 150, (PY, "scripts/bench/host_cost_call_gpu.py", "--out", "{dir}/host_cost_call")),
         # what users of the public function feel, against the committed baseline of this GPU kind:
         # fails on a row slower than the baseline beyond the measured noise (the regression gate)
         Step("public", 420, (PY, "scripts/bench/bench_public_path.py", "--baseline", "auto", "--out", "{dir}/public_path")),

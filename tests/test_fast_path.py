@@ -170,7 +170,7 @@ class _FakeJit:
 
 def test_direct_launches_reuse_a_compiled_kernel_only_for_its_own_specialization(monkeypatch):
     monkeypatch.setattr(runtime, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.delenv(runtime.DIRECT_ENV, raising=False)
     fn = _FakeJit()

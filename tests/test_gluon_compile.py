@@ -24,6 +24,13 @@ The differential threshold backward (attn/kernels/gluon_diff_bwd.py): the same P
 the products of its kernel (key-block forms: S1^T, S2^T, dP^T, dV, dK and, fused, dK2; the second view's S2^T,
 dP^T, dK2; the query-block kernel S1, S2, dP, dQ, dQ2), the power's MUFU ops and no local memory inside a loop.
 
+The forwards' ping-pong form (PINGPONG: the two consumer warpgroups take turns at issuing their wgmmas,
+attn/kernels/gluon_pipeline.py), softmax family (every cap, a temperature) and threshold / sigmoid: the same
+PTX checks, the loops' wgmma counts and MUFU ops, no local memory anywhere, and the turn protocol as the SASS
+reads (scripts/analysis/gluon_sass_counts.turn_events): every turn wait is followed by wgmma issues only, up to
+the pass or the wgmma wait; no ring mbarrier wait while a warpgroup holds the turn; and per kernel the waits
+and passes the protocol counts.
+
 The compiles run in one child Python per test session with TRITON_INTERPRET=0: on a machine without a GPU
 conftest.py sets TRITON_INTERPRET=1 before Triton is imported, which turns Triton's own jit helpers (the
 combine functions behind gl.sum and gl.max) into interpreter objects that a Gluon compile cannot call
@@ -123,24 +130,50 @@ REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_bwd", dict(head_dim=d, d
                  for variant, kernel, power, d, c, t in DIFFERENTIAL_BACKWARD})
 
 
+# the forwards' ping-pong form: (gluon_sass_counts variant, its kernel module, D, causal, dtype)
+PINGPONG = [
+    ("softmax_pingpong", "gluon_softmax_fwd", 64, True, "bf16"),
+    ("softmax_pingpong", "gluon_softmax_fwd", 128, False, "bf16"),
+    ("tanh_pingpong", "gluon_softmax_fwd", 128, True, "bf16"),
+    ("tanh_online_pingpong", "gluon_softmax_fwd", 64, False, "fp16"),
+    ("soft_sign_pingpong", "gluon_softmax_fwd", 64, True, "bf16"),
+    ("alsc_pingpong", "gluon_softmax_fwd", 128, True, "bf16"),
+    ("alsc_temperature_pingpong", "gluon_softmax_fwd", 128, False, "fp16"),
+    ("temperature_pingpong", "gluon_softmax_fwd", 64, True, "bf16"),
+    ("sigmoid_pingpong", "gluon_weighted_fwd", 128, True, "bf16"),
+    ("sigmoid_pingpong", "gluon_weighted_fwd", 64, False, "bf16"),
+    ("threshold_pingpong", "gluon_weighted_fwd", 128, False, "fp16"),
+    ("threshold_p1.5_pingpong", "gluon_weighted_fwd", 64, True, "bf16"),
+]
+PINGPONG_IDS = [f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in PINGPONG]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": (module, {"head_dim": d, "dtype": t, "causal": c, "turns": True}, variant)
+                 for variant, module, d, c, t in PINGPONG})
+
+
 CHILD = r'''
 import json, sys
 root, requests = sys.argv[1], json.loads(sys.stdin.read())
 sys.path[:0] = [root, root + "/scripts/analysis"]
 import gluon_sass_counts as counts
-from attn.kernels import gluon_diff_bwd, gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd
+from sass_listing import cuobjdump, parse_sass
+from attn.kernels import (gluon_diff_bwd, gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd,
+                          gluon_weighted_fwd)
 modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
            "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd,
-           "gluon_diff_bwd": gluon_diff_bwd}
+           "gluon_diff_bwd": gluon_diff_bwd, "gluon_weighted_fwd": gluon_weighted_fwd}
 out = {}
 for name, (module, kwargs, variant) in requests.items():
+    turns = kwargs.pop("turns", False)
+    if variant in counts.VARIANTS and "pingpong" in counts.VARIANTS[variant]:  # the variant's form arguments
+        kwargs = {**counts.VARIANTS[variant], **kwargs}
     compiled = modules[module].compile_sm90(**kwargs)
     rows = None
     if variant is not None:
         rows = counts.count(modules[module], kwargs["head_dim"], kwargs["causal"], kwargs["dtype"], variant=variant)
     tile_width = counts.tile_width(modules[module], variant, kwargs["head_dim"]) if variant else None
+    events = counts.turn_events(parse_sass(cuobjdump(compiled.asm["cubin"], "-sass"))) if turns else None
     out[name] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "loops": rows,
-                 "tile_width": tile_width}
+                 "tile_width": tile_width, "turns": events}
 print(json.dumps(out))
 '''
 
@@ -361,3 +394,50 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
         else:
             assert row["mufu"] >= views * width, row
         assert row["loop_spills"] == 0, row
+
+
+@pytest.mark.parametrize("variant,module,head_dim,causal,dtype", PINGPONG, ids=PINGPONG_IDS)
+def test_pingpong_forward_keeps_the_schedule_and_its_loops(compiled, variant, module, head_dim, causal, dtype):
+    """The ping-pong form runs the default form's products per key block (S = Q K^T, O += P V: k = D and
+    k = BLOCK_N) and its MUFU ops (the softmax family one exp2 per score and one more for a cap; the sigmoid
+    an ex2 and an rcp; the threshold none at p = 2, a lg2 and an ex2 at p = 1.5), with no local memory
+    anywhere in the kernel; each loop holds one turn wait and one pass (BAR.SYNC / BAR.ARV)."""
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    assert re.search(r"bar\.sync\s+14, 256;", result["ptx"]) and re.search(r"bar\.arrive\s+15, 256;", result["ptx"])
+    rows = {row["loop"]: row for row in result["loops"]}
+    assert set(rows) == {"unmasked", "masked"}
+    width = result["tile_width"]
+    scores = 64 * width // 128
+    form = variant.removesuffix("_pingpong")
+    mufu = {"threshold": 0, "threshold_p1.5": 2 * scores, "sigmoid": 2 * scores}.get(
+        form, (1 if form in ("softmax", "temperature") else 2) * scores)
+    for row in rows.values():
+        assert row["hgmma"] == head_dim // 16 + width // 16, row
+        assert mufu <= row["mufu"] <= mufu + 4, row
+        assert row["spills"] == 0 and row["loop_spills"] == 0, row
+        assert row["sync"] >= 13, row  # the default loop's 11 synchronisations, a turn wait and a pass
+
+
+@pytest.mark.parametrize("variant,module,head_dim,causal,dtype", PINGPONG, ids=PINGPONG_IDS)
+def test_pingpong_turns_sit_around_the_wgmma_issue_groups(compiled, variant, module, head_dim, causal, dtype):
+    """gluon_pipeline's protocol as the SASS reads in address order. Warpgroup 0 (the default partition)
+    waits on barrier 14 and passes on 15, warpgroup 1 the reverse. Every turn wait is followed by one or
+    two wgmma issue groups (S alone in group 0, S and P V in a loop, P V alone at the end) and then the pass
+    or, for warpgroup 1's last group, the wgmma wait: no ring mbarrier wait and no other barrier while a
+    warpgroup holds the turn, and every pass directly follows an issue. Per kernel: warpgroup 1 waits before
+    group 0, in both key-block loops and before the last P V (4 waits on 15) and passes after group 0 and
+    in both loops (3 passes on 14); warpgroup 0 passes after group 0, in both loops and after the last P V
+    (4 on 15) and waits in both loops and before the last P V (3 on 14)."""
+    events = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]["turns"]
+    assert {e: events.count(e) for e in ("wait14", "wait15", "pass14", "pass15")} == \
+        {"wait14": 3, "wait15": 4, "pass14": 3, "pass15": 4}, events
+    for i, event in enumerate(events):
+        if event.startswith("wait"):  # the turn: one or two issues, then the pass (or warpgroup 1's last wait)
+            end = next(k for k in range(i + 1, len(events)) if events[k] != "issue")
+            assert 1 <= end - i - 1 <= 2, events[i:end + 1]
+            passed = "pass15" if event == "wait14" else "pass14"
+            assert events[end] == passed or (event == "wait15" and events[end] == "retire"), events[i:end + 1]
+        elif event.startswith("pass"):  # right after an issue, and the turn's next event is the wgmma wait
+            assert events[i - 1] == "issue" and events[i + 1] == "retire", events[max(0, i - 3):i + 2]

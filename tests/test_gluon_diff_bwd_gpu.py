@@ -10,8 +10,8 @@ fails: odd lengths, causal and full masks, more keys than queries (bottom-right 
 bf16 / fp16, p = 1, 2, 1.5 and 3, per-head lambdas of both signs (fp32, the parameter's dtype) on unit-norm q,
 k, q2, k2 whose thresholds leave dense and empty rows. Then: two calls give the same bits and are close to the
 portable differential backward; lambda in another dtype or with a stride gives the bits of its fp32 copy
-(d-lambda in lambda's dtype); the checked entry names what a call misses. The backward is not behind the public
-function: the tests call it through an autograd.Function of their own.
+(d-lambda in lambda's dtype); the checked entry names what a call misses. The tests call the backward through an
+autograd.Function of their own; its calls through the public function are tests/test_gluon_gpu.py's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ CUDA = torch.device("cuda")
 pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
                                  reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
               pytest.mark.usefixtures("first_tile_configs")]
+
+
+@pytest.fixture(autouse=True)
+def _portable_plans(monkeypatch):
+    """threshold_family's plans on the portable kernels (they offer the Gluon tier to these calls otherwise):
+    the tests call the Gluon kernels directly and compare with the portable ones."""
+    monkeypatch.setenv(tiers.GLUON_ENV, "0")
+
+
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
 GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
 
@@ -66,7 +75,7 @@ CASES = [
 
 class _GluonDiffBackward(torch.autograd.Function):
     """Differential threshold attention whose forward is the portable or the Gluon kernel and whose backward is
-    the Gluon backward (the way the family's backward plan would call it)."""
+    the Gluon backward (as the family's backward plan calls it)."""
 
     @staticmethod
     def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier):

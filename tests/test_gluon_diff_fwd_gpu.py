@@ -8,8 +8,8 @@ keys than queries (bottom-right causal), GQA, D 64 / 128, bf16 / fp16, p = 1, 2,
 per-head lambdas of both signs, on unit-norm q, k, q2, k2 whose thresholds leave dense and empty rows. Then:
 rows whose scores stay below their threshold in both views output exactly 0; lambda in any float dtype and
 strides and strided q2 / k2 give the bits of the contiguous fp32 call; two calls give the same bits, close to
-the portable forward's; the checked entry names what a call misses. The kernel is not behind the public
-function: the tests call it directly.
+the portable forward's; the checked entry names what a call misses. The tests call the kernel directly; its
+calls through the public function are tests/test_gluon_gpu.py's.
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ CUDA = torch.device("cuda")
 pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
                                  reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
               pytest.mark.usefixtures("first_tile_configs")]
+
+
+@pytest.fixture(autouse=True)
+def _portable_plans(monkeypatch):
+    """threshold_family's plans on the portable kernels (they offer the Gluon tier to these calls otherwise):
+    the tests call the Gluon kernels directly and compare with the portable ones."""
+    monkeypatch.setenv(tiers.GLUON_ENV, "0")
+
+
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 # (B, N, KV, H, H_kv, D, causal, dtype)

@@ -11,7 +11,17 @@ portable kernel. With ATTNLAB_GLUON=auto the first call of a key times both tier
 faster. The threshold and sigmoid forwards and backwards (attn/kernels/gluon_weighted_fwd.py,
 gluon_weighted_bwd.py) the same way, spies on both: powers
 1, 2 and 1.5 on unit-norm q and k whose thresholds leave dense and empty rows, sigmoid with the
--ln n_i bias and a fixed one; the differential threshold stays on the portable kernel.
+-ln n_i bias and a fixed one. The differential threshold's forward and backward (gluon_diff_fwd.py,
+gluon_diff_bwd.py) the same way: out and all six gradients (d-lambda included) on unit-norm q, k, q2, k2
+with per-head lambdas of both signs, powers 1, 2 and 1.5; its calls with a window or segments run the
+portable kernels; under ATTNLAB_GLUON=auto its first call times both tiers, forward and backward.
+
+The forwards' ping-pong schedule (ATTNLAB_GLUON_SCHEDULE=pingpong: the two consumer warpgroups take turns
+at issuing their wgmmas, attn/kernels/gluon_pipeline.py) runs the plain, capped / tempered and threshold /
+sigmoid public-call cases as well, and its direct kernel entries must give the unordered schedule's bits
+exactly (the same arithmetic, only the wgmma issue order differs) on programs with no key block, one key
+block, the ragged and the causal-diagonal blocks, many blocks, GQA, D 64 (3 ring slots) and 128 (2). A
+mistake in a barrier protocol hangs the GPU: run these under a `timeout -s KILL`.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import torch
 
 import attn
 from attn.kernels import tiers
-from attn.testing import outputs_and_grads
+from attn.testing import outputs_and_grads, rounding_sensitivity
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -30,6 +40,8 @@ pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_
                                  reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
               pytest.mark.usefixtures("first_tile_configs")]
 FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# the Gluon forwards' consumer schedules (ATTNLAB_GLUON_SCHEDULE): the default and the ping-pong
+SCHEDULES = ["unordered", "pingpong"]
 
 # (B, N, KV, H, H_kv, D, causal, dtype)
 CASES = [
@@ -115,10 +127,12 @@ def _check_on_gluon(case, variant, params, with_temperature, seed):
         assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
-def test_public_call_on_the_gluon_forward_is_within_the_rule(case, gluon_launches, gluon_backward_launches,
+def test_public_call_on_the_gluon_forward_is_within_the_rule(case, schedule, gluon_launches, gluon_backward_launches,
                                                              monkeypatch, nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, schedule)
     _check_on_gluon(case, "softmax", {}, False, seed=CASES.index(case))
     assert gluon_launches, "the call did not run the Gluon forward"
     assert gluon_backward_launches, "the call did not run the Gluon backward"
@@ -141,12 +155,15 @@ CAPPED = [
 ]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("variant,params,with_temperature,case", CAPPED,
                          ids=[f"{v}-{p}-{'temp-' if t else ''}{_case_id(c)}" for v, p, t, c in CAPPED])
 def test_capped_and_tempered_calls_on_the_gluon_kernels_are_within_the_rule(variant, params, with_temperature, case,
-                                                                            gluon_launches, gluon_backward_launches,
-                                                                            monkeypatch, nan_poison):
+                                                                            schedule, gluon_launches,
+                                                                            gluon_backward_launches, monkeypatch,
+                                                                            nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, schedule)
     _check_on_gluon(case, variant, params, with_temperature, seed=100 + CAPPED.index((variant, params,
                                                                                        with_temperature, case)))
     assert gluon_launches, "the call did not run the Gluon forward"
@@ -226,13 +243,16 @@ def test_auto_times_both_tiers_once_per_key_and_keeps_the_faster(gluon_launches,
 
 @pytest.fixture
 def weighted_launches(monkeypatch):
-    """Names the threshold / sigmoid Gluon forwards' and backwards' launches (the wrapped launchers still run)."""
-    from attn.kernels import gluon_weighted_bwd, gluon_weighted_fwd
+    """Names the threshold / sigmoid / differential threshold Gluon forwards' and backwards' launches (the
+    wrapped launchers still run)."""
+    from attn.kernels import gluon_diff_bwd, gluon_diff_fwd, gluon_weighted_bwd, gluon_weighted_fwd
 
     calls = []
     for module, name in ((gluon_weighted_fwd, "launch_threshold"), (gluon_weighted_fwd, "launch_sigmoid"),
                          (gluon_weighted_bwd, "launch_threshold_backward"),
-                         (gluon_weighted_bwd, "launch_sigmoid_backward")):
+                         (gluon_weighted_bwd, "launch_sigmoid_backward"),
+                         (gluon_diff_fwd, "launch_diff_threshold"),
+                         (gluon_diff_bwd, "launch_diff_threshold_backward")):
         real = getattr(module, name)
 
         def counted(*args, real=real, name=name, **kwargs):
@@ -281,10 +301,13 @@ WEIGHTED = [
 ]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("variant,params,case", WEIGHTED, ids=[f"{v}-{p}-{_case_id(c)}" for v, p, c in WEIGHTED])
-def test_threshold_and_sigmoid_calls_on_the_gluon_kernels_are_within_the_rule(variant, params, case, weighted_launches,
-                                                                              monkeypatch, nan_poison):
+def test_threshold_and_sigmoid_calls_on_the_gluon_kernels_are_within_the_rule(variant, params, case, schedule,
+                                                                              weighted_launches, monkeypatch,
+                                                                              nan_poison):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, schedule)
     out = _check_weighted_on_gluon(case, variant, params, seed=200 + WEIGHTED.index((variant, params, case)),
                                    unit_norm=variant == "threshold")
     assert f"launch_{variant}" in weighted_launches, "the call did not run the Gluon forward"
@@ -294,15 +317,213 @@ def test_threshold_and_sigmoid_calls_on_the_gluon_kernels_are_within_the_rule(va
         assert (row_norms == 0).any() and (row_norms > 0).any()
 
 
-def test_the_differential_threshold_runs_the_portable_forward(weighted_launches, monkeypatch):
+DIFF_GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
+
+
+def _diff_inputs(case, seed):
+    """float64 tensors on the GPU: unit-norm q, k, q2, k2 (cosine scores, as the threshold model feeds them:
+    thresholds that bind), v, per-head lambdas of both signs, and the cotangent."""
+    b, n, kv, h, h_kv, d = case[:6]
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+
+    def unit(*size):
+        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, dtype=torch.float64, generator=gen),
+                                             dim=-1)
+
+    tensors = {"q": unit(b, n, h, d), "k": unit(b, kv, h_kv, d),
+               "v": torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen),
+               "q2": unit(b, n, h, d), "k2": unit(b, kv, h_kv, d),
+               "lam": torch.rand(h, device=CUDA, dtype=torch.float64, generator=gen) * 1.7 - 0.5}
+    do = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
+    return tensors, do
+
+
+def _diff_leaves(tensors, dtype):
+    """Leaf copies in dtype; lambda in fp32 beside 16-bit views, as a model keeps it."""
+    return {name: t.to(torch.float32 if name == "lam" and dtype != torch.float64 else dtype).requires_grad_()
+            for name, t in tensors.items()}
+
+
+def _check_diff_on_gluon(case, params, seed):
+    """The public differential threshold call, out and all six gradients against float64 by the rule, with a
+    floor that also holds what one rounding of the inputs moves the exact result by (relu(x)^(p-1) jumps at
+    tau for p = 1; d-lambda sums N x KV terms), as tests/test_gluon_diff_bwd_gpu.py does."""
+    b, n, kv, h, h_kv, d, causal, dtype = case
+    spec = attn.get_variant("diff_threshold").make_spec(**params)
+    tensors, do = _diff_inputs(case, seed)
+
+    def call(backend):
+        return lambda q, k, v, q2, k2, lam: attn.attention(q, k, v, spec, causal=causal, backend=backend,
+                                                          extra={"q2": q2, "k2": k2, "lam": lam})
+
+    ref64 = outputs_and_grads(call("reference"), _diff_leaves(tensors, torch.float64), do)
+    same = outputs_and_grads(call("reference"), _diff_leaves(tensors, dtype), do)
+    fused = outputs_and_grads(call("triton"), _diff_leaves(tensors, dtype), do)
+    sensitivity = rounding_sensitivity(call("reference"), tensors, do, dtype)
+    for name in ("out", *DIFF_GRADIENTS):
+        expected_dtype = torch.float32 if name == "dlam" else dtype  # d-lambda in lambda's dtype
+        assert fused[name].dtype == expected_dtype and fused[name].shape == ref64[name].shape, name
+        allowance = FLOORS[dtype] * max(1.0, ref64[name].abs().max().item()) + sensitivity[name]
+        assert_within_reference_error(name, fused[name], same[name], ref64[name], floor=allowance)
+    return ref64["out"]
+
+
+DIFF = [
+    ({}, CASES[0]),
+    ({}, CASES[2]),
+    ({"power": 1.0}, CASES[1]),
+    ({"power": 1.0}, CASES[3]),
+    ({"power": 1.5, "beta": 0.5}, CASES[4]),
+    ({"power": 1.5}, CASES[6]),
+    ({"beta": 0.25}, CASES[5]),
+    ({}, CASES[7]),
+]
+
+
+@pytest.mark.parametrize("params,case", DIFF, ids=[f"diff-{p}-{_case_id(c)}" for p, c in DIFF])
+def test_differential_threshold_calls_on_the_gluon_kernels_are_within_the_rule(params, case, weighted_launches,
+                                                                                monkeypatch, nan_poison):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    out = _check_diff_on_gluon(case, params, seed=400 + DIFF.index((params, case)))
+    assert "launch_diff_threshold" in weighted_launches, "the call did not run the Gluon forward"
+    assert "launch_diff_threshold_backward" in weighted_launches, "the call did not run the Gluon backward"
+    if case[1] > 100 and params.get("beta", 1.0) == 1.0:  # the thresholds leave some rows empty and others not
+        row_norms = out.norm(dim=-1)
+        assert (row_norms == 0).any() and (row_norms > 0).any()
+
+
+@pytest.mark.parametrize("options", [dict(window=64), dict(segments=True)], ids=["window", "segments"])
+def test_a_differential_call_with_a_window_or_segments_runs_the_portable_kernels(options, weighted_launches,
+                                                                                  monkeypatch):
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     spec = attn.get_variant("diff_threshold").make_spec()
-    q, k, v, q2, k2 = (torch.nn.functional.normalize(torch.randn(2, 256, 4, 64, device=CUDA), dim=-1).to(torch.bfloat16)
-                       for _ in range(5))
-    lam = torch.full((4,), 0.5, device=CUDA)
-    extra = {"q2": q2, "k2": k2, "lam": lam}
-    out = attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra)
-    ref = attn.attention(q.double(), k.double(), v.double(), spec, causal=True, backend="reference",
-                         extra={name: t.double() for name, t in extra.items()})
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    q, k, v, q2, k2 = (torch.nn.functional.normalize(torch.randn(2, 256, 4, 64, device=CUDA, generator=gen),
+                                                     dim=-1).to(torch.bfloat16).requires_grad_() for _ in range(5))
+    lam = torch.tensor([0.5, -0.25, 0.8, 0.1], device=CUDA, requires_grad=True)
+    segment_ids = None
+    if options.get("segments"):  # 200 history tokens, 56 candidates
+        segment_ids = torch.ones(2, 256, dtype=torch.int32, device=CUDA)
+        segment_ids[:, 200:] = -1
+    kwargs = dict(causal=True, window=options.get("window"), segment_ids=segment_ids)
+    out = attn.attention(q, k, v, spec, backend="triton", extra={"q2": q2, "k2": k2, "lam": lam}, **kwargs)
+    out.float().sum().backward()
     assert not weighted_launches
+    wide = {name: t.detach().double().requires_grad_() for name, t in (("q", q), ("k", k), ("v", v), ("q2", q2),
+                                                                       ("k2", k2), ("lam", lam))}
+    ref = attn.attention(wide["q"], wide["k"], wide["v"], spec, backend="reference",
+                         extra={name: wide[name] for name in ("q2", "k2", "lam")}, **kwargs)
+    ref.sum().backward()
     assert (out.double() - ref).abs().max().item() < 0.05
+    for name, t in (("v", v), ("lam", lam)):
+        scale = max(1.0, wide[name].grad.abs().max().item())
+        assert (t.grad.double() - wide[name].grad).abs().max().item() < 0.05 * scale, name
+
+
+def test_auto_times_the_differential_tiers_once_per_key_and_keeps_the_faster(monkeypatch):
+    from attn.kernels import threshold_family as tf
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    for name in ("_DIFF_TIERS", "_DIFF_BWD_TIERS"):
+        monkeypatch.setattr(tf, name, tiers.TierChoice(getattr(tf, name).name))
+    spec = attn.get_variant("diff_threshold").make_spec(power=1.5)
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    q, k, v, q2, k2 = (torch.nn.functional.normalize(torch.randn(2, 2048, 8, 128, device=CUDA, generator=gen),
+                                                     dim=-1).to(torch.bfloat16).requires_grad_() for _ in range(5))
+    extra = {"q2": q2, "k2": k2, "lam": torch.linspace(-0.5, 1.0, 8, device=CUDA, requires_grad=True)}
+    outs = []
+    for _ in range(2):
+        out = attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra)
+        out.float().sum().backward()
+        outs.append(out.detach())
+    for choice in (tf._DIFF_TIERS, tf._DIFF_BWD_TIERS):
+        (key, timings), = choice.timings.items()  # timed once: the second call reused the choice
+        assert key[-1] == 1.5  # the power is part of the key
+        assert set(timings) == {"portable", "gluon"} and all(ms > 0 for ms in timings.values())
+        assert choice.chosen[key] == min(timings, key=timings.get)
+    assert torch.allclose(outs[0].float(), outs[1].float(), atol=2e-2, rtol=0)
+
+
+# the direct entries in both schedules: (B, N, KV, H, H_kv, D, causal, dtype). Causal programs see 0 key
+# blocks (N > KV: rows before N - KV see none), 1 (N <= 128), the ragged last block, the diagonal and
+# many unmasked blocks; both warpgroups of a program always run the program's block count.
+SCHEDULE_CASES = [
+    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
+    (2, 17, 17, 4, 2, 128, False, torch.float16),
+    (1, 64, 64, 2, 2, 128, True, torch.bfloat16),
+    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
+    (1, 300, 100, 2, 2, 64, True, torch.bfloat16),
+    (1, 300, 100, 2, 2, 128, True, torch.bfloat16),
+    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),
+    (2, 333, 333, 8, 2, 64, True, torch.float16),
+    (1, 257, 600, 2, 1, 64, False, torch.bfloat16),
+    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
+    (2, 4096, 4096, 4, 4, 128, True, torch.bfloat16),
+    (1, 2048, 2048, 4, 4, 64, False, torch.bfloat16),
+]
+# (name, form): the softmax family's cap (softmax_family._scalars' conventions for a cap c; ALSC's knee
+# fraction 0.5), its bound shift or the online softmax, a temperature; or the threshold / sigmoid weight
+SCHEDULE_FORMS = [
+    ("softmax", dict(cap=0)),
+    ("tanh bound shift", dict(cap=1, c=2.0, shift=True)),
+    ("tanh online", dict(cap=1, c=3.0)),
+    ("soft_sign bound shift", dict(cap=2, c=4.0, shift=True)),
+    ("alsc bound shift", dict(cap=3, c=3.0, shift=True)),
+    ("softmax temperature", dict(cap=0, temperature=True)),
+    ("threshold p=2", dict(weight="threshold", power=2.0)),
+    ("threshold p=1.5", dict(weight="threshold", power=1.5)),
+    ("sigmoid", dict(weight="sigmoid")),
+]
+LOG2E = 1.4426950408889634
+
+
+def _direct_forward(form: dict, q, k, v, causal: bool, pingpong: bool):
+    """(out, lse2 or None) of a Gluon forward's direct entry with the given schedule."""
+    from attn.kernels import gluon_softmax_fwd, gluon_weighted_fwd
+
+    sm_scale = q.shape[-1] ** -0.5
+    if form.get("weight") == "threshold":  # unit-norm q and k: cosine scores, thresholds that bind
+        qn, kn = (torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype) for t in (q, k))
+        return gluon_weighted_fwd.launch_threshold(qn, kn, v, causal, 1.0, form["power"], pingpong=pingpong), None
+    if form.get("weight") == "sigmoid":
+        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, None, pingpong=pingpong), None
+    cap = form["cap"]
+    if cap == 0:
+        row_scale, cap_scale, knee = sm_scale * LOG2E, 1.0, 0.0
+    else:  # logits capped in units of g = c (tanh, soft_sign) or c - a (ALSC, a = c / 2)
+        c = form["c"]
+        g = c / 2 if cap == 3 else c
+        row_scale, cap_scale, knee = g * LOG2E, sm_scale / g, (c - g) / g
+    temperature = None
+    if form.get("temperature"):  # every sign and zero
+        gen = torch.Generator(device=CUDA).manual_seed(5)
+        temperature = torch.rand(q.shape[0], q.shape[1], device=CUDA, generator=gen) * 2.5 - 0.5
+    return gluon_softmax_fwd.launch_forward(q, k, v, causal, row_scale, cap=cap, cap_scale=cap_scale, alsc_knee=knee,
+                                            shift=form["c"] * LOG2E if form.get("shift") else None,
+                                            temperature=temperature, pingpong=pingpong)
+
+
+@pytest.mark.parametrize("name,form", SCHEDULE_FORMS, ids=[name for name, _ in SCHEDULE_FORMS])
+def test_the_pingpong_schedule_gives_the_unordered_schedules_bits(name, form, nan_poison):
+    """Every form's direct entry on every SCHEDULE_CASES shape: the ping-pong schedule's out (and lse2)
+    equal the unordered schedule's bit for bit, with every element written (NaN-poisoned allocations),
+    and a repeated ping-pong launch gives the same bits again."""
+    for case in SCHEDULE_CASES:
+        b, n, kv, h, h_kv, d, causal, dtype = case
+        if form.get("shift") and dtype != torch.bfloat16:
+            continue  # the bound shift serves bf16 P (the launch plans' rule)
+        gen = torch.Generator(device=CUDA).manual_seed(SCHEDULE_CASES.index(case))
+        q = torch.randn(b, n, h, d, device=CUDA, generator=gen).to(dtype)
+        k, v = (torch.randn(b, kv, h_kv, d, device=CUDA, generator=gen).to(dtype) for _ in range(2))
+        unordered = _direct_forward(form, q, k, v, causal, False)
+        pingpong = _direct_forward(form, q, k, v, causal, True)
+        again = _direct_forward(form, q, k, v, causal, True)
+        torch.cuda.synchronize()
+        for what, ref, got, repeat in zip(("out", "lse2"), unordered, pingpong, again):
+            if ref is None:
+                continue
+            where = f"{name} {_case_id(case)} {what}"
+            assert not ref.isnan().any() and not got.isnan().any(), f"{where}: an element unwritten (NaN)"
+            assert torch.equal(got, ref), f"{where}: the schedules' bits differ"
+            assert torch.equal(repeat, got), f"{where}: repeated ping-pong launches differ"

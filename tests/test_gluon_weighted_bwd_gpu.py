@@ -8,9 +8,10 @@ inputs moves the exact result by, as tests/test_threshold_kernels.py does: relu(
 p = 1), with torch.empty / empty_like NaN-poisoned so an element the kernels never write fails: odd lengths,
 causal and full masks, more keys than queries (bottom-right causal), GQA, D 64 / 128, bf16 / fp16; thresholds
 at p = 1, 2 and general p on unit-norm q and k (dense and empty rows: rows whose scores all stay below their
-threshold pass exactly zero dq), sigmoid with the -ln n_i bias and a fixed one. The backwards are not behind the public
-function yet, so the tests call them through an autograd.Function of their own. Neither family has a
-learnable row parameter (beta, p and the bias are spec constants): dq, dk, dv are every gradient there is.
+threshold pass exactly zero dq), sigmoid with the -ln n_i bias and a fixed one. The tests call the backwards
+through an autograd.Function of their own (their calls through the public function are
+tests/test_gluon_gpu.py's). Neither family has a learnable row parameter (beta, p and the bias are spec
+constants): dq, dk, dv are every gradient there is.
 """
 
 from __future__ import annotations

@@ -121,6 +121,26 @@ def test_softmax_plans_read_the_switch(monkeypatch):
     assert tiers.GLUON_ENV in sf._FWD_PLANS.settings and tiers.GLUON_EXP2_ENV in sf._FWD_PLANS.settings
 
 
+@pytest.mark.parametrize("value,pingpong", [(None, False), ("unordered", False), ("pingpong", True)])
+def test_schedule_switch_values(value, pingpong, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(tiers.GLUON_SCHEDULE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, value)
+    assert tiers.gluon_pingpong() is pingpong
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "ping-pong")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_SCHEDULE must be one of"):
+        tiers.gluon_pingpong()
+
+
+def test_every_gluon_forward_plan_reads_the_schedule_switch():
+    """A changed ATTNLAB_GLUON_SCHEDULE takes effect at the next call of every family with a Gluon forward."""
+    from attn.kernels import sigmoid_family, softmax_family, threshold_family
+
+    for family in (softmax_family, threshold_family, sigmoid_family):
+        assert tiers.GLUON_SCHEDULE_ENV in family._FWD_PLANS.settings, family.__name__
+
+
 def _fake_gluon(monkeypatch, module, name, log, result):
     """Replaces a Gluon launcher by one that logs its arguments and returns `result(q)`."""
     def launch(q, k, v, *args, **kwargs):
@@ -132,7 +152,8 @@ def _fake_gluon(monkeypatch, module, name, log, result):
 @pytest.fixture
 def gluon_offered(monkeypatch):
     """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1), its launchers logged."""
-    from attn.kernels import gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family, threshold_family
+    from attn.kernels import (gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family,
+                              threshold_family)
 
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     for family in (softmax_family, threshold_family, sigmoid_family):
@@ -142,7 +163,15 @@ def gluon_offered(monkeypatch):
                 lambda q: (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     _fake_gluon(monkeypatch, gluon_weighted_fwd, "launch_threshold", log, torch.zeros_like)
     _fake_gluon(monkeypatch, gluon_weighted_fwd, "launch_sigmoid", log, torch.zeros_like)
+    _fake_gluon(monkeypatch, gluon_diff_fwd, "launch_diff_threshold", log, torch.zeros_like)
     return log
+
+
+def _second_view(q, k, heads, requires_grad=False, lam_dtype=torch.float32):
+    """The differential threshold's `extra`: q2, k2 like q, k and per-head lambdas of both signs."""
+    return {"q2": torch.randn_like(q).requires_grad_(requires_grad),
+            "k2": torch.randn_like(k).requires_grad_(requires_grad),
+            "lam": torch.linspace(-0.5, 1.0, heads, dtype=lam_dtype).requires_grad_(requires_grad)}
 
 
 SERVED = [  # (variant, params, call options, the Gluon launcher expected or None)
@@ -153,7 +182,11 @@ SERVED = [  # (variant, params, call options, the Gluon launcher expected or Non
     ("softmax", {}, {"segments": True}, None),
     ("threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_threshold"),
     ("threshold", {}, {"window": 4}, None),
-    ("diff_threshold", {}, {}, None),
+    ("diff_threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_diff_threshold"),
+    ("diff_threshold", {}, {"causal": False}, "launch_diff_threshold"),
+    ("diff_threshold", {}, {"window": 4}, None),
+    ("diff_threshold", {}, {"segments": True}, None),
+    ("diff_threshold", {}, {"dropout": True}, None),
     ("sigmoid", {"bias": -1.0}, {"causal": False}, "launch_sigmoid"),
     ("sigmoid", {}, {"segments": True}, None),
 ]
@@ -162,8 +195,8 @@ SERVED = [  # (variant, params, call options, the Gluon launcher expected or Non
 @pytest.mark.parametrize("variant,params,options,launcher", SERVED,
                          ids=[f"{v}-{sorted(o)}" for v, _, o, _ in SERVED])
 def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, options, launcher, gluon_offered):
-    """Segments, a window and the differential threshold stay portable; the rest reach their Gluon
-    launcher with the call's mask and the variant's parameters."""
+    """Segments, a window and dropout stay portable; the rest reach their Gluon launcher with the call's
+    mask and the variant's parameters (the differential threshold: its second view and lambdas too)."""
     import attn
 
     spec = attn.get_variant(variant).make_spec(**params)
@@ -175,14 +208,22 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         kwargs["temperature"] = torch.rand(b, n) + 0.5
     if options.get("segments"):
         kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
+    if options.get("dropout"):
+        kwargs.update(dropout_p=0.25, dropout_seed=3)
     if variant == "diff_threshold":
-        kwargs["extra"] = {"q2": torch.randn_like(q), "k2": torch.randn_like(k), "lam": torch.full((h,), 0.5)}
+        kwargs["extra"] = _second_view(q, k, h)
     with torch.no_grad():
         attn.attention(q, k, v, spec, **kwargs)
     if launcher is None:
         assert gluon_offered == []
         return
     (name, args, named), = gluon_offered
+    if variant == "diff_threshold":
+        extra = kwargs["extra"]
+        q2, k2, lam, got_causal, *variant_args = args
+        assert q2 is extra["q2"] and k2 is extra["k2"] and lam is extra["lam"]  # fp32 lambda: read as it is
+        assert name == launcher and got_causal is causal and variant_args == [spec.beta, spec.power]
+        return
     assert name == launcher and args[0] is causal
     if variant == "threshold":
         assert args[1:] == (0.5, 1.5)
@@ -192,6 +233,7 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
     if launcher == "launch_forward":
         assert named["exp2_poly"] == 0  # MUFU.EX2 unless ATTNLAB_GLUON_EXP2 says otherwise
+    assert named["pingpong"] is False  # consumers unordered unless ATTNLAB_GLUON_SCHEDULE says otherwise
 
 
 def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
@@ -205,6 +247,21 @@ def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
     assert named["exp2_poly"] == -4  # fp16 P: degree 4, half the scores
 
 
+@pytest.mark.parametrize("variant,params,launcher", [("softcap_tanh", {"cap": 5.0}, "launch_forward"),
+                                                     ("threshold", {}, "launch_threshold"),
+                                                     ("sigmoid", {}, "launch_sigmoid")])
+def test_the_schedule_switch_reaches_every_gluon_forward_launcher(variant, params, launcher, gluon_offered,
+                                                                  monkeypatch):
+    import attn
+
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "pingpong")
+    q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad():
+        attn.attention(q, k, v, attn.get_variant(variant).make_spec(**params), causal=True, backend="triton")
+    (name, _, named), = gluon_offered
+    assert name == launcher and named["pingpong"] is True
+
+
 BACKWARD_SERVED = [  # (variant, params, call options, the Gluon backward launcher expected or None)
     ("softmax", {}, {}, "launch_backward"),
     ("softmax", {}, {"causal": False}, "launch_backward"),
@@ -215,7 +272,11 @@ BACKWARD_SERVED = [  # (variant, params, call options, the Gluon backward launch
     ("softmax", {}, {"segments": True}, None),
     ("threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_threshold_backward"),
     ("threshold", {}, {"window": 4}, None),
-    ("diff_threshold", {}, {}, None),
+    ("diff_threshold", {"beta": 0.5, "power": 1.5}, {}, "launch_diff_threshold_backward"),
+    ("diff_threshold", {"power": 1.0}, {"causal": False}, "launch_diff_threshold_backward"),
+    ("diff_threshold", {}, {"window": 4}, None),
+    ("diff_threshold", {}, {"segments": True}, None),
+    ("diff_threshold", {}, {"dropout": True}, None),
     ("sigmoid", {"bias": -1.0}, {"causal": False}, "launch_sigmoid_backward"),
     ("sigmoid", {}, {}, "launch_sigmoid_backward"),
     ("sigmoid", {}, {"segments": True}, None),
@@ -228,9 +289,10 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
                                                                    gluon_offered, monkeypatch):
     """Each family's backward plan hands exactly the calls the Gluon backwards serve to their launcher,
     with the upstream gradient, the forward's out and lse2 (softmax), the call's mask and the variant's
-    parameters, and returns the launcher's gradients; the rest stay portable."""
+    parameters (the differential threshold: its second view and lambdas), and returns the launcher's
+    gradients (d-lambda too); the rest stay portable."""
     import attn
-    from attn.kernels import gluon_softmax_bwd, gluon_weighted_bwd
+    from attn.kernels import gluon_diff_bwd, gluon_softmax_bwd, gluon_weighted_bwd
 
     log = []
 
@@ -238,6 +300,9 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
         def launch(q, k, v, *args, **named):
             log.append((name, args, named))
             grads = (torch.full_like(q, 2.0), torch.full_like(k, 3.0), torch.full_like(v, 4.0))
+            if name == "launch_diff_threshold_backward":
+                q2, k2, lam = args[:3]
+                return (*grads, torch.full_like(q2, 6.0), torch.full_like(k2, 7.0), torch.full_like(lam, 8.0))
             return (*grads, torch.full_like(named["temperature"], 5.0)) if name.endswith("_dt") else grads
         return launch
 
@@ -245,6 +310,7 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
         monkeypatch.setattr(gluon_softmax_bwd, name, fake(name))
     for name in ("launch_threshold_backward", "launch_sigmoid_backward"):
         monkeypatch.setattr(gluon_weighted_bwd, name, fake(name))
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", fake("launch_diff_threshold_backward"))
     spec = attn.get_variant(variant).make_spec(**params)
     b, n, h, d = 1, 24, 2, 64
     q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -254,8 +320,10 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
         kwargs["temperature"] = (torch.rand(b, n) + 0.5).requires_grad_(options["temperature"] == "grad")
     if options.get("segments"):
         kwargs["segment_ids"] = torch.tensor([[1] * 16 + [-1] * 8], dtype=torch.int32)
+    if options.get("dropout"):
+        kwargs.update(dropout_p=0.25, dropout_seed=3)
     if variant == "diff_threshold":
-        kwargs["extra"] = {"q2": torch.randn_like(q), "k2": torch.randn_like(k), "lam": torch.full((h,), 0.5)}
+        kwargs["extra"] = _second_view(q, k, h, requires_grad=True)
     out = attn.attention(q, k, v, spec, **kwargs)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -264,7 +332,14 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
         return
     (name, args, named), = log
     assert name == launcher
-    if launcher.startswith("launch_backward"):
+    if variant == "diff_threshold":
+        extra = kwargs["extra"]
+        q2, k2, lam, dout, got_causal, *variant_args = args
+        assert q2 is extra["q2"] and k2 is extra["k2"] and lam is extra["lam"]
+        assert variant_args == [spec.beta, spec.power]
+        assert (extra["q2"].grad == 6.0).all() and (extra["k2"].grad == 7.0).all()
+        assert extra["lam"].grad.dtype == torch.float32 and (extra["lam"].grad == 8.0).all()
+    elif launcher.startswith("launch_backward"):
         saved_out, dout, lse2, sm_scale, got_causal = args
         assert saved_out.shape == q.shape and lse2.shape == (b, h, n) and sm_scale == pytest.approx(d ** -0.5)
         cap_id = {"softmax": 0, "softcap_tanh": 1, "alsc": 3}[variant]
@@ -290,3 +365,75 @@ def test_the_backward_plans_read_the_switch():
 
     for family in (softmax_family, threshold_family, sigmoid_family):
         assert tiers.GLUON_ENV in family._BWD_PLANS.settings
+
+
+@pytest.mark.parametrize("lam_dtype,strided", [(torch.float64, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["float64", "bfloat16", "float32-strided"])
+def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype, strided, gluon_offered,
+                                                                       monkeypatch):
+    """Lambda in a dtype the Gluon kernels read (fp32, bf16, fp16) reaches them as it is, strides and all;
+    another float dtype as its fp32 copy (the value the portable kernels read); d-lambda comes back in
+    lambda's own dtype, as the portable backward returns it."""
+    import attn
+    from attn.kernels import gluon_diff_bwd
+
+    seen = []
+
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power):
+        seen.append(lam)
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
+                torch.zeros_like(k2), torch.full_like(lam, 0.25))
+
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", backward)
+    b, n, h, d = 1, 24, 2, 64
+    q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    extra = _second_view(q, k, h)
+    values = torch.tensor([0.75, -0.25], dtype=lam_dtype)
+    base = torch.zeros(2 * h, dtype=lam_dtype)
+    base[::2] = values
+    lam = (base[::2] if strided else values.clone()).requires_grad_()
+    extra["lam"] = lam
+    out = attn.attention(q, k, v, attn.get_variant("diff_threshold").make_spec(), causal=True, backend="triton",
+                         extra=extra)
+    out.backward(torch.ones_like(out))
+    (_, (_, _, forward_lam, *_), _), = gluon_offered
+    for got in (forward_lam, seen[0]):
+        if lam_dtype == torch.float64:
+            assert got.dtype == torch.float32 and torch.equal(got, values.float())
+        else:
+            assert got is lam
+    assert lam.grad.dtype == lam_dtype and (lam.grad == 0.25).all()
+
+
+def test_the_differential_threshold_has_tier_choices_of_its_own_keyed_by_power(monkeypatch):
+    """Under ATTNLAB_GLUON=auto the plain and the differential threshold are timed under tier choices of their
+    own (forward and backward), one key per power; tuned_configs() reports each choice with its times."""
+    import attn
+    from attn.kernels import gluon_diff_bwd, gluon_diff_fwd, threshold_family
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(threshold_family, "gluon_candidate", lambda device: True)
+    for name in ("_TIERS", "_BWD_TIERS", "_DIFF_TIERS", "_DIFF_BWD_TIERS"):
+        monkeypatch.setattr(threshold_family, name, tiers.TierChoice(getattr(threshold_family, name).name))
+    timed = iter([2.0, 1.0] * 8)  # portable, then gluon, per timed key: gluon wins
+    monkeypatch.setattr(runtime, "median_ms", lambda fn: next(timed))
+    monkeypatch.setattr(gluon_diff_fwd, "launch_diff_threshold", lambda q, *args: torch.zeros_like(q))
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward",
+                        lambda q, k, v, q2, k2, lam, *args: (torch.zeros_like(q), torch.zeros_like(k),
+                                                             torch.zeros_like(v), torch.zeros_like(q2),
+                                                             torch.zeros_like(k2), torch.zeros_like(lam)))
+    b, n, h, d = 1, 24, 2, 64
+    for power in (2.0, 1.5):
+        q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        spec = attn.get_variant("diff_threshold").make_spec(power=power)
+        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=_second_view(q, k, h)).sum().backward()
+    for choice in (threshold_family._DIFF_TIERS, threshold_family._DIFF_BWD_TIERS):
+        assert sorted(key[-1] for key in choice.chosen) == [1.5, 2.0]
+        assert set(choice.chosen.values()) == {"gluon"}
+        assert all(times == {"portable": 2.0, "gluon": 1.0} for times in choice.timings.values())
+    assert not threshold_family._TIERS.chosen and not threshold_family._BWD_TIERS.chosen
+    report = threshold_family.tuned_configs()
+    for name in ("diff_threshold_fwd", "diff_threshold_bwd"):
+        rows = [value for key, value in report.items() if key.startswith(f"{name} tier")]
+        assert len(rows) == 2 and all(row.startswith("gluon (portable 2.0000 ms, gluon 1.0000 ms") for row in rows)

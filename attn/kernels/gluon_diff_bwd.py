@@ -45,15 +45,16 @@ gradients, as the reference does.
 
 Served: what the Gluon differential forward serves (`gluon_diff_fwd`): no segments, key lengths, window
 or dropout; causal or full; GQA with q2, k2 shaped like q, k; D 64 / 128; bf16 / fp16; KV >= N (KV < N
-also works: rows that see no key get zero gradient). Not reachable from the public function:
-`threshold_family` runs the differential backward on the portable kernels.
+also works: rows that see no key get zero gradient). Behind the public function through the kernel tiers:
+`threshold_family`'s backward plan offers `launch_diff_threshold_backward` to the differential calls it
+serves, after either tier's forward (both save only the inputs).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -61,14 +62,14 @@ from attn.kernels.gluon_diff_fwd import _allocate_ring, _invalidate_ring, _recti
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     HEAD_DIMS,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
+    descriptor,
     descriptor_type,
-    gl_dtype,
     invalidate_ring,
     issue_qk,
     key_blocks,
@@ -76,14 +77,16 @@ from attn.kernels.gluon_pipeline import (
     program_rows,
     release,
     tma,
+    tma_tile,
     tma_view,
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from attn.kernels.gluon_softmax_bwd import _descriptor, _dkdv_producer, _issue_with_columns, query_block_range
+from attn.kernels.gluon_softmax_bwd import _dkdv_producer, _issue_with_columns, query_block_range
 from attn.kernels.gluon_weighted_bwd import _query_starts, _score_grad, _weight_and_grad
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 FUSED = 0  # dK, dV and dK2 in one key-block launch
 FIRST_VIEW = 1  # dK and dV
@@ -537,6 +540,26 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
 # host side
 
 
+@functools.cache
+def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int):
+    """What every launch of one backward form shares: per key-block form of `dkdv_forms` (its config, its
+    half-key-block tile, its query-block tile, its constexprs), then the query-block kernel's config, its
+    64-row tile, its key-block tile and its constexprs."""
+    forms = []
+    for form in dkdv_forms(head_dim):
+        cfg = dkdv_tile_config(head_dim, form)
+        forms.append((cfg, tma_tile(dtype, cfg["BLOCK_N"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_M"], head_dim),
+                      dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
+    q_cfg = dq_tile_config(head_dim)
+    dq_constexprs = dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
+    return (tuple(forms), q_cfg, tma_tile(dtype, 64, head_dim), tma_tile(dtype, q_cfg["BLOCK_N"], head_dim),
+            dq_constexprs)
+
+
+_DKDV = DirectLauncher(_dkdv_kernel, "gluon_diff_bwd_dkdv")
+_DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
+
+
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
@@ -547,13 +570,10 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    gdt = gl_dtype(q.dtype)
-    tau_scale = beta * math.sqrt(2.0 / d)
-    power_constexpr = power_mode(power)
+    forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power))
+    tau_scale, power = float(beta * math.sqrt(2.0 / d)), float(power)
     q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
     k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
-    # the dQ kernel takes Q, Q2, dO in 64-row tiles (one consumer's rows)
-    q_desc, q2_desc, do_desc = (_descriptor(t, [64, d], gdt) for t in (q_view, q2_view, do_view))
 
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dq2 = torch.empty((bsz, n, h, d), device=q.device, dtype=q2.dtype)
@@ -561,25 +581,24 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
     dk2 = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k2.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
     dlam_part = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    lam_stride = lam.stride(0)
 
-    for form in dkdv_forms(d):
-        cfg = dkdv_tile_config(d, form)
-        half_keys, query_block = [cfg["BLOCK_N"] // 2, d], [cfg["BLOCK_M"], d]
-        k_desc, k2_desc, v_desc = (_descriptor(t, half_keys, gdt) for t in (k_view, k2_view, v_view))
-        slot_q, slot_q2, slot_do = (_descriptor(t, query_block, gdt) for t in (q_view, q2_view, do_view))
-        _dkdv_kernel[(triton.cdiv(kv_len, cfg["BLOCK_N"]), bsz * h_kv)](
-            k_desc, k2_desc, v_desc, slot_q, slot_q2, slot_do, dk, dv, dk2, lam,
-            dk.stride(0), dk.stride(1), dk.stride(2), lam.stride(0), h_kv, h // h_kv, n, kv_len, tau_scale,
-            float(power), VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS,
-            **cfg)
-
-    cfg = dq_tile_config(d)
-    key_block = [cfg["BLOCK_N"], d]
-    k_desc, k2_desc, v_desc = (_descriptor(t, key_block, gdt) for t in (k_view, k2_view, v_view))
-    _dq_kernel[(triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)](
-        q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, dq, dq2, lam, dlam_part, dq.stride(0), dq.stride(1),
-        dq.stride(2), lam.stride(0), h, h // h_kv, n, kv_len, tau_scale, float(power), POWER_MODE=power_constexpr,
-        CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    for cfg, half_keys, query_block, constexprs in forms:
+        _DKDV.run((cdiv(kv_len, cfg["BLOCK_N"]), bsz * h_kv),
+                  (*(descriptor(t, half_keys) for t in (k_view, k2_view, v_view)),
+                   *(descriptor(t, query_block) for t in (q_view, q2_view, do_view))),
+                  (dk, dv, dk2, lam),
+                  (kv_len * h_kv * d, h_kv * d, d, lam_stride,  # dk's, dv's and dk2's strides (contiguous), lam's
+                   h_kv, h // h_kv, n, kv_len, tau_scale, power),
+                  constexprs, GLUON_OPTIONS)
+    # the query-block kernel takes Q, Q2, dO in 64-row tiles (one consumer's rows)
+    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h),
+            (*(descriptor(t, rows_tile) for t in (q_view, q2_view, do_view)),
+             *(descriptor(t, key_tile) for t in (k_view, k2_view, v_view))),
+            (dq, dq2, lam, dlam_part),
+            (n * h * d, h * d, d, lam_stride,  # dq's and dq2's strides (contiguous), lam's
+             h, h // h_kv, n, kv_len, tau_scale, power),
+            dq_constexprs, GLUON_OPTIONS)
     # fixed-order reduction of the per-(batch, head, query row) sums: deterministic
     dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
     return dq, dk, dv, dq2, dk2, dlam

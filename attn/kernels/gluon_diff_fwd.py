@@ -24,15 +24,16 @@ Two fp32 score tiles of 64 x BLOCK_N and the 64 x D accumulator live in a consum
 
 Serves what the one-map Gluon forward serves (`gluon_weighted_fwd`): no segments, key lengths, window
 or dropout; causal (bottom-right aligned: query row i at key position i + KV - N) or full; GQA with q2
-and k2 shaped like q and k; D 64 / 128; bf16 / fp16. Not reachable from the public function:
-`attn/kernels/threshold_family.py` runs the differential form on the portable kernels.
+and k2 shaped like q and k; D 64 / 128; bf16 / fp16. Behind the public function through the kernel tiers:
+`attn/kernels/threshold_family.py`'s forward plan offers `launch_diff_threshold` to the differential calls
+it serves (`attn/kernels/tiers.py`, ATTNLAB_GLUON).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,28 +41,28 @@ from triton.experimental.gluon import language as gl
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
-    NUM_WARPS,
+    GLUON_OPTIONS,
     PRODUCER_REGS,
-    TensorDescriptor,
     check_operands,
     compile_gluon_sm90,
+    descriptor,
     descriptor_type,
     fence_async_shared,
-    gl_dtype,
     issue_pv,
     key_blocks,
     mbarrier,
     program_rows,
     pv_operand,
     release,
-    smem_layout,
     tma,
+    tma_tile,
     tma_view,
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, TINY, _ex2, _lg2, _row_value, power_mode
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 HEAD_DIMS = (64, 128)
 
@@ -286,34 +287,37 @@ def _gluon_diff_threshold_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, O
 # host side
 
 
-def _descriptors(q, k, v, q2, k2, cfg: dict):
-    """TMA descriptors of q and q2 (half a query block per consumer), k, v and k2 (BLOCK_N keys per slot)."""
-    d = q.shape[-1]
-    gdt = gl_dtype(q.dtype)
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
-    out = []
-    for t, block in ((q, q_block), (k, kv_block), (v, kv_block), (q2, q_block), (k2, kv_block)):
-        flat, shape, strides = tma_view(t)
-        out.append(TensorDescriptor(flat, list(shape), list(strides), block, smem_layout(block, gdt)))
-    return out
+@functools.cache
+def _forward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int):
+    """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
+    constexprs)."""
+    cfg = tile_config(head_dim)
+    constexprs = dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)
+    return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
+            constexprs)
+
+
+_FORWARD = DirectLauncher(_gluon_diff_threshold_fwd_kernel, "gluon_diff_fwd")
 
 
 def launch_diff_threshold(q, k, v, q2, k2, lam, causal: bool, beta: float, power: float):
     """Differential threshold attention's output (B, N, H, D) in q's dtype, without checks:
     w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D).
-    q, q2 (B, N, H, D); k, k2, v (B, KV, H_kv, D); lam (H,)."""
+    q, q2 (B, N, H, D); k, k2, v (B, KV, H_kv, D); lam (H,). TMA descriptors: q and q2 in half query blocks
+    (one consumer's rows), k, v and k2 in BLOCK_N keys (a ring slot)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = tile_config(d)
-    q_desc, k_desc, v_desc, q2_desc, k2_desc = _descriptors(q, k, v, q2, k2, cfg)
+    block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, power_mode(power))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
-    _gluon_diff_threshold_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, q2_desc, k2_desc, out, lam, out.stride(0), out.stride(1), out.stride(2),
-        lam.stride(0), h, h // h_kv, n, kv_len, beta * math.sqrt(2.0 / d), float(power),
-        POWER_MODE=power_mode(power), CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    _FORWARD.run((cdiv(n, block_m), bsz * h),
+                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile),
+                  descriptor(tma_view(q2), q_tile), descriptor(tma_view(k2), kv_tile)),
+                 (out, lam),
+                 (n * h * d, h * d, d, lam.stride(0),  # out's strides (contiguous), lam's
+                  h, h // h_kv, n, kv_len, float(beta * math.sqrt(2.0 / d)), float(power)),
+                 constexprs, GLUON_OPTIONS)
     return out
 
 

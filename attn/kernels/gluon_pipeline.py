@@ -11,10 +11,11 @@ Schedule (one program = BLOCK_M query rows of one (batch, head)):
   read the slot); the producer waits on "empty" before it overwrites a slot.
 - two consumer warpgroups (the default partition and a 4-warp worker partition, 64 rows each,
   each with its own register budget through setmaxnreg) share the ring: a slot's empty barriers
-  count one arrival per warpgroup. They are not tied to each other, so one's elementwise work can
-  run while the other's wgmma does (FA3's inter-warpgroup overlap, without FA3's explicit ping-pong
-  ordering). Each consumer issues block j's S = Q K^T and block j-1's O += P V back to back (FA3's
-  intra-warpgroup overlap) and turns S into P while the tensor cores run P V.
+  count one arrival per warpgroup. By default they are not tied to each other, so one's elementwise
+  work can run while the other's wgmma does (FA3's inter-warpgroup overlap); a kernel's PINGPONG
+  constexpr orders them as FA3's ping-pong does (they take turns at issuing their wgmmas, two named
+  barriers: the protocol below `release`). Each consumer issues block j's S = Q K^T and block j-1's
+  O += P V back to back (FA3's intra-warpgroup overlap) and turns S into P while the tensor cores run P V.
 - causal programs are issued longest first (the last query block first).
 
 Layouts as the portable kernels take them: q, out (B, N, H, D); k, v (B, KV, H_kv, D) with
@@ -228,6 +229,124 @@ def release(j, empty, STAGES: gl.constexpr):
     mbarrier.arrive(empty.index(j % STAGES))
 
 
+# ---------------------------------------------------------------------------------------------
+# ping-pong of the two consumer warpgroups (a kernel's PINGPONG constexpr; off by default)
+#
+# With PINGPONG the consumers take turns at issuing their wgmmas (FlashAttention-3's warp-scheduler
+# barriers): warpgroup 0 issues a group of wgmmas, then warpgroup 1 issues its group, then warpgroup 0 its
+# next, and so on, so the tensor cores run one warpgroup's products while the other one's exp2 / MUFU work
+# runs. A consumer's wgmma issue groups per program are, with n = n_tiles key blocks (the program's range:
+# both consumers run the same n, so both issue the same n + 1 groups):
+#
+#     group 0        S_0 = Q K_0^T                                  (`issue_first_qk`)
+#     group j        S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, 1 <= j < n   (`issue_qk_pv`)
+#     group n        O += P_{n-1} V_{n-1}                            (`issue_last_pv`)
+#
+# Two hardware named barriers carry the turn, TURN_BARRIERS[w] the one warpgroup w waits on, each counting
+# 256 threads: the waiting warpgroup's 128 (bar.sync, which blocks) and the other warpgroup's 128
+# (bar.arrive, which does not). Warpgroup w waits on its barrier before a group and arrives on the other's
+# after it, with two exceptions: warpgroup 0 starts (no wait before its group 0) and warpgroup 1 does not
+# arrive after its group n (nothing waits for it). Per program TURN_BARRIERS[1] then completes n + 1 times
+# (warpgroup 0 arrives after each of its groups 0..n, warpgroup 1 waits before each of its groups 0..n) and
+# TURN_BARRIERS[0] n times (warpgroup 1 arrives after its groups 0..n-1, warpgroup 0 waits before its groups
+# 1..n): every arrival meets its wait, and both barriers are idle when the program ends. The turn passes
+# strictly in alternation: warpgroup 0 arrives for its group g + 1 only after its wait on warpgroup 1's
+# arrival from group g, which warpgroup 1 made after its own wait for group g had completed, so no barrier
+# ever holds two arrivals of one warpgroup. A program without key blocks (n = 0) issues no group in either
+# consumer and touches neither barrier.
+#
+# The ring's mbarrier waits for a group's K and V tiles come before the turn's wait, so a warpgroup holding
+# the turn never blocks on the producer. That order cannot deadlock: the tiles that group j waits for
+# (K_j, V_{j-1}) reuse the ring slots of K_{j-STAGES} and V_{j-1-STAGES}, which each consumer frees in its
+# key-block iteration j - STAGES (STAGES >= 2), and a warpgroup at its group j has the other warpgroup at
+# least past issuing its group j - 2 (it waited for that group's turn), after which that iteration's frees
+# need only the other warpgroup's own wgmmas to retire. tests/test_gluon_pingpong_protocol.py checks the
+# protocol as a model (every interleaving of producer and consumers), tests/test_gluon_compile.py the turn
+# waits and passes in the compiled SASS.
+#
+# Barrier ids: Triton 3.6's warp-specialize lowering uses named barrier 0 (the default partition's
+# gl.thread_barrier), 1 (the partition switch, all threads) and 2 + i (worker partition i's
+# gl.thread_barrier when it has more than one warp): 0, 1 and 2 here (the 1-warp producer's barriers are
+# bar.warp.sync). The turn takes two of the remaining ids, spelled out in `_wait_turn` / `_pass_turn`'s PTX.
+TURN_BARRIERS = (14, 15)
+
+
+@gluon.jit
+def _wait_turn(WARPGROUP: gl.constexpr):
+    """Blocks until the other consumer warpgroup passed the turn (bar.sync on TURN_BARRIERS[WARPGROUP], 256
+    threads: this warpgroup's 128 and the other one's 128 arrivals)."""
+    if WARPGROUP == 0:
+        gl.inline_asm_elementwise("bar.sync 14, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 15, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pass_turn(WARPGROUP: gl.constexpr):
+    """Passes the turn to the other consumer warpgroup (bar.arrive on its barrier, without waiting)."""
+    if WARPGROUP == 0:
+        gl.inline_asm_elementwise("bar.arrive 15, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 14, 256;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def issue_first_qk(q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key block 0's S = Q K^T (`issue_qk`); PINGPONG: as issue group 0 (warpgroup 0 starts without waiting)."""
+    if PINGPONG:
+        k_tile = k_smem.index(0)
+        mbarrier.wait(k_ready.index(0), 0)
+        if WARPGROUP == 1:
+            _wait_turn(WARPGROUP)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        _pass_turn(WARPGROUP)
+    else:
+        qk, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+    return qk, k_tile
+
+
+@gluon.jit
+def issue_qk_pv(j, p16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, s_layout: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPGROUP: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """Key block j's S = Q K^T and block j - 1's O += P V, issued back to back (`issue_qk`, `issue_pv`);
+    PINGPONG: both tiles waited for first, then both wgmmas as issue group j inside the turn."""
+    if PINGPONG:
+        s = j % STAGES
+        k_tile = k_smem.index(s)
+        v_tile = v_smem.index((j - 1) % STAGES)
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index((j - 1) % STAGES), ((j - 1) // STAGES) & 1)
+        _wait_turn(WARPGROUP)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        _pass_turn(WARPGROUP)
+    else:
+        qk, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        acc, v_tile = issue_pv(j - 1, p16, acc, v_smem, v_ready, STAGES)
+    return qk, k_tile, acc, v_tile
+
+
+@gluon.jit
+def issue_last_pv(j, p16, acc, v_smem, v_ready, STAGES: gl.constexpr, WARPGROUP: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    """The last key block j's O += P V (`issue_pv`); PINGPONG: as the last issue group (warpgroup 1 does not
+    pass the turn on: warpgroup 0 issues nothing after it)."""
+    if PINGPONG:
+        v_tile = v_smem.index(j % STAGES)
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        _wait_turn(WARPGROUP)
+        acc = warpgroup_mma(p16, v_tile, acc, is_async=True)
+        if WARPGROUP == 0:
+            _pass_turn(WARPGROUP)
+    else:
+        acc, v_tile = issue_pv(j, p16, acc, v_smem, v_ready, STAGES)
+    return acc, v_tile
+
+
 @gluon.jit
 def pv_operand(p, v_smem, p_layout: gl.constexpr):
     """P as the P V wgmma's register operand: V's dtype, the dot-operand layout."""
@@ -238,26 +357,89 @@ def pv_operand(p, v_smem, p_layout: gl.constexpr):
 # host side
 
 
+# Triton's options of every launch of the warp-specialized kernels (read, never changed)
+GLUON_OPTIONS = {"num_warps": NUM_WARPS}
+
+
 def gl_dtype(torch_dtype):
     import torch
 
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[torch_dtype]
 
 
-def smem_layout(block_shape, element_type):
-    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B)."""
+@functools.cache
+def _default_layout(block_shape: tuple, element_type):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), element_type)
 
 
+def smem_layout(block_shape, element_type):
+    """The NVMMA shared layout of a TMA tile (the widest swizzle the 16-bit row allows: 128 B), one object
+    per block shape and element type."""
+    return _default_layout(tuple(block_shape), element_type)
+
+
+@functools.cache
+def tma_tile(dtype, rows: int, cols: int) -> tuple[list, object]:
+    """(block shape, NVMMA shared layout) of TMA tiles of rows x cols elements of torch `dtype`, made once
+    per tile and checked once by TensorDescriptor's own checks (block shape, layout) on a stand-in tensor."""
+    import torch
+
+    block = [rows, cols]
+    layout = smem_layout(block, gl_dtype(dtype))
+    TensorDescriptor(torch.empty((rows, cols), dtype=dtype), [rows, cols], [cols, 1], block, layout)
+    return block, layout
+
+
+def _plain_descriptor_class() -> bool:
+    """Whether TensorDescriptor is the plain dataclass of Triton 3.6 (these fields, an instance __dict__),
+    which `descriptor` fills without its constructor."""
+    import dataclasses
+
+    if _IMPORT_ERROR is not None or not dataclasses.is_dataclass(TensorDescriptor):
+        return False
+    if "__slots__" in vars(TensorDescriptor):
+        return False
+    return [f.name for f in dataclasses.fields(TensorDescriptor)] == ["base", "shape", "strides", "block_shape",
+                                                                       "layout", "padding"]
+
+
+_PLAIN_DESCRIPTOR = _plain_descriptor_class()
+
+
+def descriptor(view, tile) -> "TensorDescriptor":
+    """The TMA descriptor of `view` (`tma_view`'s (tensor, shape, strides)) in tiles `tile` (`tma_tile`'s).
+
+    Filled without TensorDescriptor's per-call checks (a few microseconds per descriptor), whose
+    conditions hold by construction: `tma_view` gives a 16-byte aligned base and row stride and a unit
+    last stride, `tma_tile` checked the block shape and layout once, and the operands' checks (or the
+    launch plans') keep N, KV and the head sizes positive. The driver's cuTensorMapEncodeTiled, which
+    Triton's launcher calls with these fields, refuses a base or stride that breaks them."""
+    flat, shape, strides = view
+    block, layout = tile
+    if not _PLAIN_DESCRIPTOR:
+        return TensorDescriptor(flat, list(shape), list(strides), block, layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__ = {"base": flat, "shape": list(shape), "strides": list(strides), "block_shape": block,
+                     "layout": layout, "padding": "zero"}
+    return desc
+
+
 def tma_view(t):
-    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: contiguous in (H, D),
-    rows of one batch consecutive, 16-byte aligned base and row stride (TMA's requirements). A
-    tensor without that layout is copied contiguous once."""
+    """t (B, L, H, D) as the 2-d (B L, H D) matrix its TMA descriptor reads: (tensor, shape, strides). Row
+    b L + l (one batch and position) starts at b stride(0) + l stride(1), so the view needs unit stride in D,
+    stride(2) = D, stride(0) = L stride(1), a 16-byte aligned base and row stride (TMA's requirements); a
+    size-1 dim's stride is free (with L = 1 the rows step by stride(0)). A tensor without that layout is
+    copied once into a fresh one with standard strides."""
     bsz, length, heads, d = t.shape
-    flat = (t.stride(3) == 1 and t.stride(2) == d and t.stride(0) == length * t.stride(1))
-    if not flat or t.data_ptr() % 16 or (t.stride(1) * t.element_size()) % 16:
-        t = t.contiguous()
-    return t, (bsz * length, heads * d), (t.stride(1), 1)
+    stride = t.stride()
+    row = stride[1] if length > 1 else stride[0] if bsz > 1 else heads * d
+    if (stride[3] != 1 or (heads > 1 and stride[2] != d) or (bsz > 1 and stride[0] != length * row)
+            or t.data_ptr() % 16 or row * t.element_size() % 16):
+        import torch
+
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+        row = heads * d
+    return t, (bsz * length, heads * d), (row, 1)
 
 
 def serves(q, k, v) -> bool:
@@ -302,18 +484,6 @@ def check_operands(q, k, v, causal, what: str):
         raise ValueError(f"{what}: N and KV must be positive, got N={n}, KV={k.shape[1]}")
     if not isinstance(causal, bool):
         raise ValueError(f"{what}: causal must be a bool, got {causal!r}")
-
-
-def descriptors(q, k, v, cfg: dict):
-    """TMA descriptors of q (half a query block per consumer), k and v (BLOCK_N keys per slot)."""
-    d = q.shape[-1]
-    gdt = gl_dtype(q.dtype)
-    q_block, kv_block = [cfg["BLOCK_M"] // 2, d], [cfg["BLOCK_N"], d]
-    out = []
-    for t, block in ((q, q_block), (k, kv_block), (v, kv_block)):
-        flat, shape, strides = tma_view(t)
-        out.append(TensorDescriptor(flat, list(shape), list(strides), block, smem_layout(block, gdt)))
-    return out
 
 
 def descriptor_type(dtype: str, block) -> str:

@@ -42,7 +42,7 @@ The separate form, three launches:
 
 The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launches:
 
-1. `_delta_kernel` with ZERO_DQ: delta, and zeros in an fp32 dq (B, N, H, D).
+1. `_delta_zero_dq_kernel`: `_delta_kernel`'s delta, and zeros in an fp32 dq (B, N, H, D).
 2. `_dkdv_dq_kernel`: the key-block kernel above, and per (query head, query block) each consumer also
    writes its dS^T to shared memory as the transposed view of its 64 key columns of dS (BLOCK_M queries x
    BLOCK_N keys, a transposing stmatrix); an mbarrier counts both warpgroups' halves in, and each
@@ -55,6 +55,10 @@ The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launch
    KV in the program's last block get p = 0 from the masked blocks' compare (every block of such a
    program runs masked), so they add nothing to dq. dS carries t F'(y), so dq needs only the scale s.
 3. `_dq_cast_kernel`: dq = s dq_acc in q's dtype.
+
+Both forms launch through `runtime.DirectLauncher`, each from its own plan cached per form (`_backward_plan`,
+`_one_pass_plan`: tile configs, constexprs, TMA tiles, the one-pass form's fp32 dq tile among them), so a
+call builds only its descriptors, outputs and scalars.
 
 5 matrix products per (key block, query block) tile instead of 7 over two kernels, and every score's
 exp2 (and cap) computed once instead of twice; in exchange the two consumer warpgroups of a program
@@ -70,9 +74,9 @@ those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and
 Why the separate form is the default: it is the one validated on an H100 (every case; the plain backward
 in 0.90x cuDNN's time at (4, 16, 4096, 128) causal bf16), and it is deterministic. The one-pass form
 trades two products and the recomputed exp2 / cap per score for dS's shared-memory round trip, the
-warpgroups' lockstep and the fp32 dq's traffic. Its loops keep no local memory but for a few spilled
-loop invariants at D = 128: the plain causal diagonal's, and ALSC with a temperature's
-(scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
+warpgroups' lockstep and the fp32 dq's traffic. Its loops keep no local memory but 1-6 spilled loop
+invariants at D = 128: the plain causal diagonal's, a tempered full mask's masked loop, ALSC with a
+temperature's (scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
 portable backward's default is the same split (`softmax_family._dq_form`: "separate" unless tuning
 finds "one_pass" faster, which it did only at D = 64 with 2048+ keys).
 
@@ -88,9 +92,9 @@ to the next batch's rows, or is clipped past the tensor. The dQ kernel masks key
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -98,31 +102,32 @@ from attn.kernels.env import setting
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     HEAD_DIMS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
+    descriptor,
     descriptor_type,
     fence_async_shared,
-    gl_dtype,
     invalidate_ring,
     issue_qk,
     key_blocks,
     mbarrier,
     program_rows,
     release,
-    smem_layout,
     stream_ring,
     tma,
+    tma_tile,
     tma_view,
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from attn.kernels.gluon_softmax_fwd import _rcp, _tanh
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 try:  # Triton 3.6's Gluon builtin decorator and the TMA reduce kinds (gluon_pipeline checks the API)
     from triton._C.libtriton import ir as _ir
@@ -191,11 +196,10 @@ def dq_tile_config(head_dim: int) -> dict:
 
 
 @gluon.jit
-def _delta_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H,
-                  q_len, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, ZERO_DQ: gl.constexpr):
+def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d] in fp32, BLOCK_M rows of one (batch, head)
-    per program (O and dO contiguous in d). ZERO_DQ (the one-pass form): also zeroes the same rows of
-    DQ_ACC, the (B, N, H, D) contiguous fp32 dq the key-block kernel reduces into."""
+    per program (O and dO contiguous in d)."""
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
     bh = gl.program_id(1)
@@ -211,10 +215,26 @@ def _delta_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_on, stride_oh, stride_
     o = gl.load(O + offs_o, mask=in_rows, other=0.0).to(gl.float32)
     do = gl.load(DO + offs_do, mask=in_rows, other=0.0).to(gl.float32)
     gl.store(DELTA + bh.to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
-    if ZERO_DQ:
-        offs_acc = ((b.to(gl.int64) * q_len + gl.expand_dims(rows.to(gl.int64), 1)) * H + h) * HEAD_DIM \
-            + gl.expand_dims(cols, 0)
-        gl.store(DQ_ACC + offs_acc, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout), mask=in_rows)
+
+
+@gluon.jit
+def _delta_zero_dq_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh,
+                          H, q_len, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The one-pass form's first kernel: `_delta_kernel`'s rows, and zeros in the same rows of DQ_ACC, the
+    (B, N, H, D) contiguous fp32 dq the key-block kernel reduces into."""
+    _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
+                  HEAD_DIM, BLOCK_M)
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offs_acc = ((b.to(gl.int64) * q_len + gl.expand_dims(rows.to(gl.int64), 1)) * H + h) * HEAD_DIM \
+        + gl.expand_dims(cols, 0)
+    gl.store(DQ_ACC + offs_acc, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout),
+             mask=gl.expand_dims(rows < q_len, 1))
 
 
 @gluon.jit
@@ -485,7 +505,7 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     must have dS = 0: the masked blocks' compare hides them (p = 0 whatever their scores). Causal, it
     already does (a key past kv_len is visible to query columns past q_len only, whose p is 0), and
     every block of a program whose keys run past kv_len is a masked one; full, the compare is
-    key < kv_len, and `_dkdv_program` makes every block of such a program a masked one."""
+    key < kv_len, and `_dkdv_dq_kernel` makes every block of such a program a masked one."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -509,7 +529,7 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         bh = b * H + h
         lse_rows = LSE + bh.to(gl.int64) * q_len
         delta_rows = DELTA + bh.to(gl.int64) * q_len
-        dq_col = h * HEAD_DIM + dq_col0
+        dq_col = h * HEAD_DIM + dq_col0  # ONE_PASS_DQ: this warpgroup's first column of dq
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
         for i in range(i_lo, i_full):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
@@ -546,11 +566,40 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer.
     Programs of the first key blocks (the longest under a causal mask) start first. CAP (`_capped_with_slope`, with
     cap_scale and alsc_knee) and HAS_TEMP (TEMP (B, N), strides stride_tb, stride_tn) are compiled in
-    only where asked; qk_scale is the log2-unit scale of the capped score."""
-    _dkdv_program(k_desc, v_desc, q_desc, do_desc, k_desc, DK, DV, LSE, DELTA, TEMP,
-                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
-                  H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-                  CAP, HAS_TEMP, CAUSAL, False, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
+    only where asked; qk_scale is the log2-unit scale of the capped score. The consumers' one-pass buffers
+    and barriers (`_dkdv_consumer`'s ds_smem .. dq_col0) are placeholders they never touch here."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    b = bhk // H_KV
+    hk = bhk % H_KV
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
+                          stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
+                          i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves, k_halves,
+                          k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N, BLOCK_M,
+                          HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
+                          stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
+                          kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves,
+                          k_halves, k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
+                          do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
+                          i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
 
 
 @gluon.jit
@@ -561,24 +610,12 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """`_dkdv_kernel` with FlashAttention-3's dQ path (the one-pass form): every tile's dS K also goes
     into the fp32 dq behind dq_desc ((B N, H D), BLOCK_M x D / 2 boxes) by TMA reduce-add, each
-    consumer warpgroup adding half of the head dim's columns over all BLOCK_N keys."""
-    _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, TEMP,
-                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
-                  H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-                  CAP, HAS_TEMP, CAUSAL, True, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)
-
-
-@gluon.jit
-def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, TEMP,
-                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
-                  H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-                  CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, ONE_PASS_DQ: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The key-block program of either kernel: shared memory, barriers and the three partitions.
-    ONE_PASS_DQ adds dS's BLOCK_M x BLOCK_N buffer (each warpgroup writes its keys' columns), a
-    BLOCK_M x D / 2 fp32 staging tile per warpgroup (`dq_staging_layout`), and the ds_ready / ds_free
-    barriers (one arrival per warpgroup); without it they are placeholders the consumers never touch.
-    Shared memory at D = 128: 160 KiB of K, V and the ring, 16 KiB of dS, 2 x 16 KiB of staging."""
+    consumer warpgroup adding half of the head dim's columns over all BLOCK_N keys. Beside
+    `_dkdv_kernel`'s shared memory and barriers: dS's BLOCK_M x BLOCK_N buffer (each warpgroup writes its
+    keys' columns), a BLOCK_M x D / 2 fp32 staging tile per warpgroup (`dq_staging_layout`), and the
+    ds_ready / ds_free barriers (one arrival per warpgroup). Shared memory at D = 128: 160 KiB of K, V and
+    the ring, 16 KiB of dS, 2 x 16 KiB of staging. Without the causal mask, every query block of a program
+    whose keys run past kv_len runs masked (`_dkdv_consumer` hides those keys from dq)."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -588,56 +625,50 @@ def _dkdv_program(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, 
     b = bhk // H_KV
     hk = bhk % H_KV
     i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
-    if ONE_PASS_DQ and not CAUSAL:
+    if not CAUSAL:
         if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
             i_full = i_hi
     # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
-    if ONE_PASS_DQ:
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
-        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
-        dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
-        ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ds_ready, count=2)
-        mbarrier.init(ds_free, count=2)
-        fence_async_shared()
-        k_all = k_halves._reinterpret(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))
-        ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
-        k_cols_0 = k_all.slice(0, DQ_COLS, dim=1)
-        k_cols_1 = k_all.slice(DQ_COLS, DQ_COLS, dim=1)
-        staging_0 = dq_staging.index(0)
-        staging_1 = dq_staging.index(1)
-    else:
-        ds_smem, ds_ready, ds_free = k_halves, kv_bar, kv_bar
-        ds_rows_0, ds_rows_1, k_cols_0, k_cols_1 = k_halves, k_halves, k_halves, k_halves
-        staging_0, staging_1 = k_halves, k_halves
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
+    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=2)
+    mbarrier.init(ds_free, count=2)
+    fence_async_shared()
+    k_all = k_halves._reinterpret(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))  # each warpgroup's keys' columns of dS, as dS^T
+    ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
+    k_cols_0 = k_all.slice(0, DQ_COLS, dim=1)  # each warpgroup's dQ columns of K, all BLOCK_N keys
+    k_cols_1 = k_all.slice(DQ_COLS, DQ_COLS, dim=1)
+    staging_0 = dq_staging.index(0)  # each warpgroup's fp32 staging tile
+    staging_1 = dq_staging.index(1)
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
                           stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
                           i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_0, k_cols_0,
-                          staging_0, dq_desc, ds_ready, ds_free, 0, CAP, HAS_TEMP, CAUSAL, ONE_PASS_DQ, HALF_N,
+                          staging_0, dq_desc, ds_ready, ds_free, 0, CAP, HAS_TEMP, CAUSAL, True, HALF_N,
                           BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
                           stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
                           kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_1,
                           k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS, CAP, HAS_TEMP, CAUSAL,
-                          ONE_PASS_DQ, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          True, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
-    if ONE_PASS_DQ:
-        mbarrier.invalidate(ds_ready)
-        mbarrier.invalidate(ds_free)
+    mbarrier.invalidate(ds_ready)
+    mbarrier.invalidate(ds_free)
 
 
 # ------------------------------------------------------------------------------- dQ (query blocks)
@@ -798,14 +829,80 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride
 # host side
 
 
-def _descriptor(flat_view, block, gdt):
+CAPS = {0: "none", 1: "tanh", 2: "soft_sign", 3: "alsc"}  # softmax_family.CAP_IDS' ids
+
+
+class BackwardTiles:
+    """The TMA tiles both backward kernels read (`tma_tile`'s), per dtype and head dim: 64-row tiles of Q and
+    dO (one consumer's rows, or a ring slot), the dK / dV kernel's half key blocks, the dQ kernel's key blocks."""
+
+    def __init__(self, dtype, head_dim: int, kv_cfg: dict, q_cfg: dict):
+        self.rows = tma_tile(dtype, 64, head_dim)
+        self.half_keys = tma_tile(dtype, kv_cfg["BLOCK_N"] // 2, head_dim)
+        self.key_block = tma_tile(dtype, q_cfg["BLOCK_N"], head_dim)
+
+
+@functools.cache
+def backward_tiles(dtype, head_dim: int) -> tuple[dict, dict, BackwardTiles]:
+    """(dK / dV tile config, dQ tile config, their TMA tiles) of the backward kernels (also the threshold and
+    sigmoid backwards'), made once per dtype and head dim."""
+    kv_cfg, q_cfg = dkdv_tile_config(head_dim), dq_tile_config(head_dim)
+    return kv_cfg, q_cfg, BackwardTiles(dtype, head_dim, kv_cfg, q_cfg)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(dtype, head_dim: int, causal: bool, cap: int, cap_value: float, knee: float, sm_scale: float,
+                   has_temp: bool, need_dt: bool):
+    """What every launch of one backward form shares: (dK / dV config, dQ config, tiles, the kernels' float
+    scalars (qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale), the delta / dK dV / dQ constexprs)."""
+    from attn.kernels.softmax_family import _scalars
+
+    kv_cfg, q_cfg, tiles = backward_tiles(dtype, head_dim)
+    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
+    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
+    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, float(cap_value), float(knee),
+                                                                       float(sm_scale))
+    delta_constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=DELTA_BLOCK_M)
+    dkdv_constexprs = dict(CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=head_dim, **kv_cfg)
+    dq_constexprs = dict(CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
+    return (kv_cfg, q_cfg, tiles, (qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale), delta_constexprs,
+            dkdv_constexprs, dq_constexprs)
+
+
+_DELTA = DirectLauncher(_delta_kernel, "gluon_softmax_bwd_delta")
+_DKDV = DirectLauncher(_dkdv_kernel, "gluon_softmax_bwd_dkdv")
+_DQ = DirectLauncher(_dq_kernel, "gluon_softmax_bwd_dq")
+
+
+@functools.cache
+def dq_accumulator_tile(head_dim: int) -> tuple[list, object]:
+    """(block shape, shared layout) of the one-pass form's fp32 dq descriptor (`dq_accumulator_block`,
+    `dq_staging_layout`), made once per head dim and checked once by TensorDescriptor's own checks on a
+    stand-in tensor, as `tma_tile`'s are."""
+    import torch
+
     from attn.kernels.gluon_pipeline import TensorDescriptor
 
-    flat, shape, strides = flat_view
-    return TensorDescriptor(flat, list(shape), list(strides), list(block), smem_layout(list(block), gdt))
+    block, layout = dq_accumulator_block(head_dim), dq_staging_layout()
+    TensorDescriptor(torch.empty(block, dtype=torch.float32), block, [block[1], 1], block, layout)
+    return block, layout
 
 
-CAPS = {0: "none", 1: "tanh", 2: "soft_sign", 3: "alsc"}  # softmax_family.CAP_IDS' ids
+@functools.lru_cache(maxsize=256)
+def _one_pass_plan(dtype, head_dim: int, causal: bool, cap: int, cap_value: float, knee: float, sm_scale: float,
+                   has_temp: bool):
+    """What every one-pass launch of one backward form shares (`_backward_plan`'s entries, no dt): (dK / dV
+    config, tiles, the fp32 dq's tile (`dq_accumulator_tile`), the float scalars (qk_scale, cap_scale,
+    alsc_knee, grad_scale), the delta / dK dV dQ / scale-and-cast constexprs)."""
+    kv_cfg, _, tiles, floats, delta_constexprs, dkdv_constexprs, _ = _backward_plan(
+        dtype, head_dim, causal, cap, cap_value, knee, sm_scale, has_temp, False)
+    return (kv_cfg, tiles, dq_accumulator_tile(head_dim), floats[:4], delta_constexprs, dkdv_constexprs,
+            dict(BLOCK=CAST_BLOCK))
+
+
+_DELTA_ZERO_DQ = DirectLauncher(_delta_zero_dq_kernel, "gluon_softmax_bwd_delta_zero_dq")
+_DKDV_DQ = DirectLauncher(_dkdv_dq_kernel, "gluon_softmax_bwd_dkdv_dq")
+_DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_softmax_bwd_dq_cast")
 
 
 def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
@@ -819,46 +916,39 @@ def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, c
     if dq_form() == "one_pass" and not need_dt:
         return _launch_one_pass(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
 
-    from attn.kernels.softmax_family import _scalars
-
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    gdt = gl_dtype(q.dtype)
-    kv_cfg, q_cfg = dkdv_tile_config(d), dq_tile_config(d)
+    has_temp = temperature is not None
+    kv_cfg, q_cfg, tiles, floats, delta_constexprs, dkdv_constexprs, dq_constexprs = _backward_plan(
+        q.dtype, d, causal, cap, cap_value, knee, sm_scale, has_temp, need_dt)
+    qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale = floats
     q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
-    rows_block = [64, d]  # both kernels take Q and dO in 64-row tiles (one consumer's rows, or a ring slot)
-    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
-    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
-    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
-    key_block = [q_cfg["BLOCK_N"], d]
-    k_block_desc, v_block_desc = _descriptor(k_view, key_block, gdt), _descriptor(v_view, key_block, gdt)
+    q_desc, do_desc = descriptor(q_view, tiles.rows), descriptor(do_view, tiles.rows)
+    k_half_desc, v_half_desc = descriptor(k_view, tiles.half_keys), descriptor(v_view, tiles.half_keys)
+    k_block_desc, v_block_desc = descriptor(k_view, tiles.key_block), descriptor(v_view, tiles.key_block)
 
     do_flat = do_view[0]  # contiguous in (H, D): the strides below are its own
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    _delta_kernel[(triton.cdiv(n, DELTA_BLOCK_M), bsz * h)](
-        out, do_flat, delta, delta, out.stride(0), out.stride(1), out.stride(2),
-        do_flat.stride(0), do_flat.stride(1), do_flat.stride(2), h, n,
-        HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=False, num_warps=4)
+    so, sdo = out.stride(), do_flat.stride()
+    _DELTA.run((cdiv(n, DELTA_BLOCK_M), bsz * h), (), (out, do_flat, delta),
+               (so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], h, n), delta_constexprs, GLUON_OPTIONS)
 
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    # the portable kernels' constants: the capped score g scales by qk_scale (log2 units, times t) into z;
-    # dx = grad_scale t F' dz; dt = dt_scale sum_j dz g
-    cap_scale, qk_scale, grad_scale, dt_scale, alsc_knee, _ = _scalars(cap, cap_value, knee, float(sm_scale))
-    has_temp = temperature is not None
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse2
-    _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv, lse2, delta, temp,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), stride_tb, stride_tn,
-        h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-        CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
-    _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
-        q_desc, do_desc, k_block_desc, v_block_desc, dq, lse2, delta, temp, dt_rows,
-        dq.stride(0), dq.stride(1), dq.stride(2), stride_tb, stride_tn,
-        h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
-        CAP=cap, HAS_TEMP=has_temp, NEED_DT=need_dt, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **q_cfg)
+    kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
+    _DKDV.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc),
+              (dk, dv, lse2, delta, temp),
+              (*kv_strides, *kv_strides, stride_tb, stride_tn,
+               h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale),
+              dkdv_constexprs, GLUON_OPTIONS)
+    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), (q_desc, do_desc, k_block_desc, v_block_desc),
+            (dq, lse2, delta, temp, dt_rows),
+            (n * h * d, h * d, d, stride_tb, stride_tn,  # dq's strides (contiguous), the temperature's
+             h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale),
+            dq_constexprs, GLUON_OPTIONS)
     dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else None
     return dq, dk, dv, dt
 
@@ -869,42 +959,37 @@ def _launch_one_pass(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, ca
     kernel adding every tile's dS K to it (dS carries t F'), then dq = grad_scale dq_acc in q's dtype."""
     import torch
 
-    from attn.kernels.gluon_pipeline import TensorDescriptor
-    from attn.kernels.softmax_family import _scalars
-
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    gdt = gl_dtype(q.dtype)
-    kv_cfg = dkdv_tile_config(d)
+    has_temp = temperature is not None
+    kv_cfg, tiles, dq_tile, floats, delta_constexprs, dkdv_constexprs, cast_constexprs = _one_pass_plan(
+        q.dtype, d, causal, cap, cap_value, knee, sm_scale, has_temp)
+    qk_scale, cap_scale, alsc_knee, grad_scale = floats
     q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
-    rows_block = [kv_cfg["BLOCK_M"], d]
-    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
-    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
-    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
+    q_desc, do_desc = descriptor(q_view, tiles.rows), descriptor(do_view, tiles.rows)
+    k_half_desc, v_half_desc = descriptor(k_view, tiles.half_keys), descriptor(v_view, tiles.half_keys)
 
-    do_flat = do_view[0]
+    do_flat = do_view[0]  # contiguous in (H, D): the strides below are its own
     delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     dq_acc = torch.empty((bsz, n, h, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
-    _delta_kernel[(triton.cdiv(n, DELTA_BLOCK_M), bsz * h)](
-        out, do_flat, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2),
-        do_flat.stride(0), do_flat.stride(1), do_flat.stride(2), h, n,
-        HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M, ZERO_DQ=True, num_warps=4)
-    dq_block = dq_accumulator_block(d)
-    dq_desc = TensorDescriptor(dq_acc, [bsz * n, h * d], [h * d, 1], dq_block, dq_staging_layout())
+    so, sdo = out.stride(), do_flat.stride()
+    _DELTA_ZERO_DQ.run((cdiv(n, DELTA_BLOCK_M), bsz * h), (), (out, do_flat, delta, dq_acc),
+                       (so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], h, n), delta_constexprs, GLUON_OPTIONS)
+    # dq_acc as the 2-d (B N, H D) matrix of its reduce boxes (contiguous: a 16-byte aligned base and rows)
+    dq_desc = descriptor((dq_acc, (bsz * n, h * d), (h * d, 1)), dq_tile)
 
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    cap_scale, qk_scale, grad_scale, _, alsc_knee, _ = _scalars(cap, cap_value, knee, float(sm_scale))
-    has_temp = temperature is not None
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
-    _dkdv_dq_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dq_desc, dk, dv, lse2, delta, temp,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), stride_tb, stride_tn,
-        h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
-        CAP=cap, HAS_TEMP=has_temp, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS, **kv_cfg)
+    kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
+    _DKDV_DQ.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc, dq_desc),
+                 (dk, dv, lse2, delta, temp),
+                 (*kv_strides, *kv_strides, stride_tb, stride_tn,
+                  h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale),
+                 dkdv_constexprs, GLUON_OPTIONS)
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
-    _dq_cast_kernel[(triton.cdiv(dq.numel(), CAST_BLOCK),)](dq_acc, dq, dq.numel(), grad_scale, BLOCK=CAST_BLOCK,
-                                                             num_warps=4)
+    numel = dq.numel()
+    _DQ_CAST.run((cdiv(numel, CAST_BLOCK),), (), (dq_acc, dq), (numel, grad_scale), cast_constexprs, GLUON_OPTIONS)
     return dq, dk, dv, None
 
 
@@ -1009,13 +1094,14 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     the dQ kernel with a cap (`cap`, CAP_IDS' ids) and a temperature (`has_temp`), the dQ kernel also with
     d-temperature (`need_dt`); delta_zero_dq and dq_cast are the one-pass form's delta and last kernels."""
     if kernel in ("delta", "delta_zero_dq"):
+        zero_dq = kernel == "delta_zero_dq"
         signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32", "DQ_ACC": "*fp32",
                      **{name: "i32" for name in ("stride_ob", "stride_on", "stride_oh", "stride_dob", "stride_don",
                                                  "stride_doh", "H", "q_len")},
-                     "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "ZERO_DQ": "constexpr"}
-        return compile_gluon_sm90(_delta_kernel, signature, {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M,
-                                                             "ZERO_DQ": kernel == "delta_zero_dq"},
-                                  ("O", "DO", "DELTA", "DQ_ACC"), arch)
+                     "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr"}
+        return compile_gluon_sm90(_delta_zero_dq_kernel if zero_dq else _delta_kernel, signature,
+                                  {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M},
+                                  ("O", "DO", "DELTA", "DQ_ACC") if zero_dq else ("O", "DO", "DELTA"), arch)
     if kernel == "dq_cast":
         signature = {"DQ_ACC": "*fp32", "DQ": f"*{dtype}", "numel": "i32", "grad_scale": "fp32", "BLOCK": "constexpr"}
         return compile_gluon_sm90(_dq_cast_kernel, signature, {"BLOCK": CAST_BLOCK}, ("DQ_ACC", "DQ"), arch)

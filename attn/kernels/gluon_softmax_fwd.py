@@ -7,7 +7,8 @@ Gluon changes between Triton releases, so `gluon_pipeline.gluon_api_available()`
 has what this file uses. `attn/kernels/tiers.py` decides when the softmax family's forward runs it
 (sm_90, without segments, key lengths, a window or dropout; ATTNLAB_GLUON).
 
-The schedule, the ring and the host side are `gluon_pipeline`'s. Per key block a consumer turns
+The schedule, the ring and the host side are `gluon_pipeline`'s (its two consumer warpgroups unordered,
+or with `launch_forward(pingpong=True)` taking turns at issuing their wgmmas). Per key block a consumer turns
 S = Q K^T into P with the online softmax in registers (exp2 of log2-unit logits, running max and
 sum, rescale of the accumulator), P V runs as an async wgmma with P from registers. Key blocks
 wholly visible to every row of the tile run without mask arithmetic; the blocks on the causal
@@ -17,25 +18,26 @@ logsumexp of the logits (+inf for a row that sees no key, whose output is 0).
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_sm90 as compile_kernel,
-    descriptors,
+    descriptor,
     invalidate_ring,
-    issue_pv,
-    issue_qk,
+    issue_first_qk,
+    issue_last_pv,
+    issue_qk_pv,
     key_blocks,
     mbarrier,
     producer,
@@ -43,9 +45,12 @@ from attn.kernels.gluon_pipeline import (
     pv_operand,
     release,
     tile_config,
+    tma_tile,
+    tma_view,
     visible_key,
     warpgroup_mma_wait,
 )
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 
 @gluon.jit
@@ -162,12 +167,14 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
                      last_key, kv_len, row_scale, cap_scale, alsc_knee, shift, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
                      FIXED_SHIFT: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr):
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr, WARPGROUP: gl.constexpr,
+                     PINGPONG: gl.constexpr):
     """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
-    O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs while the tensor cores do
-    P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns (P_j, O, m, l)."""
-    qk, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
-    acc, v_tile = issue_pv(j - 1, p16, acc, v_smem, v_ready, STAGES)
+    O += P_{j-1} V_{j-1} are issued back to back (PINGPONG: in this warpgroup's turn, `issue_qk_pv`); the
+    softmax of S_j runs while the tensor cores do P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns
+    (P_j, O, m, l)."""
+    qk, k_tile, acc, v_tile = issue_qk_pv(j, p16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, s_layout, BLOCK_M,
+                                          BLOCK_N, STAGES, WARPGROUP, PINGPONG)
     qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))  # S_j done (groups retire in order)
     release(j, k_empty, STAGES)
     # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
@@ -189,11 +196,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full, n_tiles,
               out_scale, cap_scale, alsc_knee, shift, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
               FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, EXP2_POLY: gl.constexpr):
-    """One warpgroup: BLOCK_M (64) query rows from m0 against every key block of the program's
-    range (the two consumers share the ring, and so the range: a block wholly masked for these
-    rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. Stores its
-    rows of out and lse2."""
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, EXP2_POLY: gl.constexpr,
+              WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup (WARPGROUP 0 or 1): BLOCK_M (64) query rows from m0 against every key block of the
+    program's range (the two consumers share the ring, and so the range: a block wholly masked for these
+    rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. PINGPONG: the two
+    consumers take turns at issuing their wgmmas (`gluon_pipeline`'s ping-pong protocol; both run the
+    same n_tiles). Stores its rows of out and lse2."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -218,7 +227,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         # block 0 alone (the accumulator is zero: nothing to rescale, no P V in flight)
-        qk, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        qk, k_tile = issue_first_qk(q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP, PINGPONG)
         qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
         release(0, k_empty, STAGES)
         if n_full > 0:
@@ -232,14 +241,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY)
+                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
+                                                  PINGPONG)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY)
+                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
+                                                  PINGPONG)
         # the last block's P V
-        acc, v_tile = issue_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES)
+        acc, v_tile = issue_last_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES, WARPGROUP, PINGPONG)
         acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
         release(n_tiles - 1, v_empty, STAGES)
 
@@ -263,9 +274,11 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
                               H, GROUP, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift,
                               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr = 0):
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr = 0,
+                              PINGPONG: gl.constexpr = False):
     """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
-    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
+    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer;
+    PINGPONG: the consumers take turns at issuing their wgmmas (`gluon_pipeline`)."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -281,11 +294,11 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
         (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full,
                      n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
-                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY)),
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 0, PINGPONG)),
         (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0 + HALF_M, q_len, kv_len,
                      n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
-                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY)),
+                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 1, PINGPONG)),
         (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -307,8 +320,24 @@ def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
     return launch_forward(q, k, v, causal, float(sm_scale) * LOG2E)
 
 
+@functools.cache
+def _forward_plan(dtype, head_dim: int, causal: bool, cap: int, has_temp: bool, fixed_shift: bool, exp2_poly: int,
+                  pingpong: bool):
+    """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
+    constexprs)."""
+    cfg = tile_config(head_dim)
+    constexprs = dict(CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=fixed_shift, CAUSAL=causal, HEAD_DIM=head_dim,
+                      EXP2_POLY=exp2_poly, PINGPONG=pingpong, **cfg)
+    return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
+            constexprs)
+
+
+_FORWARD = DirectLauncher(_gluon_softmax_fwd_kernel, "gluon_softmax_fwd")
+
+
 def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
-                   alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0):
+                   alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0,
+                   pingpong: bool = False):
     """The softmax family's forward without checks, for callers that checked the operands once (the
     softmax family's launch plans): logits z_ij = t_i * row_scale * cap(q_i.k_j) in log2 units, where
     cap is `_cap`'s CAP (with its `cap_scale`, `alsc_knee`) and t the optional (B, N) `temperature`
@@ -316,37 +345,37 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
     |z| (a cap's c log2 e, no temperature) that p = exp2(z - B) uses instead of a running max, so p
     lies in [2^-2B, 1] (the caller keeps 2B within bf16 P's range); None for the online softmax.
     `exp2_poly`: 0, or the degree (3 for bf16 P, 4 for fp16) of the polynomial exp2 of unmasked key
-    blocks (`_exp2`). Returns (out, lse2)."""
+    blocks (`_exp2`). `pingpong`: the two consumer warpgroups take turns at issuing their wgmmas
+    (`gluon_pipeline`'s ping-pong). Returns (out, lse2)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = tile_config(d)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
+    has_temp = temperature is not None
+    block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, cap, has_temp, shift is not None,
+                                                         exp2_poly, bool(pingpong))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
-    has_temp = temperature is not None
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse, (0, 0))
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
-    _gluon_softmax_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, temp,
-        out.stride(0), out.stride(1), out.stride(2), stride_tb, stride_tn,
-        h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
-        0.0 if shift is None else float(shift),
-        CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=shift is not None,
-        CAUSAL=causal, HEAD_DIM=d, EXP2_POLY=exp2_poly, num_warps=NUM_WARPS, **cfg)
+    _FORWARD.run((cdiv(n, block_m), bsz * h),
+                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile)),
+                 (out, lse, temp),
+                 (n * h * d, h * d, d, stride_tb, stride_tn,  # out's strides (contiguous), the temperature's
+                  h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
+                  0.0 if shift is None else float(shift)),
+                 constexprs, GLUON_OPTIONS)
     return out, lse
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90, cap: int = 0,
-                 has_temp: bool = False, fixed_shift: bool = False, exp2_poly: int = 0):
+                 has_temp: bool = False, fixed_shift: bool = False, exp2_poly: int = 0, pingpong: bool = False):
     """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
     signature = {"O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
                  "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_tb": "i32", "stride_tn": "i32",
                  "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "out_scale": "fp32",
                  "cap_scale": "fp32", "alsc_knee": "fp32", "shift": "fp32",
                  "CAP": "constexpr", "HAS_TEMP": "constexpr", "FIXED_SHIFT": "constexpr", "CAUSAL": "constexpr",
-                 "EXP2_POLY": "constexpr"}
+                 "EXP2_POLY": "constexpr", "PINGPONG": "constexpr"}
     constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal,
-                  "EXP2_POLY": exp2_poly}
+                  "EXP2_POLY": exp2_poly, "PINGPONG": bool(pingpong)}
     return compile_kernel(_gluon_softmax_fwd_kernel, head_dim, dtype, signature, constexprs, ("O", "LSE"), arch)

@@ -50,9 +50,9 @@ that see no key get zero gradient).
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -60,14 +60,14 @@ from triton.experimental.gluon import language as gl
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
+    GLUON_OPTIONS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
+    descriptor,
     descriptor_type,
-    gl_dtype,
     invalidate_ring,
     issue_qk,
     key_blocks,
@@ -80,10 +80,10 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma_wait,
 )
 from attn.kernels.gluon_softmax_bwd import (
-    _descriptor,
     _dkdv_producer,
     _dq_producer,
     _issue_with_columns,
+    backward_tiles,
     dkdv_tile_config,
     dq_tile_config,
     query_block_range,
@@ -99,6 +99,7 @@ from attn.kernels.gluon_weighted_fwd import (
     _row_value,
     power_mode,
 )
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 DEAD_ROW_START = gl.constexpr(-1.0e30)  # S^T's start for query rows past N: w = g = 0 (module docstring)
 # the sigmoid's reciprocal in the backward: MUFU.RCP (0), as the portable backward's default path
@@ -386,35 +387,46 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, stride_dqn, stri
 # host side
 
 
+@functools.cache
+def _backward_plan(dtype, head_dim: int, causal: bool, weight: int, power_constexpr: int, has_bias: bool, newton: int):
+    """What every launch of one backward form shares: (dK / dV config, dQ config, tiles, the dK / dV and dQ
+    kernels' constexprs)."""
+    kv_cfg, q_cfg, tiles = backward_tiles(dtype, head_dim)
+    constexprs = dict(WEIGHT=weight, POWER_MODE=power_constexpr, HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
+                      HEAD_DIM=head_dim)
+    return kv_cfg, q_cfg, tiles, {**constexprs, **kv_cfg}, {**constexprs, **q_cfg}
+
+
+_DKDV = DirectLauncher(_dkdv_kernel, "gluon_weighted_bwd_dkdv")
+_DQ = DirectLauncher(_dq_kernel, "gluon_weighted_bwd_dq")
+
+
 def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_scale: float, row_param: float,
             power: float, has_bias: bool, newton: int, grad_scale: float):
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    gdt = gl_dtype(q.dtype)
-    kv_cfg, q_cfg = dkdv_tile_config(d), dq_tile_config(d)
+    kv_cfg, q_cfg, tiles, dkdv_constexprs, dq_constexprs = _backward_plan(
+        q.dtype, d, causal, weight, power_mode(power) if weight == 1 else 1, has_bias, newton if weight == 2 else 0)
     q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
-    rows_block = [64, d]  # both kernels take Q and dO in 64-row tiles (one consumer's rows, or a ring slot)
-    q_desc, do_desc = _descriptor(q_view, rows_block, gdt), _descriptor(do_view, rows_block, gdt)
-    half_keys = [kv_cfg["BLOCK_N"] // 2, d]
-    k_half_desc, v_half_desc = _descriptor(k_view, half_keys, gdt), _descriptor(v_view, half_keys, gdt)
-    key_block = [q_cfg["BLOCK_N"], d]
-    k_block_desc, v_block_desc = _descriptor(k_view, key_block, gdt), _descriptor(v_view, key_block, gdt)
+    q_desc, do_desc = descriptor(q_view, tiles.rows), descriptor(do_view, tiles.rows)
+    k_half_desc, v_half_desc = descriptor(k_view, tiles.half_keys), descriptor(v_view, tiles.half_keys)
+    k_block_desc, v_block_desc = descriptor(k_view, tiles.key_block), descriptor(v_view, tiles.key_block)
 
     dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
-    constexprs = dict(WEIGHT=weight, POWER_MODE=power_mode(power) if weight == 1 else 1, HAS_BIAS=has_bias,
-                      NEWTON=newton if weight == 2 else 0, CAUSAL=causal, HEAD_DIM=d, num_warps=NUM_WARPS)
-    scalars = (float(score_scale), float(row_param), float(power), float(grad_scale))
-    _dkdv_kernel[(triton.cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv)](
-        k_half_desc, v_half_desc, q_desc, do_desc, dk, dv,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        h_kv, h // h_kv, n, kv_len, scalars[0], float(start_scale), *scalars[1:], **constexprs, **kv_cfg)
-    _dq_kernel[(triton.cdiv(n, q_cfg["BLOCK_M"]), bsz * h)](
-        q_desc, do_desc, k_block_desc, v_block_desc, dq, dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // h_kv, n, kv_len, *scalars, **constexprs, **q_cfg)
+    score_scale, row_param, power, grad_scale = float(score_scale), float(row_param), float(power), float(grad_scale)
+    kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
+    _DKDV.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc), (dk, dv),
+              (*kv_strides, *kv_strides, h_kv, h // h_kv, n, kv_len, score_scale, float(start_scale), row_param, power,
+               grad_scale),
+              dkdv_constexprs, GLUON_OPTIONS)
+    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), (q_desc, do_desc, k_block_desc, v_block_desc), (dq,),
+            (n * h * d, h * d, d,  # dq's strides (contiguous)
+             h, h // h_kv, n, kv_len, score_scale, row_param, power, grad_scale),
+            dq_constexprs, GLUON_OPTIONS)
     return dq, dk, dv
 
 

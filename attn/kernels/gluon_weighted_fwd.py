@@ -9,16 +9,17 @@ loop has no running max, no sum and no accumulator rescale:
     out_i = sum_j w_ij v_j over the keys j query i sees (n_i of them; a row that sees none: 0)
 
 The schedule, the ring and the host side are `gluon_pipeline`'s (FA3's producer / two consumer
-warpgroups, block j's S = Q K^T issued beside block j-1's W V). A NaN score gives a NaN weight, as
+warpgroups, unordered or in ping-pong with `pingpong=True`, block j's S = Q K^T issued beside block j-1's
+W V). A NaN score gives a NaN weight, as
 the reference does. The differential threshold (two score maps), segments, a window, key lengths
 and dropout stay on the portable kernels (`attn/kernels/tiers.py` chooses per launch).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,15 +28,16 @@ from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     LOG2E,
-    NUM_WARPS,
     PRODUCER_REGS,
     allocate_ring,
     check_operands,
+    GLUON_OPTIONS,
     compile_sm90 as compile_kernel,
-    descriptors,
+    descriptor,
     invalidate_ring,
-    issue_pv,
-    issue_qk,
+    issue_first_qk,
+    issue_last_pv,
+    issue_qk_pv,
     key_blocks,
     mbarrier,
     producer,
@@ -43,9 +45,12 @@ from attn.kernels.gluon_pipeline import (
     pv_operand,
     release,
     tile_config,
+    tma_tile,
+    tma_view,
     visible_key,
     warpgroup_mma_wait,
 )
+from attn.kernels.runtime import DirectLauncher, cdiv
 
 THRESHOLD = gl.constexpr(1)
 SIGMOID = gl.constexpr(2)
@@ -138,11 +143,13 @@ def _weights(s, j, row_value, last_key, kv_len, score_scale, power, WEIGHT: gl.c
 def _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, row_value, last_key,
                      kv_len, score_scale, power, s_layout: gl.constexpr, p_layout: gl.constexpr,
                      WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, NEWTON: gl.constexpr, MASKED: gl.constexpr,
-                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
     """Key block j with block j - 1's W V in flight: S_j = Q K_j^T and O += W_{j-1} V_{j-1} issued back to
-    back, S_j's weights formed while the tensor cores run W_{j-1} V_{j-1}. Returns (W_j packed, O)."""
-    s, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
-    acc, v_tile = issue_pv(j - 1, w16, acc, v_smem, v_ready, STAGES)
+    back (PINGPONG: in this warpgroup's turn, `issue_qk_pv`), S_j's weights formed while the tensor cores
+    run W_{j-1} V_{j-1}. Returns (W_j packed, O)."""
+    s, k_tile, acc, v_tile = issue_qk_pv(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, s_layout, BLOCK_M,
+                                         BLOCK_N, STAGES, WARPGROUP, PINGPONG)
     s, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_smem, k_tile))
     release(j, k_empty, STAGES)
     w = _weights(s, j, row_value, last_key, kv_len, score_scale, power, WEIGHT, POWER_MODE, NEWTON, MASKED, CAUSAL,
@@ -157,9 +164,11 @@ def _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_em
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on, m0, q_len,
               kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr,
               HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
-    """One warpgroup: BLOCK_M (64) query rows from m0 against key blocks [0, n_tiles) (unmasked
-    below n_full); stores its rows of out."""
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+              WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup (WARPGROUP 0 or 1): BLOCK_M (64) query rows from m0 against key blocks [0, n_tiles)
+    (unmasked below n_full; both consumers run the program's n_tiles); PINGPONG: the two consumers take
+    turns at issuing their wgmmas (`gluon_pipeline`'s ping-pong protocol). Stores its rows of out."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -173,7 +182,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        s, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        s, k_tile = issue_first_qk(q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP, PINGPONG)
         s, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem, k_tile))
         release(0, k_empty, STAGES)
         if n_full > 0:
@@ -186,12 +195,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         for j in range(1, n_full):
             w16, acc = _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                         row_value, last_key, kv_len, score_scale, power, s_layout, p_layout, WEIGHT,
-                                        POWER_MODE, NEWTON, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+                                        POWER_MODE, NEWTON, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, WARPGROUP,
+                                        PINGPONG)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             w16, acc = _pipelined_block(j, w16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                                         row_value, last_key, kv_len, score_scale, power, s_layout, p_layout, WEIGHT,
-                                        POWER_MODE, NEWTON, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
-        acc, v_tile = issue_pv(n_tiles - 1, w16, acc, v_smem, v_ready, STAGES)
+                                        POWER_MODE, NEWTON, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, WARPGROUP,
+                                        PINGPONG)
+        acc, v_tile = issue_last_pv(n_tiles - 1, w16, acc, v_smem, v_ready, STAGES, WARPGROUP, PINGPONG)
         acc, v_tile, w16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, w16))
         release(n_tiles - 1, v_empty, STAGES)
 
@@ -206,9 +217,11 @@ def _gluon_weighted_fwd_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_on, 
                                H, GROUP, q_len, kv_len, score_scale, row_param, power,
                                WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                                NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                               PINGPONG: gl.constexpr = False):
     """Program (query block, batch x head): rows [m0, m0 + BLOCK_M), two consumer warpgroups of
-    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer."""
+    BLOCK_M / 2 rows each (the default partition and a 4-warp worker) and a 1-warp TMA producer;
+    PINGPONG: the consumers take turns at issuing their wgmmas (`gluon_pipeline`)."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_M: gl.constexpr = BLOCK_M // 2
@@ -220,10 +233,10 @@ def _gluon_weighted_fwd_kernel(q_desc, k_desc, v_desc, O, stride_ob, stride_on, 
     gl.warp_specialize([
         (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on,
                      m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT, POWER_MODE, HAS_BIAS,
-                     NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 0, PINGPONG)),
         (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base, stride_on,
                      m0 + HALF_M, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, WEIGHT, POWER_MODE,
-                     HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 1, PINGPONG)),
         (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                     b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -245,52 +258,70 @@ def power_mode(power: float) -> int:
 SIGMOID_NEWTON_STEPS = 0
 
 
+@functools.cache
+def _forward_plan(dtype, head_dim: int, causal: bool, weight: int, power_constexpr: int, has_bias: bool, newton: int,
+                  pingpong: bool):
+    """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
+    constexprs)."""
+    cfg = tile_config(head_dim)
+    constexprs = dict(WEIGHT=weight, POWER_MODE=power_constexpr, HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
+                      HEAD_DIM=head_dim, PINGPONG=pingpong, **cfg)
+    return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
+            constexprs)
+
+
+_FORWARD = DirectLauncher(_gluon_weighted_fwd_kernel, "gluon_weighted_fwd")
+
+
 def _launch(q, k, v, causal: bool, weight: int, score_scale: float, row_param: float, power: float, has_bias: bool,
-            newton: int):
+            newton: int, pingpong: bool = False):
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    cfg = tile_config(d)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg)
+    block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, weight, power_mode(power), has_bias,
+                                                         newton, bool(pingpong))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
-    grid = (triton.cdiv(n, cfg["BLOCK_M"]), bsz * h)
-    _gluon_weighted_fwd_kernel[grid](
-        q_desc, k_desc, v_desc, out, out.stride(0), out.stride(1), out.stride(2),
-        h, h // h_kv, n, kv_len, float(score_scale), float(row_param), float(power),
-        WEIGHT=weight, POWER_MODE=power_mode(power), HAS_BIAS=has_bias, NEWTON=newton, CAUSAL=causal,
-        HEAD_DIM=d, num_warps=NUM_WARPS, **cfg)
+    _FORWARD.run((cdiv(n, block_m), bsz * h),
+                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile)),
+                 (out,),
+                 (n * h * d, h * d, d,  # out's strides (contiguous)
+                  h, h // h_kv, n, kv_len, float(score_scale), float(row_param), float(power)),
+                 constexprs, GLUON_OPTIONS)
     return out
 
 
-def launch_threshold(q, k, v, causal: bool, beta: float, power: float):
+def launch_threshold(q, k, v, causal: bool, beta: float, power: float, pingpong: bool = False):
     """Threshold attention's output (B, N, H, D) in q's dtype, without checks (the threshold family's
-    launch plans check once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D)."""
-    return _launch(q, k, v, causal, 1, 1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0)
+    launch plans check once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D). `pingpong`:
+    the two consumer warpgroups take turns at issuing their wgmmas (`gluon_pipeline`'s ping-pong)."""
+    return _launch(q, k, v, causal, 1, 1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0, pingpong)
 
 
-def launch_sigmoid(q, k, v, causal: bool, sm_scale: float, bias: float | None, newton: int | None = None):
+def launch_sigmoid(q, k, v, causal: bool, sm_scale: float, bias: float | None, newton: int | None = None,
+                   pingpong: bool = False):
     """Sigmoid attention's output (B, N, H, D) in q's dtype, without checks (the sigmoid family's launch
     plans check once): w = sigmoid(sm_scale q.k + b_i), b_i = bias or -ln n_i. `newton`: the
     reciprocal's Newton steps (0: MUFU.RCP; None: SIGMOID_NEWTON_STEPS; 2 steps keep w's relative
-    error below 2^-16, 3 below 2^-32)."""
+    error below 2^-16, 3 below 2^-32). `pingpong`: as `launch_threshold`'s."""
     if newton is None:
         newton = SIGMOID_NEWTON_STEPS
     return _launch(q, k, v, causal, 2, -sm_scale * LOG2E, 0.0 if bias is None else bias * LOG2E, 1.0,
-                   bias is not None, newton)
+                   bias is not None, newton, pingpong)
 
 
-def gluon_threshold_forward(q, k, v, causal: bool, beta: float = 1.0, power: float = 2.0):
+def gluon_threshold_forward(q, k, v, causal: bool, beta: float = 1.0, power: float = 2.0, pingpong: bool = False):
     """`launch_threshold` with its operands checked (ValueError naming what a call misses)."""
     check_operands(q, k, v, causal, "gluon threshold forward")
     if not (math.isfinite(float(power)) and power > 0):
         raise ValueError(f"gluon threshold forward: power must be > 0 and finite, got {power}")
     if not math.isfinite(float(beta)):
         raise ValueError(f"gluon threshold forward: beta must be finite, got {beta}")
-    return launch_threshold(q, k, v, causal, beta, power)
+    return launch_threshold(q, k, v, causal, beta, power, pingpong)
 
 
-def gluon_sigmoid_forward(q, k, v, causal: bool, sm_scale: float, bias: float | None = None, newton: int | None = None):
+def gluon_sigmoid_forward(q, k, v, causal: bool, sm_scale: float, bias: float | None = None, newton: int | None = None,
+                          pingpong: bool = False):
     """`launch_sigmoid` with its operands checked (ValueError naming what a call misses)."""
     check_operands(q, k, v, causal, "gluon sigmoid forward")
     if not math.isfinite(float(sm_scale)):
@@ -299,16 +330,17 @@ def gluon_sigmoid_forward(q, k, v, causal: bool, sm_scale: float, bias: float | 
         raise ValueError(f"gluon sigmoid forward: bias must be finite or None, got {bias}")
     if newton is not None and newton not in (0, 1, 2, 3):
         raise ValueError(f"gluon sigmoid forward: newton must be None or one of 0, 1, 2, 3, got {newton!r}")
-    return launch_sigmoid(q, k, v, causal, sm_scale, bias, newton)
+    return launch_sigmoid(q, k, v, causal, sm_scale, bias, newton, pingpong)
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
-                 weight: int = 1, power: float = 2.0, has_bias: bool = False, newton: int = SIGMOID_NEWTON_STEPS):
+                 weight: int = 1, power: float = 2.0, has_bias: bool = False, newton: int = SIGMOID_NEWTON_STEPS,
+                 pingpong: bool = False):
     """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
     signature = {"O": f"*{dtype}", "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
                  "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "score_scale": "fp32",
                  "row_param": "fp32", "power": "fp32", "WEIGHT": "constexpr", "POWER_MODE": "constexpr",
-                 "HAS_BIAS": "constexpr", "NEWTON": "constexpr", "CAUSAL": "constexpr"}
+                 "HAS_BIAS": "constexpr", "NEWTON": "constexpr", "CAUSAL": "constexpr", "PINGPONG": "constexpr"}
     constexprs = {"WEIGHT": weight, "POWER_MODE": power_mode(power), "HAS_BIAS": has_bias,
-                  "NEWTON": newton if weight == 2 else 0, "CAUSAL": causal}
+                  "NEWTON": newton if weight == 2 else 0, "CAUSAL": causal, "PINGPONG": bool(pingpong)}
     return compile_kernel(_gluon_weighted_fwd_kernel, head_dim, dtype, signature, constexprs, ("O",), arch)

@@ -11,12 +11,13 @@ possible, because at training shapes a call's host work can exceed its GPU time:
 * config: a pinned one (`ATTNLAB_AUTOTUNE=0`: the first candidate, or `ATTNLAB_KERNEL_CONFIG=i`:
   the i-th); otherwise the fastest candidate, timed once per key at its first launch and
   remembered (one dict lookup per launch after that).
-* launch: the compiled kernel of one specialization (Triton specializes on integer values, pointer
-  alignment and dtypes, so those form the key) is remembered after its first launch through
-  Triton's JIT; later launches call its launcher directly, skipping the JIT's argument binding and
-  cache-key work. `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the yardstick the
-  GPU check compares the direct path against). Tuning and first launches time and compile: they
-  belong in warm-up steps, never inside a CUDA-graph capture.
+* launch (`DirectLauncher`, the portable kernels' and the Gluon kernels' alike): the compiled kernel
+  of one specialization (integer values, pointer alignment, dtypes, TMA descriptors' dtype, block
+  shape and layout, constexprs) is remembered after its first launch through Triton's JIT; later
+  launches call its launcher directly, skipping the JIT's argument binding and cache-key work.
+  `ATTNLAB_DIRECT_LAUNCH=0` sends every launch through the JIT (the yardstick the GPU checks
+  compare the direct path against). Tuning and first launches time and compile: they belong in
+  warm-up steps, never inside a CUDA-graph capture.
 * plans: a family's entry keeps, per call signature (shapes, strides, dtypes, flags, scalars and
   the launch settings), everything its launches derive from it (`LaunchPlans`), so a repeated call
   allocates its outputs and launches without recomputing configs, keys or scalars.
@@ -62,6 +63,12 @@ class TileConfig:
 
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+    @functools.cached_property
+    def launch_options(self) -> dict:
+        """The config's keyword arguments of a launch (tile constexprs and Triton's options), one dict per
+        config, read and never changed (a launch passes it without building one)."""
+        return {**self.meta(), "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def __str__(self) -> str:
         return f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} warps={self.num_warps} stages={self.num_stages}"
@@ -405,17 +412,97 @@ def median_ms(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+class DirectLauncher:
+    """Launches of one @triton.jit or @gluon.jit kernel (both tiers' kernels launch through one): the first
+    launch of a specialization goes through Triton's JIT (compiling if needed) and remembers what its
+    compiled launcher takes; later launches of that specialization call the launcher directly with the
+    arguments the JIT would pass, skipping its argument binding and cache-key work.
+
+    `run(grid, descriptors, tensors, scalars, constexprs, options)` launches
+    fn[grid](*descriptors, *tensors, *scalars, **constexprs, **options): the kernel's parameters are its
+    TMA descriptors (Gluon's `TensorDescriptor`, which Triton's launcher turns into CUtensorMaps itself),
+    its tensors, its scalars (ints, floats), then constexprs (given by name, or their defaults). The
+    keyword arguments come as two dicts, constexprs and options (Triton's num_warps, num_stages, and
+    any constexprs a caller keeps beside them, as a TileConfig's tiles), so that callers pass dicts they
+    keep rather than build one per launch; neither is changed. ATTNLAB_DIRECT_LAUNCH=0 sends every
+    launch through the JIT; so does the interpreter, and a Triton whose compiled kernels lack the
+    fields a direct launch reads."""
+
+    def __init__(self, fn, name: str):
+        self.fn = fn
+        self.name = name
+        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs, hooks)
+        self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
+
+    def run(self, grid: tuple, descriptors: tuple, tensors: tuple, scalars: tuple, constexprs: dict,
+            options: dict) -> None:
+        if self._no_direct or interpreting() or not _direct_launches():
+            self.fn[grid](*descriptors, *tensors, *scalars, **constexprs, **options)
+            return
+        device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check
+        # what Triton compiles a launch for, at least as finely as Triton's own key: the device; scalars by
+        # value and type (Triton specializes integers on their value being 1, their 16-divisibility and
+        # width, and types ints, floats and bools apart, which values alone would equate: 1 == 1.0 == True);
+        # the keyword arguments by name and value; tensors by dtype and 16-byte alignment of their address;
+        # TMA descriptors by their base's dtype, block shape and shared-memory layout (Triton's type
+        # `tensordesc<dtype[block],layout>`; their address, shape and strides are launch arguments). One
+        # flat tuple (the parts are told apart by their types: names are str, tensors' dtypes torch.dtype)
+        key = (device, scalars, *map(type, scalars), *constexprs.items(), *options.items(),
+               *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+               *([(d.base.dtype, tuple(d.block_shape), d.layout) for d in descriptors] if descriptors else ()))
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._first_launch(key, grid, descriptors, tensors, scalars, constexprs, options)
+            return
+        launcher, function, metadata, trailing, hooks = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        args = (*descriptors, *tensors, *scalars, *trailing)
+        grid = (*grid, 1, 1)
+        if hooks is None:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+        else:
+            launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(args, grid, stream),
+                     hooks.enter, hooks.exit, *args)
+
+    def _first_launch(self, key, grid, descriptors, tensors, scalars, constexprs, options) -> None:
+        """Launch through Triton's JIT (compiling if needed) and remember what a direct launch needs: the
+        compiled launcher, and the values the JIT passes after the positional arguments (the constexprs in
+        the kernel's parameter order, defaults included; the launcher skips them by its signature)."""
+        positional = (*descriptors, *tensors, *scalars)
+        compiled = self.fn.run(*positional, grid=grid, warmup=False, **constexprs, **options)
+        try:
+            from triton import knobs
+
+            given = {**constexprs, **options}
+            trailing = tuple(given[name] if name in given else self._default(name)
+                             for name in self.fn.arg_names[len(positional):])
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, trailing, _hooks(compiled, knobs))
+        except (ImportError, AttributeError, KeyError):  # another Triton's internals: keep the JIT path
+            self._no_direct = True
+            return
+        if len(self._compiled) > 1024:  # shapes that keep changing (evaluation sweeps): start over
+            self._compiled.clear()
+        self._compiled[key] = entry
+
+    def _default(self, name: str):
+        """The default of parameter `name`; KeyError where it has none (the call left it out)."""
+        param = self.fn.params[self.fn.arg_names.index(name)]
+        if not param.has_default:
+            raise KeyError(name)
+        return param.default
+
+
 class Kernel:
     """A @triton.jit kernel whose parameters are its tensors, then its scalars, then its constexprs
-    (`meta`, then the config's BLOCK_M / BLOCK_N): `launch(grid, tensors, scalars, meta, ...)`."""
+    (`meta`, then the config's BLOCK_M / BLOCK_N): `launch(grid, tensors, scalars, meta, ...)`, started
+    through a `DirectLauncher`."""
 
     def __init__(self, fn, name: str):
         self.fn = fn
         self.name = name
         self.tuned: dict[tuple, TileConfig] = {}  # tuning key -> chosen config
         self.timings: dict[tuple, dict[TileConfig, float]] = {}  # tuning key -> ms per candidate
-        self._compiled: dict[tuple, tuple] = {}  # specialization -> (launcher, function, metadata, constexprs, hooks)
-        self._no_direct = False  # this Triton's compiled kernels lack the fields a direct launch needs
+        self.launcher = DirectLauncher(fn, name)
 
     def launch(self, grid: Callable[[TileConfig], tuple], tensors: tuple, scalars: tuple, meta: dict,
                configs: list[TileConfig], tune_key: tuple) -> TileConfig:
@@ -461,42 +548,7 @@ class Kernel:
         return min(times, key=times.get)
 
     def run(self, cfg: TileConfig, grid: tuple, tensors: tuple, scalars: tuple, meta: dict) -> None:
-        if self._no_direct or interpreting() or not _direct_launches():
-            self.fn[grid](*tensors, *scalars, **meta, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            return
-        device = torch.cuda.current_device()
-        # what Triton specializes on: dtypes and 16-byte alignment of pointers, integer values
-        key = (cfg, device, scalars, *meta.values(), *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
-        entry = self._compiled.get(key)
-        if entry is None:
-            self._first_launch(key, cfg, grid, tensors, scalars, meta)
-            return
-        launcher, function, metadata, constexprs, hooks = entry
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        args = (*tensors, *scalars, *constexprs)
-        grid = (*grid, 1, 1)
-        if hooks is None:
-            launcher(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
-        else:
-            launcher(grid[0], grid[1], grid[2], stream, function, metadata, hooks.launch_metadata(args, grid, stream),
-                     hooks.enter, hooks.exit, *args)
-
-    def _first_launch(self, key, cfg, grid, tensors, scalars, meta) -> None:
-        """Launch through Triton's JIT (compiling if needed) and remember what a direct launch needs."""
-        options = {**meta, **cfg.meta(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        compiled = self.fn.run(*tensors, *scalars, grid=grid, warmup=False, **options)
-        try:
-            from triton import knobs
-
-            names = self.fn.arg_names[len(tensors) + len(scalars):]
-            constexprs = tuple(options[name] for name in names)
-            entry = (compiled.run, compiled.function, compiled.packed_metadata, constexprs, _hooks(compiled, knobs))
-        except (ImportError, AttributeError, KeyError):  # another Triton's internals: keep the JIT path
-            self._no_direct = True
-            return
-        if len(self._compiled) > 1024:  # shapes that keep changing (evaluation sweeps): start over
-            self._compiled.clear()
-        self._compiled[key] = entry
+        self.launcher.run(grid, (), tensors, scalars, meta, cfg.launch_options)
 
 
 def _hooks(compiled, knobs):

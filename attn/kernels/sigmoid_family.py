@@ -63,7 +63,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
+from attn.kernels.tiers import GLUON_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate, gluon_pingpong, tiered
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -506,8 +506,10 @@ def _forward_plan(q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p
     if not gluon_weighted_fwd.serves(q, k, v):
         return forward
 
+    pingpong = gluon_pingpong()
+
     def gluon_forward(q, k, v, bounds, seed, key_lengths):
-        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, bias)
+        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, bias, pingpong=pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
@@ -562,7 +564,7 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
     return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, bias is None), backward, gluon_backward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_SCHEDULE_ENV))
 # sigmoid forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
 # (attn/kernels/tiers.py)
 _TIERS = TierChoice("sigmoid_family_fwd")

@@ -48,7 +48,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiers import GLUON_ENV, GLUON_EXP2_ENV, TierChoice, gluon_candidate, gluon_exp2_degree, tiered
+from attn.kernels.tiers import (GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate,
+                                gluon_exp2_degree, gluon_pingpong, tiered)
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -779,16 +780,17 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
                                    and 2.0 * float(cap_value) * LOG2E <= 100.0 and fixed_shift_enabled()) else None
 
     exp2_poly = gluon_exp2_degree(q.dtype)
+    pingpong = gluon_pingpong()
 
     def gluon_forward(q, k, v, bounds, temperature, seed, key_lengths):
         return gluon_softmax_fwd.launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=qk_scale,
                                                 alsc_knee=alsc_a, shift=shift, temperature=temperature,
-                                                exp2_poly=exp2_poly)
+                                                exp2_poly=exp2_poly, pingpong=pingpong)
 
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV, GLUON_EXP2_ENV))
+_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV))
 # softmax-family forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
 # (attn/kernels/tiers.py)
 _TIERS = TierChoice("softmax_family_fwd")

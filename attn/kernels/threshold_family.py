@@ -58,7 +58,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import GLUON_ENV, TierChoice, gluon_candidate, tiered
+from attn.kernels.tiers import GLUON_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate, gluon_pingpong, tiered
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -588,8 +588,8 @@ def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
-    out.update(_TIERS.report())
-    out.update(_BWD_TIERS.report())
+    for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS):
+        out.update(choice.report())
     return out
 
 
@@ -632,9 +632,20 @@ def _stride_of(t: Optional[torch.Tensor]):
 
 
 def _signature(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p) -> tuple:
-    """What a call's launch plan follows from (LaunchPlans)."""
+    """What a call's launch plan follows from (LaunchPlans); the second view's dtypes decide whether a
+    Gluon kernel serves the call."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), _stride_of(q2), _stride_of(k2), _stride_of(lam),
-            q.dtype, q.device, bounds is not None, beta, power, causal, window, dropout_p)
+            q.dtype, None if q2 is None else (q2.dtype, k2.dtype), q.device, bounds is not None, beta, power, causal,
+            window, dropout_p)
+
+
+# lambda dtypes the Gluon differential kernels read; lambda of another float dtype goes to them as its
+# fp32 copy, the value the portable kernels read (they convert lambda to fp32 too)
+_GLUON_LAMBDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _gluon_lambda(lam: torch.Tensor) -> torch.Tensor:
+    return lam if lam.dtype in _GLUON_LAMBDA_DTYPES else lam.float()
 
 
 def _forward_impl(q, k, v, q2, k2, lam, bounds, beta, power, causal, window, dropout_p=0.0, seed=None,
@@ -705,23 +716,35 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
                                full_scalars, full_meta, configs, tune_key)
         return out
 
-    # the Gluon forward serves the one-map threshold without segments, key lengths, a window or dropout
-    if differential or has_bounds or has_lens or window or dropout_p or not gluon_candidate(q.device):
+    # the Gluon forwards serve calls without segments, key lengths, a window or dropout
+    if has_bounds or has_lens or window or dropout_p or not gluon_candidate(q.device):
         return forward
+    if differential:
+        from attn.kernels import gluon_diff_fwd
+
+        if not (gluon_diff_fwd.serves(q, k, v) and gluon_diff_fwd.serves(q2, k2, v)):
+            return forward
+
+        def gluon_diff_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+            return gluon_diff_fwd.launch_diff_threshold(q, k, v, q2, k2, _gluon_lambda(lam), causal, beta, power)
+        return tiered(_DIFF_TIERS, (*tune_key, float(power)), forward, gluon_diff_forward)
     from attn.kernels import gluon_weighted_fwd
 
     if not gluon_weighted_fwd.serves(q, k, v):
         return forward
 
+    pingpong = gluon_pingpong()
+
     def gluon_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
-        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power)
+        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power, pingpong=pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV,))
-# one-map threshold forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
-# (attn/kernels/tiers.py)
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_SCHEDULE_ENV))
+# forwards on sm_90 that a Gluon kernel serves: the portable kernel or the Gluon one (attn/kernels/tiers.py),
+# chosen per tuning key for the one-map threshold and for the differential threshold
 _TIERS = TierChoice("threshold_family_fwd")
+_DIFF_TIERS = TierChoice("diff_threshold_fwd")
 
 
 def _dkdv_diff(dkdv, key) -> None:
@@ -819,9 +842,21 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
         return dq, dk, dv, dq2, dk2, dlam
 
-    # the Gluon backward serves the one-map threshold without segments, a window or dropout
-    if differential or has_bounds or window or dropout_p or empty or kv_len < n or not gluon_candidate(q.device):
+    # the Gluon backwards serve calls without segments, a window or dropout, with at least as many keys as queries
+    if has_bounds or window or dropout_p or empty or kv_len < n or not gluon_candidate(q.device):
         return backward
+    tier_key = (q.dtype, *buckets, group, d, causal, float(power))
+    if differential:
+        from attn.kernels import gluon_diff_bwd
+
+        if not (gluon_diff_bwd.serves(q, k, v) and gluon_diff_bwd.serves(q2, k2, v)):
+            return backward
+
+        def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+            *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(q, k, v, q2, k2, _gluon_lambda(lam), dout,
+                                                                         causal, beta, power)
+            return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
+        return tiered(_DIFF_BWD_TIERS, tier_key, backward, gluon_diff_backward)
     from attn.kernels import gluon_weighted_bwd
 
     if not gluon_weighted_bwd.serves(q, k, v):
@@ -829,12 +864,14 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
 
     def gluon_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
         return gluon_weighted_bwd.launch_threshold_backward(q, k, v, dout, causal, beta, power)
-    return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, float(power)), backward, gluon_backward)
+    return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
 _BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV,))
-# one-map threshold backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
+# backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones, chosen per tuning
+# key for the one-map threshold and for the differential threshold
 _BWD_TIERS = TierChoice("threshold_family_bwd")
+_DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 
 
 # ----------------------------------------------------------------------------------------

@@ -46,6 +46,22 @@ def gluon_exp2_degree(dtype: torch.dtype) -> int:
     return {"mufu": 0, "poly": degree, "half": -degree}[raw]
 
 
+GLUON_SCHEDULE_ENV = "ATTNLAB_GLUON_SCHEDULE"
+GLUON_SCHEDULES = ("unordered", "pingpong")
+
+
+def gluon_pingpong() -> bool:
+    """Whether the Gluon forwards (softmax family, threshold, sigmoid) run their two consumer warpgroups in
+    ping-pong, by ATTNLAB_GLUON_SCHEDULE: `unordered` (default) leaves them unsynchronised with each other;
+    `pingpong` makes them take turns at issuing their wgmmas (FlashAttention-3's ordering, named barriers:
+    attn/kernels/gluon_pipeline.py). Not yet measured on a GPU (docs/gluon.md), hence opt-in. A
+    ValueError naming the variable otherwise."""
+    raw = setting(GLUON_SCHEDULE_ENV, "unordered")
+    if raw not in GLUON_SCHEDULES:
+        raise ValueError(f"{GLUON_SCHEDULE_ENV} must be one of {GLUON_SCHEDULES}, got {raw!r}")
+    return raw == "pingpong"
+
+
 def gluon_mode() -> str:
     """ATTNLAB_GLUON's value (GLUON_DEFAULT when unset); a ValueError naming the variable for anything else."""
     raw = setting(GLUON_ENV, GLUON_DEFAULT)

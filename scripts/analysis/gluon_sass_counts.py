@@ -15,6 +15,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_one_pass bwd_dkdv_one_pass_tanh  # dQ in the dK / dV kernel
     python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
+    python scripts/analysis/gluon_sass_counts.py --variant tanh tanh_pingpong sigmoid_pingpong  # consumers in ping-pong
     python scripts/analysis/gluon_sass_counts.py --variant diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq  # its backward
 
 Each consumer warpgroup (64 query rows, 4 warps) runs an unmasked loop (key blocks every row sees) and
@@ -39,8 +40,10 @@ both views' scores together. The differential backward (attn/kernels/gluon_diff_
 diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is the key-block
 launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both on 32-row
 query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dq the query-block dQ / dQ2 /
-d-lambda kernel; their per_score counts per (query, key) position as well. `loop_spills` counts local-memory
-instructions inside the counted loop, `spills` those of the whole kernel.
+d-lambda kernel; their per_score counts per (query, key) position as well. The forwards' <form>_pingpong
+variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
+BAR.SYNC and one BAR.ARV more, counted as sync). `loop_spills` counts local-memory instructions inside the
+counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
@@ -91,6 +94,27 @@ def load_kernel_module(path: Path = KERNEL):
 
 
 
+TURN_EVENTS = [  # (event, instruction pattern): gluon_pipeline's ping-pong as it reads in the SASS
+    ("wait14", re.compile(r"^BAR\.SYNC(\.\S+)? 0xe, 0x100$")), ("wait15", re.compile(r"^BAR\.SYNC(\.\S+)? 0xf, 0x100$")),
+    ("pass14", re.compile(r"^BAR\.ARV 0xe, 0x100$")), ("pass15", re.compile(r"^BAR\.ARV 0xf, 0x100$")),
+    ("issue", re.compile(r"^WARPGROUP\.ARRIVE")), ("retire", re.compile(r"^WARPGROUP\.DEPBAR")),
+    ("ring_wait", re.compile(r"^SYNCS\.PHASECHK")), ("exit", re.compile(r"^EXIT")),
+]
+
+
+def turn_events(instrs: list[tuple[int, str]]) -> list[str]:
+    """The kernel's SASS in address order reduced to the events of the consumers' ping-pong: waitN / passN
+    (BAR.SYNC / BAR.ARV on named barrier N for 256 threads), issue (WARPGROUP.ARRIVE: a wgmma issue
+    starts), retire (WARPGROUP.DEPBAR: a wgmma wait), ring_wait (an mbarrier wait of the K / V ring),
+    exit."""
+    events = []
+    for _, ins in instrs:
+        event = next((name for name, pattern in TURN_EVENTS if pattern.match(ins)), None)
+        if event is not None:
+            events.append(event)
+    return events
+
+
 def is_masked(body: list[str], scores_per_thread: int = 64) -> bool:
     """The masked loop compares each score's key with the row's last key (ISETP per score pair or
     more; the unmasked loop has a few, for the loop itself)."""
@@ -126,6 +150,10 @@ VARIANTS = {"softmax": dict(cap=0), "temperature": dict(cap=0, has_temp=True),
             "softmax_poly_exp2": dict(cap=0, exp2_poly=3), "soft_sign_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=3),
             "soft_sign_half_poly_exp2": dict(cap=2, fixed_shift=True, exp2_poly=-3),
             "alsc_half_poly_exp2": dict(cap=3, fixed_shift=True, exp2_poly=-3)}
+# the forwards with the two consumer warpgroups in ping-pong (compile_sm90's pingpong): <form>_pingpong
+PINGPONG_FORMS = ("softmax", "temperature", "tanh", "tanh_online", "soft_sign", "alsc", "alsc_temperature",
+                  "threshold", "threshold_p1", "threshold_p1.5", "sigmoid")
+VARIANTS.update({f"{form}_pingpong": {**VARIANTS[form], "pingpong": True} for form in PINGPONG_FORMS})
 WEIGHTED = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_fwd.py"
 # the softmax backward's kernels (gluon_softmax_bwd.compile_sm90's kernel, cap, has_temp, need_dt)
 VARIANTS.update({"bwd_dkdv": dict(kernel="dkdv"), "bwd_dq": dict(kernel="dq")})
@@ -233,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", nargs="+", choices=list(VARIANTS), default=["softmax"])
     ap.add_argument("--sass", type=Path, help="a folder: write each counted loop body there")
     ap.add_argument("--kernel", type=Path, default=KERNEL, help="another version of the kernel file (before/after)")
+    ap.add_argument("--turns", action="store_true",
+                    help="also print each kernel's ping-pong events in SASS order (turn_events)")
     args = ap.parse_args(argv)
     module = load_kernel_module(args.kernel)
     from attn.kernels.gluon_pipeline import gluon_api_available
@@ -247,6 +277,14 @@ def main(argv=None) -> int:
     rows = [row for variant in args.variant for d in args.head_dim for c in args.causal
             for row in count(others.get(kernel_file(variant), module), d, bool(c), args.dtype, args.sass, variant)]
     print(markdown_table(rows, COLUMNS))
+    if args.turns:
+        for variant in args.variant:
+            kernel_module = others.get(kernel_file(variant), module)
+            for d in args.head_dim:
+                for c in args.causal:
+                    compiled = kernel_module.compile_sm90(d, args.dtype, bool(c), **VARIANTS[variant])
+                    events = turn_events(parse_sass(cuobjdump(compiled.asm["cubin"], "-sass")))
+                    print(f"\n{variant} D={d} {'causal' if c else 'full'}: {' '.join(events)}")
     return 0
 
 

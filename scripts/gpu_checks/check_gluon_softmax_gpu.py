@@ -11,9 +11,9 @@
    public function as it chooses its tier (ATTNLAB_GLUON=auto) at the SHAPES below, bf16; then every
    softmax-family variant (caps, temperature), threshold and sigmoid through the public function on
    either tier against SDPA, forward and forward + backward (their correctness through the public
-   function: tests/test_gluon_gpu.py); the differential threshold through the public function (portable)
-   and its Gluon forward called directly (attn/kernels/gluon_diff_fwd.py, not behind the public function;
-   forward only; correctness: tests/test_gluon_diff_fwd_gpu.py).
+   function: tests/test_gluon_gpu.py), the differential threshold included (attn/kernels/gluon_diff_fwd.py,
+   gluon_diff_bwd.py); the Gluon forwards also with their two consumer warpgroups in
+   ping-pong (ATTNLAB_GLUON_SCHEDULE=pingpong: `gluon_pingpong` columns, forward only).
 
 `--kernel NAME=PATH` (repeatable) adds another version of the kernel file (loaded by its path) to both
 steps, beside the current one (A/B of a schedule change in one process).
@@ -157,6 +157,11 @@ def with_exp2(form: str, fn):
     return with_env("ATTNLAB_GLUON_EXP2", form, fn)
 
 
+def with_schedule(schedule: str, fn):
+    """fn() with ATTNLAB_GLUON_SCHEDULE=schedule (the Gluon forwards' consumer order, attn/kernels/tiers.py)."""
+    return with_env("ATTNLAB_GLUON_SCHEDULE", schedule, fn)
+
+
 SHAPES = [(4, 16, 4096, 128, True), (2, 16, 8192, 128, True), (4, 16, 4096, 128, False), (8, 16, 1024, 64, True),
           (16, 12, 1024, 64, True)]
 
@@ -214,10 +219,17 @@ def time_shapes(kernels: dict, results):
 # forward (ATTNLAB_GLUON=0) and the Gluon forward (ATTNLAB_GLUON=1); forward, and forward + backward
 VARIANT_SHAPES = [(4, 16, 4096, 128), (16, 12, 1024, 64)]
 VARIANTS = [("softmax", {}, False), ("softmax", {}, True), ("softcap_tanh", {}, False), ("softcap_softsign", {}, False),
-            ("alsc", {}, False), ("threshold", {}, False), ("sigmoid", {}, False), ("diff_threshold", {}, False)]
+            ("alsc", {}, False), ("threshold", {}, False), ("threshold", {"power": 1.5}, False), ("sigmoid", {}, False),
+            ("diff_threshold", {}, False)]
 
 
-def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
+def variant_label(name, params, tempered):
+    """A row's name: the variant, its non-default parameters, "+ temperature"."""
+    label = name + "".join(f" {key}={value}" for key, value in params.items())
+    return label + (" + temperature" if tempered else "")
+
+
+def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), only=None, exp2_forms=False):
     import torch.nn.functional as F
 
     import attn
@@ -233,10 +245,13 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
         def sdpa():
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
         for name, params, tempered in VARIANTS:
+            label = variant_label(name, params, tempered)
+            if only is not None and label not in only:
+                continue
             spec = attn.get_variant(name).make_spec(**params)
             t = temperature if tempered else None
             extra = None
-            if spec.differential:  # the second view and per-head lambdas
+            if getattr(spec, "differential", False):  # the second view and per-head lambdas
                 extra = {"q2": torch.randn_like(q.detach()), "k2": torch.randn_like(k.detach()),
                          "lam": torch.full((h,), 0.5, device="cuda")}
 
@@ -244,20 +259,17 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd")):
                 return lambda: with_gluon(mode, lambda: attn.attention(q, k, v, spec, causal=True, temperature=t,
                                                                       extra=extra, backend="triton"))
             impls = {"sdpa": (sdpa, dot), "portable": (ours("0"), do), "gluon": (ours("1"), do)}
-            if spec.differential:  # the Gluon forward is not behind the public function: called directly
-                from attn.kernels.gluon_diff_fwd import launch_diff_threshold
-
-                impls["gluon"] = (lambda: launch_diff_threshold(q, k, v, extra["q2"], extra["k2"], extra["lam"], True,
-                                                                float(spec.beta), float(spec.power)), None)
-            if name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered):
+            if exp2_forms and (name.startswith(("softcap", "alsc")) or (name == "softmax" and not tempered)):
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
                     impls[f"gluon_exp2_{form}"] = (lambda form=form: with_exp2(form, ours("1")), None)
+            if not getattr(spec, "differential", False):
+                # the two consumer warpgroups in ping-pong (ATTNLAB_GLUON_SCHEDULE; forward only)
+                impls["gluon_pingpong"] = (lambda: with_schedule("pingpong", ours("1")), None)
             if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
                 from attn.kernels.gluon_weighted_fwd import gluon_sigmoid_forward
 
                 impls["gluon_newton2"] = (lambda: gluon_sigmoid_forward(q, k, v, True, d ** -0.5, None, newton=2), None)
-            label = name + (" + temperature" if tempered else "")
             for pass_name in passes:
                 times = {}
                 for impl, (fn, grad) in impls.items():
@@ -294,6 +306,10 @@ def main() -> int:
     ap.add_argument("--variants-only", action="store_true",
                     help="only the per-variant timing at the first variant shape (no checks, no shape table)")
     ap.add_argument("--passes", default="fwd", help="with --variants-only: comma list of fwd, fwd+bwd")
+    ap.add_argument("--only", default=None, help="with --variants-only: comma list of row names to time (default all): "
+                    + ", ".join(variant_label(*v) for v in VARIANTS))
+    ap.add_argument("--exp2-forms", action="store_true",
+                    help="with --variants-only: also the polynomial exp2 forms (ATTNLAB_GLUON_EXP2=poly, half; slower than MUFU)")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=PATH",
                     help="another version of the kernel file to check and time beside the current one")
     args = ap.parse_args()
@@ -320,7 +336,12 @@ def main() -> int:
         passes = tuple(args.passes.split(","))
         if not set(passes) <= {"fwd", "fwd+bwd"}:
             raise SystemExit(f"--passes must be a comma list of fwd, fwd+bwd, got {args.passes!r}")
-        time_variants(results, VARIANT_SHAPES[:1], passes)
+        only = None if args.only is None else set(args.only.split(","))
+        unknown = (only or set()) - {variant_label(*v) for v in VARIANTS}
+        if unknown:
+            raise SystemExit(f"--only: unknown rows {sorted(unknown)}; the rows are "
+                             + ", ".join(variant_label(*v) for v in VARIANTS))
+        time_variants(results, VARIANT_SHAPES[:1], passes, only, args.exp2_forms)
         (args.out / "gluon_softmax.json").write_text(json.dumps(results, indent=1, default=str))
         return 0
     kernels = {"gluon_sm90": gluon_softmax_forward}
