@@ -229,6 +229,10 @@ def variant_label(name, params, tempered):
     return label + (" + temperature" if tempered else "")
 
 
+# the ATTNLAB_GLUON value each tier column runs its forward and its backward under
+TIER_MODES = {"portable": "0", "gluon": "1"}
+
+
 def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), only=None, exp2_forms=False):
     import torch.nn.functional as F
 
@@ -280,7 +284,10 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
                             with torch.no_grad():
                                 times[impl] = median_ms(fn, warmup=50, rep=300)
                         else:
-                            times[impl] = median_ms(lambda fn=fn, grad=grad: fn().backward(grad), warmup=20, rep=200)
+                            step = lambda fn=fn, grad=grad: fn().backward(grad)  # noqa: E731
+                            if impl in TIER_MODES:  # the backward on the forward's tier too
+                                step = lambda step=step, mode=TIER_MODES[impl]: with_gluon(mode, step)  # noqa: E731
+                            times[impl] = median_ms(step, warmup=20, rep=200)
                     except Exception as exc:  # report and go on
                         times[impl] = float("nan")
                         print(f"{label} {impl} {pass_name}: {type(exc).__name__}: {exc}"[:500])
