@@ -367,6 +367,32 @@ def test_the_backward_plans_read_the_switch():
         assert tiers.GLUON_ENV in family._BWD_PLANS.settings
 
 
+def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):
+    """Under ATTNLAB_GLUON=auto the softmax backward's tier timing is keyed by ATTNLAB_GLUON_DQ as well:
+    switching the dq form times the tiers again (each form's Gluon kernels are other kernels), and the
+    backward plans are rebuilt when the switch changes."""
+    import attn
+    from attn.kernels import gluon_softmax_bwd, softmax_family
+
+    assert tiers.GLUON_DQ_ENV in softmax_family._BWD_PLANS.settings
+    monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(gluon_softmax_bwd, "serves", lambda q, k, v: True)
+    for name in ("_TIERS", "_BWD_TIERS"):
+        monkeypatch.setattr(softmax_family, name, tiers.TierChoice(getattr(softmax_family, name).name))
+    timed = iter([2.0, 1.0] * 3)  # portable, then gluon, per timed key: gluon wins
+    monkeypatch.setattr(runtime, "median_ms", lambda fn: next(timed))
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward",
+                        lambda q, k, v, *args, **named: (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    spec = attn.get_variant("softmax").make_spec()
+    for form in ("separate", "one_pass", "separate"):
+        monkeypatch.setenv(tiers.GLUON_DQ_ENV, form)
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        attn.attention(q, k, v, spec, causal=True, backend="triton").sum().backward()
+    assert sorted(key[-1] for key in softmax_family._BWD_TIERS.chosen) == ["one_pass", "separate"]
+    assert set(softmax_family._BWD_TIERS.chosen.values()) == {"gluon"}
+
+
 @pytest.mark.parametrize("lam_dtype,strided", [(torch.float64, False), (torch.bfloat16, False), (torch.float32, True)],
                          ids=["float64", "bfloat16", "float32-strided"])
 def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype, strided, gluon_offered,

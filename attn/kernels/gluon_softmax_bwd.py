@@ -98,7 +98,6 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from attn.kernels.env import setting
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
@@ -128,6 +127,8 @@ from attn.kernels.gluon_pipeline import (
 )
 from attn.kernels.gluon_softmax_fwd import _rcp, _tanh
 from attn.kernels.runtime import DirectLauncher, cdiv
+from attn.kernels.tiers import GLUON_DQ_ENV as DQ_FORM_ENV  # noqa: F401 (the tests' and checks' name)
+from attn.kernels.tiers import gluon_dq_form as dq_form
 
 try:  # Triton 3.6's Gluon builtin decorator and the TMA reduce kinds (gluon_pipeline checks the API)
     from triton._C.libtriton import ir as _ir
@@ -140,21 +141,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 DELTA_BLOCK_M = 64  # rows per program of the delta kernel
 CAST_BLOCK = 4096  # elements per program of the one-pass form's dq scale-and-cast kernel
-DQ_FORM_ENV = "ATTNLAB_GLUON_DQ"
-DQ_FORMS = ("separate", "one_pass")
-DQ_FORM_DEFAULT = "separate"
-
-
-def dq_form() -> str:
-    """How the Gluon backward gets dq, by ATTNLAB_GLUON_DQ (DQ_FORM_DEFAULT when unset): "separate" (the
-    query-block dQ kernel) or "one_pass" (the key-block kernel adds each tile's dS K to an fp32 dq by TMA
-    reduce-add). A ValueError naming the variable for anything else."""
-    raw = setting(DQ_FORM_ENV, DQ_FORM_DEFAULT)
-    if raw not in DQ_FORMS:
-        raise ValueError(f"{DQ_FORM_ENV} must be one of {DQ_FORMS}, got {raw!r}")
-    return raw
-
-
 def dkdv_tile_config(head_dim: int) -> dict:
     """The key-block kernel's constexprs: BLOCK_N keys per program (64 per consumer warpgroup), BLOCK_M
     query rows per ring slot, STAGES slots of Q and dO. Shared memory: K and V 2 BLOCK_N D bytes each,
