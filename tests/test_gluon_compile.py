@@ -173,7 +173,9 @@ for name, (module, kwargs, variant) in requests.items():
     tile_width = counts.tile_width(modules[module], variant, kwargs["head_dim"]) if variant else None
     events = counts.turn_events(parse_sass(cuobjdump(compiled.asm["cubin"], "-sass"))) if turns else None
     out[name] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "loops": rows,
-                 "tile_width": tile_width, "turns": events}
+                 "tile_width": tile_width, "turns": events,
+                 "tensordesc_meta": getattr(compiled.metadata, "tensordesc_meta", None),
+                 "ttgir_reduces": compiled.asm["ttgir"].count("ttng.async_tma_reduce")}
 print(json.dumps(out))
 '''
 
@@ -335,6 +337,23 @@ def test_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_bloc
         assert row["hgmma"] == 2 * (head_dim // 16) + 2 * (width // 16) + block_n // 16, row
         assert row["mufu"] >= mufu_per_score * width // 2, row
         assert row["loop_spills"] <= ONE_PASS_LOOP_SPILLS.get((variant, head_dim, kind), 0), row
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+    """Each dQ reduce-add site's TMA messages, of the box the launcher encodes into the descriptor (the
+    compiled kernel's tensordesc metadata), cover the warpgroup's BLOCK_M x D / 2 staging tile exactly: a
+    box narrower than the device code's message step leaves dq columns unsummed."""
+    from attn.kernels.gluon_softmax_bwd import dq_accumulator_block
+
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    box = result["tensordesc_meta"][-1]["block_size"]  # dq_desc, the kernel's fifth descriptor
+    messages = result["ptx"].count("cp.reduce.async.bulk.tensor")
+    sites = result["ttgir_reduces"]
+    assert sites > 0 and messages % sites == 0
+    tile = dq_accumulator_block(head_dim)
+    assert box[0] == tile[0] and box[1] * (messages // sites) == tile[1], (box, messages, sites, tile)
 
 
 def test_one_pass_delta_and_cast_kernels_compile(compiled):

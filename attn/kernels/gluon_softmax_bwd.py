@@ -158,11 +158,11 @@ def dq_accumulator_block(head_dim: int) -> list[int]:
 
 def dq_staging_layout():
     """The shared layout of the one-pass form's fp32 dQ staging tile and of its TMA reduce descriptor:
-    a 32-byte swizzle (8 fp32 columns a box, so a 64 x 64 tile is 8 reduce messages, 2 per warp). The
-    warpgroup's 16 STS.64 of its wgmma accumulator then take one address register and no bank conflict
-    (8 rows of 32 bytes, 32 bytes apart); the 128-byte swizzle needs four address registers, which the
-    loops spilled at D = 128 (scripts/analysis/gluon_sass_counts.py)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)
+    unswizzled, so that one reduce message carries the whole BLOCK_M x D / 2 tile. Triton 3.6 lowers the
+    reduce-add to one message per tile whatever the swizzle, while its launcher encodes a swizzled
+    descriptor's box as the swizzle's width only (8 fp32 columns at 32 bytes, 32 at 128): with a swizzle
+    the reduce added a quarter of the columns (`tests/test_gluon_compile.py` checks the two agree)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def dq_tile_config(head_dim: int) -> dict:
