@@ -141,6 +141,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 DELTA_BLOCK_M = 64  # rows per program of the delta kernel
 CAST_BLOCK = 4096  # elements per program of the one-pass form's dq scale-and-cast kernel
+
+
 def dkdv_tile_config(head_dim: int) -> dict:
     """The key-block kernel's constexprs: BLOCK_N keys per program (64 per consumer warpgroup), BLOCK_M
     query rows per ring slot, STAGES slots of Q and dO. Shared memory: K and V 2 BLOCK_N D bytes each,
