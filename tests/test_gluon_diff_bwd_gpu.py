@@ -22,6 +22,7 @@ import torch
 import attn
 from attn.kernels import tiers
 from attn.testing import outputs_and_grads, rounding_sensitivity
+from gluon_diff_cases import CASES, FLOORS, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -31,46 +32,7 @@ pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_
               pytest.mark.usefixtures("first_tile_configs")]
 
 
-@pytest.fixture(autouse=True)
-def _portable_plans(monkeypatch):
-    """threshold_family's plans on the portable kernels (they offer the Gluon tier to these calls otherwise):
-    the tests call the Gluon kernels directly and compare with the portable ones."""
-    monkeypatch.setenv(tiers.GLUON_ENV, "0")
-
-
-FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
 GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
-
-# (B, N, KV, H, H_kv, D, causal, dtype)
-SHAPES = [
-    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
-    (2, 17, 17, 4, 2, 128, False, torch.float16),
-    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
-    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
-    (2, 333, 333, 8, 2, 64, True, torch.float16),
-    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),   # KV > N: every row sees the first KV - N keys
-    (1, 257, 600, 2, 1, 64, False, torch.float16),
-    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
-    (2, 190, 321, 8, 2, 128, False, torch.bfloat16),
-]
-
-# (spec parameters, shape)
-CASES = [
-    ({}, SHAPES[0]),
-    ({}, SHAPES[1]),
-    ({}, SHAPES[2]),
-    ({"power": 1.0}, SHAPES[1]),
-    ({"power": 1.0}, SHAPES[4]),
-    ({"power": 1.0}, SHAPES[8]),
-    ({"power": 1.5, "beta": 0.5}, SHAPES[4]),
-    ({"power": 1.5}, SHAPES[6]),
-    ({"power": 1.5}, SHAPES[7]),
-    ({"power": 3.0}, SHAPES[3]),
-    ({"beta": 0.25}, SHAPES[5]),  # low thresholds: dense rows
-    ({}, SHAPES[6]),
-    ({}, SHAPES[7]),
-    ({"power": 1.0, "beta": 0.5}, SHAPES[5]),
-]
 
 
 class _GluonDiffBackward(torch.autograd.Function):
@@ -102,33 +64,17 @@ class _GluonDiffBackward(torch.autograd.Function):
 
 
 def _inputs(shape, seed):
-    """float64 tensors on the GPU: unit-norm q, k, q2, k2 (cosine scores, as the threshold model feeds them:
-    thresholds that bind), v, per-head lambdas in [-0.5, 1.2], and the cotangent."""
-    b, n, kv, h, h_kv, d = shape[:6]
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-
-    def unit(*size):
-        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, dtype=torch.float64, generator=gen),
-                                             dim=-1)
-
-    tensors = {"q": unit(b, n, h, d), "k": unit(b, kv, h_kv, d),
-               "v": torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen),
-               "q2": unit(b, n, h, d), "k2": unit(b, kv, h_kv, d),
-               "lam": torch.rand(h, device=CUDA, dtype=torch.float64, generator=gen) * 1.7 - 0.5}
+    """The shared draw (`gluon_diff_cases.draw_inputs`) with lambda among the tensors, and the cotangent."""
+    tensors, lam, gen = draw_inputs(shape, seed)
+    b, n, _, h, _, d = shape[:6]
     do = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
-    return tensors, do
+    return {**tensors, "lam": lam}, do
 
 
 def _leaves(tensors, dtype):
     """Leaf copies in dtype; lam stays fp32 for 16-bit runs, as a model keeps it."""
     return {name: t.to(torch.float32 if name == "lam" and dtype != torch.float64 else dtype).requires_grad_()
             for name, t in tensors.items()}
-
-
-def _case_id(case):
-    params, c = case
-    extra = "".join(f"-{name}{value}" for name, value in params.items())
-    return f"diff{extra}-B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}"
 
 
 def _check(case, forward_tier, seed):
@@ -155,12 +101,12 @@ def _check(case, forward_tier, seed):
     return fused, ref64
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_gluon_differential_backward_after_the_portable_forward_is_within_the_rule(case, nan_poison):
     _check(case, "portable", seed=CASES.index(case))
 
 
-@pytest.mark.parametrize("case", CASES[::3], ids=[_case_id(c) for c in CASES[::3]])
+@pytest.mark.parametrize("case", CASES[::3], ids=[case_id(c) for c in CASES[::3]])
 def test_gluon_differential_backward_after_the_gluon_forward_is_within_the_rule(case, nan_poison):
     _check(case, "gluon", seed=100 + CASES.index(case))
 

@@ -19,6 +19,8 @@ import torch
 
 import attn
 from attn.kernels import tiers
+from gluon_diff_cases import (CASES, FLOORS, SHAPES, case_id, draw_inputs,  # noqa: F401 (autouse fixture)
+                              portable_plans)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -28,61 +30,9 @@ pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_
               pytest.mark.usefixtures("first_tile_configs")]
 
 
-@pytest.fixture(autouse=True)
-def _portable_plans(monkeypatch):
-    """threshold_family's plans on the portable kernels (they offer the Gluon tier to these calls otherwise):
-    the tests call the Gluon kernels directly and compare with the portable ones."""
-    monkeypatch.setenv(tiers.GLUON_ENV, "0")
-
-
-FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
-
-# (B, N, KV, H, H_kv, D, causal, dtype)
-SHAPES = [
-    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
-    (2, 17, 17, 4, 2, 128, False, torch.float16),
-    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
-    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
-    (2, 333, 333, 8, 2, 64, True, torch.float16),
-    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),   # KV > N: every row sees the first KV - N keys
-    (1, 257, 600, 2, 1, 64, False, torch.float16),
-    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
-    (2, 190, 321, 8, 2, 128, False, torch.bfloat16),
-]
-
-# (spec parameters, shape)
-CASES = [
-    ({}, SHAPES[0]),
-    ({}, SHAPES[1]),
-    ({}, SHAPES[2]),
-    ({"power": 1.0}, SHAPES[1]),
-    ({"power": 1.0}, SHAPES[4]),
-    ({"power": 1.0}, SHAPES[8]),
-    ({"power": 1.5, "beta": 0.5}, SHAPES[4]),
-    ({"power": 1.5}, SHAPES[6]),
-    ({"power": 1.5}, SHAPES[7]),
-    ({"power": 3.0}, SHAPES[3]),
-    ({"beta": 0.25}, SHAPES[5]),  # low thresholds: dense rows
-    ({}, SHAPES[6]),
-    ({}, SHAPES[7]),
-    ({"power": 1.0, "beta": 0.5}, SHAPES[5]),
-]
-
-
 def _inputs(shape, seed):
-    """float64 tensors on the GPU: unit-norm q, k, q2, k2 (cosine scores, as the threshold model feeds them:
-    thresholds that bind), v, and per-head lambdas in [-0.5, 1.2] (fp32, the parameter's dtype)."""
-    b, n, kv, h, h_kv, d = shape[:6]
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-
-    def unit(*size):
-        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, dtype=torch.float64, generator=gen),
-                                             dim=-1)
-
-    tensors = {"q": unit(b, n, h, d), "k": unit(b, kv, h_kv, d),
-               "v": torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen),
-               "q2": unit(b, n, h, d), "k2": unit(b, kv, h_kv, d)}
-    lam = torch.rand(h, device=CUDA, dtype=torch.float64, generator=gen) * 1.7 - 0.5
+    """The shared draw (`gluon_diff_cases.draw_inputs`), lambda in fp32 (the parameter's dtype)."""
+    tensors, lam, _ = draw_inputs(shape, seed)
     return tensors, lam.float()
 
 
@@ -101,13 +51,7 @@ def _gluon(tensors, lam, spec, causal, dtype):
                                         float(spec.power))
 
 
-def _case_id(case):
-    params, c = case
-    extra = "".join(f"-{name}{value}" for name, value in params.items())
-    return f"diff{extra}-B{c[0]}-N{c[1]}-KV{c[2]}-H{c[3]}/{c[4]}-D{c[5]}-{'causal' if c[6] else 'full'}-{str(c[7])[6:]}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_gluon_differential_forward_is_within_the_rule(case, nan_poison):
     params, shape = case
     causal, dtype = shape[6], shape[7]

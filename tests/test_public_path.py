@@ -66,6 +66,35 @@ def test_a_segment_mask_gives_what_the_ids_give(name, backend):
     torch.testing.assert_close(call(q, k, v, segment_ids=attn.segments(ids)), with_ids, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["softcap_tanh", "threshold", "sigmoid"])
+def test_a_segment_mask_launches_exactly_what_the_ids_launch(name, monkeypatch):
+    """fwd+bwd with `segments(ids)` runs the same kernels as with `segment_ids=ids`: names, grids, tensor
+    layouts, scalars, constexprs, tile configs and equal bounds values (the mask object saves host work
+    only; GPU time differences between the two are not its kernels')."""
+    from attn.kernels import runtime
+
+    launches = []
+
+    def record(self, cfg, grid, tensors, scalars, meta):
+        launches.append((self.name, tuple(grid), cfg, tuple(scalars), tuple(sorted(meta.items())),
+                         tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in tensors),
+                         [t.clone() for t in tensors if isinstance(t, torch.Tensor) and t.dtype == torch.int32]))
+
+    monkeypatch.setattr(runtime.Kernel, "run", record)
+    spec = attn.get_variant(name).make_spec()
+    q, k, v = (t.half().requires_grad_() for t in _qkv())
+    ids = random_segment_ids(2, 40, torch.Generator().manual_seed(3), min_history=5)
+    seen = {}
+    for label, mask in (("ids", ids), ("mask", attn.segments(ids))):
+        launches.clear()
+        attn.attention(q, k, v, spec, causal=False, segment_ids=mask, backend="triton").sum().backward()
+        seen[label] = list(launches)
+    assert len(seen["ids"]) >= 2  # a forward and a backward at least
+    for with_ids, with_mask in zip(seen["ids"], seen["mask"], strict=True):
+        assert with_ids[:6] == with_mask[:6]
+        assert all(torch.equal(a, b) for a, b in zip(with_ids[6], with_mask[6], strict=True))
+
+
 def test_a_segment_mask_of_another_batch_is_refused():
     spec = attn.get_variant("softmax").make_spec()
     q, k, v = _qkv()

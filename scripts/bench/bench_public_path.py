@@ -12,7 +12,7 @@ medians after warm-up:
   ranker    2048 history + 2048 candidates, softcap_tanh, (4,16,4096,128), fwd and fwd+bwd:
             segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
             the full mask, and FlexAttention compiled with the same mask and cap (its BlockMask built
-            once, outside the timing)
+            once, outside the timing); each round times them starting one row further on
   kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, softmax, softcap_tanh, threshold, sigmoid
             (on sm_90 each on the tier the call's first timing chose: the Gluon kernels' gate)
 
@@ -32,6 +32,7 @@ this GPU's; `--write-baseline` writes one from this run).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -121,6 +122,9 @@ def decode_rows() -> dict[str, float]:
     return rows
 
 
+_RANKER_ROUND = itertools.count()
+
+
 def ranker_rows() -> dict[str, float]:
     b, h, n, d = 4, 16, 4096, 128
     spec = attn.get_variant("softcap_tanh").make_spec(**PARAMS["softcap_tanh"])
@@ -139,7 +143,10 @@ def ranker_rows() -> dict[str, float]:
     if flex is not None:
         calls["flex"] = flex
     rows = {}
-    for name, (call, grad) in calls.items():
+    # each round starts at the next row: no row is always timed first or after the same neighbour
+    order = list(calls.items())
+    start = next(_RANKER_ROUND) % len(order)
+    for name, (call, grad) in order[start:] + order[:start]:
         call().backward(grad)
         with torch.no_grad():
             rows[f"ranker {name} fwd"] = median_ms(call)

@@ -252,10 +252,12 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
             label = variant_label(name, params, tempered)
             if only is not None and label not in only:
                 continue
-            spec = attn.get_variant(name).make_spec(**params)
+            variant = attn.get_variant(name)
+            spec = variant.make_spec(**params)
             t = temperature if tempered else None
+            two_views = variant.views == 2  # the differential threshold: a second q / k view, per-head lambdas
             extra = None
-            if getattr(spec, "differential", False):  # the second view and per-head lambdas
+            if two_views:
                 extra = {"q2": torch.randn_like(q.detach()), "k2": torch.randn_like(k.detach()),
                          "lam": torch.full((h,), 0.5, device="cuda")}
 
@@ -267,7 +269,7 @@ def time_variants(results, shapes=VARIANT_SHAPES, passes=("fwd", "fwd+bwd"), onl
                 # exp2 on the FMA pipes for every score / every other score (ATTNLAB_GLUON_EXP2; forward only)
                 for form in ("poly", "half"):
                     impls[f"gluon_exp2_{form}"] = (lambda form=form: with_exp2(form, ours("1")), None)
-            if not getattr(spec, "differential", False):
+            if not two_views:
                 # the two consumer warpgroups in ping-pong (ATTNLAB_GLUON_SCHEDULE; forward only)
                 impls["gluon_pingpong"] = (lambda: with_schedule("pingpong", ours("1")), None)
             if name == "sigmoid":  # the reciprocal by 2 Newton steps instead of MUFU.RCP (forward only)
