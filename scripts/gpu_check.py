@@ -21,7 +21,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             dq added by TMA reduce); Triton's Hopper warp specialization on a minimal attention loop
             (bench/probe_warp_specialize.py); the public function as users call it (bench/bench_public_path.py),
             failing on a regression against docs/results/baselines/<GPU>.json; where a public call's
-            time goes (bench/profile_public_call.py); the layer's norms against their plain forms
+            time goes (bench/profile_public_call.py); each forward's pipe use and stall reasons under Nsight
+            Compute (bench/profile_kernel_pipes.py); the layer's norms against their plain forms
             (bench/layer_norms.py)
   train     bench/bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
             variant against SDPA, the loop at `small` without torch.compile per variant (also in paired
@@ -145,6 +146,8 @@ PHASES: dict[str, list[Step]] = {
         # where a public call's time goes: host and GPU time, launches, host ops, cProfile per variant
         Step("profile_call", 200, (PY, "scripts/bench/profile_public_call.py", "--python",
                                    "--out", "{dir}/profile_public_call")),
+        # where each forward's GPU time goes: Nsight Compute's pipe use and stall reasons, beside cuDNN's kernel
+        Step("pipes", 240, (PY, "scripts/bench/profile_kernel_pipes.py", "--out", "{dir}/pipes")),
         # the attention layer's norms as the model computes them against their plain PyTorch forms
         Step("layer_norms", 60, (PY, "scripts/bench/layer_norms.py", "--out", "{dir}/layer_norms.json")),
         # the opt-in kernel options against the defaults, one process per case

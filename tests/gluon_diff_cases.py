@@ -1,29 +1,19 @@
 """The differential threshold's Gluon GPU tests' shared cases (tests/test_gluon_diff_fwd_gpu.py and
-test_gluon_diff_bwd_gpu.py): shapes, spec parameters, floors, case ids, the inputs' draw, and the fixture
-that keeps threshold_family's plans on the portable kernels while the tests call the Gluon ones directly."""
+test_gluon_diff_bwd_gpu.py): shapes (tests/gluon_cases.py's and one more), spec parameters, case ids, the
+inputs' draw, and the fixture that keeps threshold_family's plans on the portable kernels while the tests
+call the Gluon ones directly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import gluon_cases
 from attn.kernels import tiers
 
 CUDA = torch.device("cuda")
-FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
-
-# (B, N, KV, H, H_kv, D, causal, dtype)
-SHAPES = [
-    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
-    (2, 17, 17, 4, 2, 128, False, torch.float16),
-    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
-    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
-    (2, 333, 333, 8, 2, 64, True, torch.float16),
-    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),   # KV > N: every row sees the first KV - N keys
-    (1, 257, 600, 2, 1, 64, False, torch.float16),
-    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
-    (2, 190, 321, 8, 2, 128, False, torch.bfloat16),
-]
+# the shared matrix and one more: full mask, more keys than queries, GQA, D = 128
+SHAPES = [*gluon_cases.SHAPES, (2, 190, 321, 8, 2, 128, False, torch.bfloat16)]
 
 # (spec parameters, shape)
 CASES = [

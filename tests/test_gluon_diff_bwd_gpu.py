@@ -22,7 +22,8 @@ import torch
 import attn
 from attn.kernels import tiers
 from attn.testing import outputs_and_grads, rounding_sensitivity
-from gluon_diff_cases import CASES, FLOORS, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
+from gluon_cases import FLOORS
+from gluon_diff_cases import CASES, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")

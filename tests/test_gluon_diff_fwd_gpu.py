@@ -19,8 +19,8 @@ import torch
 
 import attn
 from attn.kernels import tiers
-from gluon_diff_cases import (CASES, FLOORS, SHAPES, case_id, draw_inputs,  # noqa: F401 (autouse fixture)
-                              portable_plans)
+from gluon_cases import FLOORS
+from gluon_diff_cases import CASES, SHAPES, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")

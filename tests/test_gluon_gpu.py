@@ -32,6 +32,7 @@ import torch
 import attn
 from attn.kernels import tiers
 from attn.testing import outputs_and_grads, rounding_sensitivity
+from gluon_diff_cases import draw_inputs
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -192,7 +193,6 @@ def test_the_bound_shift_and_the_online_softmax_agree(fixed_shift, monkeypatch):
     from attn.kernels import softmax_family as sf
 
     monkeypatch.setenv("ATTNLAB_FIXED_SHIFT", fixed_shift)
-    spec = attn.get_variant("softcap_tanh").make_spec(cap=5.0)
     gen = torch.Generator(device=CUDA).manual_seed(7)
     q, k, v = (torch.randn(2, 700, 4, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) * 2 for _ in range(3))
     outs = {}
@@ -321,21 +321,12 @@ DIFF_GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
 
 
 def _diff_inputs(case, seed):
-    """float64 tensors on the GPU: unit-norm q, k, q2, k2 (cosine scores, as the threshold model feeds them:
-    thresholds that bind), v, per-head lambdas of both signs, and the cotangent."""
-    b, n, kv, h, h_kv, d = case[:6]
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-
-    def unit(*size):
-        return torch.nn.functional.normalize(torch.randn(*size, device=CUDA, dtype=torch.float64, generator=gen),
-                                             dim=-1)
-
-    tensors = {"q": unit(b, n, h, d), "k": unit(b, kv, h_kv, d),
-               "v": torch.randn(b, kv, h_kv, d, device=CUDA, dtype=torch.float64, generator=gen),
-               "q2": unit(b, n, h, d), "k2": unit(b, kv, h_kv, d),
-               "lam": torch.rand(h, device=CUDA, dtype=torch.float64, generator=gen) * 1.7 - 0.5}
+    """The differential threshold's shared draw (`gluon_diff_cases.draw_inputs`) with lambda among the
+    tensors, and the cotangent."""
+    tensors, lam, gen = draw_inputs(case, seed)
+    b, n, _, h, _, d = case[:6]
     do = torch.randn(b, n, h, d, device=CUDA, dtype=torch.float64, generator=gen)
-    return tensors, do
+    return {**tensors, "lam": lam}, do
 
 
 def _diff_leaves(tensors, dtype):

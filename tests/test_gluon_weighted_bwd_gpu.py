@@ -24,6 +24,7 @@ import torch
 import attn
 from attn.kernels import tiers
 from attn.testing import outputs_and_grads, rounding_sensitivity
+from gluon_cases import FLOORS, SHAPES
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -31,19 +32,6 @@ CUDA = torch.device("cuda")
 pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and tiers.gluon_usable(CUDA)),
                                  reason="needs an sm_90 GPU and Triton's Gluon Hopper API"),
               pytest.mark.usefixtures("first_tile_configs")]
-FLOORS = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
-
-# (B, N, KV, H, H_kv, D, causal, dtype)
-SHAPES = [
-    (1, 1, 1, 2, 2, 64, True, torch.bfloat16),
-    (2, 17, 17, 4, 2, 128, False, torch.float16),
-    (2, 127, 127, 4, 1, 128, True, torch.bfloat16),
-    (1, 200, 200, 4, 4, 64, False, torch.bfloat16),
-    (2, 333, 333, 8, 2, 64, True, torch.float16),
-    (1, 100, 300, 4, 4, 128, True, torch.bfloat16),   # KV > N: every row sees the first KV - N keys
-    (1, 257, 600, 2, 1, 64, False, torch.float16),
-    (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16),
-]
 
 # (variant, spec parameters, shape)
 CASES = [

@@ -76,3 +76,17 @@ def test_a_profile_run_writes_its_table_or_the_sections_of_a_refusing_ncu(tmp_pa
         assert result["metrics"]["softmax"][TENSOR] == 53.86
         assert "| softmax | 586.37 | - | 53.86 |" in table  # ns -> us; no issue-slot metric given
         assert "stall wait" in table
+
+
+def test_stall_hot_spots_rank_instructions_and_opcodes_by_sampled_stalls():
+    page = "\n".join([
+        '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x10","MUFU.TANH R1, R2 ;","60","50"',
+        '"0x20","@P0 MUFU.EX2 R3, R1 ;","30","20"',
+        '"0x30","FFMA R4, R3, R5, R6 ;","10","5"',
+    ])
+    text = pipes.stall_hot_spots(page)
+    assert "100 samples" in text
+    assert text.index("`MUFU.TANH R1, R2 ;` | 60.0%") < text.index("`@P0 MUFU.EX2 R3, R1 ;` | 30.0%")
+    assert "| MUFU | 90.0% |" in text and "| FFMA | 10.0% |" in text  # a predicated op counts as its opcode
+    assert pipes.stall_hot_spots('"Address","Source"\n"0x10","NOP ;"').startswith("no stall-sampling column")

@@ -10,7 +10,9 @@ the last of them. `sdpa` is torch's scaled_dot_product_attention (cuDNN or flash
     python scripts/bench/profile_kernel_pipes.py --out $OUT/pipes [--variants sdpa,softmax,softcap_tanh]
 
 Writes <out>.json (every metric ncu returned, per variant) and <out>.md (the table), and each child's
-raw CSV beside them (<out>_<variant>.csv). Needs ncu on the PATH and a GPU whose counters it can read.
+raw CSV beside them (<out>_<variant>.csv); --source adds a kernel's SASS with sampled stalls per
+instruction (<out>_<variant>_source.csv) and its hot spots by instruction and opcode
+(<out>_<variant>_stalls.md). Needs ncu on the PATH and a GPU whose counters it can read.
 """
 
 from __future__ import annotations
@@ -142,15 +144,55 @@ def profile(variant: str, args, out: Path) -> dict:
     return metrics
 
 
+def stall_hot_spots(text: str, top: int = 15) -> str:
+    """From ncu's source page (CSV, one row per SASS instruction): the `top` instructions by sampled warp
+    stalls and the samples per opcode, as markdown; a note where the page has no stall-sampling column."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 2:
+        return "no source rows\n"
+    header = rows[0]
+    sampled = [i for i, name in enumerate(header) if "Stall Sampling" in name and "All" in name]
+    source = next((i for i, name in enumerate(header) if name == "Source"), None)
+    if not sampled or source is None:
+        return f"no stall-sampling column among {header}\n"
+    col = sampled[0]
+
+    def samples(row):
+        try:
+            return float(row[col].replace(",", ""))
+        except (ValueError, IndexError):
+            return 0.0
+
+    body = [r for r in rows[1:] if len(r) > max(col, source)]
+    total = sum(samples(r) for r in body) or 1.0
+    per_opcode: dict[str, float] = {}
+    for r in body:
+        opcode = r[source].split()[0].split(".")[0] if r[source].split() else "?"
+        if opcode.startswith("@"):  # a predicate guard: the opcode follows it
+            opcode = r[source].split()[1].split(".")[0] if len(r[source].split()) > 1 else "?"
+        per_opcode[opcode] = per_opcode.get(opcode, 0.0) + samples(r)
+    out = [f"{header[col]}: {total:.0f} samples", "", "| instruction | share |", "| --- | ---: |"]
+    for r in sorted(body, key=samples, reverse=True)[:top]:
+        out.append(f"| `{r[source].strip()}` | {samples(r) / total:.1%} |")
+    out += ["", "| opcode | share |", "| --- | ---: |"]
+    for opcode, value in sorted(per_opcode.items(), key=lambda kv: kv[1], reverse=True)[:top]:
+        out.append(f"| {opcode} | {value / total:.1%} |")
+    return "\n".join(out) + "\n"
+
+
 def profile_source(variant: str, args, out: Path) -> str:
-    """The kernel's SASS with sampled warp stalls per instruction (ncu's source page), raw, beside <out>."""
+    """The kernel's SASS with sampled warp stalls per instruction (ncu's source page): the raw CSV and its
+    hot spots (`stall_hot_spots`, markdown) beside <out>."""
     done = run_ncu(variant, args, ["--section", "SourceCounters", "--section", "WarpStateStats", "--page", "source",
                                    "--print-source", "sass", "--csv"])
     if done is None:
         return f"ncu ran past {args.timeout} s"
     path = Path(f"{out}_{variant}_source.csv")
     path.write_text(done.stdout + "\n# stderr\n" + done.stderr[-4000:])
-    return f"exit {done.returncode}, {path.name}"
+    Path(f"{out}_{variant}_stalls.md").write_text(f"# {variant}: sampled stalls per SASS instruction\n\n"
+                                                  + stall_hot_spots(done.stdout))
+    return f"exit {done.returncode}, {path.name}, {variant}_stalls.md"
 
 
 def table(results: dict) -> str:
