@@ -37,6 +37,7 @@ combine functions behind gl.sum and gl.max) into interpreter objects that a Gluo
 (a Triton cache warmed by an earlier compile outside pytest hides that).
 """
 
+import collections
 import json
 import os
 import re
@@ -175,7 +176,8 @@ for name, (module, kwargs, variant) in requests.items():
     out[name] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "loops": rows,
                  "tile_width": tile_width, "turns": events,
                  "tensordesc_meta": getattr(compiled.metadata, "tensordesc_meta", None),
-                 "ttgir_reduces": compiled.asm["ttgir"].count("ttng.async_tma_reduce")}
+                 "ttgir_reduces": [line.strip() for line in compiled.asm["ttgir"].splitlines()
+                                   if "ttng.async_tma_reduce" in line]}
 print(json.dumps(out))
 '''
 
@@ -342,18 +344,27 @@ def test_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_bloc
 @pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
                          ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
 def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, head_dim, causal, dtype):
-    """Each dQ reduce-add site's TMA messages, of the box the launcher encodes into the descriptor (the
-    compiled kernel's tensordesc metadata), cover the warpgroup's BLOCK_M x D / 2 staging tile exactly: a
-    box narrower than the device code's message step leaves dq columns unsummed."""
-    from attn.kernels.gluon_softmax_bwd import dq_accumulator_block
+    """Each dQ reduce-add is one TMA message of the box the launcher encodes into the descriptor (the
+    compiled kernel's tensordesc metadata), its source a subview of exactly that box, and each source
+    site's calls together cover the warpgroup's BLOCK_M x D / 2 staging tile: a box narrower than what a
+    message is meant to carry leaves dq columns unsummed."""
+    from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
 
     result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
     box = result["tensordesc_meta"][-1]["block_size"]  # dq_desc, the kernel's fifth descriptor
-    messages = result["ptx"].count("cp.reduce.async.bulk.tensor")
-    sites = result["ttgir_reduces"]
-    assert sites > 0 and messages % sites == 0
-    tile = dq_accumulator_block(head_dim)
-    assert box[0] == tile[0] and box[1] * (messages // sites) == tile[1], (box, messages, sites, tile)
+    reduces = result["ttgir_reduces"]
+    assert reduces and result["ptx"].count("cp.reduce.async.bulk.tensor") == len(reduces)
+    staging = [dkdv_tile_config(head_dim)["BLOCK_M"], head_dim // 2]
+    sites = collections.Counter()
+    for line in reduces:
+        # the source's type: its shape, then the allocation's (printed for a subview only)
+        source = re.search(r"!ttg\.memdesc<(\d+)x(\d+)xf32,[^>]*?(?:(\d+)x(\d+))?>", line)
+        assert source, line
+        rows, cols = int(source[1]), int(source[2])
+        tile_rows, tile_cols = (int(source[3]), int(source[4])) if source[3] else (rows, cols)
+        assert [rows, cols] == box and [tile_rows, tile_cols] == staging, (line, box, staging)
+        sites[re.search(r"loc\(#loc\d+\)", line).group()] += 1
+    assert all(calls * box[1] == staging[1] for calls in sites.values()), (sites, box, staging)
 
 
 def test_one_pass_delta_and_cast_kernels_compile(compiled):

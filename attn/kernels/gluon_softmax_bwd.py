@@ -152,19 +152,25 @@ def dkdv_tile_config(head_dim: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
 
 
+DQ_REDUCE_COLS = 32  # fp32 columns of a 128-byte swizzle row: the widest box one reduce message carries
+
+
 def dq_accumulator_block(head_dim: int) -> list[int]:
-    """The one-pass form's TMA reduce box of the fp32 dq: one query block's rows (BLOCK_M) by half the
-    head dim (each consumer warpgroup of the key-block kernel adds its half of the columns)."""
-    return [dkdv_tile_config(head_dim)["BLOCK_M"], head_dim // 2]
+    """The one-pass form's TMA reduce box of the fp32 dq: one query block's rows (BLOCK_M) by at most 32
+    columns (128 bytes, the swizzle's width). Each consumer warpgroup of the key-block kernel adds its
+    BLOCK_M x D / 2 staging tile by D / 64 reduce-adds (one at D = 64, two at D = 128)."""
+    return [dkdv_tile_config(head_dim)["BLOCK_M"], min(head_dim // 2, DQ_REDUCE_COLS)]
 
 
 def dq_staging_layout():
     """The shared layout of the one-pass form's fp32 dQ staging tile and of its TMA reduce descriptor:
-    unswizzled, so that one reduce message carries the whole BLOCK_M x D / 2 tile. Triton 3.6 lowers the
-    reduce-add to one message per tile whatever the swizzle, while its launcher encodes a swizzled
-    descriptor's box as the swizzle's width only (8 fp32 columns at 32 bytes, 32 at 128): with a swizzle
-    the reduce added a quarter of the columns (`tests/test_gluon_compile.py` checks the two agree)."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    a 128-byte swizzle. The accumulator's fragment stores (8 bytes per thread, a warp's 8 rows at one
+    column pair) land on 8 rows' distinct 16-byte chunks, free of bank conflicts (unswizzled, rows 256
+    bytes apart hit the same banks 8 times). Triton 3.6 lowers the reduce-add to one message per call,
+    and its launcher encodes a swizzled descriptor's box as the swizzle's width (32 fp32 columns), so the
+    kernel reduces each 32-column block of the tile (a subview of the staging tile) by its own call
+    (`tests/test_gluon_compile.py` checks that the calls' sources, messages and box agree)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
 def dq_tile_config(head_dim: int) -> dict:
@@ -468,7 +474,10 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         dq_staging.store(dq)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [dq_row, dq_col], dq_staging)
+        REDUCE_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+        for part in gl.static_range(DQ_COLS // REDUCE_COLS):
+            _tma_reduce_add(dq_desc, [dq_row, dq_col + part * REDUCE_COLS],
+                            dq_staging.slice(part * REDUCE_COLS, REDUCE_COLS, dim=1))
     else:
         dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
         release(j, do_empty, STAGES)
