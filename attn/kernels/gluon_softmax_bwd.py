@@ -190,17 +190,23 @@ def dq_tile_config(head_dim: int) -> dict:
 
 
 @gluon.jit
+def _row_block(H, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The delta kernels' program: (batch, head, its BLOCK_M row indices, the head dim's column indices),
+    the indices in the slices of the 2-d `layout`."""
+    bh = gl.program_id(1)
+    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    return bh // H, bh % H, rows, cols
+
+
+@gluon.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d] in fp32, BLOCK_M rows of one (batch, head)
     per program (O and dO contiguous in d)."""
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    b, h, rows, cols = _row_block(H, HEAD_DIM, BLOCK_M, layout)
     in_rows = gl.expand_dims(rows < q_len, 1)
     offs_o = (b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
               + gl.expand_dims(rows.to(gl.int64) * stride_on, 1) + gl.expand_dims(cols, 0))
@@ -208,7 +214,7 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, str
                + gl.expand_dims(rows.to(gl.int64) * stride_don, 1) + gl.expand_dims(cols, 0))
     o = gl.load(O + offs_o, mask=in_rows, other=0.0).to(gl.float32)
     do = gl.load(DO + offs_do, mask=in_rows, other=0.0).to(gl.float32)
-    gl.store(DELTA + bh.to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
+    gl.store(DELTA + (b * H + h).to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
 
 
 @gluon.jit
@@ -220,11 +226,7 @@ def _delta_zero_dq_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_on, stride_oh,
                   HEAD_DIM, BLOCK_M)
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    b, h, rows, cols = _row_block(H, HEAD_DIM, BLOCK_M, layout)
     offs_acc = ((b.to(gl.int64) * q_len + gl.expand_dims(rows.to(gl.int64), 1)) * H + h) * HEAD_DIM \
         + gl.expand_dims(cols, 0)
     gl.store(DQ_ACC + offs_acc, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout),
@@ -263,6 +265,17 @@ def query_block_range(n0, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.const
         i_lo = i_hi * 0
         i_full = i_lo
     return i_lo, i_full, i_hi
+
+
+@gluon.jit
+def key_block_program(H_KV, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A key-block program's place, in the order of `tiles.key_block_program` (the portable kernels'):
+    (b, hk, n0, i_lo, i_full, i_hi), its batch and kv head (program axis 1 runs over batch x kv head), its
+    first key n0 (axis 0, in BLOCK_N steps) and `query_block_range`'s query blocks for its keys."""
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    return bhk // H_KV, bhk % H_KV, n0, i_lo, i_full, i_hi
 
 
 @gluon.jit
@@ -568,11 +581,7 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
-    n0 = gl.program_id(0) * BLOCK_N
-    bhk = gl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
@@ -617,11 +626,7 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    n0 = gl.program_id(0) * BLOCK_N
-    bhk = gl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     if not CAUSAL:
         if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
             i_full = i_hi

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 from timing import attention_flops, median_ms, result_header, tflops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gluon_softmax_gpu import poison_allocator  # noqa: E402
+from check_gluon_softmax_gpu import checked_row, poison_allocator  # noqa: E402
 
 # (B, N, KV, H, H_kv, D, causal, dtype)
 CASES = [
@@ -318,15 +317,7 @@ def main() -> int:
     print(f"{'B,N,KV,H,Hkv,D,causal,dtype':<44}{'ratio dq':>10}{'ratio dk':>10}{'ratio dv':>10}  status")
     for case in () if args.one_pass_only else CASES:
         row = {"case": list(case)}
-        t0 = time.perf_counter()
-        try:
-            row.update(check_case(case, error_ratio))
-            ok = all(row[f"ratio_{name}"] <= 1.0 for name in ("dq", "dk", "dv"))
-        except Exception:
-            row["error"] = traceback.format_exc()
-            ok = False
-        row["ok"] = ok
-        row["s"] = round(time.perf_counter() - t0, 2)
+        ok = checked_row(row, lambda: check_case(case, error_ratio), ("dq", "dk", "dv"))
         failed += not ok
         results["cases"].append(row)
         ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>10.3f}" for name in ("dq", "dk", "dv"))
@@ -339,16 +330,8 @@ def main() -> int:
         variant, params, with_temperature, need_dt, case = entry
         row = {"variant": variant, "params": params, "temperature": with_temperature, "need_dt": need_dt,
                "case": list(case)}
-        t0 = time.perf_counter()
         names = ("dq", "dk", "dv") + (("dt",) if need_dt else ())
-        try:
-            row.update(check_capped_case(entry, error_ratio))
-            ok = all(row[f"ratio_{name}"] <= 1.0 for name in names)
-        except Exception:
-            row["error"] = traceback.format_exc()
-            ok = False
-        row["ok"] = ok
-        row["s"] = round(time.perf_counter() - t0, 2)
+        ok = checked_row(row, lambda: check_capped_case(entry, error_ratio), names)
         failed += not ok
         results["capped_cases"].append(row)
         ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>8.3f}" for name in ("dq", "dk", "dv", "dt"))
@@ -362,17 +345,11 @@ def main() -> int:
         for entry in entries:
             row = {"kind": kind, "entry": list(entry) if kind == "plain" else [*entry[:4], list(entry[4])]}
             names = ("dq", "dk", "dv") + (("dt",) if kind == "capped" and entry[3] else ())
-            t0 = time.perf_counter()
-            try:
+            def check(entry=entry, kind=kind):
                 with dq_form("one_pass"):
-                    row.update(check_case(entry, error_ratio) if kind == "plain" else
-                               check_capped_case(entry, error_ratio))
-                ok = all(row[f"ratio_{name}"] <= 1.0 for name in names)
-            except Exception:
-                row["error"] = traceback.format_exc()
-                ok = False
-            row["ok"] = ok
-            row["s"] = round(time.perf_counter() - t0, 2)
+                    return check_case(entry, error_ratio) if kind == "plain" else check_capped_case(entry, error_ratio)
+
+            ok = checked_row(row, check, names)
             failed += not ok
             results["one_pass_cases"].append(row)
             ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>8.3f}" for name in ("dq", "dk", "dv", "dt"))
