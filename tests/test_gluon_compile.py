@@ -305,10 +305,11 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
         assert row["loop_spills"] == 0, row
 
 
-# local-memory instructions (loop-invariant addresses ptxas spilled) in the one-pass key-block loops compiled
-# below (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): the plain causal masked loop's 3 reloads
-# and 3 stores at D = 128 (the diagonal blocks only); no other loop here has any
-ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass", 128, "masked"): 6}
+# local-memory instructions (loop-invariant values ptxas spilled) in the one-pass key-block loops compiled
+# below (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): one in each loop of the tempered causal
+# kernel at D = 128; no other loop here has any
+ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass_temperature", 128, "unmasked"): 1,
+                        ("bwd_dkdv_one_pass_temperature", 128, "masked"): 1}
 
 
 @pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
