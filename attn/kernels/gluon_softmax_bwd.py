@@ -475,13 +475,20 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         release(j, q_empty, STAGES)
         mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
         # dS as the dQ product's register operand (ldmatrix): its k steps need no shared-memory
-        # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it
-        ds_a = ds_smem.load(gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+        # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it. One
+        # product per half of the keys: each K half is its own TMA tile (at D = 128 a half's rows are two
+        # 128-byte-swizzle column blocks, so the halves are not one 128-row tile)
+        ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        ds_lo = ds_smem.slice(0, HALF_N, dim=1).load(ds_operand)
+        ds_hi = ds_smem.slice(HALF_N, HALF_N, dim=1).load(ds_operand)
         gl.thread_barrier()
         mbarrier.arrive(ds_free)
+        k_lo = k_cols[0]
+        k_hi = k_cols[1]
         dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_a, k_cols, dq_zero, use_acc=False, is_async=True)
-        dq, ds_a, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_a, k_cols))
+        dq = warpgroup_mma(ds_lo, k_lo, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
+        dq, ds_lo, ds_hi, k_lo, k_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_lo, ds_hi, k_lo, k_hi))
         tma.store_wait(0)  # the previous tile's reduce has read dq_staging
         gl.thread_barrier()
         dq_staging.store(dq)
@@ -642,11 +649,11 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
     mbarrier.init(ds_ready, count=2)
     mbarrier.init(ds_free, count=2)
     fence_async_shared()
-    k_all = k_halves._reinterpret(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))  # each warpgroup's keys' columns of dS, as dS^T
     ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
-    k_cols_0 = k_all.slice(0, DQ_COLS, dim=1)  # each warpgroup's dQ columns of K, all BLOCK_N keys
-    k_cols_1 = k_all.slice(DQ_COLS, DQ_COLS, dim=1)
+    # each warpgroup's dQ columns of K, in each half of the keys (a pair: the halves are separate tiles)
+    k_cols_0 = (k_halves.index(0).slice(0, DQ_COLS, dim=1), k_halves.index(1).slice(0, DQ_COLS, dim=1))
+    k_cols_1 = (k_halves.index(0).slice(DQ_COLS, DQ_COLS, dim=1), k_halves.index(1).slice(DQ_COLS, DQ_COLS, dim=1))
     staging_0 = dq_staging.index(0)  # each warpgroup's fp32 staging tile
     staging_1 = dq_staging.index(1)
 
