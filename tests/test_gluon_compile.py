@@ -177,7 +177,8 @@ for name, (module, kwargs, variant) in requests.items():
                  "tile_width": tile_width, "turns": events,
                  "tensordesc_meta": getattr(compiled.metadata, "tensordesc_meta", None),
                  "ttgir_reduces": [line.strip() for line in compiled.asm["ttgir"].splitlines()
-                                   if "ttng.async_tma_reduce" in line]}
+                                   if "ttng.async_tma_reduce" in line],
+                 "ttgir_reinterprets": compiled.asm["ttgir"].count("ttg.memdesc_reinterpret")}
 print(json.dumps(out))
 '''
 
@@ -305,11 +306,13 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
         assert row["loop_spills"] == 0, row
 
 
-# local-memory instructions (loop-invariant values ptxas spilled) in the one-pass key-block loops compiled
-# below (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas): one in each loop of the tempered causal
-# kernel at D = 128; no other loop here has any
-ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass_temperature", 128, "unmasked"): 1,
-                        ("bwd_dkdv_one_pass_temperature", 128, "masked"): 1}
+# local-memory instructions (values ptxas spilled) in the one-pass key-block loops compiled below
+# (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas), all at D = 128 causal, where the dQ product runs
+# once per half of the keys: the plain unmasked loop 3, tanh's masked loop 4, each tempered loop 7; no other
+# loop here has any
+ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass", 128, "unmasked"): 3, ("bwd_dkdv_one_pass_tanh", 128, "masked"): 4,
+                        ("bwd_dkdv_one_pass_temperature", 128, "unmasked"): 7,
+                        ("bwd_dkdv_one_pass_temperature", 128, "masked"): 7}
 
 
 @pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
@@ -366,6 +369,15 @@ def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, h
         assert [rows, cols] == box and [tile_rows, tile_cols] == staging, (line, box, staging)
         sites[re.search(r"loc\(#loc\d+\)", line).group()] += 1
     assert all(calls * box[1] == staging[1] for calls in sites.values()), (sites, box, staging)
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_dq_product_reads_each_k_half_as_its_own_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+    """The dQ product's K operand: subviews of each 64-key half's own TMA tile, no shared buffer reinterpreted.
+    A view of both halves as one 128-row tile is wrong where a row spans two 128-byte-swizzle column blocks
+    (D = 128): its rows 64-127 are the first half's second column block (the second GPU run's dq error)."""
+    assert compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]["ttgir_reinterprets"] == 0
 
 
 def test_one_pass_delta_and_cast_kernels_compile(compiled):
