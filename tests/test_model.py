@@ -117,6 +117,18 @@ def test_differential_lambda_is_learned():
             assert torch.equal(layer.per_head_lambda(), torch.zeros(4))
 
 
+def test_reparam_lambda_is_the_differential_transformers_formula():
+    """lambda_h = exp(lq1_h . lk1_h) - exp(lq2_h . lk2_h) + lambda_init, the vectors in lambda_vectors' order
+    (lq1, lk1, lq2, lk2), in float64 against the layer's fp32 value."""
+    torch.manual_seed(0)
+    layer = GPT(tiny("diff_threshold", lambda_mode="reparam")).blocks[1].attn.extras
+    with torch.no_grad():
+        layer.lambda_vectors.normal_(0, 0.7)
+    lq1, lk1, lq2, lk2 = layer.lambda_vectors.detach().double()
+    expected = torch.exp((lq1 * lk1).sum(-1)) - torch.exp((lq2 * lk2).sum(-1)) + layer.lambda_init
+    torch.testing.assert_close(layer.per_head_lambda().double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_head_norm_eps_is_configurable_and_runs_in_fp32():
     """out_norm_eps sets the per-head RMSNorm's eps (default 1e-5, not the dtype's machine
     epsilon); the norm runs in fp32 whatever the attention output's dtype."""
