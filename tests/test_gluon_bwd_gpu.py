@@ -9,7 +9,9 @@ keys than queries under the bottom-right causal mask, GQA, D 64 / 128, bf16 / fp
 soft_sign, ALSC, caps small enough to bind) and per-row temperatures of every sign, zero included (a strided
 one too), with the temperature's gradient (`gluon_softmax_backward_with_dt`) where asked, against the
 reference's d-temperature by the same rule. The tests pair each forward with the Gluon backward through an
-autograd.Function of their own; tests/test_gluon_gpu.py runs the plain one behind the public function.
+autograd.Function of their own; tests/test_gluon_gpu.py runs the plain one behind the public function. The
+one-pass dQ form (ATTNLAB_GLUON_DQ=one_pass) on plain, capped and tempered cases by the same rule, and against
+the separate form.
 """
 
 from __future__ import annotations
@@ -251,6 +253,68 @@ def test_gluon_backward_matches_the_portable_backward_bitwise_repeatably():
         assert torch.equal(a, b), name
         scale = p.float().abs().max().item()
         assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
+
+
+# the one-pass dQ form (ATTNLAB_GLUON_DQ=one_pass): (variant, params, temperature kind, need_dt, case); odd
+# lengths, GQA, causal and full, KV > N, a ragged last key block (the K rows past KV the dQ product must not
+# see), D 64 / 128; with need_dt the form yields to the separate one
+ONE_PASS = [
+    ("softmax", {}, None, False, (1, 1, 1, 2, 2, 64, True, torch.bfloat16)),
+    ("softmax", {}, None, False, (2, 17, 17, 4, 2, 128, False, torch.float16)),
+    ("softmax", {}, None, False, (2, 127, 127, 4, 1, 128, True, torch.bfloat16)),
+    ("softmax", {}, None, False, (1, 100, 300, 4, 4, 128, True, torch.bfloat16)),
+    ("softmax", {}, None, False, (1, 257, 600, 2, 1, 64, False, torch.float16)),
+    ("softmax", {}, None, False, (2, 1000, 1000, 4, 2, 128, True, torch.bfloat16)),
+    ("softcap_tanh", {"cap": 2.0}, None, False, (2, 333, 333, 8, 2, 64, True, torch.bfloat16)),
+    ("softcap_tanh", {"cap": 5.0}, None, False, (1, 200, 1000, 8, 2, 128, False, torch.bfloat16)),
+    ("softcap_softsign", {"cap": 3.0}, None, False, (2, 130, 130, 4, 2, 128, True, torch.float16)),
+    ("alsc", {"cap": 3.0, "knee": 0.5}, "rows", False, (1, 1000, 1000, 4, 2, 128, True, torch.bfloat16)),
+    ("softmax", {}, "strided", False, (2, 77, 200, 4, 4, 64, False, torch.bfloat16)),
+    ("softcap_tanh", {"cap": 2.0}, "rows", True, (1, 300, 300, 4, 2, 128, True, torch.bfloat16)),
+]
+
+
+@pytest.mark.parametrize("entry", ONE_PASS, ids=[_capped_id(e) for e in ONE_PASS])
+def test_one_pass_gluon_backward_is_within_the_rule(entry, nan_poison, monkeypatch):
+    """ATTNLAB_GLUON_DQ=one_pass: dq from the key-block kernel's TMA reduce-adds (the one-pass launch runs,
+    but for d-temperature, which stays on the separate form), within the rule as the separate form is."""
+    from attn.kernels import gluon_softmax_bwd
+
+    monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "one_pass")
+    calls = []
+    launch_one_pass = gluon_softmax_bwd._launch_one_pass
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return launch_one_pass(*args)
+
+    monkeypatch.setattr(gluon_softmax_bwd, "_launch_one_pass", counted)
+    variant, params, temperature_kind, need_dt, case = entry
+    forward_tier = "gluon" if ONE_PASS.index(entry) % 2 else "portable"
+    _check(case, forward_tier, 400 + ONE_PASS.index(entry), variant, params, temperature_kind, need_dt)
+    assert len(calls) == (0 if need_dt else 1)
+
+
+def test_one_pass_gluon_backward_matches_the_separate_form(monkeypatch):
+    """Tanh cap, GQA, causal, 700 rows: the one-pass form's dq, dk, dv against the separate form's at a bf16
+    rounding or two (dk and dv come from the same arithmetic; dq sums its tiles in another order)."""
+    from attn.kernels import gluon_softmax_bwd, softmax_family
+
+    monkeypatch.setenv(tiers.GLUON_ENV, "0")  # the portable forward
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    q, do = (torch.randn(2, 700, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 700, 2, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    sm_scale, cap, cap_value = 128 ** -0.5, 1, 3.0
+    out, lse2 = softmax_family._fwd_impl(q, k, v, None, None, cap, cap_value, 0.0, sm_scale, True, 0)
+    monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "separate")
+    separate = gluon_softmax_bwd.gluon_softmax_backward(q, k, v, out, do, lse2, sm_scale, True, cap=cap,
+                                                         cap_value=cap_value)
+    monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "one_pass")
+    one_pass = gluon_softmax_bwd.gluon_softmax_backward(q, k, v, out, do, lse2, sm_scale, True, cap=cap,
+                                                         cap_value=cap_value)
+    for name, a, b in zip(("dq", "dk", "dv"), one_pass, separate):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale, name
 
 
 def test_checked_entry_names_what_a_call_misses():

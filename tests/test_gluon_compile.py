@@ -8,7 +8,9 @@ mbarrier waits, setmaxnreg for the partitions, and no local memory (spills); the
 loops (scripts/analysis/gluon_sass_counts.py, Triton's cuobjdump) multiplies by the scale in no per-score FMUL.
 The backward's key-block (dK / dV) and query-block (dQ) kernels: the same PTX checks, and SASS loops with
 their wgmma counts, one exp2 per score and no local memory inside a loop; the same for their capped and
-tempered forms (and d-temperature in the dQ kernel), whose caps add one MUFU per score.
+tempered forms (and d-temperature in the dQ kernel), whose caps add one MUFU per score. The one-pass dQ form's
+key-block kernel (ATTNLAB_GLUON_DQ=one_pass): the same checks with the dQ product and its TMA reduce-add per
+iteration, and its delta (zeroing the fp32 dq) and scale-and-cast kernels.
 
 The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the same PTX checks, the same
 wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
@@ -35,6 +37,7 @@ combine functions behind gl.sum and gl.max) into interpreter objects that a Gluo
 (a Triton cache warmed by an earlier compile outside pytest hides that).
 """
 
+import collections
 import json
 import os
 import re
@@ -87,6 +90,21 @@ CAPPED_BACKWARD = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
                  for variant, kwargs, d, c, t in CAPPED_BACKWARD})
+# the one-pass dQ form's key-block kernel (ATTNLAB_GLUON_DQ=one_pass): (gluon_sass_counts variant, compile_sm90
+# arguments, D, causal, dtype)
+ONE_PASS_BACKWARD = [
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 128, True, "bf16"),
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 128, False, "fp16"),
+    ("bwd_dkdv_one_pass", dict(kernel="dkdv_one_pass"), 64, True, "bf16"),
+    ("bwd_dkdv_one_pass_tanh", dict(kernel="dkdv_one_pass", cap=1), 128, True, "bf16"),
+    ("bwd_dkdv_one_pass_tanh", dict(kernel="dkdv_one_pass", cap=1), 64, False, "fp16"),
+    ("bwd_dkdv_one_pass_alsc_temperature", dict(kernel="dkdv_one_pass", cap=3, has_temp=True), 64, True, "bf16"),
+    ("bwd_dkdv_one_pass_temperature", dict(kernel="dkdv_one_pass", has_temp=True), 128, True, "bf16"),
+]
+REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
+                 for variant, kwargs, d, c, t in ONE_PASS_BACKWARD})
+REQUESTS.update({kernel: ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel=kernel), None)
+                 for kernel in ("delta_zero_dq", "dq_cast")})
 # the differential threshold forward: (gluon_sass_counts variant, its power, D, causal, dtype)
 DIFFERENTIAL = [
     ("diff_threshold", 2.0, 128, True, "bf16"),
@@ -156,7 +174,11 @@ for name, (module, kwargs, variant) in requests.items():
     tile_width = counts.tile_width(modules[module], variant, kwargs["head_dim"]) if variant else None
     events = counts.turn_events(parse_sass(cuobjdump(compiled.asm["cubin"], "-sass"))) if turns else None
     out[name] = {"ptx": compiled.asm["ptx"], "shared": compiled.metadata.shared, "loops": rows,
-                 "tile_width": tile_width, "turns": events}
+                 "tile_width": tile_width, "turns": events,
+                 "tensordesc_meta": getattr(compiled.metadata, "tensordesc_meta", None),
+                 "ttgir_reduces": [line.strip() for line in compiled.asm["ttgir"].splitlines()
+                                   if "ttng.async_tma_reduce" in line],
+                 "ttgir_reinterprets": compiled.asm["ttgir"].count("ttg.memdesc_reinterpret")}
 print(json.dumps(out))
 '''
 
@@ -282,6 +304,87 @@ def test_capped_and_tempered_backward_compiles_with_the_plain_products_and_no_lo
         assert row["hgmma"] == 2 * (head_dim // 16) + products_over_width * (width // 16), row
         assert row["mufu"] >= mufu_per_score * width // 2, row
         assert row["loop_spills"] == 0, row
+
+
+# local-memory instructions (values ptxas spilled) in the one-pass key-block loops compiled below
+# (scripts/analysis/gluon_sass_counts.py, Triton 3.6's ptxas), all at D = 128 causal, where the dQ product runs
+# once per half of the keys: the plain unmasked loop 3, tanh's masked loop 4, each tempered loop 7; no other
+# loop here has any
+ONE_PASS_LOOP_SPILLS = {("bwd_dkdv_one_pass", 128, "unmasked"): 3, ("bwd_dkdv_one_pass_tanh", 128, "masked"): 4,
+                        ("bwd_dkdv_one_pass_temperature", 128, "unmasked"): 7,
+                        ("bwd_dkdv_one_pass_temperature", 128, "masked"): 7}
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_block_iteration(
+        compiled, variant, kwargs, head_dim, causal, dtype):
+    """The one-pass form's key-block kernel: the key-block schedule's products (S^T, dP^T with k = D; dV, dK
+    with k = BLOCK_M) plus dQ's columns of a warpgroup over all BLOCK_N keys (k = BLOCK_N), dS through shared
+    memory and the fp32 tile to global memory by a TMA bulk reduce-add (cp.reduce.async.bulk.tensor .add);
+    one exp2 per score (and the cap's MUFU), within shared memory, and no local memory in a loop but
+    ONE_PASS_LOOP_SPILLS' known ones. A masked loop with either mask."""
+    from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
+
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    ptx = result["ptx"]
+    _assert_hopper_schedule(ptx, {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    assert "cp.async.bulk.wait_group.read" in ptx  # the staging tile reused only once its reduce read it
+    assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx  # dS^T to shared memory as dS
+    assert "ldmatrix" in ptx  # dS back as the dQ product's register operand
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    width = result["tile_width"]
+    assert set(rows) == {"unmasked", "masked"}  # full: the masked loop hides keys past the key length
+    block_n = dkdv_tile_config(head_dim)["BLOCK_N"]
+    mufu_per_score = 2 if kwargs.get("cap", 0) else 1
+    for kind, row in rows.items():
+        assert row["hgmma"] == 2 * (head_dim // 16) + 2 * (width // 16) + block_n // 16, row
+        assert row["mufu"] >= mufu_per_score * width // 2, row
+        assert row["loop_spills"] <= ONE_PASS_LOOP_SPILLS.get((variant, head_dim, kind), 0), row
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+    """Each dQ reduce-add is one TMA message of the box the launcher encodes into the descriptor (the
+    compiled kernel's tensordesc metadata), its source a subview of exactly that box, and each source
+    site's calls together cover the warpgroup's BLOCK_M x D / 2 staging tile: a box narrower than what a
+    message is meant to carry leaves dq columns unsummed."""
+    from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
+
+    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    box = result["tensordesc_meta"][-1]["block_size"]  # dq_desc, the kernel's fifth descriptor
+    reduces = result["ttgir_reduces"]
+    assert reduces and result["ptx"].count("cp.reduce.async.bulk.tensor") == len(reduces)
+    staging = [dkdv_tile_config(head_dim)["BLOCK_M"], head_dim // 2]
+    sites = collections.Counter()
+    for line in reduces:
+        # the source's type: its shape, then the allocation's (printed for a subview only)
+        source = re.search(r"!ttg\.memdesc<(\d+)x(\d+)xf32,[^>]*?(?:(\d+)x(\d+))?>", line)
+        assert source, line
+        rows, cols = int(source[1]), int(source[2])
+        tile_rows, tile_cols = (int(source[3]), int(source[4])) if source[3] else (rows, cols)
+        assert [rows, cols] == box and [tile_rows, tile_cols] == staging, (line, box, staging)
+        sites[re.search(r"loc\(#loc\d+\)", line).group()] += 1
+    assert all(calls * box[1] == staging[1] for calls in sites.values()), (sites, box, staging)
+
+
+@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
+def test_one_pass_dq_product_reads_each_k_half_as_its_own_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+    """The dQ product's K operand: subviews of each 64-key half's own TMA tile, no shared buffer reinterpreted.
+    A view of both halves as one 128-row tile is wrong where a row spans two 128-byte-swizzle column blocks
+    (D = 128): its rows 64-127 are the first half's second column block (the second GPU run's dq error)."""
+    assert compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]["ttgir_reinterprets"] == 0
+
+
+def test_one_pass_delta_and_cast_kernels_compile(compiled):
+    """The one-pass form's delta kernel also stores the fp32 dq's zeros; its last kernel reads fp32, stores dq."""
+    assert compiled["delta_zero_dq"]["ptx"].count("st.global") > compiled["delta"]["ptx"].count("st.global")
+    cast = compiled["dq_cast"]["ptx"]
+    assert "ld.global" in cast and "st.global" in cast
 
 
 @pytest.mark.parametrize("variant,power,head_dim,causal,dtype", DIFFERENTIAL,

@@ -7,11 +7,14 @@ kernels' host side (attn/kernels/gluon_*.py), on the CPU: nothing here runs a ke
   layout, keyword arguments by name and value, constexpr defaults); ATTNLAB_DIRECT_LAUNCH=0, the
   interpreter and a Triton without the fields it reads send launches through the JIT.
 - every Gluon entry point (softmax forward plain, capped with the bound shift, with a temperature;
-  threshold and sigmoid forwards; softmax backward, capped, with d-temperature; threshold and sigmoid
-  backwards; differential forward and backward), its kernels' `fn` replaced by a recorder: each launch
-  binds every parameter (lengths, heads, strides of the tensors it writes, descriptors of the operands),
-  and a repeated call with fresh tensors takes the direct path with exactly the JIT's arguments of that
-  call; another length goes through the JIT again.
+  threshold and sigmoid forwards; softmax backward, capped, with d-temperature, and its one-pass dQ form
+  (ATTNLAB_GLUON_DQ=one_pass) plain and capped with a temperature; threshold and sigmoid backwards;
+  differential forward and backward), its kernels' `fn` replaced by a recorder: each launch binds every
+  parameter (lengths, heads, strides of the tensors it writes, descriptors of the operands, the one-pass
+  form's fp32 dq), and a repeated call with fresh tensors takes the direct path with exactly the JIT's
+  arguments of that call; another length goes through the JIT again. The softmax backward's forms launch
+  their own kernels: the one-pass form's three share one fp32 dq (zeroed, reduced into, cast), and
+  d-temperature stays on the separate form.
 - `tma_view` (read in place where the strides allow, a size-1 dim's stride free; copied into standard
   strides otherwise), `tma_tile` (one block shape and layout object per tile), `descriptor`
   (equal to TensorDescriptor's own construction).
@@ -313,6 +316,15 @@ def _entries():
         "alsc_bwd_dt": lambda x: sbw.launch_backward_with_dt(x["q"], x["k"], x["v"], x["o"], x["do"], x["lse"], 0.125,
                                                              True, temperature=x["temp"], cap=3, cap_value=5.0,
                                                              knee=0.25),
+        # ONE_PASS entries: run with ATTNLAB_GLUON_DQ=one_pass
+        "softmax_bwd_one_pass": lambda x: sbw.launch_backward(x["q"], x["k"], x["v"], x["o"], x["do"], x["lse"], 0.125,
+                                                              True),
+        "tanh_bwd_one_pass_temperature": lambda x: sbw.launch_backward(x["q"], x["k"], x["v"], x["o"], x["do"],
+                                                                       x["lse"], 0.125, False, cap=1, cap_value=5.0,
+                                                                       temperature=x["temp"]),
+        "alsc_bwd_dt_one_pass_set": lambda x: sbw.launch_backward_with_dt(x["q"], x["k"], x["v"], x["o"], x["do"],
+                                                                          x["lse"], 0.125, True, temperature=x["temp"],
+                                                                          cap=3, cap_value=5.0, knee=0.25),
         "threshold_bwd": lambda x: wbw.launch_threshold_backward(x["q"], x["k"], x["v"], x["do"], True, 0.7, 2.0),
         "sigmoid_bwd": lambda x: wbw.launch_sigmoid_backward(x["q"], x["k"], x["v"], x["do"], False, 0.125, None),
         "diff_fwd": lambda x: dfw.launch_diff_threshold(x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], True, 0.8,
@@ -320,6 +332,15 @@ def _entries():
         "diff_bwd": lambda x: dbw.launch_diff_threshold_backward(x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"],
                                                                  x["do"], True, 0.8, 2.0),
     }
+
+
+# entries run with ATTNLAB_GLUON_DQ=one_pass, and the softmax backward's kernels each entry launches
+ONE_PASS = ("softmax_bwd_one_pass", "tanh_bwd_one_pass_temperature", "alsc_bwd_dt_one_pass_set")
+SEPARATE_KERNELS = ["_delta_kernel", "_dkdv_kernel", "_dq_kernel"]
+BACKWARD_KERNELS = {"softmax_bwd": SEPARATE_KERNELS, "soft_sign_bwd": SEPARATE_KERNELS, "alsc_bwd_dt": SEPARATE_KERNELS,
+                    "softmax_bwd_one_pass": ["_delta_zero_dq_kernel", "_dkdv_dq_kernel", "_dq_cast_kernel"],
+                    "tanh_bwd_one_pass_temperature": ["_delta_zero_dq_kernel", "_dkdv_dq_kernel", "_dq_cast_kernel"],
+                    "alsc_bwd_dt_one_pass_set": SEPARATE_KERNELS}  # d-temperature: the separate form
 
 
 @pytest.fixture
@@ -362,7 +383,11 @@ def _check_binding(fn, args, bound, x, n, kv):
             assert tuple(bound[s] for s in stride_names) == tuple(want), (name, tensor)
     inputs = {t.data_ptr(): key for key, t in x.items()}
     for param, value in bound.items():
-        if param.endswith("_desc"):
+        if param == "dq_desc":  # the one-pass form's fp32 dq (B, N, H, D), in reduce boxes of D / 2 columns
+            assert tuple(value.base.shape) == (B, n, H, D) and value.base.dtype == torch.float32, name
+            assert list(value.shape) == [B * n, H * D] and list(value.strides) == [H * D, 1], name
+            assert list(value.block_shape) == [64, D // 2], name
+        elif param.endswith("_desc"):
             assert inputs.get(value.base.data_ptr()) in ("q", "k", "v", "do", "q2", "k2"), (name, param)
             rows = value.base.shape[0] * value.base.shape[1]
             assert list(value.shape) == [rows, value.base.shape[2] * D] and list(value.strides) == [value.shape[1], 1]
@@ -381,16 +406,33 @@ def _comparable(value):
 @pytest.mark.parametrize("entry", list(_entries()))
 def test_gluon_launches_bind_every_parameter_and_repeat_directly_with_the_jit_arguments(entry, gluon_recorders,
                                                                                        monkeypatch):
+    from attn.kernels import gluon_softmax_bwd
+
     log = gluon_recorders
     call = _entries()[entry]
+    if entry in ONE_PASS:
+        monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "one_pass")
+    else:
+        monkeypatch.delenv(gluon_softmax_bwd.DQ_FORM_ENV, raising=False)
     gen = torch.Generator().manual_seed(0)
     first = _inputs(gen)
     call(first)
     jit_launches = [e for e in log if e[0] == "jit"]
     assert jit_launches and len(jit_launches) == len(log)
+    if entry in BACKWARD_KERNELS:
+        assert [fn.real.__name__ for _, fn, *_ in jit_launches] == BACKWARD_KERNELS[entry]
     for _, fn, args, kwargs, grid in jit_launches:
-        _check_binding(fn, args, _binding(fn, args, kwargs), first, N, KV)
-        assert kwargs["num_warps"] == gluon_pipeline.NUM_WARPS and grid[1] in (B * H, B * H_KV)
+        bound = _binding(fn, args, kwargs)
+        _check_binding(fn, args, bound, first, N, KV)
+        assert kwargs["num_warps"] == gluon_pipeline.NUM_WARPS
+        if fn.real is gluon_softmax_bwd._dq_cast_kernel:  # one program per CAST_BLOCK elements of dq
+            assert bound["numel"] == B * N * H * D and grid == (-(-bound["numel"] // gluon_softmax_bwd.CAST_BLOCK),)
+        else:
+            assert grid[1] in (B * H, B * H_KV)
+    if BACKWARD_KERNELS.get(entry, [None])[0] == "_delta_zero_dq_kernel":  # one fp32 dq: zeroed, reduced into, cast
+        zeroed, reduced, cast = (_binding(fn, args, kwargs) for _, fn, args, kwargs, _ in jit_launches)
+        assert zeroed["DQ_ACC"] is reduced["dq_desc"].base is cast["DQ_ACC"]
+        assert reduced["grad_scale"] == cast["grad_scale"]
 
     fresh = _inputs(gen)  # new tensors of the same specialization: every launch direct
     log.clear()
@@ -408,8 +450,9 @@ def test_gluon_launches_bind_every_parameter_and_repeat_directly_with_the_jit_ar
         _check_binding(fn, args, bound, fresh, N, KV)
         assert direct_args[:3] == (*grid, *[1] * (3 - len(grid)))
         assert [_comparable(a) for a in direct_args[9:]] == [_comparable(v) for v in bound.values()], fn.real.__name__
+        inputs = {t.data_ptr() for t in fresh.values()}
         for a, b in zip(direct_args[9:], bound.values()):  # the inputs' descriptors address the inputs themselves
-            if hasattr(a, "block_shape"):
+            if hasattr(a, "block_shape") and a.base.data_ptr() in inputs:
                 assert a.base is b.base
 
     monkeypatch.delenv(runtime.DIRECT_ENV)

@@ -86,6 +86,22 @@ def test_gluon_never_usable_off_a_cuda_device_or_under_the_interpreter(monkeypat
     assert not tiers.gluon_usable(torch.device("cuda", 0))  # decided before any CUDA query
 
 
+@pytest.mark.parametrize("value,form", [(None, "separate"), ("separate", "separate"), ("one_pass", "one_pass")])
+def test_gluon_dq_form_switch_values(value, form, monkeypatch):
+    """ATTNLAB_GLUON_DQ picks the Gluon softmax backward's dq form (separate by default); anything else is a
+    ValueError naming the variable."""
+    from attn.kernels import gluon_softmax_bwd
+
+    if value is None:
+        monkeypatch.delenv(gluon_softmax_bwd.DQ_FORM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, value)
+    assert gluon_softmax_bwd.dq_form() == form
+    monkeypatch.setenv(gluon_softmax_bwd.DQ_FORM_ENV, "one-pass")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_DQ must be one of"):
+        gluon_softmax_bwd.dq_form()
+
+
 @pytest.mark.parametrize("value,bf16,fp16", [(None, 0, 0), ("mufu", 0, 0), ("poly", 3, 4), ("half", -3, -4)])
 def test_exp2_switch_values(value, bf16, fp16, monkeypatch):
     if value is None:
@@ -349,6 +365,32 @@ def test_the_backward_plans_read_the_switch():
 
     for family in (softmax_family, threshold_family, sigmoid_family):
         assert tiers.GLUON_ENV in family._BWD_PLANS.settings
+
+
+def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):
+    """Under ATTNLAB_GLUON=auto the softmax backward's tier timing is keyed by ATTNLAB_GLUON_DQ as well:
+    switching the dq form times the tiers again (each form's Gluon kernels are other kernels), and the
+    backward plans are rebuilt when the switch changes."""
+    import attn
+    from attn.kernels import gluon_softmax_bwd, softmax_family
+
+    assert tiers.GLUON_DQ_ENV in softmax_family._BWD_PLANS.settings
+    monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(gluon_softmax_bwd, "serves", lambda q, k, v: True)
+    for name in ("_TIERS", "_BWD_TIERS"):
+        monkeypatch.setattr(softmax_family, name, tiers.TierChoice(getattr(softmax_family, name).name))
+    timed = iter([2.0, 1.0] * 3)  # portable, then gluon, per timed key: gluon wins
+    monkeypatch.setattr(runtime, "median_ms", lambda fn: next(timed))
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward",
+                        lambda q, k, v, *args, **named: (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+    spec = attn.get_variant("softmax").make_spec()
+    for form in ("separate", "one_pass", "separate"):
+        monkeypatch.setenv(tiers.GLUON_DQ_ENV, form)
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        attn.attention(q, k, v, spec, causal=True, backend="triton").sum().backward()
+    assert sorted(key[-1] for key in softmax_family._BWD_TIERS.chosen) == ["one_pass", "separate"]
+    assert set(softmax_family._BWD_TIERS.chosen.values()) == {"gluon"}
 
 
 @pytest.mark.parametrize("lam_dtype,strided", [(torch.float64, False), (torch.bfloat16, False), (torch.float32, True)],

@@ -83,7 +83,7 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from attn.kernels.gluon_softmax_bwd import _dkdv_producer, _issue_with_columns, query_block_range
+from attn.kernels.gluon_softmax_bwd import _dkdv_producer, _issue_with_columns, key_block_program
 from attn.kernels.gluon_weighted_bwd import _query_starts, _score_grad, _weight_and_grad
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
@@ -341,11 +341,7 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
-    n0 = gl.program_id(0) * BLOCK_N
-    bhk = gl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
     if VIEWS == 2:
         k2_halves, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(

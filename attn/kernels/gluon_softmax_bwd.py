@@ -16,7 +16,11 @@ softmax (CAP 0, no temperature): g = q.k, F' = 1, t = 1. The cap and the tempera
 (CAP, HAS_TEMP, and NEED_DT in the dQ kernel): the plain kernels compile without any of it
 (scripts/analysis/gluon_sass_counts.py counts their loops).
 
-Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.gluon_api_available`):
+Two forms of dq, by ATTNLAB_GLUON_DQ (`dq_form`): "separate" (the default, the validated one, and always for
+the temperature's gradient) and "one_pass". Each launch is written against Triton 3.6's Gluon API
+(`gluon_pipeline.gluon_api_available`).
+
+The separate form, three launches:
 
 1. `_delta_kernel`: delta (B, H, N) fp32 = rowsum(dO * O) (the portable `_bwd_preprocess`).
 2. `_dkdv_kernel`, FlashAttention-3's key-block schedule: one program per BLOCK_N (128) keys of one
@@ -36,26 +40,54 @@ Three launches, each written against Triton 3.6's Gluon API (`gluon_pipeline.glu
    global memory, no atomics, the same bits every run. NEED_DT: each row's sum of dz g, per (batch, head,
    row) in fp32, summed over heads on the host.
 
+The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launches:
+
+1. `_delta_zero_dq_kernel`: `_delta_kernel`'s delta, and zeros in an fp32 dq (B, N, H, D).
+2. `_dkdv_dq_kernel`: the key-block kernel above, and per (query head, query block) each consumer also
+   writes its dS^T to shared memory as the transposed view of its 64 key columns of dS (BLOCK_M queries x
+   BLOCK_N keys, a transposing stmatrix); an mbarrier counts both warpgroups' halves in, and each
+   warpgroup, once its dV and dK retired, loads dS (ldmatrix) as the register operand of dQ's D / 2
+   columns over all 128 keys, dS K[:, cols] (K from shared memory, a 64 x D / 2 fp32 accumulator), stores
+   the tile to an fp32 staging tile and adds it to the fp32 dq by a TMA bulk reduce-add
+   (`_tma_reduce_add`: Triton 3.6's Gluon builder has the op, its tma module no wrapper). A second
+   mbarrier holds the next dS until both warpgroups have loaded this one; the staging tile is rewritten
+   once its previous reduce has read it. Keys past
+   KV in the program's last block get p = 0 from the masked blocks' compare (every block of such a
+   program runs masked), so they add nothing to dq. dS carries t F'(y), so dq needs only the scale s.
+3. `_dq_cast_kernel`: dq = s dq_acc in q's dtype.
+
+Both forms launch through `runtime.DirectLauncher`, each from its own plan cached per form (`_backward_plan`,
+`_one_pass_plan`: tile configs, constexprs, TMA tiles, the one-pass form's fp32 dq tile among them), so a
+call builds only its descriptors, outputs and scalars.
+
+5 matrix products per (key block, query block) tile instead of 7 over two kernels, and every score's
+exp2 (and cap) computed once instead of twice; in exchange the two consumer warpgroups of a program
+advance in step (dS's buffer is shared), dq's sums arrive in any order (not bit-reproducible), and
+an fp32 dq of 4 B N H D bytes is zeroed, reduced into and read back. The temperature's gradient stays
+on the separate form (only the dQ kernel sums dz g per row).
+
 Caps and temperatures: the plain key-block kernel folds -lse2 / c into S^T's accumulator start; a cap is
 not linear, so capped or tempered blocks start S^T from zero and take lse2 (and t) per query column in
 registers. The cap's slope F' comes from the same intermediates as g (`_capped_with_slope`). At D = 128
 those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and an in-flight dP^T spill).
 
-Why a separate dQ kernel rather than FA3's atomic dQ: dS would have to go through shared memory (the
-key-block program holds dS^T with keys as rows; dQ = dS K needs dS with queries as rows as a wgmma
-operand), a third 64 x D fp32 accumulator does not fit beside dK and dV at D = 128 (3 x 64 + S^T +
-dP^T > 240 registers), and FA3's dQ path (fp32 tile to shared memory, TMA reduce-add to an fp32 global
-buffer, a final scale-and-cast kernel) is three more synchronised stages to get right without a GPU.
-The price is two more matrix products per tile (S and dP recomputed: 7 instead of 5). The portable
-backward's default form is the same split (`_dq_form`: "separate" unless tuning finds "one_pass"
-faster, which it did only at D = 64 with 2048+ keys).
+Why the separate form is the default: it is the one validated on an H100 (every case; the plain backward
+in 0.90x cuDNN's time at (4, 16, 4096, 128) causal bf16), and it is deterministic. The one-pass form
+trades two products and the recomputed exp2 / cap per score for dS's shared-memory round trip, the
+warpgroups' lockstep and the fp32 dq's traffic. Its loops keep no local memory but 1-6 spilled loop
+invariants at D = 128: the plain causal diagonal's, a tempered full mask's masked loop, ALSC with a
+temperature's (scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
+portable backward's default is the same split (`softmax_family._dq_form`: "separate" unless tuning
+finds "one_pass" faster, which it did only at D = 64 with 2048+ keys).
 
 Masks: key-block programs visit only query blocks that see their keys (causal: from the first row at
 key position >= n0); blocks on the causal diagonal run with one compare per score, the rest without
 mask arithmetic. Rows past N (a TMA tile that runs into the next batch's rows, or zeros past the
 tensor) get lse2 = +inf and delta = 0 from masked loads, so their p is exactly 0; keys past KV in a
-key-block program only touch their own dK / dV rows, which are not stored. The dQ kernel masks keys
-as the forward does (`gluon_pipeline.visible_key`).
+key-block program only touch their own dK / dV rows, which are not stored (one-pass: they are masked, as
+dq would see them). A one-pass query block's TMA reduce-add past N adds the zero dS rows of those queries
+to the next batch's rows, or is clipped past the tensor. The dQ kernel masks keys as the forward does
+(`gluon_pipeline.visible_key`).
 """
 
 from __future__ import annotations
@@ -78,6 +110,7 @@ from attn.kernels.gluon_pipeline import (
     compile_gluon_sm90,
     descriptor,
     descriptor_type,
+    fence_async_shared,
     invalidate_ring,
     issue_qk,
     key_blocks,
@@ -94,8 +127,20 @@ from attn.kernels.gluon_pipeline import (
 )
 from attn.kernels.gluon_softmax_fwd import _rcp, _tanh
 from attn.kernels.runtime import DirectLauncher, cdiv
+from attn.kernels.tiers import GLUON_DQ_ENV as DQ_FORM_ENV  # noqa: F401 (the tests' and checks' name)
+from attn.kernels.tiers import gluon_dq_form as dq_form
+
+try:  # Triton 3.6's Gluon builtin decorator and the TMA reduce kinds (gluon_pipeline checks the API)
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _ir = None
+
+    def _gluon_builtin(fn):
+        return fn
 
 DELTA_BLOCK_M = 64  # rows per program of the delta kernel
+CAST_BLOCK = 4096  # elements per program of the one-pass form's dq scale-and-cast kernel
 
 
 def dkdv_tile_config(head_dim: int) -> dict:
@@ -105,6 +150,27 @@ def dkdv_tile_config(head_dim: int) -> dict:
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon softmax backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
     return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
+
+
+DQ_REDUCE_COLS = 32  # fp32 columns of a 128-byte swizzle row: the widest box one reduce message carries
+
+
+def dq_accumulator_block(head_dim: int) -> list[int]:
+    """The one-pass form's TMA reduce box of the fp32 dq: one query block's rows (BLOCK_M) by at most 32
+    columns (128 bytes, the swizzle's width). Each consumer warpgroup of the key-block kernel adds its
+    BLOCK_M x D / 2 staging tile by D / 64 reduce-adds (one at D = 64, two at D = 128)."""
+    return [dkdv_tile_config(head_dim)["BLOCK_M"], min(head_dim // 2, DQ_REDUCE_COLS)]
+
+
+def dq_staging_layout():
+    """The shared layout of the one-pass form's fp32 dQ staging tile and of its TMA reduce descriptor:
+    a 128-byte swizzle. The accumulator's fragment stores (8 bytes per thread, a warp's 8 rows at one
+    column pair) land on 8 rows' distinct 16-byte chunks, free of bank conflicts (unswizzled, rows 256
+    bytes apart hit the same banks 8 times). Triton 3.6 lowers the reduce-add to one message per call,
+    and its launcher encodes a swizzled descriptor's box as the swizzle's width (32 fp32 columns), so the
+    kernel reduces each 32-column block of the tile (a subview of the staging tile) by its own call
+    (`tests/test_gluon_compile.py` checks that the calls' sources, messages and box agree)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
 def dq_tile_config(head_dim: int) -> dict:
@@ -124,17 +190,23 @@ def dq_tile_config(head_dim: int) -> dict:
 
 
 @gluon.jit
+def _row_block(H, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The delta kernels' program: (batch, head, its BLOCK_M row indices, the head dim's column indices),
+    the indices in the slices of the 2-d `layout`."""
+    bh = gl.program_id(1)
+    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    return bh // H, bh % H, rows, cols
+
+
+@gluon.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d] in fp32, BLOCK_M rows of one (batch, head)
     per program (O and dO contiguous in d)."""
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    b, h, rows, cols = _row_block(H, HEAD_DIM, BLOCK_M, layout)
     in_rows = gl.expand_dims(rows < q_len, 1)
     offs_o = (b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
               + gl.expand_dims(rows.to(gl.int64) * stride_on, 1) + gl.expand_dims(cols, 0))
@@ -142,7 +214,34 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, str
                + gl.expand_dims(rows.to(gl.int64) * stride_don, 1) + gl.expand_dims(cols, 0))
     o = gl.load(O + offs_o, mask=in_rows, other=0.0).to(gl.float32)
     do = gl.load(DO + offs_do, mask=in_rows, other=0.0).to(gl.float32)
-    gl.store(DELTA + bh.to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
+    gl.store(DELTA + (b * H + h).to(gl.int64) * q_len + rows, gl.sum(o * do, axis=1), mask=rows < q_len)
+
+
+@gluon.jit
+def _delta_zero_dq_kernel(O, DO, DELTA, DQ_ACC, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh,
+                          H, q_len, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The one-pass form's first kernel: `_delta_kernel`'s rows, and zeros in the same rows of DQ_ACC, the
+    (B, N, H, D) contiguous fp32 dq the key-block kernel reduces into."""
+    _delta_kernel(O, DO, DELTA, stride_ob, stride_on, stride_oh, stride_dob, stride_don, stride_doh, H, q_len,
+                  HEAD_DIM, BLOCK_M)
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+    b, h, rows, cols = _row_block(H, HEAD_DIM, BLOCK_M, layout)
+    offs_acc = ((b.to(gl.int64) * q_len + gl.expand_dims(rows.to(gl.int64), 1)) * H + h) * HEAD_DIM \
+        + gl.expand_dims(cols, 0)
+    gl.store(DQ_ACC + offs_acc, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout),
+             mask=gl.expand_dims(rows < q_len, 1))
+
+
+@gluon.jit
+def _dq_cast_kernel(DQ_ACC, DQ, numel, grad_scale, BLOCK: gl.constexpr):
+    """The one-pass form's last step: dq = grad_scale dq_acc in dq's dtype, both contiguous (B, N, H, D),
+    BLOCK elements per program."""
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32],
+                                            warps_per_cta=[gl.num_warps()], order=[0])
+    offs = gl.program_id(0).to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    acc = gl.load(DQ_ACC + offs, mask=offs < numel, other=0.0)
+    gl.store(DQ + offs, (acc * grad_scale).to(DQ.dtype.element_ty), mask=offs < numel)
 
 
 # ---------------------------------------------------------------------------- dK, dV (key blocks)
@@ -166,6 +265,17 @@ def query_block_range(n0, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.const
         i_lo = i_hi * 0
         i_full = i_lo
     return i_lo, i_full, i_hi
+
+
+@gluon.jit
+def key_block_program(H_KV, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A key-block program's place, in the order of `tiles.key_block_program` (the portable kernels'):
+    (b, hk, n0, i_lo, i_full, i_hi), its batch and kv head (program axis 1 runs over batch x kv head), its
+    first key n0 (axis 0, in BLOCK_N steps) and `query_block_range`'s query blocks for its keys."""
+    n0 = gl.program_id(0) * BLOCK_N
+    bhk = gl.program_id(1)
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    return bhk // H_KV, bhk % H_KV, n0, i_lo, i_full, i_hi
 
 
 @gluon.jit
@@ -231,6 +341,15 @@ def _capped_with_slope(x, cap_scale, alsc_knee, CAP: gl.constexpr):
     return g, slope
 
 
+@_gluon_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce-add of shared memory `src` into the global tile of `tensor_desc` at `coord`
+    (cp.reduce.async.bulk.tensor .add; Triton 3.6's Gluon builder has the op, its tma module no wrapper).
+    Tracked as a TMA store: `tma.store_wait` waits until src has been read."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
 def _issue_with_columns(j, a_tile, ring, ready, columns, st_layout: gl.constexpr, ROWS: gl.constexpr,
                         COLS: gl.constexpr, STAGES: gl.constexpr):
@@ -261,8 +380,10 @@ def _issue_from_zero(j, a_tile, ring, ready, st_layout: gl.constexpr, ROWS: gl.c
 @gluon.jit
 def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse_rows,
                 delta_rows, temp_rows, stride_tn, q_len, first_col, qk_scale, cap_scale, alsc_knee,
-                st_layout: gl.constexpr, a_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
-                MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_row, dq_col,
+                st_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, CAP: gl.constexpr,
+                HAS_TEMP: gl.constexpr, MASKED: gl.constexpr, ONE_PASS_DQ: gl.constexpr, HALF_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup's keys against the query block from row m (ring tile j). Plain softmax: S^T =
     K Q^T - lse2 / c (c = qk_scale = s log2 e) and dP^T = V dO^T - delta issued back to back, the
     per-query terms as the accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in
@@ -272,9 +393,19 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     lse2 and t (c = qk_scale, the log2-unit scale of g), dS^T = P^T t F'(y) dP^T; at D = 64 P^T t F'(y)
     forms while dP^T runs, at D = 128 after both retired (WAIT_DP_WITH_S: with dK and dV at 128
     registers a thread, S^T, dP^T in flight and the cap's values beside them, the loop spills).
-    MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m."""
+    MASKED: the causal compare, key row r visible to query column c when c >= first_col[r] - m.
+    ONE_PASS_DQ: dS^T also goes to ds_rows, the transposed view of this warpgroup's key columns of ds_smem
+    (dS, BLOCK_M queries x BLOCK_N keys, both warpgroups'; a transposing stmatrix), and ds_ready counts both
+    halves in. Once dV and dK retired (their 16-bit operands' registers free), this warpgroup's dQ columns:
+    dQ[:, dq_col:] = dS K[:, cols] (ds_smem loaded to registers, times k_cols, all BLOCK_N keys' rows of
+    its D / 2 columns in shared memory; a 64 x D / 2 fp32 accumulator); ds_free counts both warpgroups'
+    loads out of ds_smem, and the tile goes through dq_staging to the fp32 dq at (dq_row, dq_col) by a TMA
+    reduce-add (after waiting for the previous tile's reduce to have read dq_staging). dS as a register
+    operand rather than a shared-memory one: its 8 k steps' descriptors would stay live across the loop,
+    and the D = 128 loops spilled."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
     WAIT_DP_WITH_S: gl.constexpr = dk.shape[1] > 64
+    DQ_COLS: gl.constexpr = dk.shape[1] // 2
     column: gl.constexpr = gl.SliceLayout(0, st_layout)
     cols = gl.arange(0, BLOCK_M, layout=column)
     lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
@@ -327,13 +458,51 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     # both products from registers, issued back to back: P^T and dS^T in 16 bits are all that stays
     # live beside dK and dV while the tensor cores run them
     p16 = gl.convert_layout(p_t.to(q_ring.dtype), a_layout)
-    ds16 = gl.convert_layout(ds_t.to(q_ring.dtype), a_layout)
+    ds_t16 = ds_t.to(q_ring.dtype)
+    ds16 = gl.convert_layout(ds_t16, a_layout)
+    if ONE_PASS_DQ:
+        mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups have loaded the previous tile's dS
+        ds_rows.store(ds_t16)  # read back by ldmatrix only: no async-proxy fence
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready)
     dv = warpgroup_mma(p16, do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
-    dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
-    release(j, do_empty, STAGES)
-    dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
-    release(j, q_empty, STAGES)
+    if ONE_PASS_DQ:
+        # dV and dK retired (P^T's and dS^T's registers free) before the dQ tile's accumulator is live
+        dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
+        release(j, do_empty, STAGES)
+        dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+        release(j, q_empty, STAGES)
+        mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
+        # dS as the dQ product's register operand (ldmatrix): its k steps need no shared-memory
+        # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it. One
+        # product per half of the keys: each K half is its own TMA tile (at D = 128 a half's rows are two
+        # 128-byte-swizzle column blocks, so the halves are not one 128-row tile)
+        ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+        ds_lo = ds_smem.slice(0, HALF_N, dim=1).load(ds_operand)
+        ds_hi = ds_smem.slice(HALF_N, HALF_N, dim=1).load(ds_operand)
+        gl.thread_barrier()
+        mbarrier.arrive(ds_free)
+        k_lo = k_cols[0]
+        k_hi = k_cols[1]
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dq = warpgroup_mma(ds_lo, k_lo, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
+        dq, ds_lo, ds_hi, k_lo, k_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_lo, ds_hi, k_lo, k_hi))
+        tma.store_wait(0)  # the previous tile's reduce has read dq_staging
+        gl.thread_barrier()
+        dq_staging.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        REDUCE_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+        for part in gl.static_range(DQ_COLS // REDUCE_COLS):
+            _tma_reduce_add(dq_desc, [dq_row, dq_col + part * REDUCE_COLS],
+                            dq_staging.slice(part * REDUCE_COLS, REDUCE_COLS, dim=1))
+    else:
+        dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
+        release(j, do_empty, STAGES)
+        dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+        release(j, q_empty, STAGES)
     return dk, dv
 
 
@@ -341,18 +510,31 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
 def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
                    DK, DV, LSE, DELTA, TEMP, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                    stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale,
-                   alsc_knee, grad_scale, CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr,
+                   alsc_knee, grad_scale, ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_col0,
+                   CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, ONE_PASS_DQ: gl.constexpr,
                    HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                    NUM_WARPS_C: gl.constexpr):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
-    each query head of the group; stores its rows of dk (times grad_scale) and dv."""
+    each query head of the group; stores its rows of dk (times grad_scale) and dv. ONE_PASS_DQ: also
+    adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile to the fp32 dq
+    (`_dkdv_block`; ds_smem .. ds_free are its buffers and barriers, unused otherwise). The dQ product
+    runs over all BLOCK_N keys, so keys past kv_len (the next batch's, or the TMA's zeros past the tensor)
+    must have dS = 0: the masked blocks' compare hides them (p = 0 whatever their scores). Causal, it
+    already does (a key past kv_len is visible to query columns past q_len only, whose p is 0), and
+    every block of a program whose keys run past kv_len is a masked one; full, the compare is
+    key < kv_len, and `_dkdv_dq_kernel` makes every block of such a program a masked one."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
     # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
-    first_col = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    key_rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+    first_col = key_rows - (kv_len - q_len)
+    if ONE_PASS_DQ and not CAUSAL:  # every query sees a key before kv_len, none one past it
+        first_col = gl.where(key_rows < kv_len, 0, 1 << 30)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
@@ -360,20 +542,26 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
 
     mbarrier.wait(kv_bar, 0)
     for gi in range(GROUP):
-        bh = b * H + hk * GROUP + gi
+        h = hk * GROUP + gi
+        bh = b * H + h
         lse_rows = LSE + bh.to(gl.int64) * q_len
         delta_rows = DELTA + bh.to(gl.int64) * q_len
+        dq_col = h * HEAD_DIM + dq_col0  # ONE_PASS_DQ: this warpgroup's first column of dq
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
         for i in range(i_lo, i_full):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
                                  q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
-                                 qk_scale, cap_scale, alsc_knee, st_layout, a_layout, CAP, HAS_TEMP, True, HALF_N,
-                                 BLOCK_M, STAGES)
+                                 qk_scale, cap_scale, alsc_knee, ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
+                                 ds_ready, ds_free, b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout,
+                                 CAP, HAS_TEMP, True, ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
         for i in range(i_full, i_hi):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
                                  q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
-                                 qk_scale, cap_scale, alsc_knee, st_layout, a_layout, CAP, HAS_TEMP, False, HALF_N,
-                                 BLOCK_M, STAGES)
+                                 qk_scale, cap_scale, alsc_knee, ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
+                                 ds_ready, ds_free, b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout,
+                                 CAP, HAS_TEMP, False, ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
+    if ONE_PASS_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
 
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -395,15 +583,12 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer.
     Programs of the first key blocks (the longest under a causal mask) start first. CAP (`_capped_with_slope`, with
     cap_scale and alsc_knee) and HAS_TEMP (TEMP (B, N), strides stride_tb, stride_tn) are compiled in
-    only where asked; qk_scale is the log2-unit scale of the capped score."""
+    only where asked; qk_scale is the log2-unit scale of the capped score. The consumers' one-pass buffers
+    and barriers (`_dkdv_consumer`'s ds_smem .. dq_col0) are placeholders they never touch here."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
-    n0 = gl.program_id(0) * BLOCK_N
-    bhk = gl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
@@ -413,19 +598,86 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
                           stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
-                          i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, CAP, HAS_TEMP, CAUSAL, HALF_N,
-                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves, k_halves,
+                          k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N, BLOCK_M,
+                          HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
                           stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
-                          kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, CAP, HAS_TEMP,
-                          CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves,
+                          k_halves, k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+@gluon.jit
+def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, TEMP,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
+                    H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+                    CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """`_dkdv_kernel` with FlashAttention-3's dQ path (the one-pass form): every tile's dS K also goes
+    into the fp32 dq behind dq_desc ((B N, H D), BLOCK_M x D / 2 boxes) by TMA reduce-add, each
+    consumer warpgroup adding half of the head dim's columns over all BLOCK_N keys. Beside
+    `_dkdv_kernel`'s shared memory and barriers: dS's BLOCK_M x BLOCK_N buffer (each warpgroup writes its
+    keys' columns), a BLOCK_M x D / 2 fp32 staging tile per warpgroup (`dq_staging_layout`), and the
+    ds_ready / ds_free barriers (one arrival per warpgroup). Shared memory at D = 128: 160 KiB of K, V and
+    the ring, 16 KiB of dS, 2 x 16 KiB of staging. Without the causal mask, every query block of a program
+    whose keys run past kv_len runs masked (`_dkdv_consumer` hides those keys from dq)."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    if not CAUSAL:
+        if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
+            i_full = i_hi
+    # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
+    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=2)
+    mbarrier.init(ds_free, count=2)
+    fence_async_shared()
+    ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))  # each warpgroup's keys' columns of dS, as dS^T
+    ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
+    # each warpgroup's dQ columns of K, in each half of the keys (a pair: the halves are separate tiles)
+    k_cols_0 = (k_halves.index(0).slice(0, DQ_COLS, dim=1), k_halves.index(1).slice(0, DQ_COLS, dim=1))
+    k_cols_1 = (k_halves.index(0).slice(DQ_COLS, DQ_COLS, dim=1), k_halves.index(1).slice(DQ_COLS, DQ_COLS, dim=1))
+    staging_0 = dq_staging.index(0)  # each warpgroup's fp32 staging tile
+    staging_1 = dq_staging.index(1)
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
+                          stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
+                          i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_0, k_cols_0,
+                          staging_0, dq_desc, ds_ready, ds_free, 0, CAP, HAS_TEMP, CAUSAL, True, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
+                          stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
+                          kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_1,
+                          k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS, CAP, HAS_TEMP, CAUSAL,
+                          True, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
+                          do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
+                          i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(ds_ready)
+    mbarrier.invalidate(ds_free)
 
 
 # ------------------------------------------------------------------------------- dQ (query blocks)
@@ -631,11 +883,47 @@ _DKDV = DirectLauncher(_dkdv_kernel, "gluon_softmax_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_softmax_bwd_dq")
 
 
+@functools.cache
+def dq_accumulator_tile(head_dim: int) -> tuple[list, object]:
+    """(block shape, shared layout) of the one-pass form's fp32 dq descriptor (`dq_accumulator_block`,
+    `dq_staging_layout`), made once per head dim and checked once by TensorDescriptor's own checks on a
+    stand-in tensor, as `tma_tile`'s are."""
+    import torch
+
+    from attn.kernels.gluon_pipeline import TensorDescriptor
+
+    block, layout = dq_accumulator_block(head_dim), dq_staging_layout()
+    TensorDescriptor(torch.empty(block, dtype=torch.float32), block, [block[1], 1], block, layout)
+    return block, layout
+
+
+@functools.lru_cache(maxsize=256)
+def _one_pass_plan(dtype, head_dim: int, causal: bool, cap: int, cap_value: float, knee: float, sm_scale: float,
+                   has_temp: bool):
+    """What every one-pass launch of one backward form shares (`_backward_plan`'s entries, no dt): (dK / dV
+    config, tiles, the fp32 dq's tile (`dq_accumulator_tile`), the float scalars (qk_scale, cap_scale,
+    alsc_knee, grad_scale), the delta / dK dV dQ / scale-and-cast constexprs)."""
+    kv_cfg, _, tiles, floats, delta_constexprs, dkdv_constexprs, _ = _backward_plan(
+        dtype, head_dim, causal, cap, cap_value, knee, sm_scale, has_temp, False)
+    return (kv_cfg, tiles, dq_accumulator_tile(head_dim), floats[:4], delta_constexprs, dkdv_constexprs,
+            dict(BLOCK=CAST_BLOCK))
+
+
+_DELTA_ZERO_DQ = DirectLauncher(_delta_zero_dq_kernel, "gluon_softmax_bwd_delta_zero_dq")
+_DKDV_DQ = DirectLauncher(_dkdv_dq_kernel, "gluon_softmax_bwd_dkdv_dq")
+_DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_softmax_bwd_dq_cast")
+
+
 def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
             temperature, need_dt: bool):
-    """(dq, dk, dv, dt or None): the three launches (delta, the key-block dK / dV kernel, the query-block
-    dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows summed over heads."""
+    """(dq, dk, dv, dt or None). The separate form: three launches (delta, the key-block dK / dV kernel,
+    the query-block dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows
+    summed over heads. The one-pass form (`dq_form()`, never with need_dt): delta (zeroing the fp32 dq
+    too), the key-block kernel with the dQ path, and dq's scale-and-cast."""
     import torch
+
+    if dq_form() == "one_pass" and not need_dt:
+        return _launch_one_pass(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
@@ -674,6 +962,46 @@ def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, c
     return dq, dk, dv, dt
 
 
+def _launch_one_pass(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float,
+                     knee: float, temperature):
+    """(dq, dk, dv, None) by the one-pass form: delta with the fp32 dq (B, N, H, D) zeroed, the key-block
+    kernel adding every tile's dS K to it (dS carries t F'), then dq = grad_scale dq_acc in q's dtype."""
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    has_temp = temperature is not None
+    kv_cfg, tiles, dq_tile, floats, delta_constexprs, dkdv_constexprs, cast_constexprs = _one_pass_plan(
+        q.dtype, d, causal, cap, cap_value, knee, sm_scale, has_temp)
+    qk_scale, cap_scale, alsc_knee, grad_scale = floats
+    q_view, do_view, k_view, v_view = tma_view(q), tma_view(dout), tma_view(k), tma_view(v)
+    q_desc, do_desc = descriptor(q_view, tiles.rows), descriptor(do_view, tiles.rows)
+    k_half_desc, v_half_desc = descriptor(k_view, tiles.half_keys), descriptor(v_view, tiles.half_keys)
+
+    do_flat = do_view[0]  # contiguous in (H, D): the strides below are its own
+    delta = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
+    dq_acc = torch.empty((bsz, n, h, d), device=q.device, dtype=torch.float32)  # zeroed by the delta kernel
+    so, sdo = out.stride(), do_flat.stride()
+    _DELTA_ZERO_DQ.run((cdiv(n, DELTA_BLOCK_M), bsz * h), (), (out, do_flat, delta, dq_acc),
+                       (so[0], so[1], so[2], sdo[0], sdo[1], sdo[2], h, n), delta_constexprs, GLUON_OPTIONS)
+    # dq_acc as the 2-d (B N, H D) matrix of its reduce boxes (contiguous: a 16-byte aligned base and rows)
+    dq_desc = descriptor((dq_acc, (bsz * n, h * d), (h * d, 1)), dq_tile)
+
+    dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
+    dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
+    temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
+    kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
+    _DKDV_DQ.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc, dq_desc),
+                 (dk, dv, lse2, delta, temp),
+                 (*kv_strides, *kv_strides, stride_tb, stride_tn,
+                  h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale),
+                 dkdv_constexprs, GLUON_OPTIONS)
+    dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    numel = dq.numel()
+    _DQ_CAST.run((cdiv(numel, CAST_BLOCK),), (), (dq_acc, dq), (numel, grad_scale), cast_constexprs, GLUON_OPTIONS)
+    return dq, dk, dv, None
+
+
 def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
                     cap_value: float = 0.0, knee: float = 0.0, temperature=None):
     """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once).
@@ -681,7 +1009,9 @@ def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, 
     its `cap_value` c > 0 and, for ALSC, `knee` in [0, 1), the spec's values), t the optional (B, N)
     `temperature` (any float dtype and strides, any sign), 1 without; sm_scale > 0 without a cap or a
     temperature. `lse2` (B, H, N) fp32 contiguous as either forward writes it for these logits.
-    Three launches: delta, the key-block dK / dV kernel, the query-block dQ kernel."""
+    The form `dq_form()` names (ATTNLAB_GLUON_DQ): three launches (delta, the key-block dK / dV kernel,
+    the query-block dQ kernel), or the one-pass form's (delta zeroing the fp32 dq, the key-block kernel
+    with the dQ path, dq's scale-and-cast)."""
     dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False)
     return dq, dk, dv
 
@@ -689,7 +1019,8 @@ def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, 
 def launch_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
                             cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
     """`launch_backward` with the temperature's gradient too: (dq, dk, dv, dt), dt (B, N) in temperature's
-    dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them)."""
+    dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them). Always the
+    separate form, whatever ATTNLAB_GLUON_DQ says: only the dQ kernel sums dt."""
     return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True)
 
 
@@ -762,21 +1093,27 @@ def gluon_softmax_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, ca
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("delta", "dkdv", "dq")
+KERNELS = ("delta", "delta_zero_dq", "dkdv", "dkdv_one_pass", "dq", "dq_cast")
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
                  kernel: str = "dkdv", cap: int = 0, has_temp: bool = False, need_dt: bool = False):
     """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
-    (`gluon_pipeline.compile_gluon_sm90`): the dK / dV and dQ kernels with a cap (`cap`, CAP_IDS' ids) and
-    a temperature (`has_temp`), the dQ kernel also with d-temperature (`need_dt`)."""
-    if kernel == "delta":
-        signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32",
+    (`gluon_pipeline.compile_gluon_sm90`): the dK / dV kernels (dkdv, and dkdv_one_pass with the dQ path) and
+    the dQ kernel with a cap (`cap`, CAP_IDS' ids) and a temperature (`has_temp`), the dQ kernel also with
+    d-temperature (`need_dt`); delta_zero_dq and dq_cast are the one-pass form's delta and last kernels."""
+    if kernel in ("delta", "delta_zero_dq"):
+        zero_dq = kernel == "delta_zero_dq"
+        signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32", "DQ_ACC": "*fp32",
                      **{name: "i32" for name in ("stride_ob", "stride_on", "stride_oh", "stride_dob", "stride_don",
                                                  "stride_doh", "H", "q_len")},
                      "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr"}
-        return compile_gluon_sm90(_delta_kernel, signature, {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M},
-                                  ("O", "DO", "DELTA"), arch)
+        return compile_gluon_sm90(_delta_zero_dq_kernel if zero_dq else _delta_kernel, signature,
+                                  {"HEAD_DIM": head_dim, "BLOCK_M": DELTA_BLOCK_M},
+                                  ("O", "DO", "DELTA", "DQ_ACC") if zero_dq else ("O", "DO", "DELTA"), arch)
+    if kernel == "dq_cast":
+        signature = {"DQ_ACC": "*fp32", "DQ": f"*{dtype}", "numel": "i32", "grad_scale": "fp32", "BLOCK": "constexpr"}
+        return compile_gluon_sm90(_dq_cast_kernel, signature, {"BLOCK": CAST_BLOCK}, ("DQ_ACC", "DQ"), arch)
     if need_dt and not (kernel == "dq" and has_temp):
         raise ValueError(f"need_dt compiles into the dq kernel with has_temp only, got kernel={kernel!r}, "
                          f"has_temp={has_temp}")
@@ -786,14 +1123,17 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     tail = {"CAP": "constexpr", "HAS_TEMP": "constexpr", "CAUSAL": "constexpr", "HEAD_DIM": "constexpr",
             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr"}
     constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "CAUSAL": causal, "HEAD_DIM": head_dim}
-    if kernel == "dkdv":
+    if kernel in ("dkdv", "dkdv_one_pass"):
         cfg = dkdv_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
-        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
-                     "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32",
+        dq_block = dq_accumulator_block(head_dim)
+        dq_acc = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_staging_layout()!r}>"
+        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "dq_desc": dq_acc,
+                     "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32",
                      **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
                      "H": "i32", "H_KV": "i32", "GROUP": "i32", **scalars, **tail}
-        fn, aligned = _dkdv_kernel, ("DK", "DV", "LSE", "DELTA")
+        fn = _dkdv_dq_kernel if kernel == "dkdv_one_pass" else _dkdv_kernel
+        aligned = ("DK", "DV", "LSE", "DELTA")
     elif kernel == "dq":
         cfg = dq_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])

@@ -86,7 +86,7 @@ from attn.kernels.gluon_softmax_bwd import (
     backward_tiles,
     dkdv_tile_config,
     dq_tile_config,
-    query_block_range,
+    key_block_program,
 )
 from attn.kernels.gluon_weighted_fwd import (
     SIGMOID,
@@ -255,11 +255,7 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
-    n0 = gl.program_id(0) * BLOCK_N
-    bhk = gl.program_id(1)
-    b = bhk // H_KV
-    hk = bhk % H_KV
-    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)

@@ -48,8 +48,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiers import (GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate,
-                                gluon_exp2_degree, gluon_pingpong, tiered)
+from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice,
+                                gluon_candidate, gluon_dq_form, gluon_exp2_degree, gluon_pingpong, tiered)
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -938,10 +938,12 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
                                                        temperature=temperature, **logits)
         return dq, dk, dv, q.new_empty(0)
 
-    return tiered(_BWD_TIERS, (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt), backward, gluon_backward)
+    # the Gluon dq form in the key: each form's tier timing is its own
+    tier_key = (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt, gluon_dq_form())
+    return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV,))
+_BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_DQ_ENV))
 # softmax backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("softmax_family_bwd")
 

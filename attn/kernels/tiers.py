@@ -63,6 +63,20 @@ def gluon_pingpong() -> bool:
     return raw == "pingpong"
 
 
+GLUON_DQ_ENV = "ATTNLAB_GLUON_DQ"
+GLUON_DQ_FORMS = ("separate", "one_pass")
+
+
+def gluon_dq_form() -> str:
+    """How the Gluon softmax backward gets dq, by ATTNLAB_GLUON_DQ: "separate" (default: the query-block
+    dQ kernel) or "one_pass" (the key-block kernel adds each tile's dS K to an fp32 dq by TMA reduce-add;
+    attn/kernels/gluon_softmax_bwd.py). A ValueError naming the variable for anything else."""
+    raw = setting(GLUON_DQ_ENV, GLUON_DQ_FORMS[0])
+    if raw not in GLUON_DQ_FORMS:
+        raise ValueError(f"{GLUON_DQ_ENV} must be one of {GLUON_DQ_FORMS}, got {raw!r}")
+    return raw
+
+
 def gluon_mode() -> str:
     """ATTNLAB_GLUON's value (GLUON_DEFAULT when unset); a ValueError naming the variable for anything else."""
     raw = setting(GLUON_ENV, GLUON_DEFAULT)

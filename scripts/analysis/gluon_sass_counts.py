@@ -13,6 +13,7 @@ it with a Triton 3.6 environment:
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv bwd_dq                   # the softmax backward's kernels
     python scripts/analysis/gluon_sass_counts.py --variant threshold_bwd_dkdv sigmoid_bwd_dq  # the weighted backwards' kernels
     python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_tanh bwd_dq_alsc_temperature_dt  # capped, tempered
+    python scripts/analysis/gluon_sass_counts.py --variant bwd_dkdv_one_pass bwd_dkdv_one_pass_tanh  # dQ in the dK / dV kernel
     python scripts/analysis/gluon_sass_counts.py --variant threshold diff_threshold      # one and two score maps
     python scripts/analysis/gluon_sass_counts.py --variant tanh tanh_pingpong sigmoid_pingpong  # consumers in ping-pong
     python scripts/analysis/gluon_sass_counts.py --variant diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dq  # its backward
@@ -28,7 +29,9 @@ loops run one query block (BLOCK_M rows) against a warpgroup's 64 keys (S^T, dP^
 loop is the causal diagonal, and only causal programs have one); the query-block kernel's loops one key
 block (BLOCK_N keys) against a warpgroup's 64 rows (S, dP, dQ), masked as the forward's. The variants
 bwd_<kernel>_<form> compile a cap (tanh, soft_sign, alsc), a temperature or both into either kernel, and the
-_dt ones the temperature's gradient into the dQ kernel too. The threshold and sigmoid backwards
+_dt ones the temperature's gradient into the dQ kernel too. bwd_dkdv_one_pass(_<form>) is the key-block
+kernel of the one-pass form (ATTNLAB_GLUON_DQ=one_pass): the same loops with dS^T to shared memory, the dQ
+product and its TMA reduce-add per tile (no dQ kernel runs in that form). The threshold and sigmoid backwards
 (attn/kernels/gluon_weighted_bwd.py, `--variant <name>_bwd_dkdv <name>_bwd_dq` for threshold, threshold_p1,
 threshold_p1.5 and sigmoid) have the same loops. The differential threshold forward
 (attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
@@ -118,6 +121,12 @@ def is_masked(body: list[str], scores_per_thread: int = 64) -> bool:
     return sum(ins.startswith("ISETP") for ins in body) >= scores_per_thread // 2
 
 
+def is_masked_by_select(body: list[str], scores_per_thread: int = 32) -> bool:
+    """The one-pass key-block kernel's masked loop without the causal mask (keys past the key length): its
+    mask is per key row, so ptxas keeps a predicate per row and selects (FSEL) each score, with few ISETP."""
+    return sum(ins.startswith(("ISETP", "FSEL")) for ins in body) >= scores_per_thread // 2
+
+
 def loop_counts(body: list[str], block_n: int) -> dict:
     """Counts per category of one loop body of a 64 x block_n score tile per warpgroup."""
     row = {col: 0 for col, _ in CATEGORIES} | {"other": 0}
@@ -152,6 +161,10 @@ BACKWARD_FORMS = {"tanh": dict(cap=1), "soft_sign": dict(cap=2), "alsc": dict(ca
                   "temperature": dict(has_temp=True), "alsc_temperature": dict(cap=3, has_temp=True)}
 VARIANTS.update({f"bwd_{kernel}_{form}": dict(kernel=kernel, **kwargs)
                  for kernel in ("dkdv", "dq") for form, kwargs in BACKWARD_FORMS.items()})
+# the key-block kernel with FlashAttention-3's dQ path (ATTNLAB_GLUON_DQ=one_pass), plain and capped / tempered
+VARIANTS.update({"bwd_dkdv_one_pass": dict(kernel="dkdv_one_pass")})
+VARIANTS.update({f"bwd_dkdv_one_pass_{form}": dict(kernel="dkdv_one_pass", **kwargs)
+                 for form, kwargs in BACKWARD_FORMS.items()})
 VARIANTS.update({"bwd_dq_temperature_dt": dict(kernel="dq", has_temp=True, need_dt=True),
                  "bwd_dq_alsc_temperature_dt": dict(kernel="dq", cap=3, has_temp=True, need_dt=True)})
 BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_softmax_bwd.py"
@@ -200,7 +213,7 @@ def tile_width(module, variant: str, head_dim: int) -> int:
             return module.dq_tile_config(head_dim)["BLOCK_N"]
         views = module.SECOND_VIEW if kernel == "dkdv_second" else module.dkdv_forms(head_dim)[0]
         return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
-    if kernel == "dkdv":
+    if kernel in ("dkdv", "dkdv_one_pass"):
         return module.dkdv_tile_config(head_dim)["BLOCK_M"]
     if kernel == "dq":
         return module.dq_tile_config(head_dim)["BLOCK_N"]
@@ -221,10 +234,15 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel", "").startswith("dkdv") and not causal:
+    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
+    # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
+    # of a program whose keys run past the key length, whose keys must not reach dq)
+    masked_loop = is_masked
+    if VARIANTS[variant].get("kernel") == "dkdv_one_pass" and not causal:
+        masked_loop = is_masked_by_select
     for kind, masked in kinds:
-        bodies = [body for body in loops if is_masked(body, 64 * block_n // 128) == masked]
+        bodies = [body for body in loops if masked_loop(body, 64 * block_n // 128) == masked]
         if not bodies:
             raise RuntimeError(f"{config}: no {kind} loop with HGMMA in the SASS")
         body = min(bodies, key=len)

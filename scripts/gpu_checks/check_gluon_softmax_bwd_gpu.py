@@ -5,15 +5,20 @@
    lengths, causal and not, KV > N and KV < N, GQA, D 64 / 128, bf16 / fp16, after filling the caching
    allocator's free blocks with NaN (an unwritten element shows); then CAPPED_CASES: every cap (binding) and
    temperatures of every sign with d-temperature, against attn.attention's float64 reference (KV >= N, as
-   the public function takes them). (tests/test_gluon_bwd_gpu.py holds the same checks with torch.empty
-   poisoned, and with the Gluon forward's out and lse2.)
+   the public function takes them). Then ONE_PASS_CASES and ONE_PASS_CAPPED_CASES (entries of both lists) again
+   with ATTNLAB_GLUON_DQ=one_pass: dq from the key-block kernel's TMA reduce-adds (d-temperature stays on
+   the separate form). (tests/test_gluon_bwd_gpu.py holds the same checks with torch.empty poisoned, and with
+   the Gluon forward's out and lse2.)
 2. Timing, backward only (triton.testing.do_bench median ms; TFLOP/s of 2.5x the forward's useful FLOPs,
    halved when causal) at SHAPE (B, H, N, D, causal), bf16, one row per TIMED variant (plain softmax, the
    three caps, ALSC with a temperature and its gradient): SDPA's plain softmax backward (torch.autograd.grad
    through scaled_dot_product_attention, the graph kept; the same number on every row, the speed users
    know), the portable backward (softmax_family._bwd_impl with ATTNLAB_GLUON=0, on its first tile configs
    unless --tune-portable, which tunes each variant's kernels before the timing: a dozen compiles each) and
-   the Gluon backward (`launch_backward`, or `launch_backward_with_dt`: delta, dK / dV, dQ).
+   the Gluon backward (`launch_backward`, or `launch_backward_with_dt`: delta, dK / dV, dQ). The rows named
+   "... one-pass" time the Gluon backward with ATTNLAB_GLUON_DQ=one_pass (delta zeroing the fp32 dq, dK / dV
+   with dQ's reduce-adds, the scale-and-cast; the portable column is not re-timed) and print the separate
+   form's time over theirs.
 
 Prints both tables and writes <out>/gluon_softmax_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -28,7 +33,6 @@ import json
 import math
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 from timing import attention_flops, median_ms, result_header, tflops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_gluon_softmax_gpu import poison_allocator  # noqa: E402
+from check_gluon_softmax_gpu import checked_row, poison_allocator  # noqa: E402
 
 # (B, N, KV, H, H_kv, D, causal, dtype)
 CASES = [
@@ -64,12 +68,36 @@ CAPPED_CASES = [
     ("softcap_tanh", {"cap": 2.0}, True, True, (1, 100, 300, 4, 4, 128, True, "bf16")),
     ("alsc", {"cap": 3.0, "knee": 0.5}, True, True, (1, 1000, 1000, 4, 4, 64, True, "bf16")),
 ]
+# the one-pass dQ form (ATTNLAB_GLUON_DQ=one_pass) on: odd N, KV > N and KV < N, GQA, causal and full, D 64 / 128
+ONE_PASS_CASES = [CASES[i] for i in (1, 2, 4, 5, 6, 7)]
+ONE_PASS_CAPPED_CASES = [CAPPED_CASES[i] for i in (0, 1, 2, 4)]  # the last with dt: the separate form
 SHAPE = (4, 16, 4096, 128, True)
-# (row name, variant, spec params, temperature, need_dt) timed at SHAPE
-TIMED = [("softmax", "softmax", {}, False, False), ("tanh c=30", "softcap_tanh", {"cap": 30.0}, False, False),
-         ("soft_sign c=30", "softcap_softsign", {"cap": 30.0}, False, False),
-         ("alsc c=30", "alsc", {"cap": 30.0, "knee": 0.5}, False, False),
-         ("alsc c=30 +t, dt", "alsc", {"cap": 30.0, "knee": 0.5}, True, True)]
+# (row name, variant, spec params, temperature, need_dt, ATTNLAB_GLUON_DQ) timed at SHAPE
+TIMED = [("softmax", "softmax", {}, False, False, "separate"),
+         ("softmax one-pass", "softmax", {}, False, False, "one_pass"),
+         ("tanh c=30", "softcap_tanh", {"cap": 30.0}, False, False, "separate"),
+         ("tanh c=30 one-pass", "softcap_tanh", {"cap": 30.0}, False, False, "one_pass"),
+         ("soft_sign c=30", "softcap_softsign", {"cap": 30.0}, False, False, "separate"),
+         ("alsc c=30", "alsc", {"cap": 30.0, "knee": 0.5}, False, False, "separate"),
+         ("alsc c=30 +t, dt", "alsc", {"cap": 30.0, "knee": 0.5}, True, True, "separate")]
+DQ_FORM_ENV = "ATTNLAB_GLUON_DQ"  # gluon_softmax_bwd.DQ_FORM_ENV
+
+
+class dq_form:
+    """ATTNLAB_GLUON_DQ set to `form` inside the block (the launchers read it per call)."""
+
+    def __init__(self, form: str):
+        self.form, self.saved = form, None
+
+    def __enter__(self):
+        self.saved = os.environ.get(DQ_FORM_ENV)
+        os.environ[DQ_FORM_ENV] = self.form
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop(DQ_FORM_ENV, None)
+        else:
+            os.environ[DQ_FORM_ENV] = self.saved
 
 
 def reference_grads(q, k, v, do, sm_scale, causal):
@@ -207,7 +235,8 @@ def time_variants(results, tune_portable: bool):
     os.environ.update(settings)
     rows = []
     try:
-        for row_name, variant, params, with_temperature, need_dt in TIMED:
+        separate_ms = {}
+        for row_name, variant, params, with_temperature, need_dt, form in TIMED:
             spec = attn.get_variant(variant).make_spec(**params)
             cap, cap_value, knee, sm_scale = logits(spec, d)
             t = temperature if with_temperature else None
@@ -223,21 +252,34 @@ def time_variants(results, tune_portable: bool):
                     return launch_backward_with_dt(q, k, v, out, do, lse2, sm_scale, causal, **caps)
                 return launch_backward(q, k, v, out, do, lse2, sm_scale, causal, **caps)
 
-            row = {"variant": row_name, "shape": list(SHAPE), "sdpa": {"ms": sdpa_ms, "tflops": tflops(flops, sdpa_ms)}}
-            for name, fn in (("portable", portable), ("gluon", gluon)):
+            row = {"variant": row_name, "shape": list(SHAPE), "dq_form": form,
+                   "sdpa": {"ms": sdpa_ms, "tflops": tflops(flops, sdpa_ms)}}
+            timed_fns = (("portable", portable), ("gluon", gluon)) if form == "separate" else (("gluon", gluon),)
+            if form != "separate":
+                row["portable"] = {"skipped": "timed on the separate row"}
+            for name, fn in timed_fns:
                 try:
-                    fn()  # compiles (and tunes) outside the timing
-                    ms = median_ms(fn)
+                    with dq_form(form):
+                        fn()  # compiles (and tunes) outside the timing
+                        ms = median_ms(fn)
                     row[name] = {"ms": ms, "tflops": tflops(flops, ms)}
                 except Exception:
                     row[name] = {"error": traceback.format_exc(limit=3)}
+            if "ms" in row["gluon"]:
+                if form == "separate":
+                    separate_ms[variant] = row["gluon"]["ms"]
+                elif variant in separate_ms:
+                    row["separate_over_one_pass"] = separate_ms[variant] / row["gluon"]["ms"]
             rows.append(row)
             cells = "".join(f"{row[key]['ms']:>10.3f}{row[key]['tflops']:>8.0f}" if "ms" in row[key]
-                            else f"{'error':>18}" for key in ("sdpa", "portable", "gluon"))
+                            else f"{'-' if 'skipped' in row[key] else 'error':>18}"
+                            for key in ("sdpa", "portable", "gluon"))
             timed = "ms" in row["gluon"]
             ratios = "".join(f"{row[key]['ms'] / row['gluon']['ms']:>12.2f}x" if timed and "ms" in row[key]
                              else f"{'-':>13}" for key in ("sdpa", "portable"))
-            print(f"{row_name:<20}{cells}{ratios}")
+            one_pass = (f"   separate/one-pass {row['separate_over_one_pass']:.2f}x"
+                        if "separate_over_one_pass" in row else "")
+            print(f"{row_name:<20}{cells}{ratios}{one_pass}")
             for key in ("portable", "gluon"):
                 if "error" in row[key]:
                     print(row[key]["error"])
@@ -254,6 +296,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_softmax_bwd.json")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--one-pass-only", action="store_true",
+                    help="check only the one-pass cases (ONE_PASS_CASES, ONE_PASS_CAPPED_CASES) before the timing")
     ap.add_argument("--tune-portable", action="store_true",
                     help="tune the portable backward's tiles per variant before timing it (slow: compiles)")
     args = ap.parse_args()
@@ -271,17 +315,9 @@ def main() -> int:
 
     failed = 0
     print(f"{'B,N,KV,H,Hkv,D,causal,dtype':<44}{'ratio dq':>10}{'ratio dk':>10}{'ratio dv':>10}  status")
-    for case in CASES:
+    for case in () if args.one_pass_only else CASES:
         row = {"case": list(case)}
-        t0 = time.perf_counter()
-        try:
-            row.update(check_case(case, error_ratio))
-            ok = all(row[f"ratio_{name}"] <= 1.0 for name in ("dq", "dk", "dv"))
-        except Exception:
-            row["error"] = traceback.format_exc()
-            ok = False
-        row["ok"] = ok
-        row["s"] = round(time.perf_counter() - t0, 2)
+        ok = checked_row(row, lambda: check_case(case, error_ratio), ("dq", "dk", "dv"))
         failed += not ok
         results["cases"].append(row)
         ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>10.3f}" for name in ("dq", "dk", "dv"))
@@ -290,20 +326,12 @@ def main() -> int:
             print(row["error"])
     results["capped_cases"] = []
     print(f"\n{'variant, params, t, dt, case':<90}{'dq':>8}{'dk':>8}{'dv':>8}{'dt':>8}  status")
-    for entry in CAPPED_CASES:
+    for entry in () if args.one_pass_only else CAPPED_CASES:
         variant, params, with_temperature, need_dt, case = entry
         row = {"variant": variant, "params": params, "temperature": with_temperature, "need_dt": need_dt,
                "case": list(case)}
-        t0 = time.perf_counter()
         names = ("dq", "dk", "dv") + (("dt",) if need_dt else ())
-        try:
-            row.update(check_capped_case(entry, error_ratio))
-            ok = all(row[f"ratio_{name}"] <= 1.0 for name in names)
-        except Exception:
-            row["error"] = traceback.format_exc()
-            ok = False
-        row["ok"] = ok
-        row["s"] = round(time.perf_counter() - t0, 2)
+        ok = checked_row(row, lambda: check_capped_case(entry, error_ratio), names)
         failed += not ok
         results["capped_cases"].append(row)
         ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>8.3f}" for name in ("dq", "dk", "dv", "dt"))
@@ -311,6 +339,23 @@ def main() -> int:
         print(f"{label:<90}{ratios}  {'ok' if ok else 'FAIL'}")
         if "error" in row:
             print(row["error"])
+    results["one_pass_cases"] = []
+    print(f"\n{DQ_FORM_ENV}=one_pass")
+    for kind, entries in (("plain", ONE_PASS_CASES), ("capped", ONE_PASS_CAPPED_CASES)):
+        for entry in entries:
+            row = {"kind": kind, "entry": list(entry) if kind == "plain" else [*entry[:4], list(entry[4])]}
+            names = ("dq", "dk", "dv") + (("dt",) if kind == "capped" and entry[3] else ())
+            def check(entry=entry, kind=kind):
+                with dq_form("one_pass"):
+                    return check_case(entry, error_ratio) if kind == "plain" else check_capped_case(entry, error_ratio)
+
+            ok = checked_row(row, check, names)
+            failed += not ok
+            results["one_pass_cases"].append(row)
+            ratios = "".join(f"{row.get(f'ratio_{name}', float('nan')):>8.3f}" for name in ("dq", "dk", "dv", "dt"))
+            print(f"{str(entry):<90}{ratios}  {'ok' if ok else 'FAIL'}")
+            if "error" in row:
+                print(row["error"])
     dump()
     if not args.no_timing:
         b, h, n, d, causal = SHAPE

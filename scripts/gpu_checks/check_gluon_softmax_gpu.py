@@ -93,6 +93,21 @@ def poison_allocator(device):
         pass
 
 
+def checked_row(row: dict, check, names) -> bool:
+    """Run `check()` (a dict of float64-rule ratios and errors) into `row`: its entries, "ok" (every
+    `ratio_<name>` within the rule), "s" (seconds) and, where it raised, "error" (the traceback)."""
+    t0 = time.perf_counter()
+    try:
+        row.update(check())
+        ok = all(row[f"ratio_{name}"] <= 1.0 for name in names)
+    except Exception:
+        row["error"] = traceback.format_exc()
+        ok = False
+    row["ok"] = ok
+    row["s"] = round(time.perf_counter() - t0, 2)
+    return ok
+
+
 def check_case(case, gluon_softmax_forward, error_ratio):
     bsz, n, kv_len, h, h_kv, d, causal, dt = case
     dtype = DTYPES[dt]
