@@ -80,16 +80,91 @@ def test_pinned_configs_keep_the_portable_tier_untimed(monkeypatch, fake_timer):
     assert choice.chosen == {} and choice.timings == {}
 
 
+def test_a_timed_choice_keeps_the_fastest_of_several_and_serves_the_untimed_one_while_pinned(monkeypatch, fake_timer):
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    times, calls = fake_timer
+    times.update(a=3.0, b=1.0, c=2.0)
+    impls = {name: (lambda name: lambda *args: calls.append((name, args)) or name)(name) for name in "abc"}
+    choice = tiers.TimedChoice("launch")
+    assert choice.choose(("k",), impls, (1,), "a")(1) == "b"
+    assert choice.timings[("k",)] == {"a": 3.0, "b": 1.0, "c": 2.0} and choice.chosen == {("k",): "b"}
+    assert choice.report() == {"launch, ('k',)": "b (a 3.0000 ms, b 1.0000 ms, c 2.0000 ms)"}
+    monkeypatch.setenv("ATTNLAB_AUTOTUNE", "0")
+    assert choice.choose(("k",), impls, (1,), "a")(1) == "b"  # a key chosen before stays chosen
+    timed_calls = len(calls)
+    assert choice.choose(("new",), impls, (1,), "a")(1) == "a"  # pinned: the untimed one, not remembered
+    assert len(calls) == timed_calls + 1 and ("new",) not in choice.chosen
+
+
+@pytest.mark.parametrize("separate_ms,one_pass_ms,winner", [(2.0, 1.0, "one_pass"), (1.0, 1.5, "separate")])
+def test_the_gluon_dq_form_is_timed_per_key_under_auto(separate_ms, one_pass_ms, winner, gluon_offered,
+                                                      monkeypatch):
+    """ATTNLAB_GLUON_DQ=auto (the default): the softmax backward plan's Gluon tier times the separate and the
+    one-pass forms on the call's own arguments at a key's first call and keeps the faster; under
+    torch.use_deterministic_algorithms, or with d-temperature asked for (only the separate form's dQ
+    kernel sums it), the separate form, untimed."""
+    import attn
+    from attn.kernels import gluon_softmax_bwd, softmax_family
+
+    monkeypatch.delenv(tiers.GLUON_DQ_ENV, raising=False)
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(gluon_softmax_bwd, "serves", lambda q, k, v: True)
+    monkeypatch.setattr(softmax_family, "_GLUON_DQ_FORMS", tiers.TimedChoice("dq form"))
+    log = []
+
+    def fake(q, k, v, *args, form=None, **named):
+        log.append(form)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def fake_with_dt(q, k, v, *args, temperature, **named):
+        log.append("with_dt")
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(temperature)
+
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward", fake)
+    monkeypatch.setattr(gluon_softmax_bwd, "launch_backward_with_dt", fake_with_dt)
+
+    def median_ms(fn):
+        before = len(log)
+        fn()
+        return {"separate": separate_ms, "one_pass": one_pass_ms}[log[before]]
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant("softcap_tanh").make_spec(cap=30.0)
+
+    def backward(**kwargs):
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        attn.attention(q, k, v, spec, causal=True, backend="triton", **kwargs).sum().backward()
+
+    backward()
+    # each form once to compile and tune, once timed; then the winner serves the call
+    assert log == ["separate", "separate", "one_pass", "one_pass", winner]
+    assert list(softmax_family._GLUON_DQ_FORMS.chosen.values()) == [winner]
+    del log[:]
+    backward()
+    assert log == [winner]  # remembered
+    del log[:]
+    torch.use_deterministic_algorithms(True)
+    try:
+        backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert log == ["separate"]
+    del log[:]
+    backward(temperature=(torch.rand(1, 24) + 0.5).requires_grad_())
+    assert log == ["with_dt"]
+
+
 def test_gluon_never_usable_off_a_cuda_device_or_under_the_interpreter(monkeypatch):
     assert not tiers.gluon_usable(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not tiers.gluon_usable(torch.device("cuda", 0))  # decided before any CUDA query
 
 
-@pytest.mark.parametrize("value,form", [(None, "separate"), ("separate", "separate"), ("one_pass", "one_pass")])
+@pytest.mark.parametrize("value,form", [(None, "auto"), ("auto", "auto"), ("separate", "separate"),
+                                        ("one_pass", "one_pass")])
 def test_gluon_dq_form_switch_values(value, form, monkeypatch):
-    """ATTNLAB_GLUON_DQ picks the Gluon softmax backward's dq form (separate by default); anything else is a
-    ValueError naming the variable."""
+    """ATTNLAB_GLUON_DQ picks the Gluon softmax backward's dq form (auto by default: timed per key); anything
+    else is a ValueError naming the variable."""
     from attn.kernels import gluon_softmax_bwd
 
     if value is None:
@@ -151,11 +226,13 @@ def _fake_gluon(monkeypatch, module, name, log, result):
 
 @pytest.fixture
 def gluon_offered(monkeypatch):
-    """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1), its launchers logged."""
+    """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1; the softmax backward's dq form
+    fixed, untimed: ATTNLAB_GLUON_DQ=separate), its launchers logged."""
     from attn.kernels import (gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family,
                               threshold_family)
 
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_DQ_ENV, "separate")
     for family in (softmax_family, threshold_family, sigmoid_family):
         monkeypatch.setattr(family, "gluon_candidate", lambda device: True)
     log = []

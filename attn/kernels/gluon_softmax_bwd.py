@@ -16,8 +16,9 @@ softmax (CAP 0, no temperature): g = q.k, F' = 1, t = 1. The cap and the tempera
 (CAP, HAS_TEMP, and NEED_DT in the dQ kernel): the plain kernels compile without any of it
 (scripts/analysis/gluon_sass_counts.py counts their loops).
 
-Two forms of dq, by ATTNLAB_GLUON_DQ (`dq_form`): "separate" (the default, the validated one, and always for
-the temperature's gradient) and "one_pass". Each launch is written against Triton 3.6's Gluon API
+Two forms of dq: "separate" (always for the temperature's gradient) and "one_pass"; ATTNLAB_GLUON_DQ
+(`dq_form`) pins one, and its default, "auto", lets the backward plans time both per tuning key
+(`tiers.choose_gluon_dq_form`). Each launch is written against Triton 3.6's Gluon API
 (`gluon_pipeline.gluon_api_available`).
 
 The separate form, three launches:
@@ -71,14 +72,14 @@ not linear, so capped or tempered blocks start S^T from zero and take lse2 (and 
 registers. The cap's slope F' comes from the same intermediates as g (`_capped_with_slope`). At D = 128
 those blocks wait for dP^T together with S^T (the cap's values beside dK, dV and an in-flight dP^T spill).
 
-Why the separate form is the default: it is the one validated on an H100 (every case; the plain backward
-in 0.90x cuDNN's time at (4, 16, 4096, 128) causal bf16), and it is deterministic. The one-pass form
+Why the form is timed rather than fixed: both are within the float64 rule on an H100 (every case of the
+GPU checks, D = 64 and 128), and neither wins everywhere: at (4, 16, 4096, 128) causal bf16 the one-pass
+form is 9 % faster than the separate one for tanh and 1 % slower for plain softmax. The one-pass form
 trades two products and the recomputed exp2 / cap per score for dS's shared-memory round trip, the
-warpgroups' lockstep and the fp32 dq's traffic. Its loops keep no local memory but 1-6 spilled loop
-invariants at D = 128: the plain causal diagonal's, a tempered full mask's masked loop, ALSC with a
-temperature's (scripts/analysis/gluon_sass_counts.py, variants bwd_dkdv_one_pass*). The
-portable backward's default is the same split (`softmax_family._dq_form`: "separate" unless tuning
-finds "one_pass" faster, which it did only at D = 64 with 2048+ keys).
+warpgroups' lockstep and the fp32 dq's traffic; its loops spill a few values at D = 128 under the 168
+registers a consumer warpgroup gets (tests/test_gluon_compile.py's ONE_PASS_LOOP_SPILLS). Its reduce-adds
+sum dq in no fixed order, so pinned configs (ATTNLAB_AUTOTUNE=0) and torch.use_deterministic_algorithms
+keep the separate form. The portable backward chooses the same way (`softmax_family._dq_form`).
 
 Masks: key-block programs visit only query blocks that see their keys (causal: from the first row at
 key position >= n0); blocks on the causal diagonal run with one compare per score, the rest without
@@ -915,14 +916,14 @@ _DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_softmax_bwd_dq_cast")
 
 
 def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
-            temperature, need_dt: bool):
+            temperature, need_dt: bool, one_pass: bool):
     """(dq, dk, dv, dt or None). The separate form: three launches (delta, the key-block dK / dV kernel,
     the query-block dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows
-    summed over heads. The one-pass form (`dq_form()`, never with need_dt): delta (zeroing the fp32 dq
+    summed over heads. The one-pass form (`one_pass`, never with need_dt): delta (zeroing the fp32 dq
     too), the key-block kernel with the dQ path, and dq's scale-and-cast."""
     import torch
 
-    if dq_form() == "one_pass" and not need_dt:
+    if one_pass and not need_dt:
         return _launch_one_pass(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature)
 
     bsz, n, h, d = q.shape
@@ -1003,16 +1004,19 @@ def _launch_one_pass(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, ca
 
 
 def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
-                    cap_value: float = 0.0, knee: float = 0.0, temperature=None):
+                    cap_value: float = 0.0, knee: float = 0.0, temperature=None, form: str | None = None):
     """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once).
     Logits z_ij = t_i F(sm_scale q_i.k_j) as the portable kernels define them: F the cap `cap` (CAPS' ids;
     its `cap_value` c > 0 and, for ALSC, `knee` in [0, 1), the spec's values), t the optional (B, N)
     `temperature` (any float dtype and strides, any sign), 1 without; sm_scale > 0 without a cap or a
     temperature. `lse2` (B, H, N) fp32 contiguous as either forward writes it for these logits.
-    The form `dq_form()` names (ATTNLAB_GLUON_DQ): three launches (delta, the key-block dK / dV kernel,
-    the query-block dQ kernel), or the one-pass form's (delta zeroing the fp32 dq, the key-block kernel
-    with the dQ path, dq's scale-and-cast)."""
-    dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False)
+    The dq form `form` ("separate" or "one_pass"; None: the one ATTNLAB_GLUON_DQ names, "auto" meaning
+    "separate" here, since the backward plans time the forms): three launches (delta, the key-block dK / dV
+    kernel, the query-block dQ kernel), or the one-pass form's (delta zeroing the fp32 dq, the key-block
+    kernel with the dQ path, dq's scale-and-cast)."""
+    one_pass = (form or dq_form()) == "one_pass"
+    dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False,
+                            one_pass)
     return dq, dk, dv
 
 
@@ -1021,7 +1025,7 @@ def launch_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: b
     """`launch_backward` with the temperature's gradient too: (dq, dk, dv, dt), dt (B, N) in temperature's
     dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them). Always the
     separate form, whatever ATTNLAB_GLUON_DQ says: only the dQ kernel sums dt."""
-    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True)
+    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True, False)
 
 
 def _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature):

@@ -48,8 +48,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice,
-                                gluon_candidate, gluon_dq_form, gluon_exp2_degree, gluon_pingpong, tiered)
+from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
+                                choose_gluon_dq_form, gluon_candidate, gluon_dq_form, gluon_exp2_degree,
+                                gluon_pingpong, tiered)
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -930,22 +931,34 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
         return backward
     logits = dict(cap=cap, cap_value=float(cap_value), knee=float(knee))
 
-    def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
-        if need_dt:
-            return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse, sm_scale, causal,
-                                                             temperature=temperature, **logits)
-        dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal,
-                                                       temperature=temperature, **logits)
-        return dq, dk, dv, q.new_empty(0)
+    def gluon_with_dt(do, q, k, v, out, lse, bounds, temperature, seed):
+        return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse, sm_scale, causal,
+                                                         temperature=temperature, **logits)
+
+    def gluon_form(form):
+        def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
+            dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal,
+                                                           temperature=temperature, form=form, **logits)
+            return dq, dk, dv, q.new_empty(0)
+        return gluon_backward
 
     # the Gluon dq form in the key: each form's tier timing is its own
-    tier_key = (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt, gluon_dq_form())
-    return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
+    dq_form = gluon_dq_form()
+    tier_key = (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt, dq_form)
+    if need_dt:  # only the separate form's dQ kernel sums d-temperature
+        gluon = gluon_with_dt
+    elif dq_form == "auto":  # the two forms timed per key (inside the Gluon tier's first, untimed call)
+        gluon = choose_gluon_dq_form(_GLUON_DQ_FORMS, tier_key, gluon_form("separate"), gluon_form("one_pass"))
+    else:
+        gluon = gluon_form(dq_form)
+    return tiered(_BWD_TIERS, tier_key, backward, gluon)
 
 
 _BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_DQ_ENV))
 # softmax backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("softmax_family_bwd")
+# the Gluon backward's dq form per tuning key under ATTNLAB_GLUON_DQ=auto: "separate" or "one_pass"
+_GLUON_DQ_FORMS = TimedChoice("gluon softmax backward dq form")
 
 
 # the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"
@@ -995,6 +1008,7 @@ def tuned_configs() -> dict[str, str]:
     out.update({f"backward dq form, {key}": form for key, form in _dq_forms.items()})
     out.update(_TIERS.report())
     out.update(_BWD_TIERS.report())
+    out.update(_GLUON_DQ_FORMS.report())
     return out
 
 

@@ -64,13 +64,15 @@ def gluon_pingpong() -> bool:
 
 
 GLUON_DQ_ENV = "ATTNLAB_GLUON_DQ"
-GLUON_DQ_FORMS = ("separate", "one_pass")
+GLUON_DQ_FORMS = ("auto", "separate", "one_pass")
 
 
 def gluon_dq_form() -> str:
-    """How the Gluon softmax backward gets dq, by ATTNLAB_GLUON_DQ: "separate" (default: the query-block
-    dQ kernel) or "one_pass" (the key-block kernel adds each tile's dS K to an fp32 dq by TMA reduce-add;
-    attn/kernels/gluon_softmax_bwd.py). A ValueError naming the variable for anything else."""
+    """How the Gluon softmax backward gets dq, by ATTNLAB_GLUON_DQ: "separate" (the query-block dQ kernel),
+    "one_pass" (the key-block kernel adds each tile's dS K to an fp32 dq by TMA reduce-add;
+    attn/kernels/gluon_softmax_bwd.py) or "auto" (default: the backward plans time both per tuning key and
+    keep the faster, "separate" where nothing is timed; `choose_gluon_dq_form`). A ValueError naming the
+    variable for anything else."""
     raw = setting(GLUON_DQ_ENV, GLUON_DQ_FORMS[0])
     if raw not in GLUON_DQ_FORMS:
         raise ValueError(f"{GLUON_DQ_ENV} must be one of {GLUON_DQ_FORMS}, got {raw!r}")
@@ -116,29 +118,34 @@ def tiered(choice: "TierChoice", key: tuple, portable: Callable, gluon: Callable
     return launch
 
 
-class TierChoice:
-    """Per tuning key, the tier that serves a kernel entry's launches (see the module docstring)."""
+def timing_allowed() -> bool:
+    """Whether a choice may time its candidates now: not under pinned configs (ATTNLAB_AUTOTUNE=0: runs
+    that must repeat bitwise), nor inside a CUDA-graph capture."""
+    return not (autotune_pinned() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
+
+
+class TimedChoice:
+    """Per tuning key, which of a few implementations of one launch serves it: each timed once per key on
+    the call's own arguments (after a first call that compiles and tunes it outside the timing), the
+    fastest kept. `choose(key, impls, args, untimed)` returns the implementation; `untimed` names the one
+    that serves, unremembered, while timing is not allowed (`timing_allowed`)."""
+
+    label = ""  # after the name in `report`'s keys
 
     def __init__(self, name: str):
         self.name = name
-        self.chosen: dict[tuple, str] = {}  # tuning key -> "gluon" | "portable"
-        self.timings: dict[tuple, dict[str, float]] = {}  # tuning key -> median ms per tier
+        self.chosen: dict[tuple, str] = {}  # tuning key -> the chosen implementation's name
+        self.timings: dict[tuple, dict[str, float]] = {}  # tuning key -> median ms per implementation
 
-    def pick(self, key: tuple, portable: Callable, gluon: Callable, args: tuple) -> Callable:
-        """The implementation to run `args` with: `portable` or `gluon`, both callables of `args`."""
-        mode = gluon_mode()
-        if mode != "auto":
-            return gluon if mode == "1" else portable
+    def choose(self, key: tuple, impls: dict[str, Callable], args: tuple, untimed: str) -> Callable:
         chosen = self.chosen.get(key)
         if chosen is None:
-            if autotune_pinned() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-                return portable
-            chosen = self.chosen[key] = self._time(key, {"portable": portable, "gluon": gluon}, args)
-        return gluon if chosen == "gluon" else portable
+            if not timing_allowed():
+                return impls[untimed]
+            chosen = self.chosen[key] = self._time(key, impls, args)
+        return impls[chosen]
 
     def _time(self, key: tuple, impls: dict[str, Callable], args: tuple) -> str:
-        """The faster tier on `args`, timed as tuning times tile configs, each after a first call that
-        compiles and tunes it outside the timing."""
         from attn.kernels.runtime import median_ms
 
         times = {}
@@ -151,6 +158,35 @@ class TierChoice:
     def report(self) -> dict[str, str]:
         """The choices so far with their timings, readable (for benchmark reports)."""
         def timed(key):
-            return ", ".join(f"{tier} {ms:.4f} ms" for tier, ms in self.timings.get(key, {}).items())
+            return ", ".join(f"{name} {ms:.4f} ms" for name, ms in self.timings.get(key, {}).items())
 
-        return {f"{self.name} tier, {key}": f"{tier} ({timed(key)})" for key, tier in self.chosen.items()}
+        return {f"{self.name}{self.label}, {key}": f"{name} ({timed(key)})" for key, name in self.chosen.items()}
+
+
+class TierChoice(TimedChoice):
+    """Per tuning key, the tier that serves a kernel entry's launches (see the module docstring)."""
+
+    label = " tier"
+
+    def pick(self, key: tuple, portable: Callable, gluon: Callable, args: tuple) -> Callable:
+        """The implementation to run `args` with: `portable` or `gluon`, both callables of `args`."""
+        mode = gluon_mode()
+        if mode != "auto":
+            return gluon if mode == "1" else portable
+        chosen = self.chosen.get(key)
+        if chosen is not None:  # the common case, without building the candidates' mapping
+            return gluon if chosen == "gluon" else portable
+        return self.choose(key, {"portable": portable, "gluon": gluon}, args, "portable")
+
+
+def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, one_pass: Callable) -> Callable:
+    """A plan's launch function for the Gluon softmax backward under ATTNLAB_GLUON_DQ=auto: `choice` times
+    the two dq forms per tuning key and keeps the faster; "separate" while timing is not allowed and under
+    torch.use_deterministic_algorithms (the one-pass form's reduce-adds sum dq in no fixed order)."""
+    forms = {"separate": separate, "one_pass": one_pass}
+
+    def launch(*args):
+        if torch.are_deterministic_algorithms_enabled():
+            return separate(*args)
+        return choice.choose(key, forms, args, "separate")(*args)
+    return launch
