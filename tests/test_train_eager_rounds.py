@@ -42,3 +42,23 @@ def test_census_counts_a_steps_aten_ops_and_the_differences_name_what_a_case_add
     assert diff.get("aten::linalg_vector_norm", 0) >= 1
     assert "aten::mul" not in diff or diff["aten::mul"] != 0
     assert all(d != 0 for d in diff.values())
+
+
+def test_a_case_carries_environment_settings_for_its_steps_alone(monkeypatch):
+    assert rounds.parse_case("threshold/triton") == ("threshold/triton", {})
+    assert rounds.parse_case("diff_threshold/triton@ATTNLAB_GLUON=0;ATTNLAB_DIFF_DKDV=split") == (
+        "diff_threshold/triton", {"ATTNLAB_GLUON": "0", "ATTNLAB_DIFF_DKDV": "split"})
+    with pytest.raises(ValueError, match="settings are NAME=VALUE"):
+        rounds.parse_case("threshold/triton@ATTNLAB_GLUON")
+    monkeypatch.setenv("ATTNLAB_GLUON", "auto")
+    monkeypatch.delenv("ATTNLAB_DIFF_DKDV", raising=False)
+    seen = []
+
+    def step():
+        seen.append((rounds.os.environ.get("ATTNLAB_GLUON"), rounds.os.environ.get("ATTNLAB_DIFF_DKDV")))
+        return "loss"
+
+    run = rounds.with_settings(step, {"ATTNLAB_GLUON": "0", "ATTNLAB_DIFF_DKDV": "split"})
+    assert run() == "loss" and seen == [("0", "split")]
+    assert rounds.os.environ["ATTNLAB_GLUON"] == "auto" and "ATTNLAB_DIFF_DKDV" not in rounds.os.environ
+    assert rounds.with_settings(step, {}) is step

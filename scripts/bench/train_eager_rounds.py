@@ -9,6 +9,10 @@ variant's model adds), and a cProfile of a few steps.
 
     python scripts/bench/train_eager_rounds.py --out DIR [--model small] [--rounds 6] [--only softmax/sdpa,threshold/triton]
 
+A case may carry environment settings for its steps alone, `variant/backend@NAME=VALUE;NAME=VALUE`
+(e.g. `diff_threshold/triton@ATTNLAB_GLUON=0` beside `diff_threshold/triton`: the kernels' launch plans
+key on their settings, so both forms run in the same process and rounds).
+
 Writes DIR/train_eager_rounds.json (the header, rows, per-round times and the census) and prints a
 markdown table. `scripts/gpu_check.py train:eager_rounds` runs it.
 """
@@ -20,6 +24,7 @@ import collections
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
 import statistics
@@ -38,6 +43,37 @@ from timing import result_header, sync  # noqa: E402
 
 BASE = "softmax/sdpa"
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def parse_case(case: str) -> tuple[str, dict[str, str]]:
+    """'variant/backend@NAME=VALUE;NAME=VALUE' -> ('variant/backend', {NAME: VALUE}); no '@': no settings."""
+    name, _, tail = case.partition("@")
+    settings = {}
+    for item in filter(None, tail.split(";")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"case {case!r}: settings are NAME=VALUE separated by ';', got {item!r}")
+        settings[key] = value
+    return name, settings
+
+
+def with_settings(step, settings: dict[str, str]):
+    """`step` run with the environment variables `settings` set, each restored after."""
+    if not settings:
+        return step
+
+    def run():
+        saved = {key: os.environ.get(key) for key in settings}
+        os.environ.update(settings)
+        try:
+            return step()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return run
 
 
 def paired_rows(times: dict[str, list[float]], base: str = BASE) -> list[dict]:
@@ -85,21 +121,26 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10, help="steps per case per round")
     ap.add_argument("--only", default=",".join(f"{v}/{b}" for v, b, _ in CASES),
-                    help="comma list of variant/backend cases (SDPA's is always timed)")
+                    help="comma list of variant/backend cases, each with optional @NAME=VALUE;... settings "
+                         "(SDPA's is always timed)")
     ap.add_argument("--profile", default="", help="comma list of cases to cProfile (a few steps each)")
     args = ap.parse_args()
     model_cfg = yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
     model_cfg["vocab_size"] = 2048
-    wanted = set(args.only.split(",")) | {BASE}
+    wanted = [BASE] + [case for case in args.only.split(",") if case and case != BASE]
+    known = {f"{variant}/{backend}": (variant, backend, params) for variant, backend, params in CASES}
     steps = {}
-    for variant, backend, params in CASES:
-        name = f"{variant}/{backend}"
-        if name in wanted:
-            _, step = build_step(model_cfg, variant, backend, params, args.batch, eager=True)
-            for _ in range(5):  # tuning and first launches
-                step()
-            sync()
-            steps[name] = step
+    for case in dict.fromkeys(wanted):
+        name, settings = parse_case(case)
+        if name not in known:
+            raise ValueError(f"--only: unknown case {name!r}; cases are {sorted(known)}")
+        variant, backend, params = known[name]
+        _, step = build_step(model_cfg, variant, backend, params, args.batch, eager=True)
+        step = with_settings(step, settings)
+        for _ in range(5):  # tuning and first launches
+            step()
+        sync()
+        steps[case] = step
     times = collections.defaultdict(list)
     rng = random.Random(0)
     for _ in range(args.rounds):
