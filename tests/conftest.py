@@ -7,7 +7,9 @@ import torch
 
 # Without a GPU the Triton kernels run in the interpreter. Set before anything imports attn (which
 # loads the kernels where Triton can run) or triton: a jit function created without it cannot run
-# on CPU, whichever module made it first.
+# on CPU, whichever module made it first. Here only: a test module that set it at import would, on a
+# GPU machine, switch the whole pytest process to the interpreter's launch settings after its kernels
+# were compiled for CUDA (the interpreter's tests of CPU tensors fail there instead).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import ab_kernel_options as ab  # noqa: E402

@@ -6,7 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,10 +1,6 @@
 """model.attn_dropout (attention weights, training mode only) and model.embed_dropout (after the
 token embedding): defaults, train / eval behaviour on both backends, compiled tracing, config errors."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # kernel validation tests below run on CPU
 
 import pytest
 import torch

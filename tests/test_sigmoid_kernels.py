@@ -7,10 +7,6 @@ small floor, for out, dq, dk and dv. Queries against longer keys, the split-key 
 key lengths: tests/test_kernels_longer_keys.py; dropout: tests/test_attention_dropout.py.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math  # noqa: E402
 
 import pytest  # noqa: E402

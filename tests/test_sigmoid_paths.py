@@ -7,10 +7,6 @@ mufu_approx is PTX, GPU only) against the float64 reference by the DESIGN.md §6
 every gradient, in fp32 and fp16, and the split-key decode forward.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402

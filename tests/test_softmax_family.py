@@ -11,7 +11,6 @@ import os
 import zlib
 from types import SimpleNamespace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -37,8 +36,6 @@ def make_spec(cap, cap_value=2.0, knee=0.5, sm_scale=None):
     if sm_scale is not None:
         params["sm_scale"] = sm_scale
     return attn.get_variant(VARIANT_OF_CAP[cap]).make_spec(**params)
-
-
 
 
 def run_case(cap, n, group, mask, seg, temp, dtype, *, batch=2, h_kv=2, d=16, cap_value=2.0, knee=0.5,

@@ -1,11 +1,9 @@
 """scripts/bench/sweep_tile_configs.py on CPU: the candidate lists it hands the tuner (the table's own first, then
 its grid, no duplicates; a compile worker's shard), and its report of every tuned kernel."""
 
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import sweep_tile_configs as sweep  # noqa: E402

@@ -6,10 +6,6 @@ on the GPU by scripts/gpu_checks/check_threshold_gpu.py). Every comparison uses 
 dtype + a small floor, for out, dq, dk, dv and, for diff_threshold, dq2, dk2 and d-lambda.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math  # noqa: E402
 
 import pytest  # noqa: E402

@@ -1,9 +1,5 @@
 """The shared Triton mask code reproduces attn.masks exactly, tile ranges included."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 import triton
@@ -66,8 +62,6 @@ def _paint_by_key_blocks(out_ptr, bounds_ptr, seq_len, window,
         ptrs = base + offs_m[:, None] * seq_len + offs_n[None, :]
         inb = (offs_m[:, None] < seq_len) & (offs_n[None, :] < seq_len)
         tl.store(ptrs, tl.load(ptrs, mask=inb, other=0) + vis.to(tl.int32), mask=inb)
-
-
 
 
 @pytest.mark.parametrize("n", [1, 17, 40, 67])
