@@ -62,6 +62,10 @@ REQUESTS = {
        for k in ("dkdv", "dq") for d, c, t in ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16"),
                                                 (128, False, "bf16"))},
     "delta": ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel="delta"), None),
+    # the persistent forward (one program per SM, work items in turn)
+    **{f"fwd_persistent-{d}-{c}-{cap}": ("gluon_softmax_fwd", dict(head_dim=d, dtype="bf16", causal=c, cap=cap,
+                                                                   fixed_shift=cap == 1, persistent=True), None)
+       for d, c, cap in ((64, True, 0), (128, False, 0), (128, True, 1))},
 }
 # the threshold and sigmoid backwards (gluon_weighted_bwd): name -> compile_sm90's weight arguments
 WEIGHTS = {"threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
@@ -207,6 +211,19 @@ def test_compiles_for_sm90_with_wgmma_and_tma(compiled, head_dim, causal):
     result = compiled[f"fwd-{head_dim}-{causal}"]
     _assert_hopper_schedule(result["ptx"], "bf16")
     assert result["shared"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("head_dim,causal,cap", [(64, True, 0), (128, False, 0), (128, True, 1)])
+def test_persistent_forward_compiles_with_the_same_schedule(compiled, head_dim, causal, cap):
+    """The persistent form keeps the per-item kernel's Hopper schedule and products (the same consumer
+    per work item), plus the query tile's empty barrier."""
+    result = compiled[f"fwd_persistent-{head_dim}-{causal}-{cap}"]
+    _assert_hopper_schedule(result["ptx"], "bf16")
+    assert result["shared"] <= 227 * 1024
+    per_item = compiled[f"fwd-{head_dim}-{causal}"]["ptx"] if cap == 0 else None
+    if per_item is not None:
+        assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
+        assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])

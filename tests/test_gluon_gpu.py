@@ -469,8 +469,9 @@ SCHEDULE_FORMS = [
 LOG2E = 1.4426950408889634
 
 
-def _direct_forward(form: dict, q, k, v, causal: bool, pingpong: bool):
-    """(out, lse2 or None) of a Gluon forward's direct entry with the given schedule."""
+def _direct_forward(form: dict, q, k, v, causal: bool, pingpong: bool, persistent: bool = False):
+    """(out, lse2 or None) of a Gluon forward's direct entry with the given schedule (and for the softmax
+    family, grid)."""
     from attn.kernels import gluon_softmax_fwd, gluon_weighted_fwd
 
     sm_scale = q.shape[-1] ** -0.5
@@ -492,7 +493,7 @@ def _direct_forward(form: dict, q, k, v, causal: bool, pingpong: bool):
         temperature = torch.rand(q.shape[0], q.shape[1], device=CUDA, generator=gen) * 2.5 - 0.5
     return gluon_softmax_fwd.launch_forward(q, k, v, causal, row_scale, cap=cap, cap_scale=cap_scale, alsc_knee=knee,
                                             shift=form["c"] * LOG2E if form.get("shift") else None,
-                                            temperature=temperature, pingpong=pingpong)
+                                            temperature=temperature, pingpong=pingpong, persistent=persistent)
 
 
 @pytest.mark.parametrize("name,form", SCHEDULE_FORMS, ids=[name for name, _ in SCHEDULE_FORMS])
@@ -518,3 +519,43 @@ def test_the_pingpong_schedule_gives_the_unordered_schedules_bits(name, form, na
             assert not ref.isnan().any() and not got.isnan().any(), f"{where}: an element unwritten (NaN)"
             assert torch.equal(got, ref), f"{where}: the schedules' bits differ"
             assert torch.equal(repeat, got), f"{where}: repeated ping-pong launches differ"
+
+
+# the persistent grid's cases: SCHEDULE_CASES and shapes with more work items than SMs, a last group of
+# fewer heads than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 18, 300), rows that see no key (N > KV)
+PERSISTENT_CASES = SCHEDULE_CASES + [
+    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
+    (3, 777, 777, 6, 2, 128, True, torch.bfloat16),
+    (1, 640, 640, 300, 300, 64, False, torch.bfloat16),
+    (2, 700, 200, 4, 4, 64, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("name,form", [(n, f) for n, f in SCHEDULE_FORMS if "weight" not in f],
+                         ids=[n for n, f in SCHEDULE_FORMS if "weight" not in f])
+def test_the_persistent_forward_gives_the_per_item_grids_bits(name, form, nan_poison):
+    """The softmax family's persistent forward (one program per SM running work items in turn) computes each
+    item as the per-item grid does: out and lse2 equal bit for bit, every element written (NaN-poisoned
+    allocations), on PERSISTENT_CASES."""
+    for case in PERSISTENT_CASES:
+        b, n, kv, h, h_kv, d, causal, dtype = case
+        if form.get("shift") and dtype != torch.bfloat16:
+            continue  # the bound shift serves bf16 P (the launch plans' rule)
+        gen = torch.Generator(device=CUDA).manual_seed(PERSISTENT_CASES.index(case))
+        q = torch.randn(b, n, h, d, device=CUDA, generator=gen).to(dtype)
+        k, v = (torch.randn(b, kv, h_kv, d, device=CUDA, generator=gen).to(dtype) for _ in range(2))
+        per_item = _direct_forward(form, q, k, v, causal, False)
+        persistent = _direct_forward(form, q, k, v, causal, False, persistent=True)
+        torch.cuda.synchronize()
+        for what, ref, got in zip(("out", "lse2"), per_item, persistent):
+            where = f"{name} {_case_id(case)} {what}"
+            assert not got.isnan().any(), f"{where}: an element unwritten (NaN)"
+            assert torch.equal(got, ref), f"{where}: the grids' bits differ"
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=[_case_id(c) for c in CASES[:6]])
+def test_public_call_on_the_persistent_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
+    _check_on_gluon(case, "softcap_tanh", {"cap": 3.0}, False, seed=CASES.index(case))
+    assert gluon_launches, "the call did not run the Gluon forward"

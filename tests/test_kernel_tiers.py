@@ -227,12 +227,14 @@ def _fake_gluon(monkeypatch, module, name, log, result):
 @pytest.fixture
 def gluon_offered(monkeypatch):
     """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1; the softmax backward's dq form
-    fixed, untimed: ATTNLAB_GLUON_DQ=separate), its launchers logged."""
+    and the softmax forward's grid fixed, untimed: ATTNLAB_GLUON_DQ=separate, ATTNLAB_GLUON_PERSISTENT=0), its
+    launchers logged."""
     from attn.kernels import (gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family,
                               threshold_family)
 
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_DQ_ENV, "separate")
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "0")
     for family in (softmax_family, threshold_family, sigmoid_family):
         monkeypatch.setattr(family, "gluon_candidate", lambda device: True)
     log = []
@@ -310,7 +312,61 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
     if launcher == "launch_forward":
         assert named["exp2_poly"] == 0  # MUFU.EX2 unless ATTNLAB_GLUON_EXP2 says otherwise
+        assert named["persistent"] is False  # ATTNLAB_GLUON_PERSISTENT=0
     assert named["pingpong"] is False  # consumers unordered unless ATTNLAB_GLUON_SCHEDULE says otherwise
+
+
+@pytest.mark.parametrize("value", tiers.GLUON_PERSISTENT_MODES)
+def test_gluon_persistent_switch_values(value, monkeypatch):
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
+    assert tiers.gluon_persistent_mode() == value
+    monkeypatch.delenv(tiers.GLUON_PERSISTENT_ENV)
+    assert tiers.gluon_persistent_mode() == "auto"
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "yes")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_PERSISTENT must be one of"):
+        tiers.gluon_persistent_mode()
+
+
+@pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
+def test_the_gluon_forward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, gluon_offered,
+                                                           monkeypatch):
+    """ATTNLAB_GLUON_PERSISTENT=auto (the default): the softmax forward plan's Gluon tier times the per-item and
+    the persistent grid on the call's own arguments at a key's first call and keeps the faster, keyed by
+    the work items too; "0" / "1" pin a grid; the ping-pong schedule runs per item, untimed."""
+    import attn
+    from attn.kernels import softmax_family
+
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(softmax_family, "_GLUON_GRIDS", tiers.TimedChoice("grid"))
+
+    def median_ms(fn):
+        before = len(gluon_offered)
+        fn()
+        return persistent_ms if gluon_offered[before][2]["persistent"] else per_item_ms
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant("softcap_tanh").make_spec(cap=30.0)
+
+    def forward(batch=1):
+        q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+        with torch.no_grad():
+            attn.attention(q, k, v, spec, causal=True, backend="triton")
+        grids = [named["persistent"] for _, _, named in gluon_offered]
+        del gluon_offered[:]
+        return grids
+
+    # each grid once to compile, once timed; then the winner serves the call
+    assert forward() == [False, False, True, True, winner]
+    assert list(softmax_family._GLUON_GRIDS.chosen.values()) == ["persistent" if winner else "per_item"]
+    assert forward() == [winner]  # remembered
+    assert forward(batch=64) == [False, False, True, True, winner]  # more work items: a key of its own
+    for value, persistent in (("0", False), ("1", True)):
+        monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
+        assert forward() == [persistent]
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
+    monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "pingpong")
+    assert forward(batch=2) == [False]
 
 
 def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):

@@ -178,6 +178,68 @@ def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_r
                 BLOCK_N, STAGES)
 
 
+# Persistent forwards: one program per SM, each running work items (query block, batch x head) t = pid,
+# pid + programs, ... in the order `work_item` gives; the ring's tile count and the query tile's phase run on
+# across a program's items, so the producer loads the next item's first key / value tiles and its query tile
+# while the consumers finish this item (its last P V and the epilogue), which a program per item cannot
+# overlap (FlashAttention-3's persistent schedule, statically assigned).
+# (batch, head) pairs per work-item group: on an H100 (`scripts/bench/bench_gluon_grids.py`) 2 was the fastest of
+# 1, 2, 8, 32 and 192 (every pair in one group) at (16,12,1024,64) and within 3 % of the fastest (1) at
+# (4,16,4096,128); larger groups spread the items in flight over more heads' key / value tiles (8: 11 % slower
+# than the per-item grid there)
+HEADS_PER_WORK_GROUP = gl.constexpr(2)
+
+
+@gluon.jit
+def work_item(t, q_len, H, GROUP, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, bh, m0) of work item t of BH (batch x head) pairs' query blocks: items run through groups of
+    HEADS_PER_WORK_GROUP pairs, within a group by query block (causal: the last query block first, the longest) and then by
+    head, so the items in flight at once cover a few heads' key / value tiles (L2 reuse) and the longest
+    items of each group start first. The last group may hold fewer heads."""
+    num_m = gl.cdiv(q_len, BLOCK_M)
+    group_items = num_m * HEADS_PER_WORK_GROUP
+    group = t // group_items
+    first_head = group * HEADS_PER_WORK_GROUP
+    heads = gl.minimum(BH - first_head, HEADS_PER_WORK_GROUP)
+    r = t - group * group_items
+    pid_m = r // heads
+    if CAUSAL:
+        pid_m = num_m - 1 - pid_m
+    bh = first_head + r % heads
+    b = bh // H
+    h = bh % H
+    return b, h, h // GROUP, bh, pid_m * BLOCK_M
+
+
+@gluon.jit
+def persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
+                        v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp of a persistent forward: per work item of this program, its first key / value tiles, then
+    its query tile once both consumers are done with the last item's (q_empty: one arrival per consumer,
+    after its last S = Q K^T retired), then the rest of its key / value tiles (`stream_ring`). The first
+    tiles come before the query tile's wait so that they load while the consumers finish the last item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
+        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        k_row = b * kv_len
+        kv_col = hk * HEAD_DIM
+        first = gl.minimum(n_tiles, 1)
+        stream_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, ring, first,
+                    BLOCK_N, STAGES)
+        mbarrier.wait(q_empty, (it & 1) ^ 1)
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        q_row = b * q_len + m0
+        tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, h * HEAD_DIM], q_bar, q_smem.index(1))
+        stream_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row + first * BLOCK_N,
+                    kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
+        ring += n_tiles
+        it += 1
+
+
 @gluon.jit
 def stream_ring(a_desc, b_desc, a_smem, b_smem, a_ready, b_ready, a_empty, b_empty, row, col, first, count,
                 BLOCK: gl.constexpr, STAGES: gl.constexpr):
@@ -291,19 +353,20 @@ def _pass_turn(WARPGROUP: gl.constexpr):
 
 
 @gluon.jit
-def issue_first_qk(q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Key block 0's S = Q K^T (`issue_qk`); PINGPONG: as issue group 0 (warpgroup 0 starts without waiting)."""
+def issue_first_qk(j, q_smem, k_smem, k_ready, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """A program's first key block's S = Q K^T, ring tile j (0, or where a persistent program's earlier
+    tiles left the ring: `issue_qk`); PINGPONG: as issue group 0 (warpgroup 0 starts without waiting)."""
     if PINGPONG:
-        k_tile = k_smem.index(0)
-        mbarrier.wait(k_ready.index(0), 0)
+        k_tile = k_smem.index(j % STAGES)
+        mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
         if WARPGROUP == 1:
             _wait_turn(WARPGROUP)
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
         _pass_turn(WARPGROUP)
     else:
-        qk, k_tile = issue_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
+        qk, k_tile = issue_qk(j, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES)
     return qk, k_tile
 
 

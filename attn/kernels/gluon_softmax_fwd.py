@@ -34,6 +34,7 @@ from attn.kernels.gluon_pipeline import (
     check_operands,
     compile_sm90 as compile_kernel,
     descriptor,
+    fence_async_shared,
     invalidate_ring,
     issue_first_qk,
     issue_last_pv,
@@ -42,6 +43,7 @@ from attn.kernels.gluon_pipeline import (
     mbarrier,
     producer,
     program_rows,
+    persistent_producer,
     pv_operand,
     release,
     tile_config,
@@ -49,6 +51,7 @@ from attn.kernels.gluon_pipeline import (
     tma_view,
     visible_key,
     warpgroup_mma_wait,
+    work_item,
 )
 from attn.kernels.runtime import DirectLauncher, cdiv
 
@@ -163,7 +166,7 @@ def _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc
 
 
 @gluon.jit
-def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+def _pipelined_block(j, r, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      last_key, kv_len, row_scale, cap_scale, alsc_knee, shift, s_layout: gl.constexpr,
                      o_layout: gl.constexpr, p_layout: gl.constexpr, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
                      FIXED_SHIFT: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -171,12 +174,12 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
                      PINGPONG: gl.constexpr):
     """Key block j with block j - 1's P V in flight (FA3's intra-warpgroup overlap): S_j = Q K_j^T and
     O += P_{j-1} V_{j-1} are issued back to back (PINGPONG: in this warpgroup's turn, `issue_qk_pv`); the
-    softmax of S_j runs while the tensor cores do P_{j-1} V_{j-1}; then O is rescaled by alpha_j. Returns
-    (P_j, O, m, l)."""
-    qk, k_tile, acc, v_tile = issue_qk_pv(j, p16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, s_layout, BLOCK_M,
+    softmax of S_j runs while the tensor cores do P_{j-1} V_{j-1}; then O is rescaled by alpha_j. r: block j's
+    tile in the ring (j, plus the tiles of a persistent program's earlier work items). Returns (P_j, O, m, l)."""
+    qk, k_tile, acc, v_tile = issue_qk_pv(r, p16, acc, q_smem, k_smem, v_smem, k_ready, v_ready, s_layout, BLOCK_M,
                                           BLOCK_N, STAGES, WARPGROUP, PINGPONG)
     qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))  # S_j done (groups retire in order)
-    release(j, k_empty, STAGES)
+    release(r, k_empty, STAGES)
     # exp2 and the row sums in fp32, in S's registers, while P_{j-1} V runs
     p, m_i, l_i, alpha = _softmax_block(qk, j, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee, shift,
                                         CAP, HAS_TEMP, FIXED_SHIFT, MASKED, CAUSAL, BLOCK_N, EXP2_POLY)
@@ -184,7 +187,7 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
     # packed to 16 bits after that, into the registers P_{j-1} held (as FA3 orders it), so nothing in
     # the softmax writes a register the in-flight wgmma reads
     acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
-    release(j - 1, v_empty, STAGES)
+    release(r - 1, v_empty, STAGES)
     p_next = pv_operand(p, v_smem, p_layout)
     if not FIXED_SHIFT:
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -194,15 +197,18 @@ def _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_r
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full, n_tiles,
-              out_scale, cap_scale, alsc_knee, shift, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
-              FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, EXP2_POLY: gl.constexpr,
-              WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+              out_scale, cap_scale, alsc_knee, shift, ring, q_phase, q_empty, CAP: gl.constexpr,
+              HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+              EXP2_POLY: gl.constexpr, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr,
+              PERSISTENT: gl.constexpr = False):
     """One warpgroup (WARPGROUP 0 or 1): BLOCK_M (64) query rows from m0 against every key block of the
     program's range (the two consumers share the ring, and so the range: a block wholly masked for these
-    rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked. PINGPONG: the two
-    consumers take turns at issuing their wgmmas (`gluon_pipeline`'s ping-pong protocol; both run the
-    same n_tiles). Stores its rows of out and lse2."""
+    rows gives p = 0). Key blocks [0, n_full) run unmasked, [n_full, n_tiles) masked; key block j is ring
+    tile ring + j, the query tile's phase q_phase. PERSISTENT: one of a persistent program's work items,
+    which arrives on q_empty once its last S = Q K^T retired (the producer then loads the next item's query
+    tile). PINGPONG: the two consumers take turns at issuing their wgmmas (`gluon_pipeline`'s ping-pong
+    protocol; both run the same n_tiles). Stores its rows of out and lse2."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -224,12 +230,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     if n_tiles > 0:
         # block 0 alone (the accumulator is zero: nothing to rescale, no P V in flight)
-        qk, k_tile = issue_first_qk(q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP, PINGPONG)
+        qk, k_tile = issue_first_qk(ring, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP,
+                                    PINGPONG)
         qk, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-        release(0, k_empty, STAGES)
+        release(ring, k_empty, STAGES)
         if n_full > 0:
             p0, m_i, l_i, alpha0 = _softmax_block(qk, 0, m_i, l_i, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, CAP, HAS_TEMP, FIXED_SHIFT, False, CAUSAL, BLOCK_N, EXP2_POLY)
@@ -238,21 +245,27 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                                   shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N, EXP2_POLY)
         p16 = pv_operand(p0, v_smem, p_layout)
         for j in range(1, n_full):
-            p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
+            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
                                                   False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
                                                   PINGPONG)
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            p16, acc, m_i, l_i = _pipelined_block(j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
+            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
                                                   k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
                                                   shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
                                                   True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
                                                   PINGPONG)
+        if PERSISTENT:  # every S = Q K^T of the item has retired: the query tile is free
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty)
         # the last block's P V
-        acc, v_tile = issue_last_pv(n_tiles - 1, p16, acc, v_smem, v_ready, STAGES, WARPGROUP, PINGPONG)
+        acc, v_tile = issue_last_pv(ring + n_tiles - 1, p16, acc, v_smem, v_ready, STAGES, WARPGROUP, PINGPONG)
         acc, v_tile, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, p16))
-        release(n_tiles - 1, v_empty, STAGES)
+        release(ring + n_tiles - 1, v_empty, STAGES)
+    elif PERSISTENT:
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty)
 
     seen = l_i != 0.0  # a row that saw no key has l = 0 exactly
     l_safe = gl.where(seen, l_i, 1.0)
@@ -293,17 +306,79 @@ def _gluon_softmax_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
     gl.warp_specialize([
         (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0, q_len, kv_len, n_full,
-                     n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
+                     n_tiles, out_scale, cap_scale, alsc_knee, shift, 0, 0, k_empty, CAP, HAS_TEMP, FIXED_SHIFT,
                      CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 0, PINGPONG)),
         (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      O, LSE, TEMP, o_base, stride_on, lse_base, temp_base, stride_tn, m0 + HALF_M, q_len, kv_len,
-                     n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP, FIXED_SHIFT,
-                     CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 1, PINGPONG)),
+                     n_full, n_tiles, out_scale, cap_scale, alsc_knee, shift, 0, 0, k_empty, CAP, HAS_TEMP,
+                     FIXED_SHIFT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 1, PINGPONG)),
         (producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                      b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, TEMP,
+                         stride_ob, stride_on, stride_oh, stride_tb, stride_tn, H, GROUP, BH, n_items, q_len, kv_len,
+                         out_scale, cap_scale, alsc_knee, shift, CAP: gl.constexpr, HAS_TEMP: gl.constexpr,
+                         FIXED_SHIFT: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                         NUM_WARPS_C: gl.constexpr, EXP2_POLY: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of a persistent forward: `_consumer` on its half of each work item of the
+    program (`gluon_pipeline.work_item`'s order, as the producer), the ring's tile count and the query tile's
+    phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
+        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, TEMP,
+                  b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_on, bh.to(gl.int64) * q_len,
+                  b.to(gl.int64) * stride_tb, stride_tn, m0 + WARPGROUP * HALF_M, q_len, kv_len, n_full, n_tiles,
+                  out_scale, cap_scale, alsc_knee, shift, ring, it & 1, q_empty, CAP, HAS_TEMP, FIXED_SHIFT, CAUSAL,
+                  HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, WARPGROUP, False, True)
+        ring += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _gluon_softmax_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
+                                         stride_ob, stride_on, stride_oh, stride_tb, stride_tn,
+                                         H, GROUP, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift, BH,
+                                         CAP: gl.constexpr, HAS_TEMP: gl.constexpr, FIXED_SHIFT: gl.constexpr,
+                                         CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_POLY: gl.constexpr = 0):
+    """The persistent form of `_gluon_softmax_fwd_kernel` (a grid of at most one program per SM, each
+    running work items (query block, batch x head) in `gluon_pipeline.work_item`'s order): the same
+    partitions and per-item work, the producer loading the next item's tiles while the consumers finish
+    this one. Unordered consumers (no ping-pong)."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = gl.cdiv(q_len, BLOCK_M) * BH
+    q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_persistent_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                O, LSE, TEMP, stride_ob, stride_on, stride_oh, stride_tb, stride_tn, H, GROUP, BH,
+                                n_items, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP,
+                                FIXED_SHIFT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 0)),
+        (_persistent_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                O, LSE, TEMP, stride_ob, stride_on, stride_oh, stride_tb, stride_tn, H, GROUP, BH,
+                                n_items, q_len, kv_len, out_scale, cap_scale, alsc_knee, shift, CAP, HAS_TEMP,
+                                FIXED_SHIFT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 1)),
+        (persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                               k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM, HALF_M, BLOCK_N,
+                               STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    mbarrier.invalidate(q_empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,22 +397,30 @@ def gluon_softmax_forward(q, k, v, sm_scale: float, causal: bool):
 
 @functools.cache
 def _forward_plan(dtype, head_dim: int, causal: bool, cap: int, has_temp: bool, fixed_shift: bool, exp2_poly: int,
-                  pingpong: bool):
+                  pingpong: bool, persistent: bool):
     """What every launch of one kernel form shares: (BLOCK_M, the query tile, the key / value tile, the
-    constexprs)."""
+    constexprs; the persistent kernel has no PINGPONG)."""
     cfg = tile_config(head_dim)
     constexprs = dict(CAP=cap, HAS_TEMP=has_temp, FIXED_SHIFT=fixed_shift, CAUSAL=causal, HEAD_DIM=head_dim,
-                      EXP2_POLY=exp2_poly, PINGPONG=pingpong, **cfg)
+                      EXP2_POLY=exp2_poly, **({} if persistent else {"PINGPONG": pingpong}), **cfg)
     return (cfg["BLOCK_M"], tma_tile(dtype, cfg["BLOCK_M"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_N"], head_dim),
             constexprs)
 
 
 _FORWARD = DirectLauncher(_gluon_softmax_fwd_kernel, "gluon_softmax_fwd")
+_PERSISTENT_FORWARD = DirectLauncher(_gluon_softmax_fwd_persistent_kernel, "gluon_softmax_fwd_persistent")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
                    alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0,
-                   pingpong: bool = False):
+                   pingpong: bool = False, persistent: bool = False):
     """The softmax family's forward without checks, for callers that checked the operands once (the
     softmax family's launch plans): logits z_ij = t_i * row_scale * cap(q_i.k_j) in log2 units, where
     cap is `_cap`'s CAP (with its `cap_scale`, `alsc_knee`) and t the optional (B, N) `temperature`
@@ -346,30 +429,40 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
     lies in [2^-2B, 1] (the caller keeps 2B within bf16 P's range); None for the online softmax.
     `exp2_poly`: 0, or the degree (3 for bf16 P, 4 for fp16) of the polynomial exp2 of unmasked key
     blocks (`_exp2`). `pingpong`: the two consumer warpgroups take turns at issuing their wgmmas
-    (`gluon_pipeline`'s ping-pong). Returns (out, lse2)."""
+    (`gluon_pipeline`'s ping-pong). `persistent`: the persistent kernel (one program per SM running work
+    items in turn; not with `pingpong`). Returns (out, lse2)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     has_temp = temperature is not None
+    if persistent and pingpong:
+        raise ValueError("gluon softmax forward: the persistent kernel has no ping-pong schedule")
     block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, cap, has_temp, shift is not None,
-                                                         exp2_poly, bool(pingpong))
+                                                         exp2_poly, bool(pingpong), bool(persistent))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32)
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse, (0, 0))
-    _FORWARD.run((cdiv(n, block_m), bsz * h),
-                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile)),
-                 (out, lse, temp),
-                 (n * h * d, h * d, d, stride_tb, stride_tn,  # out's strides (contiguous), the temperature's
-                  h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
-                  0.0 if shift is None else float(shift)),
-                 constexprs, GLUON_OPTIONS)
+    descriptors = (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile))
+    scalars = (n * h * d, h * d, d, stride_tb, stride_tn,  # out's strides (contiguous), the temperature's
+               h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
+               0.0 if shift is None else float(shift))
+    if persistent:
+        items = cdiv(n, block_m) * bsz * h
+        programs = min(items, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+        _PERSISTENT_FORWARD.run((programs,), descriptors, (out, lse, temp), (*scalars, bsz * h),
+                                constexprs, GLUON_OPTIONS)
+    else:
+        _FORWARD.run((cdiv(n, block_m), bsz * h), descriptors, (out, lse, temp), scalars, constexprs, GLUON_OPTIONS)
     return out, lse
 
 
+
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90, cap: int = 0,
-                 has_temp: bool = False, fixed_shift: bool = False, exp2_poly: int = 0, pingpong: bool = False):
-    """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_sm90`)."""
+                 has_temp: bool = False, fixed_shift: bool = False, exp2_poly: int = 0, pingpong: bool = False,
+                 persistent: bool = False):
+    """The kernel (`persistent`: the persistent one) compiled for sm_<arch> without a GPU
+    (`gluon_pipeline.compile_sm90`)."""
     signature = {"O": f"*{dtype}", "LSE": "*fp32", "TEMP": "*fp32",
                  "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_tb": "i32", "stride_tn": "i32",
                  "H": "i32", "GROUP": "i32", "q_len": "i32", "kv_len": "i32", "out_scale": "fp32",
@@ -378,4 +471,9 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                  "EXP2_POLY": "constexpr", "PINGPONG": "constexpr"}
     constexprs = {"CAP": cap, "HAS_TEMP": has_temp, "FIXED_SHIFT": fixed_shift, "CAUSAL": causal,
                   "EXP2_POLY": exp2_poly, "PINGPONG": bool(pingpong)}
+    if persistent:
+        del signature["PINGPONG"], constexprs["PINGPONG"]
+        signature["BH"] = "i32"
+        return compile_kernel(_gluon_softmax_fwd_persistent_kernel, head_dim, dtype, signature, constexprs,
+                              ("O", "LSE"), arch)
     return compile_kernel(_gluon_softmax_fwd_kernel, head_dim, dtype, signature, constexprs, ("O", "LSE"), arch)

@@ -182,7 +182,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
-        s, k_tile = issue_first_qk(q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP, PINGPONG)
+        s, k_tile = issue_first_qk(0, q_smem, k_smem, k_ready, s_layout, BLOCK_M, BLOCK_N, STAGES, WARPGROUP, PINGPONG)
         s, q_smem, k_tile = warpgroup_mma_wait(num_outstanding=0, deps=(s, q_smem, k_tile))
         release(0, k_empty, STAGES)
         if n_full > 0:

@@ -48,9 +48,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
-from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
-                                choose_gluon_dq_form, gluon_candidate, gluon_dq_form, gluon_exp2_degree,
-                                gluon_pingpong, tiered)
+from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV,
+                                TierChoice, TimedChoice, choose_gluon_dq_form, choose_gluon_grid, gluon_candidate,
+                                gluon_dq_form, gluon_exp2_degree, gluon_pingpong, tiered)
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -783,18 +783,28 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
     exp2_poly = gluon_exp2_degree(q.dtype)
     pingpong = gluon_pingpong()
 
-    def gluon_forward(q, k, v, bounds, temperature, seed, key_lengths):
-        return gluon_softmax_fwd.launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=qk_scale,
-                                                alsc_knee=alsc_a, shift=shift, temperature=temperature,
-                                                exp2_poly=exp2_poly, pingpong=pingpong)
+    def gluon_grid(persistent):
+        def gluon_forward(q, k, v, bounds, temperature, seed, key_lengths):
+            return gluon_softmax_fwd.launch_forward(q, k, v, causal, out_scale, cap=cap, cap_scale=qk_scale,
+                                                    alsc_knee=alsc_a, shift=shift, temperature=temperature,
+                                                    exp2_poly=exp2_poly, pingpong=pingpong, persistent=persistent)
+        return gluon_forward
 
+    if pingpong:  # the ping-pong schedule runs a program per work item
+        gluon_forward = gluon_grid(False)
+    else:  # the grids' timing keys on the work items too: a persistent grid pays off with many per SM
+        gluon_forward = choose_gluon_grid(_GLUON_GRIDS, (*tune_key, n_bucket(bsz * h)), gluon_grid(False),
+                                          gluon_grid(True))
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV))
+_FWD_PLANS = LaunchPlans(_fwd_plan, PLAN_SETTINGS + (FIXED_SHIFT_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_SCHEDULE_ENV,
+                                                     GLUON_PERSISTENT_ENV))
 # softmax-family forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
 # (attn/kernels/tiers.py)
 _TIERS = TierChoice("softmax_family_fwd")
+# the Gluon forward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
+_GLUON_GRIDS = TimedChoice("gluon softmax forward grid")
 
 
 def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
@@ -1009,6 +1019,7 @@ def tuned_configs() -> dict[str, str]:
     out.update(_TIERS.report())
     out.update(_BWD_TIERS.report())
     out.update(_GLUON_DQ_FORMS.report())
+    out.update(_GLUON_GRIDS.report())
     return out
 
 

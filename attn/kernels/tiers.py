@@ -79,6 +79,23 @@ def gluon_dq_form() -> str:
     return raw
 
 
+GLUON_PERSISTENT_ENV = "ATTNLAB_GLUON_PERSISTENT"
+GLUON_PERSISTENT_MODES = ("auto", "0", "1")
+
+
+def gluon_persistent_mode() -> str:
+    """Which grid the Gluon softmax-family forward launches, by ATTNLAB_GLUON_PERSISTENT: "0" a program per
+    work item (query block, batch x head), "1" the persistent kernel (a program per SM running work items
+    in turn, the next item's tiles loading while this one finishes: attn/kernels/gluon_pipeline.py), "auto"
+    (default: the forward plans time both per tuning key and keep the faster, the per-item grid where
+    nothing is timed; `choose_gluon_grid`). The ping-pong schedule runs per item. A ValueError naming the
+    variable for anything else."""
+    raw = setting(GLUON_PERSISTENT_ENV, GLUON_PERSISTENT_MODES[0])
+    if raw not in GLUON_PERSISTENT_MODES:
+        raise ValueError(f"{GLUON_PERSISTENT_ENV} must be one of {GLUON_PERSISTENT_MODES}, got {raw!r}")
+    return raw
+
+
 def gluon_mode() -> str:
     """ATTNLAB_GLUON's value (GLUON_DEFAULT when unset); a ValueError naming the variable for anything else."""
     raw = setting(GLUON_ENV, GLUON_DEFAULT)
@@ -189,4 +206,17 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
         if torch.are_deterministic_algorithms_enabled():
             return separate(*args)
         return choice.choose(key, forms, args, "separate")(*args)
+    return launch
+
+
+def choose_gluon_grid(choice: TimedChoice, key: tuple, per_item: Callable, persistent: Callable) -> Callable:
+    """A plan's launch function for a Gluon forward with both grids (`gluon_persistent_mode`): under "auto"
+    `choice` times the two per tuning key and keeps the faster ("per_item" while timing is not allowed)."""
+    mode = gluon_persistent_mode()
+    if mode != "auto":
+        return persistent if mode == "1" else per_item
+    grids = {"per_item": per_item, "persistent": persistent}
+
+    def launch(*args):
+        return choice.choose(key, grids, args, "per_item")(*args)
     return launch
