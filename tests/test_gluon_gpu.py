@@ -470,16 +470,17 @@ LOG2E = 1.4426950408889634
 
 
 def _direct_forward(form: dict, q, k, v, causal: bool, pingpong: bool, persistent: bool = False):
-    """(out, lse2 or None) of a Gluon forward's direct entry with the given schedule (and for the softmax
-    family, grid)."""
+    """(out, lse2 or None) of a Gluon forward's direct entry with the given schedule and grid."""
     from attn.kernels import gluon_softmax_fwd, gluon_weighted_fwd
 
     sm_scale = q.shape[-1] ** -0.5
     if form.get("weight") == "threshold":  # unit-norm q and k: cosine scores, thresholds that bind
         qn, kn = (torch.nn.functional.normalize(t.float(), dim=-1).to(t.dtype) for t in (q, k))
-        return gluon_weighted_fwd.launch_threshold(qn, kn, v, causal, 1.0, form["power"], pingpong=pingpong), None
+        return gluon_weighted_fwd.launch_threshold(qn, kn, v, causal, 1.0, form["power"], pingpong=pingpong,
+                                                   persistent=persistent), None
     if form.get("weight") == "sigmoid":
-        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, None, pingpong=pingpong), None
+        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, None, pingpong=pingpong,
+                                                 persistent=persistent), None
     cap = form["cap"]
     if cap == 0:
         row_scale, cap_scale, knee = sm_scale * LOG2E, 1.0, 0.0
@@ -521,21 +522,21 @@ def test_the_pingpong_schedule_gives_the_unordered_schedules_bits(name, form, na
             assert torch.equal(repeat, got), f"{where}: repeated ping-pong launches differ"
 
 
-# the persistent grid's cases: SCHEDULE_CASES and shapes with more work items than SMs, a last group of
-# fewer heads than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 18, 300), rows that see no key (N > KV)
+# the persistent grid's cases: SCHEDULE_CASES and shapes with more work items than SMs, a last work-item
+# group of fewer (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 15, 301, 3), rows that see
+# no key (N > KV)
 PERSISTENT_CASES = SCHEDULE_CASES + [
     (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
-    (3, 777, 777, 6, 2, 128, True, torch.bfloat16),
-    (1, 640, 640, 300, 300, 64, False, torch.bfloat16),
-    (2, 700, 200, 4, 4, 64, True, torch.float16),
+    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
+    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
+    (1, 700, 200, 3, 1, 64, True, torch.float16),
 ]
 
 
-@pytest.mark.parametrize("name,form", [(n, f) for n, f in SCHEDULE_FORMS if "weight" not in f],
-                         ids=[n for n, f in SCHEDULE_FORMS if "weight" not in f])
+@pytest.mark.parametrize("name,form", SCHEDULE_FORMS, ids=[name for name, _ in SCHEDULE_FORMS])
 def test_the_persistent_forward_gives_the_per_item_grids_bits(name, form, nan_poison):
-    """The softmax family's persistent forward (one program per SM running work items in turn) computes each
-    item as the per-item grid does: out and lse2 equal bit for bit, every element written (NaN-poisoned
+    """Every Gluon forward's persistent grid (one program per SM running work items in turn) computes each
+    item as the per-item grid does: out (and lse2) equal bit for bit, every element written (NaN-poisoned
     allocations), on PERSISTENT_CASES."""
     for case in PERSISTENT_CASES:
         b, n, kv, h, h_kv, d, causal, dtype = case
@@ -548,6 +549,8 @@ def test_the_persistent_forward_gives_the_per_item_grids_bits(name, form, nan_po
         persistent = _direct_forward(form, q, k, v, causal, False, persistent=True)
         torch.cuda.synchronize()
         for what, ref, got in zip(("out", "lse2"), per_item, persistent):
+            if ref is None:
+                continue
             where = f"{name} {_case_id(case)} {what}"
             assert not got.isnan().any(), f"{where}: an element unwritten (NaN)"
             assert torch.equal(got, ref), f"{where}: the grids' bits differ"
@@ -555,6 +558,8 @@ def test_the_persistent_forward_gives_the_per_item_grids_bits(name, form, nan_po
 
 @pytest.mark.parametrize("case", CASES[:6], ids=[_case_id(c) for c in CASES[:6]])
 def test_public_call_on_the_persistent_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+    """The softmax family through attn.attention on the persistent grid (ATTNLAB_GLUON_PERSISTENT=1): out and
+    gradients within the float64 rule."""
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
     _check_on_gluon(case, "softcap_tanh", {"cap": 3.0}, False, seed=CASES.index(case))
