@@ -292,9 +292,11 @@ def main() -> int:
     rounds: dict[str, list[float]] = {}
     for r in range(args.repeats):
         for suite in suites:
-            for name, ms in SUITES[suite]().items():
+            measured = SUITES[suite]()
+            for name, ms in measured.items():
                 rounds.setdefault(name, []).append(ms)
-        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.4f}" for n, v in rounds.items()), flush=True)
+            # per suite, so that a run stopped by a time limit still shows what it measured
+            print(f"round {r + 1}, {suite}: " + ", ".join(f"{n} {ms:.4f}" for n, ms in measured.items()), flush=True)
     rows = {name: statistics.median(values) for name, values in rounds.items()}
     best = {name: min(values) for name, values in rounds.items()}
     spread = {name: (max(values) - min(values)) / statistics.median(values) for name, values in rounds.items()}
