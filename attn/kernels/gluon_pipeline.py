@@ -183,19 +183,19 @@ def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_r
 # across a program's items, so the producer loads the next item's first key / value tiles and its query tile
 # while the consumers finish this item (its last P V and the epilogue), which a program per item cannot
 # overlap (FlashAttention-3's persistent schedule, statically assigned).
-# (batch, head) pairs per work-item group: on an H100 (`scripts/bench/bench_gluon_grids.py`) 2 was the fastest of
-# 1, 2, 8, 32 and 192 (every pair in one group) at (16,12,1024,64) and within 3 % of the fastest (1) at
-# (4,16,4096,128); larger groups spread the items in flight over more heads' key / value tiles (8: 11 % slower
-# than the per-item grid there)
+# (batch, head) pairs per work-item group: on an H100 (docs/results/gluon/persistent_forward_h100.md) 2 was the
+# fastest of 1, 2, 8, 32 and 192 (every pair in one group) at (16,12,1024,64) and within 3 % of the fastest (1)
+# at (4,16,4096,128); larger groups spread the items in flight over more heads' key / value tiles (8: 11 %
+# slower than the per-item grid there)
 HEADS_PER_WORK_GROUP = gl.constexpr(2)
 
 
 @gluon.jit
 def work_item(t, q_len, H, GROUP, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """(b, h, hk, bh, m0) of work item t of BH (batch x head) pairs' query blocks: items run through groups of
-    HEADS_PER_WORK_GROUP pairs, within a group by query block (causal: the last query block first, the longest) and then by
-    head, so the items in flight at once cover a few heads' key / value tiles (L2 reuse) and the longest
-    items of each group start first. The last group may hold fewer heads."""
+    HEADS_PER_WORK_GROUP pairs, within a group by query block (causal: the last query block, the longest, first)
+    and then by pair, so the items in flight at once cover a few heads' key / value tiles (L2 reuse) and the
+    longest items of each group start first. The last group may hold fewer pairs."""
     num_m = gl.cdiv(q_len, BLOCK_M)
     group_items = num_m * HEADS_PER_WORK_GROUP
     group = t // group_items

@@ -42,8 +42,8 @@ from attn.kernels.gluon_pipeline import (
     key_blocks,
     mbarrier,
     producer,
-    program_rows,
     persistent_producer,
+    program_rows,
     pv_operand,
     release,
     tile_config,
@@ -245,17 +245,17 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                                   shift, CAP, HAS_TEMP, FIXED_SHIFT, True, CAUSAL, BLOCK_N, EXP2_POLY)
         p16 = pv_operand(p0, v_smem, p_layout)
         for j in range(1, n_full):
-            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
-                                                  k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
-                                                  shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
-                                                  PINGPONG)
+            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready,
+                                                  v_ready, k_empty, v_empty, last_key, kv_len, row_scale, cap_scale,
+                                                  alsc_knee, shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP,
+                                                  FIXED_SHIFT, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY,
+                                                  WARPGROUP, PINGPONG)
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready,
-                                                  k_empty, v_empty, last_key, kv_len, row_scale, cap_scale, alsc_knee,
-                                                  shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP, FIXED_SHIFT,
-                                                  True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY, WARPGROUP,
-                                                  PINGPONG)
+            p16, acc, m_i, l_i = _pipelined_block(j, ring + j, p16, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready,
+                                                  v_ready, k_empty, v_empty, last_key, kv_len, row_scale, cap_scale,
+                                                  alsc_knee, shift, s_layout, o_layout, p_layout, CAP, HAS_TEMP,
+                                                  FIXED_SHIFT, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES, EXP2_POLY,
+                                                  WARPGROUP, PINGPONG)
         if PERSISTENT:  # every S = Q K^T of the item has retired: the query tile is free
             gl.thread_barrier()
             mbarrier.arrive(q_empty)

@@ -8,7 +8,8 @@ same arithmetic per item), then the do_bench median ms of SDPA (cuDNN) and of bo
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
 
-    python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--heads-per-group 2] [--out FILE.json]
+    python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--heads-per-group 2]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
