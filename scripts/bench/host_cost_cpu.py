@@ -10,7 +10,10 @@ so every tensor op the path runs costs what an allocation costs.
 
 Rows: fwd+bwd (inputs that require grad), fwd without grad, decode (one query against 256 keys,
 no grad, split into 4 key ranges as a GPU decode step is), and fwd+bwd inside
-torch.compile(fullgraph=True) (the call alone compiled; the compiled graph calls the launcher ops).
+torch.compile(fullgraph=True) (the call alone compiled; the compiled graph calls the launcher ops); on
+request (--modes) also "grad fwd" and "compiled grad fwd", the forward alone of inputs that require grad
+(the autograd node built, no backward run), eager and compiled, which split a compiled call's price
+between its forward and its backward.
 Each row also counts the Python and builtin function calls of one call (sys.setprofile), a measure of
 host work that does not move with the machine's load. Yardsticks, the costs torch itself puts on any
 such call: `q * 2` (one built-in op) and a no-op
@@ -75,11 +78,15 @@ class NoOpFunction(torch.autograd.Function):
 YARDSTICKS = {"torch q*2": lambda q, k, v: q * 2, "no-op Function": NoOpFunction.apply}
 
 
+GRAD_MODES = ("fwd+bwd", "compiled fwd+bwd", "grad fwd", "compiled grad fwd")  # inputs that require grad
+BACKWARD_MODES = ("fwd+bwd", "compiled fwd+bwd")
+
+
 def make_call(variant: str, mode: str):
     if variant in YARDSTICKS:
         return _yardstick_call(YARDSTICKS[variant], mode)
     spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
-    grad = mode in ("fwd+bwd", "compiled fwd+bwd")
+    grad = mode in GRAD_MODES
     kv = CACHE if mode == "decode" else N
     n = 1 if mode == "decode" else N
 
@@ -95,26 +102,27 @@ def make_call(variant: str, mode: str):
     def call():
         return attn.attention(q, k, v, spec, causal=True, extra=extra, backend="triton")
 
-    if mode == "compiled fwd+bwd":
+    if mode.startswith("compiled"):
         torch._dynamo.reset()
+        attn.ops.preload_kernel(spec, "triton")  # torch.compile cannot trace the kernel module's import
         call = torch.compile(call, fullgraph=True)
-    if grad:
+    if mode in BACKWARD_MODES:
         return lambda: call().backward(dout)
     return lambda: call()
 
 
 def _yardstick_call(op, mode: str):
-    grad = mode in ("fwd+bwd", "compiled fwd+bwd")
+    grad = mode in GRAD_MODES
     q, k, v = (torch.randn(B, N, H, D, dtype=torch.float16).requires_grad_(grad) for _ in range(3))
     dout = torch.randn(B, N, H, D, dtype=torch.float16)
 
     def call():
         return op(q, k, v)
 
-    if mode == "compiled fwd+bwd":
+    if mode.startswith("compiled"):
         torch._dynamo.reset()
         call = torch.compile(call, fullgraph=True)
-    return (lambda: call().backward(dout)) if grad else call
+    return (lambda: call().backward(dout)) if mode in BACKWARD_MODES else call
 
 
 def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
