@@ -3,7 +3,10 @@ against the persistent grid (attn/kernels/gluon_pipeline.py), beside SDPA, in on
 
 Per shape (causal, bf16): the persistent grid's out and lse2 against the per-item grid's, bit for bit (the
 same arithmetic per item), then the do_bench median ms of SDPA (cuDNN) and of both grids' direct entries
-(`gluon_softmax_fwd.launch_forward`), plain softmax and tanh (c = 30, its bound shift). With
+(`gluon_softmax_fwd.launch_forward`), plain softmax and tanh (c = 30, its bound shift); then the forward
+(no gradient) through `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as
+set: by default the timed choices), softmax and softcap_tanh, with the tiers and grids those calls chose
+(`tuned_configs()`). With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
@@ -52,7 +55,8 @@ def main() -> None:
     args = ap.parse_args()
     from triton.experimental.gluon import language as gl
 
-    from attn.kernels import gluon_pipeline
+    import attn
+    from attn.kernels import gluon_pipeline, softmax_family
 
     if args.heads_per_group is not None:  # before anything compiles the persistent kernel
         gluon_pipeline.HEADS_PER_WORK_GROUP = gl.constexpr(args.heads_per_group)
@@ -71,14 +75,22 @@ def main() -> None:
             row[f"{name}_bitwise"] = bool(torch.equal(a[0], p[0]) and torch.equal(a[1], p[1]))
             row[f"{name}_per_item_ms"] = median_ms(per_item)
             row[f"{name}_persistent_ms"] = median_ms(persistent)
+        for variant, params in (("softmax", {}), ("softcap_tanh", {"cap": CAP})):
+            spec = attn.get_variant(variant).make_spec(**params)
+            with torch.no_grad():
+                row[f"{variant}_public_ms"] = median_ms(lambda: attn.attention(q, k, v, spec, causal=True))
         rows.append(row)
         print(f"{shape}: SDPA {row['sdpa_ms']:.4f} ms | " + " | ".join(
             f"{name} per item {row[f'{name}_per_item_ms']:.4f}, persistent {row[f'{name}_persistent_ms']:.4f} ms"
             f" ({row[f'{name}_per_item_ms'] / row[f'{name}_persistent_ms']:.2f}x), bitwise {row[f'{name}_bitwise']}"
-            for name in ("softmax", "tanh")), flush=True)
+            for name in ("softmax", "tanh")) + " | through attn.attention: " + ", ".join(
+            f"{variant} {row[f'{variant}_public_ms']:.4f} ms" for variant in ("softmax", "softcap_tanh")), flush=True)
+    choices = {key: value for key, value in softmax_family.tuned_configs().items() if " tier, " in key or "grid" in key}
+    for key, value in choices.items():
+        print(f"{key} -> {value}")
     if args.out:
         meta = {**result_header(), "heads_per_group": gluon_pipeline.HEADS_PER_WORK_GROUP.value}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "choices": choices}, indent=1))
     if not all(row[f"{name}_bitwise"] for row in rows for name in ("softmax", "tanh")):
         sys.exit(1)
 
