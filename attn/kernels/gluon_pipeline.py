@@ -183,10 +183,10 @@ def producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_r
 # across a program's items, so the producer loads the next item's first key / value tiles and its query tile
 # while the consumers finish this item (its last P V and the epilogue), which a program per item cannot
 # overlap (FlashAttention-3's persistent schedule, statically assigned).
-# (batch, head) pairs per work-item group: on an H100 (docs/results/gluon/persistent_forward_h100.md) 2 was the
-# fastest of 1, 2, 8, 32 and 192 (every pair in one group) at (16,12,1024,64) and within 3 % of the fastest (1)
-# at (4,16,4096,128); larger groups spread the items in flight over more heads' key / value tiles (8: 11 %
-# slower than the per-item grid there)
+# (batch, head) pairs per work-item group: of 1, 2, 8, 32 and 192 (every pair in one group), 2 is the fastest
+# on an H100 at (16,12,1024,64) and within 3 % of the fastest (1) at (4,16,4096,128)
+# (docs/results/gluon/persistent_forward_h100.md); larger groups spread the items in flight over more heads'
+# key / value tiles (8: 11 % slower than the per-item grid at 4K keys)
 HEADS_PER_WORK_GROUP = gl.constexpr(2)
 
 
