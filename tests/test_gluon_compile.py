@@ -67,9 +67,18 @@ REQUESTS = {
                                                                    fixed_shift=cap == 1, persistent=True), None)
        for d, c, cap in ((64, True, 0), (128, False, 0), (128, True, 1))},
 }
-# the threshold and sigmoid backwards (gluon_weighted_bwd): name -> compile_sm90's weight arguments
+# the threshold and sigmoid kernels (gluon_weighted_fwd, gluon_weighted_bwd): name -> compile_sm90's weight
+# arguments
 WEIGHTS = {"threshold": dict(weight=1, power=2.0), "threshold_p1": dict(weight=1, power=1.0),
            "threshold_p1.5": dict(weight=1, power=1.5), "sigmoid": dict(weight=2)}
+# the threshold and sigmoid forwards, per item and persistent: (weight name, D, causal)
+WEIGHTED_PERSISTENT = [("threshold", 128, True), ("threshold_p1.5", 64, False), ("sigmoid", 64, True),
+                       ("sigmoid", 128, False)]
+REQUESTS.update({
+    f"weighted_fwd{form}-{name}-{d}-{c}": ("gluon_weighted_fwd", dict(head_dim=d, dtype="bf16", causal=c,
+                                                                      persistent=form == "_persistent",
+                                                                      **WEIGHTS[name]), None)
+    for name, d, c in WEIGHTED_PERSISTENT for form in ("", "_persistent")})
 WEIGHTED_CONFIGS = {"threshold": ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16")),
                     "threshold_p1": ((128, True, "bf16"),), "threshold_p1.5": ((128, True, "bf16"),),
                     "sigmoid": ((64, True, "bf16"), (128, False, "fp16"), (128, True, "bf16"))}
@@ -224,6 +233,19 @@ def test_persistent_forward_compiles_with_the_same_schedule(compiled, head_dim, 
     if per_item is not None:
         assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
         assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
+
+
+@pytest.mark.parametrize("name,head_dim,causal", WEIGHTED_PERSISTENT)
+def test_persistent_weighted_forward_compiles_with_the_per_item_products(compiled, name, head_dim, causal):
+    """The threshold and sigmoid forwards' persistent form: the per-item kernel's Hopper schedule and wgmma
+    count (the same consumer per work item), plus the query tile's empty barrier."""
+    per_item = compiled[f"weighted_fwd-{name}-{head_dim}-{causal}"]["ptx"]
+    result = compiled[f"weighted_fwd_persistent-{name}-{head_dim}-{causal}"]
+    _assert_hopper_schedule(per_item, "bf16")
+    _assert_hopper_schedule(result["ptx"], "bf16")
+    assert result["shared"] <= 227 * 1024
+    assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
+    assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
 
 
 @pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])

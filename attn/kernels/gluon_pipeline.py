@@ -505,6 +505,20 @@ def tma_view(t):
     return t, (bsz * length, heads * d), (row, 1)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(items: int, device) -> int:
+    """A persistent grid's programs for `items` work items on `device`: at most one per SM."""
+    import torch
+
+    return min(items, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def serves(q, k, v) -> bool:
     """Whether the kernel serves these operands (the rest of `check_operands` is the caller's: devices,
     shapes, a positive scale): D in HEAD_DIMS, bf16 / fp16."""

@@ -43,6 +43,7 @@ from attn.kernels.gluon_pipeline import (
     mbarrier,
     producer,
     persistent_producer,
+    persistent_programs,
     program_rows,
     pv_operand,
     release,
@@ -411,13 +412,6 @@ _FORWARD = DirectLauncher(_gluon_softmax_fwd_kernel, "gluon_softmax_fwd")
 _PERSISTENT_FORWARD = DirectLauncher(_gluon_softmax_fwd_persistent_kernel, "gluon_softmax_fwd_persistent")
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap_scale: float = 1.0,
                    alsc_knee: float = 0.0, shift: float | None = None, temperature=None, exp2_poly: int = 0,
                    pingpong: bool = False, persistent: bool = False):
@@ -448,9 +442,7 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
                h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
                0.0 if shift is None else float(shift))
     if persistent:
-        items = cdiv(n, block_m) * bsz * h
-        programs = min(items, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-        _PERSISTENT_FORWARD.run((programs,), descriptors, (out, lse, temp), (*scalars, bsz * h),
+        _PERSISTENT_FORWARD.run((persistent_programs(cdiv(n, block_m) * bsz * h, q.device),), descriptors, (out, lse, temp), (*scalars, bsz * h),
                                 constexprs, GLUON_OPTIONS)
     else:
         _FORWARD.run((cdiv(n, block_m), bsz * h), descriptors, (out, lse, temp), scalars, constexprs, GLUON_OPTIONS)
