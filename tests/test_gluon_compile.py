@@ -131,6 +131,11 @@ DIFFERENTIAL = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_fwd", dict(head_dim=d, dtype=t, causal=c, power=power), variant)
                  for variant, power, d, c, t in DIFFERENTIAL})
+# its persistent form: (power, D, causal, dtype), each beside a DIFFERENTIAL entry of the per-item kernel
+DIFFERENTIAL_PERSISTENT = [(2.0, 128, True, "bf16"), (2.0, 64, False, "bf16"), (1.5, 128, True, "bf16")]
+REQUESTS.update({f"diff_threshold_persistent-{p}-{d}-{c}-{t}": ("gluon_diff_fwd", dict(head_dim=d, dtype=t, causal=c,
+                                                                                        power=p, persistent=True), None)
+                 for p, d, c, t in DIFFERENTIAL_PERSISTENT})
 # the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
 DIFFERENTIAL_BACKWARD = [
     (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
@@ -243,6 +248,19 @@ def test_persistent_weighted_forward_compiles_with_the_per_item_products(compile
     result = compiled[f"weighted_fwd_persistent-{name}-{head_dim}-{causal}"]
     _assert_hopper_schedule(per_item, "bf16")
     _assert_hopper_schedule(result["ptx"], "bf16")
+    assert result["shared"] <= 227 * 1024
+    assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
+    assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
+
+
+@pytest.mark.parametrize("power,head_dim,causal,dtype", DIFFERENTIAL_PERSISTENT)
+def test_persistent_differential_forward_compiles_with_the_per_item_products(compiled, power, head_dim, causal, dtype):
+    """The differential threshold forward's persistent form: the per-item kernel's Hopper schedule and wgmma
+    count, plus the query tiles' empty barrier."""
+    variant = {2.0: "diff_threshold", 1.5: "diff_threshold_p1.5"}[power]
+    per_item = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]["ptx"]
+    result = compiled[f"diff_threshold_persistent-{power}-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], dtype)
     assert result["shared"] <= 227 * 1024
     assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
     assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1

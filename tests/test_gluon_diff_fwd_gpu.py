@@ -140,6 +140,34 @@ def test_gluon_differential_forward_is_repeatable_and_close_to_the_portable_forw
     assert (first.float() - portable.float()).abs().max().item() <= 2e-2 * scale
 
 
+# the persistent grid's shapes: SHAPES and ones with more work items than SMs, a last work-item group of fewer
+# (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 15, 301, 3), rows that see no key (N > KV)
+PERSISTENT_SHAPES = SHAPES + [
+    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
+    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
+    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
+    (1, 700, 200, 3, 1, 64, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("power", [2.0, 1.5])
+def test_the_persistent_forward_gives_the_per_item_grids_bits(power, nan_poison):
+    """The persistent forward (one program per SM running work items in turn) computes each item as the
+    per-item grid does: the outputs equal bit for bit, every element written (NaN-poisoned allocations)."""
+    from attn.kernels.gluon_diff_fwd import launch_diff_threshold
+
+    for index, shape in enumerate(PERSISTENT_SHAPES):
+        causal, dtype = shape[6], shape[7]
+        tensors, lam = _inputs(shape, seed=index)
+        t = {name: x.to(dtype) for name, x in tensors.items()}
+        args = (t["q"], t["k"], t["v"], t["q2"], t["k2"], lam, causal, 1.0, power)
+        per_item = launch_diff_threshold(*args)
+        persistent = launch_diff_threshold(*args, persistent=True)
+        torch.cuda.synchronize()
+        assert not persistent.isnan().any(), f"{shape}: an element unwritten (NaN)"
+        assert torch.equal(persistent, per_item), f"{shape} p={power}: the grids' bits differ"
+
+
 def test_checked_entry_names_what_a_call_misses():
     from attn.kernels.gluon_diff_fwd import gluon_diff_threshold_forward
 

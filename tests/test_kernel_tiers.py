@@ -312,7 +312,7 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
         assert named["cap"] == 1 and named["temperature"] is not None and named["shift"] is None  # fp16: online
     if launcher == "launch_forward":
         assert named["exp2_poly"] == 0  # MUFU.EX2 unless ATTNLAB_GLUON_EXP2 says otherwise
-        assert named["persistent"] is False  # ATTNLAB_GLUON_PERSISTENT=0
+    assert named["persistent"] is False  # ATTNLAB_GLUON_PERSISTENT=0
     assert named["pingpong"] is False  # consumers unordered unless ATTNLAB_GLUON_SCHEDULE says otherwise
 
 
@@ -327,18 +327,28 @@ def test_gluon_persistent_switch_values(value, monkeypatch):
         tiers.gluon_persistent_mode()
 
 
-@pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
-def test_the_gluon_forward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, gluon_offered,
-                                                           monkeypatch):
-    """ATTNLAB_GLUON_PERSISTENT=auto (the default): the softmax forward plan's Gluon tier times the per-item and
-    the persistent grid on the call's own arguments at a key's first call and keeps the faster, keyed by
-    the work items too; "0" / "1" pin a grid; the ping-pong schedule runs per item, untimed."""
-    import attn
-    from attn.kernels import softmax_family
+GRID_FAMILIES = [("softcap_tanh", {"cap": 30.0}, "softmax_family", "_GLUON_GRIDS"),
+                 ("threshold", {}, "threshold_family", "_GLUON_GRIDS"),
+                 ("diff_threshold", {}, "threshold_family", "_DIFF_GLUON_GRIDS"),
+                 ("sigmoid", {}, "sigmoid_family", "_GLUON_GRIDS")]
 
+
+@pytest.mark.parametrize("variant,params,family,choice", GRID_FAMILIES, ids=[v for v, *_ in GRID_FAMILIES])
+@pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
+def test_the_gluon_forward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, variant, params,
+                                                           family, choice, gluon_offered, monkeypatch):
+    """ATTNLAB_GLUON_PERSISTENT=auto (the default): a forward plan's Gluon tier (softmax family, threshold,
+    differential threshold, sigmoid) times the per-item and the persistent grid on the call's own arguments at
+    a key's first call and keeps the faster, keyed by the work items too; "0" / "1" pin a grid; the ping-pong
+    schedule runs per item, untimed (the differential forward has none)."""
+    import importlib
+
+    import attn
+
+    plans = importlib.import_module(f"attn.kernels.{family}")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
-    monkeypatch.setattr(softmax_family, "_GLUON_GRIDS", tiers.TimedChoice("grid"))
+    monkeypatch.setattr(plans, choice, tiers.TimedChoice("grid"))
 
     def median_ms(fn):
         before = len(gluon_offered)
@@ -346,19 +356,20 @@ def test_the_gluon_forward_grid_is_timed_per_key_under_auto(per_item_ms, persist
         return persistent_ms if gluon_offered[before][2]["persistent"] else per_item_ms
 
     monkeypatch.setattr(runtime, "median_ms", median_ms)
-    spec = attn.get_variant("softcap_tanh").make_spec(cap=30.0)
+    spec = attn.get_variant(variant).make_spec(**params)
 
     def forward(batch=1):
         q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16) for _ in range(3))
+        extra = _second_view(q, k, 2) if variant == "diff_threshold" else None
         with torch.no_grad():
-            attn.attention(q, k, v, spec, causal=True, backend="triton")
+            attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra)
         grids = [named["persistent"] for _, _, named in gluon_offered]
         del gluon_offered[:]
         return grids
 
     # each grid once to compile, once timed; then the winner serves the call
     assert forward() == [False, False, True, True, winner]
-    assert list(softmax_family._GLUON_GRIDS.chosen.values()) == ["persistent" if winner else "per_item"]
+    assert list(getattr(plans, choice).chosen.values()) == ["persistent" if winner else "per_item"]
     assert forward() == [winner]  # remembered
     assert forward(batch=64) == [False, False, True, True, winner]  # more work items: a key of its own
     for value, persistent in (("0", False), ("1", True)):
@@ -366,7 +377,8 @@ def test_the_gluon_forward_grid_is_timed_per_key_under_auto(per_item_ms, persist
         assert forward() == [persistent]
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.setenv(tiers.GLUON_SCHEDULE_ENV, "pingpong")
-    assert forward(batch=2) == [False]
+    # (the differential forward has no ping-pong schedule: its timed grid stays)
+    assert forward(batch=2) == ([winner] if variant == "diff_threshold" else [False])
 
 
 def test_the_exp2_switch_reaches_the_gluon_launcher(gluon_offered, monkeypatch):
@@ -571,13 +583,14 @@ def test_the_differential_threshold_has_tier_choices_of_its_own_keyed_by_power(m
     from attn.kernels import gluon_diff_bwd, gluon_diff_fwd, threshold_family
 
     monkeypatch.setenv(tiers.GLUON_ENV, "auto")
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "0")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "gluon_candidate", lambda device: True)
     for name in ("_TIERS", "_BWD_TIERS", "_DIFF_TIERS", "_DIFF_BWD_TIERS"):
         monkeypatch.setattr(threshold_family, name, tiers.TierChoice(getattr(threshold_family, name).name))
     timed = iter([2.0, 1.0] * 8)  # portable, then gluon, per timed key: gluon wins
     monkeypatch.setattr(runtime, "median_ms", lambda fn: next(timed))
-    monkeypatch.setattr(gluon_diff_fwd, "launch_diff_threshold", lambda q, *args: torch.zeros_like(q))
+    monkeypatch.setattr(gluon_diff_fwd, "launch_diff_threshold", lambda q, *args, **kwargs: torch.zeros_like(q))
     monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward",
                         lambda q, k, v, q2, k2, lam, *args: (torch.zeros_like(q), torch.zeros_like(k),
                                                              torch.zeros_like(v), torch.zeros_like(q2),

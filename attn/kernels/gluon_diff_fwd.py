@@ -51,6 +51,7 @@ from attn.kernels.gluon_pipeline import (
     issue_pv,
     key_blocks,
     mbarrier,
+    persistent_programs,
     program_rows,
     pv_operand,
     release,
@@ -60,6 +61,7 @@ from attn.kernels.gluon_pipeline import (
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
+    work_item,
 )
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, TINY, _ex2, _lg2, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
@@ -116,20 +118,25 @@ def _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES: gl.const
 
 
 @gluon.jit
-def _producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready,
-              v_ready, k_empty, v_empty, q_row, k_row, kv_col, q_col, n_tiles,
-              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: Q and Q2 once, then per key block j < n_tiles K and K2 (one ready barrier) and V into
-    ring slot j % STAGES, each once both consumers released the slot's previous use (empty phase
-    parity starts at 1: the first round does not wait)."""
+def _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, q_row, q_col, HALF_M: gl.constexpr):
+    """Both consumers' Q and Q2 halves of the query block from row q_row, on one barrier."""
     mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF_M, q_col], q_bar, q_smem.index(half))
         tma.async_copy_global_to_shared(q2_desc, [q_row + half * HALF_M, q_col], q_bar, q2_smem.index(half))
-    for j in range(n_tiles):
+
+
+@gluon.jit
+def _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row, kv_col,
+                 first, count, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key blocks i = 0 .. count-1 from row k_row + i BLOCK_N as the ring's tiles j = first + i: K and K2 (one
+    ready barrier) and V into slot j % STAGES, each once both consumers released the slot's previous use
+    (empty phase parity starts at 1: the first round does not wait)."""
+    for i in range(count):
+        j = first + i
         s = j % STAGES
         empty_phase = ((j // STAGES) & 1) ^ 1
-        r = k_row + j * BLOCK_N
+        r = k_row + i * BLOCK_N
         mbarrier.wait(k_empty.index(s), empty_phase)
         mbarrier.expect(k_ready.index(s), 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [r, kv_col], k_ready.index(s), k_smem.index(s))
@@ -137,6 +144,42 @@ def _producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem,
         mbarrier.wait(v_empty.index(s), empty_phase)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [r, kv_col], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready,
+              v_ready, k_empty, v_empty, q_row, k_row, kv_col, q_col, n_tiles,
+              HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: Q and Q2 once, then K, K2 and V of key blocks 0 .. n_tiles-1 (`_stream_keys`)."""
+    _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, q_row, q_col, HALF_M)
+    _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row, kv_col,
+                 0, n_tiles, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _persistent_producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar,
+                         q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items,
+                         HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         CAUSAL: gl.constexpr):
+    """One warp of the persistent forward (`gluon_pipeline.persistent_producer`'s order with both views): per
+    work item its first key block, then its Q and Q2 tiles once both consumers are done with the last item's
+    (q_empty), then the rest of its key blocks."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
+        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        k_row = b * kv_len
+        kv_col = hk * HEAD_DIM
+        first = gl.minimum(n_tiles, 1)
+        _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row,
+                     kv_col, ring, first, BLOCK_N, STAGES)
+        mbarrier.wait(q_empty, (it & 1) ^ 1)
+        _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, b * q_len + m0, h * HEAD_DIM, HALF_M)
+        _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     k_row + first * BLOCK_N, kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
+        ring += n_tiles
+        it += 1
 
 
 @gluon.jit
@@ -184,32 +227,36 @@ def _diff_weights(s1, s2, j, tau, lam, last_key, kv_len, power, POWER_MODE: gl.c
 
 
 @gluon.jit
-def _pipelined_block(j, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty, tau,
-                     lam, last_key, kv_len, power, s_layout: gl.constexpr, p_layout: gl.constexpr,
+def _pipelined_block(j, r, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                     tau, lam, last_key, kv_len, power, s_layout: gl.constexpr, p_layout: gl.constexpr,
                      POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Key block j with block j - 1's W V in flight: S1_j, S2_j and O += W_{j-1} V_{j-1} issued back to
-    back, block j's weights formed while the tensor cores run W_{j-1} V_{j-1}. Returns (W_j packed, O)."""
-    s1, s2, k_tile, k2_tile = _issue_scores(j, q_smem, q2_smem, k_smem, k2_smem, k_ready, s_layout, BLOCK_M, BLOCK_N,
+    back, block j's weights formed while the tensor cores run W_{j-1} V_{j-1}. r: block j's tile in the ring
+    (j, plus the tiles of a persistent program's earlier work items). Returns (W_j packed, O)."""
+    s1, s2, k_tile, k2_tile = _issue_scores(r, q_smem, q2_smem, k_smem, k2_smem, k_ready, s_layout, BLOCK_M, BLOCK_N,
                                             STAGES)
-    acc, v_tile = issue_pv(j - 1, w16, acc, v_smem, v_ready, STAGES)
+    acc, v_tile = issue_pv(r - 1, w16, acc, v_smem, v_ready, STAGES)
     s1, s2, q_smem, q2_smem, k_tile, k2_tile = warpgroup_mma_wait(
         num_outstanding=1, deps=(s1, s2, q_smem, q2_smem, k_tile, k2_tile))
-    release(j, k_empty, STAGES)
+    release(r, k_empty, STAGES)
     w = _diff_weights(s1, s2, j, tau, lam, last_key, kv_len, power, POWER_MODE, MASKED, CAUSAL, BLOCK_N)
     # W_{j-1} among the deps: its registers stay live until the wgmma that reads them retired
     acc, v_tile, w16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, w16))
-    release(j - 1, v_empty, STAGES)
+    release(r - 1, v_empty, STAGES)
     return pv_operand(w, v_smem, p_layout), acc
 
 
 @gluon.jit
 def _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, o_base,
-              stride_on, LAM, lam_offset, m0, q_len, kv_len, n_full, n_tiles, tau_scale, power,
+              stride_on, LAM, lam_offset, m0, q_len, kv_len, n_full, n_tiles, tau_scale, power, ring, q_phase, q_empty,
               POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
-    """One warpgroup: BLOCK_M (64) query rows from m0 against key blocks [0, n_tiles) (unmasked
-    below n_full); stores its rows of out."""
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+              PERSISTENT: gl.constexpr = False):
+    """One warpgroup: BLOCK_M (64) query rows from m0 against key blocks [0, n_tiles) (unmasked below n_full);
+    key block j is ring tile ring + j, the query tiles' phase q_phase. PERSISTENT: one of a persistent
+    program's work items, which arrives on q_empty once its last S1 / S2 products retired (the producer then
+    loads the next item's query tiles). Stores its rows of out."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -222,29 +269,35 @@ def _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready,
     lam = gl.load(LAM + lam_offset).to(gl.float32)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     if n_tiles > 0:
-        s1, s2, k_tile, k2_tile = _issue_scores(0, q_smem, q2_smem, k_smem, k2_smem, k_ready, s_layout, BLOCK_M,
+        s1, s2, k_tile, k2_tile = _issue_scores(ring, q_smem, q2_smem, k_smem, k2_smem, k_ready, s_layout, BLOCK_M,
                                                 BLOCK_N, STAGES)
         s1, s2, q_smem, q2_smem, k_tile, k2_tile = warpgroup_mma_wait(
             num_outstanding=0, deps=(s1, s2, q_smem, q2_smem, k_tile, k2_tile))
-        release(0, k_empty, STAGES)
+        release(ring, k_empty, STAGES)
         if n_full > 0:
             w0 = _diff_weights(s1, s2, 0, tau, lam, last_key, kv_len, power, POWER_MODE, False, CAUSAL, BLOCK_N)
         else:
             w0 = _diff_weights(s1, s2, 0, tau, lam, last_key, kv_len, power, POWER_MODE, True, CAUSAL, BLOCK_N)
         w16 = pv_operand(w0, v_smem, p_layout)
         for j in range(1, n_full):
-            w16, acc = _pipelined_block(j, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready, v_ready,
-                                        k_empty, v_empty, tau, lam, last_key, kv_len, power, s_layout, p_layout,
-                                        POWER_MODE, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+            w16, acc = _pipelined_block(j, ring + j, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready,
+                                        v_ready, k_empty, v_empty, tau, lam, last_key, kv_len, power, s_layout,
+                                        p_layout, POWER_MODE, False, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            w16, acc = _pipelined_block(j, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready, v_ready,
-                                        k_empty, v_empty, tau, lam, last_key, kv_len, power, s_layout, p_layout,
-                                        POWER_MODE, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
-        acc, v_tile = issue_pv(n_tiles - 1, w16, acc, v_smem, v_ready, STAGES)
+            w16, acc = _pipelined_block(j, ring + j, w16, acc, q_smem, q2_smem, k_smem, k2_smem, v_smem, k_ready,
+                                        v_ready, k_empty, v_empty, tau, lam, last_key, kv_len, power, s_layout,
+                                        p_layout, POWER_MODE, True, CAUSAL, BLOCK_M, BLOCK_N, STAGES)
+        if PERSISTENT:  # every score product of the item has retired: the query tiles are free
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty)
+        acc, v_tile = issue_pv(ring + n_tiles - 1, w16, acc, v_smem, v_ready, STAGES)
         acc, v_tile, w16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile, w16))
-        release(n_tiles - 1, v_empty, STAGES)
+        release(ring + n_tiles - 1, v_empty, STAGES)
+    elif PERSISTENT:
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -272,15 +325,75 @@ def _gluon_diff_threshold_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, O
     gl.warp_specialize([
         (_consumer, (q_smem.index(0), q2_smem.index(0), k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                      v_empty, O, o_base, stride_on, LAM, lam_offset, m0, q_len, kv_len, n_full, n_tiles, tau_scale,
-                     power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     power, 0, 0, k_empty, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_consumer, (q_smem.index(1), q2_smem.index(1), k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                      v_empty, O, o_base, stride_on, LAM, lam_offset, m0 + HALF_M, q_len, kv_len, n_full, n_tiles,
-                     tau_scale, power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                     tau_scale, power, 0, 0, k_empty, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                     NUM_WARPS_C)),
         (_producer, (q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar,
                      k_ready, v_ready, k_empty, v_empty, b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM,
                      n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
+                         O, LAM, stride_ob, stride_on, stride_oh, stride_lam, H, GROUP, BH, n_items, q_len, kv_len,
+                         tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                         NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent forward: `_consumer` on its half of each work item of the
+    program (`gluon_pipeline.work_item`'s order, as the producer), the ring's tile count and the query tiles'
+    phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
+        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O,
+                  b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_on, LAM,
+                  h.to(gl.int64) * stride_lam, m0 + WARPGROUP * HALF_M, q_len, kv_len, n_full, n_tiles, tau_scale,
+                  power, ring, it & 1, q_empty, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C,
+                  True)
+        ring += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _gluon_diff_threshold_fwd_persistent_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, O, LAM,
+                                                stride_ob, stride_on, stride_oh, stride_lam,
+                                                H, GROUP, q_len, kv_len, tau_scale, power, BH,
+                                                POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                                STAGES: gl.constexpr):
+    """The persistent form of `_gluon_diff_threshold_fwd_kernel` (a grid of at most one program per SM, each
+    running work items (query block, batch x head) in `gluon_pipeline.work_item`'s order): the same partitions
+    and per-item work, the producer loading the next item's tiles while the consumers finish this one."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = gl.cdiv(q_len, BLOCK_M) * BH
+    q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_persistent_consumer, (q_smem.index(0), q2_smem.index(0), k_smem, k2_smem, v_smem, q_bar, q_empty, k_ready,
+                                v_ready, k_empty, v_empty, O, LAM, stride_ob, stride_on, stride_oh, stride_lam, H,
+                                GROUP, BH, n_items, q_len, kv_len, tau_scale, power, POWER_MODE, CAUSAL, HALF_M,
+                                BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+        (_persistent_consumer, (q_smem.index(1), q2_smem.index(1), k_smem, k2_smem, v_smem, q_bar, q_empty, k_ready,
+                                v_ready, k_empty, v_empty, O, LAM, stride_ob, stride_on, stride_oh, stride_lam, H,
+                                GROUP, BH, n_items, q_len, kv_len, tau_scale, power, POWER_MODE, CAUSAL, HALF_M,
+                                BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+        (_persistent_producer, (q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem,
+                                q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH,
+                                n_items, HEAD_DIM, HALF_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    mbarrier.invalidate(q_empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,26 +411,30 @@ def _forward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int):
 
 
 _FORWARD = DirectLauncher(_gluon_diff_threshold_fwd_kernel, "gluon_diff_fwd")
+_PERSISTENT_FORWARD = DirectLauncher(_gluon_diff_threshold_fwd_persistent_kernel, "gluon_diff_fwd_persistent")
 
 
-def launch_diff_threshold(q, k, v, q2, k2, lam, causal: bool, beta: float, power: float):
+def launch_diff_threshold(q, k, v, q2, k2, lam, causal: bool, beta: float, power: float, persistent: bool = False):
     """Differential threshold attention's output (B, N, H, D) in q's dtype, without checks:
     w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D).
     q, q2 (B, N, H, D); k, k2, v (B, KV, H_kv, D); lam (H,). TMA descriptors: q and q2 in half query blocks
-    (one consumer's rows), k, v and k2 in BLOCK_N keys (a ring slot)."""
+    (one consumer's rows), k, v and k2 in BLOCK_N keys (a ring slot). `persistent`: the persistent kernel
+    (one program per SM running work items in turn)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     block_m, q_tile, kv_tile, constexprs = _forward_plan(q.dtype, d, causal, power_mode(power))
     out = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
-    _FORWARD.run((cdiv(n, block_m), bsz * h),
-                 (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile),
-                  descriptor(tma_view(q2), q_tile), descriptor(tma_view(k2), kv_tile)),
-                 (out, lam),
-                 (n * h * d, h * d, d, lam.stride(0),  # out's strides (contiguous), lam's
-                  h, h // h_kv, n, kv_len, float(beta * math.sqrt(2.0 / d)), float(power)),
-                 constexprs, GLUON_OPTIONS)
+    descriptors = (descriptor(tma_view(q), q_tile), descriptor(tma_view(k), kv_tile), descriptor(tma_view(v), kv_tile),
+                   descriptor(tma_view(q2), q_tile), descriptor(tma_view(k2), kv_tile))
+    scalars = (n * h * d, h * d, d, lam.stride(0),  # out's strides (contiguous), lam's
+               h, h // h_kv, n, kv_len, float(beta * math.sqrt(2.0 / d)), float(power))
+    if persistent:
+        _PERSISTENT_FORWARD.run((persistent_programs(cdiv(n, block_m) * bsz * h, q.device),), descriptors, (out, lam),
+                                (*scalars, bsz * h), constexprs, GLUON_OPTIONS)
+    else:
+        _FORWARD.run((cdiv(n, block_m), bsz * h), descriptors, (out, lam), scalars, constexprs, GLUON_OPTIONS)
     return out
 
 
@@ -348,9 +465,10 @@ def gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal: bool, beta: float
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
-                 power: float = 2.0, lam_dtype: str = "fp32", block_n: int | None = None, stages: int | None = None):
-    """The kernel compiled for sm_<arch> without a GPU (`gluon_pipeline.compile_gluon_sm90`), on
-    `tile_config(head_dim)` or another BLOCK_N / STAGES."""
+                 power: float = 2.0, lam_dtype: str = "fp32", block_n: int | None = None, stages: int | None = None,
+                 persistent: bool = False):
+    """The kernel (`persistent`: the persistent one) compiled for sm_<arch> without a GPU
+    (`gluon_pipeline.compile_gluon_sm90`), on `tile_config(head_dim)` or another BLOCK_N / STAGES."""
     cfg = tile_config(head_dim)
     cfg.update({key: value for key, value in (("BLOCK_N", block_n), ("STAGES", stages)) if value is not None})
     q_type = descriptor_type(dtype, [cfg["BLOCK_M"] // 2, head_dim])
@@ -362,4 +480,8 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                  "CAUSAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "STAGES": "constexpr"}
     constexprs = {"POWER_MODE": power_mode(power), "CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
+    if persistent:
+        signature = {**{key: value for key, value in signature.items() if value != "constexpr"}, "BH": "i32",
+                     **{key: value for key, value in signature.items() if value == "constexpr"}}
+        return compile_gluon_sm90(_gluon_diff_threshold_fwd_persistent_kernel, signature, constexprs, ("O",), arch)
     return compile_gluon_sm90(_gluon_diff_threshold_fwd_kernel, signature, constexprs, ("O",), arch)

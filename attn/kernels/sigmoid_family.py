@@ -63,7 +63,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import GLUON_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate, gluon_pingpong, tiered
+from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
+                                choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -397,7 +398,7 @@ def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype) -> tuple:
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report(), **_BWD_TIERS.report()}
+    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report(), **_BWD_TIERS.report(), **_GLUON_GRIDS.report()}
 
 
 def _strides(q, k, v):
@@ -508,8 +509,13 @@ def _forward_plan(q, k, v, has_bounds, bias, sm_scale, causal, window, dropout_p
 
     pingpong = gluon_pingpong()
 
-    def gluon_forward(q, k, v, bounds, seed, key_lengths):
-        return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, bias, pingpong=pingpong)
+    def gluon_grid(persistent):
+        def gluon_forward(q, k, v, bounds, seed, key_lengths):
+            return gluon_weighted_fwd.launch_sigmoid(q, k, v, causal, sm_scale, bias, pingpong=pingpong,
+                                                     persistent=persistent)
+        return gluon_forward
+
+    gluon_forward = choose_gluon_grid(_GLUON_GRIDS, (*tune_key, n_bucket(bsz * heads)), gluon_grid, pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
@@ -564,10 +570,13 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
     return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, bias is None), backward, gluon_backward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_SCHEDULE_ENV))
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_SCHEDULE_ENV,
+                                                          GLUON_PERSISTENT_ENV))
 # sigmoid forwards on sm_90 that the Gluon kernel serves: the portable kernel or the Gluon one
 # (attn/kernels/tiers.py)
 _TIERS = TierChoice("sigmoid_family_fwd")
+# the Gluon forward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
+_GLUON_GRIDS = TimedChoice("gluon sigmoid forward grid")
 _BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
 # sigmoid backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("sigmoid_family_bwd")

@@ -790,11 +790,8 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
                                                     exp2_poly=exp2_poly, pingpong=pingpong, persistent=persistent)
         return gluon_forward
 
-    if pingpong:  # the ping-pong schedule runs a program per work item
-        gluon_forward = gluon_grid(False)
-    else:  # the grids' timing keys on the work items too: a persistent grid pays off with many per SM
-        gluon_forward = choose_gluon_grid(_GLUON_GRIDS, (*tune_key, n_bucket(bsz * h)), gluon_grid(False),
-                                          gluon_grid(True))
+    # the grids' timing keys on the work items too: a persistent grid pays off with many per SM
+    gluon_forward = choose_gluon_grid(_GLUON_GRIDS, (*tune_key, n_bucket(bsz * h)), gluon_grid, pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 

@@ -58,7 +58,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import GLUON_ENV, GLUON_SCHEDULE_ENV, TierChoice, gluon_candidate, gluon_pingpong, tiered
+from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
+                                choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -589,7 +590,7 @@ def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
-    for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS):
+    for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS, _GLUON_GRIDS, _DIFF_GLUON_GRIDS):
         out.update(choice.report())
     return out
 
@@ -726,9 +727,16 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
         if not (gluon_diff_fwd.serves(q, k, v) and gluon_diff_fwd.serves(q2, k2, v)):
             return forward
 
-        def gluon_diff_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
-            return gluon_diff_fwd.launch_diff_threshold(q, k, v, q2, k2, _gluon_lambda(lam), causal, beta, power)
-        return tiered(_DIFF_TIERS, (*tune_key, float(power)), forward, gluon_diff_forward)
+        def gluon_diff_grid(persistent):
+            def gluon_diff_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+                return gluon_diff_fwd.launch_diff_threshold(q, k, v, q2, k2, _gluon_lambda(lam), causal, beta, power,
+                                                            persistent=persistent)
+            return gluon_diff_forward
+
+        diff_key = (*tune_key, float(power))
+        gluon_diff_forward = choose_gluon_grid(_DIFF_GLUON_GRIDS, (*diff_key, n_bucket(bsz * heads)), gluon_diff_grid,
+                                               False)
+        return tiered(_DIFF_TIERS, diff_key, forward, gluon_diff_forward)
     from attn.kernels import gluon_weighted_fwd
 
     if not gluon_weighted_fwd.serves(q, k, v):
@@ -736,16 +744,24 @@ def _forward_plan(q, k, v, q2, k2, lam, has_bounds, beta, power, causal, window,
 
     pingpong = gluon_pingpong()
 
-    def gluon_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
-        return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power, pingpong=pingpong)
+    def gluon_grid(persistent):
+        def gluon_forward(q, k, v, q2, k2, lam, bounds, seed, key_lengths):
+            return gluon_weighted_fwd.launch_threshold(q, k, v, causal, beta, power, pingpong=pingpong,
+                                                       persistent=persistent)
+        return gluon_forward
+
+    gluon_forward = choose_gluon_grid(_GLUON_GRIDS, (*tune_key, n_bucket(bsz * heads)), gluon_grid, pingpong)
     return tiered(_TIERS, tune_key, forward, gluon_forward)
 
 
-_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_SCHEDULE_ENV))
+_FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_SCHEDULE_ENV, GLUON_PERSISTENT_ENV))
 # forwards on sm_90 that a Gluon kernel serves: the portable kernel or the Gluon one (attn/kernels/tiers.py),
 # chosen per tuning key for the one-map threshold and for the differential threshold
 _TIERS = TierChoice("threshold_family_fwd")
 _DIFF_TIERS = TierChoice("diff_threshold_fwd")
+# the Gluon forwards' grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
+_GLUON_GRIDS = TimedChoice("gluon threshold forward grid")
+_DIFF_GLUON_GRIDS = TimedChoice("gluon diff_threshold forward grid")
 
 
 def _dkdv_diff(dkdv, key) -> None:

@@ -84,7 +84,7 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 
 def gluon_persistent_mode() -> str:
-    """Which grid the Gluon softmax-family forward launches, by ATTNLAB_GLUON_PERSISTENT: "0" a program per
+    """Which grid the Gluon forwards (softmax family, threshold, sigmoid) launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per
     work item (query block, batch x head), "1" the persistent kernel (a program per SM running work items
     in turn, the next item's tiles loading while this one finishes: attn/kernels/gluon_pipeline.py), "auto"
     (default: the forward plans time both per tuning key and keep the faster, the per-item grid where
@@ -209,13 +209,15 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
     return launch
 
 
-def choose_gluon_grid(choice: TimedChoice, key: tuple, per_item: Callable, persistent: Callable) -> Callable:
-    """A plan's launch function for a Gluon forward with both grids (`gluon_persistent_mode`): under "auto"
-    `choice` times the two per tuning key and keeps the faster ("per_item" while timing is not allowed)."""
+def choose_gluon_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable], pingpong: bool) -> Callable:
+    """A plan's launch function for a Gluon forward with both grids (`gluon_persistent_mode`); `grid(persistent)`
+    gives the forward on the per-item (False) or the persistent (True) grid. The ping-pong schedule runs per
+    item; under "auto" `choice` times the two grids per tuning key and keeps the faster ("per_item" while
+    timing is not allowed)."""
     mode = gluon_persistent_mode()
-    if mode != "auto":
-        return persistent if mode == "1" else per_item
-    grids = {"per_item": per_item, "persistent": persistent}
+    if pingpong or mode != "auto":
+        return grid(mode == "1" and not pingpong)
+    grids = {"per_item": grid(False), "persistent": grid(True)}
 
     def launch(*args):
         return choice.choose(key, grids, args, "per_item")(*args)
