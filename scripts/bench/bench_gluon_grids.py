@@ -1,18 +1,19 @@
-"""The Gluon softmax-family forward's two grids side by side on an sm_90 GPU: a program per work item
-against the persistent grid (attn/kernels/gluon_pipeline.py), beside SDPA, in one process.
+"""The Gluon forwards' two grids side by side on an sm_90 GPU: a program per work item against the
+persistent grid (attn/kernels/gluon_pipeline.py), beside SDPA, in one process.
 
-Per shape (causal, bf16): the persistent grid's out and lse2 against the per-item grid's, bit for bit (the
-same arithmetic per item), then the do_bench median ms of SDPA (cuDNN) and of both grids' direct entries
-(`gluon_softmax_fwd.launch_forward`), plain softmax and tanh (c = 30, its bound shift); then the forward
-(no gradient) through `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as
-set: by default the timed choices), softmax and softcap_tanh, with the tiers and grids those calls chose
-(`tuned_configs()`). With
+Per shape (causal, bf16) and form (plain softmax; tanh, c = 30, its bound shift; threshold p = 2 on unit-norm
+q, k; sigmoid; the differential threshold p = 2, unit-norm views): the persistent grid's outputs against the
+per-item grid's, bit for bit (the same arithmetic per item), then the do_bench median ms of SDPA (cuDNN) and
+of both grids' direct entries (`gluon_softmax_fwd.launch_forward`, `gluon_weighted_fwd.launch_threshold` /
+`launch_sigmoid`, `gluon_diff_fwd.launch_diff_threshold`); then the forward (no gradient) through
+`attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as set: by default the timed
+choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
 
-    python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--heads-per-group 2]
-        [--out FILE.json]
+    python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--forms softmax threshold]
+        [--heads-per-group 2] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -36,27 +37,76 @@ CAP = 30.0
 SHAPES = ["16,1024,12,64", "8,1024,16,128", "8,2048,16,64", "4,4096,16,128"]
 
 
-def forward(q, k, v, persistent: bool, capped: bool):
-    from attn.kernels import gluon_softmax_fwd
+# form -> (variant, its spec parameters) of the calls through attn.attention
+FORMS = {"softmax": ("softmax", {}), "tanh": ("softcap_tanh", {"cap": CAP}), "threshold": ("threshold", {}),
+         "sigmoid": ("sigmoid", {}), "diff_threshold": ("diff_threshold", {})}
 
+
+def inputs(form: str, b: int, n: int, h: int, d: int) -> dict:
+    """The form's operands (bf16, seeded): unit-norm q and k (and the second view) for the threshold forms,
+    whose thresholds then bind; per-head lambdas of both signs for the differential threshold."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(unit: bool):
+        x = torch.randn(b, n, h, d, device="cuda", generator=gen)
+        return (F.normalize(x, dim=-1) if unit else x).to(torch.bfloat16)
+
+    unit = form in ("threshold", "diff_threshold")
+    x = {"q": draw(unit), "k": draw(unit), "v": draw(False)}
+    if form == "diff_threshold":
+        x.update(q2=draw(True), k2=draw(True), lam=torch.linspace(-0.5, 1.0, h, device="cuda"))
+    return x
+
+
+def direct(form: str, x: dict, persistent: bool):
+    """The form's direct Gluon entry on one grid, as a callable."""
+    from attn.kernels import gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd
+
+    q, k, v = x["q"], x["k"], x["v"]
     sm_scale = q.shape[-1] ** -0.5
-    if not capped:
+    if form == "softmax":
         return lambda: gluon_softmax_fwd.launch_forward(q, k, v, True, sm_scale * LOG2E, persistent=persistent)
-    return lambda: gluon_softmax_fwd.launch_forward(q, k, v, True, CAP * LOG2E, cap=1, cap_scale=sm_scale / CAP,
-                                                    shift=CAP * LOG2E, persistent=persistent)
+    if form == "tanh":
+        return lambda: gluon_softmax_fwd.launch_forward(q, k, v, True, CAP * LOG2E, cap=1, cap_scale=sm_scale / CAP,
+                                                        shift=CAP * LOG2E, persistent=persistent)
+    if form == "threshold":
+        return lambda: gluon_weighted_fwd.launch_threshold(q, k, v, True, 1.0, 2.0, persistent=persistent)
+    if form == "sigmoid":
+        return lambda: gluon_weighted_fwd.launch_sigmoid(q, k, v, True, sm_scale, None, persistent=persistent)
+    return lambda: gluon_diff_fwd.launch_diff_threshold(q, k, v, x["q2"], x["k2"], x["lam"], True, 1.0, 2.0,
+                                                        persistent=persistent)
+
+
+def public(form: str, x: dict):
+    """The form's forward through attn.attention (no gradient), as a callable."""
+    import attn
+
+    variant, params = FORMS[form]
+    spec = attn.get_variant(variant).make_spec(**params)
+    extra = {"q2": x["q2"], "k2": x["k2"], "lam": x["lam"]} if form == "diff_threshold" else None
+
+    def call():
+        with torch.no_grad():
+            return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=extra)
+    return call
+
+
+def same_bits(a, b) -> bool:
+    a, b = (t if isinstance(t, tuple) else (t,) for t in (a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=SHAPES, help="B,N,H,D (causal, bf16)")
+    ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
     ap.add_argument("--heads-per-group", type=int, default=None,
                     help="the persistent grid's (batch, head) pairs per work-item group (default: the module's)")
     ap.add_argument("--out", default=None, help="write a JSON of the rows")
     args = ap.parse_args()
     from triton.experimental.gluon import language as gl
 
-    import attn
-    from attn.kernels import gluon_pipeline, softmax_family
+    from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family
 
     if args.heads_per_group is not None:  # before anything compiles the persistent kernel
         gluon_pipeline.HEADS_PER_WORK_GROUP = gl.constexpr(args.heads_per_group)
@@ -65,33 +115,32 @@ def main() -> None:
     for shape in args.shapes:
         b, n, h, d = (int(x) for x in shape.split(","))
         gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        qt, kt, vt = (torch.randn(b, h, n, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
         row = {"shape": [b, n, h, d],
                "sdpa_ms": median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))}
-        for name, capped in (("softmax", False), ("tanh", True)):
-            per_item, persistent = forward(q, k, v, False, capped), forward(q, k, v, True, capped)
-            a, p = per_item(), persistent()
-            row[f"{name}_bitwise"] = bool(torch.equal(a[0], p[0]) and torch.equal(a[1], p[1]))
-            row[f"{name}_per_item_ms"] = median_ms(per_item)
-            row[f"{name}_persistent_ms"] = median_ms(persistent)
-        for variant, params in (("softmax", {}), ("softcap_tanh", {"cap": CAP})):
-            spec = attn.get_variant(variant).make_spec(**params)
-            with torch.no_grad():
-                row[f"{variant}_public_ms"] = median_ms(lambda: attn.attention(q, k, v, spec, causal=True))
+        parts = []
+        for form in args.forms:
+            x = inputs(form, b, n, h, d)
+            per_item, persistent = direct(form, x, False), direct(form, x, True)
+            row[f"{form}_bitwise"] = same_bits(per_item(), persistent())
+            row[f"{form}_per_item_ms"] = median_ms(per_item)
+            row[f"{form}_persistent_ms"] = median_ms(persistent)
+            row[f"{form}_public_ms"] = median_ms(public(form, x))
+            parts.append(f"{form} per item {row[f'{form}_per_item_ms']:.4f}, persistent "
+                         f"{row[f'{form}_persistent_ms']:.4f} ms "
+                         f"({row[f'{form}_per_item_ms'] / row[f'{form}_persistent_ms']:.2f}x), "
+                         f"bitwise {row[f'{form}_bitwise']}, attn.attention {row[f'{form}_public_ms']:.4f} ms")
+            del x
         rows.append(row)
-        print(f"{shape}: SDPA {row['sdpa_ms']:.4f} ms | " + " | ".join(
-            f"{name} per item {row[f'{name}_per_item_ms']:.4f}, persistent {row[f'{name}_persistent_ms']:.4f} ms"
-            f" ({row[f'{name}_per_item_ms'] / row[f'{name}_persistent_ms']:.2f}x), bitwise {row[f'{name}_bitwise']}"
-            for name in ("softmax", "tanh")) + " | through attn.attention: " + ", ".join(
-            f"{variant} {row[f'{variant}_public_ms']:.4f} ms" for variant in ("softmax", "softcap_tanh")), flush=True)
-    choices = {key: value for key, value in softmax_family.tuned_configs().items() if " tier, " in key or "grid" in key}
+        print(f"{shape}: SDPA {row['sdpa_ms']:.4f} ms\n  " + "\n  ".join(parts), flush=True)
+    choices = {key: value for family in (softmax_family, threshold_family, sigmoid_family)
+               for key, value in family.tuned_configs().items() if " tier, " in key or "grid" in key}
     for key, value in choices.items():
         print(f"{key} -> {value}")
     if args.out:
         meta = {**result_header(), "heads_per_group": gluon_pipeline.HEADS_PER_WORK_GROUP.value}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "choices": choices}, indent=1))
-    if not all(row[f"{name}_bitwise"] for row in rows for name in ("softmax", "tanh")):
+    if not all(row[f"{form}_bitwise"] for row in rows for form in args.forms):
         sys.exit(1)
 
 
