@@ -442,8 +442,8 @@ def launch_forward(q, k, v, causal: bool, row_scale: float, *, cap: int = 0, cap
                h, h // h_kv, n, kv_len, float(row_scale), float(cap_scale), float(alsc_knee),
                0.0 if shift is None else float(shift))
     if persistent:
-        _PERSISTENT_FORWARD.run((persistent_programs(cdiv(n, block_m) * bsz * h, q.device),), descriptors, (out, lse, temp), (*scalars, bsz * h),
-                                constexprs, GLUON_OPTIONS)
+        _PERSISTENT_FORWARD.run((persistent_programs(cdiv(n, block_m) * bsz * h, q.device),), descriptors,
+                                (out, lse, temp), (*scalars, bsz * h), constexprs, GLUON_OPTIONS)
     else:
         _FORWARD.run((cdiv(n, block_m), bsz * h), descriptors, (out, lse, temp), scalars, constexprs, GLUON_OPTIONS)
     return out, lse

@@ -84,12 +84,12 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 
 def gluon_persistent_mode() -> str:
-    """Which grid the Gluon forwards (softmax family, threshold, sigmoid) launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per
-    work item (query block, batch x head), "1" the persistent kernel (a program per SM running work items
-    in turn, the next item's tiles loading while this one finishes: attn/kernels/gluon_pipeline.py), "auto"
-    (default: the forward plans time both per tuning key and keep the faster, the per-item grid where
-    nothing is timed; `choose_gluon_grid`). The ping-pong schedule runs per item. A ValueError naming the
-    variable for anything else."""
+    """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) launch, by
+    ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block, batch x head), "1" the persistent
+    kernel (a program per SM running work items in turn, the next item's tiles loading while this one
+    finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the forward plans time both per tuning key
+    and keep the faster, the per-item grid where nothing is timed; `choose_gluon_grid`). The ping-pong
+    schedule runs per item. A ValueError naming the variable for anything else."""
     raw = setting(GLUON_PERSISTENT_ENV, GLUON_PERSISTENT_MODES[0])
     if raw not in GLUON_PERSISTENT_MODES:
         raise ValueError(f"{GLUON_PERSISTENT_ENV} must be one of {GLUON_PERSISTENT_MODES}, got {raw!r}")
