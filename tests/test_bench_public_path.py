@@ -38,6 +38,25 @@ def test_a_row_slower_than_the_baseline_beyond_its_suites_allowance_fails():
     assert bp.compare({**ROWS, "a new row": 9.0}, {}, baseline, 0.08, 0.30) == []  # rows the baseline lacks pass
 
 
+def test_host_bound_rows_are_gated_on_their_ratio_to_the_yardstick_of_the_same_round():
+    """A slower host (every host-bound row and its yardstick slower together) passes; our row slower against
+    the same round's yardstick beyond the host allowance fails; the yardsticks themselves are not gated; the
+    round whose ratio is best counts."""
+    rows = {**ROWS, "call sdpa compiled fwd+bwd": 0.45, "call softmax compiled fwd+bwd": 0.55}
+    baseline = {"best": dict(rows), "meta": {"host_timing": bp.HOST_TIMING}}
+    slower_host = {name: ms * (1.4 if name.split(" ")[0] in bp.HOST_BOUND_SUITES else 1.0) for name, ms in rows.items()}
+    assert bp.compare(slower_host, {}, baseline, 0.08, 0.30) == []
+    assert bp.compare({**rows, "call sdpa fwd+bwd": 0.40 * 2}, {}, baseline, 0.08, 0.30) == []
+    ours_slower = {**rows, "call softmax compiled fwd+bwd": 0.55 * 1.35}
+    failures = bp.compare(ours_slower, {}, baseline, 0.08, 0.30)
+    assert len(failures) == 1 and failures[0].startswith("REGRESSION call softmax compiled fwd+bwd")
+    assert "call sdpa compiled fwd+bwd" in failures[0]
+    # per round: a round where the yardstick was slow too gives the ratio that counts
+    rounds = {"call softmax compiled fwd+bwd": [0.55 * 1.35, 0.55 * 1.5],
+              "call sdpa compiled fwd+bwd": [0.45, 0.45 * 1.5]}
+    assert bp.compare(ours_slower, {}, baseline, 0.08, 0.30, rounds) == []
+
+
 def test_host_bound_rows_timed_another_way_are_not_compared():
     baseline = {"best": dict(ROWS), "meta": {"host_timing": "do_bench"}}
     slower = {name: ms * 2 for name, ms in ROWS.items()}

@@ -20,11 +20,15 @@ medians after warm-up:
     python scripts/bench/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
 
 Rows report the median over the --repeats rounds; the gate reads each row's best round. --baseline
-compares each row's best round with the file's (measured on the same GPU name) and exits 1 when one
-is slower by more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites
-(ranker, kernels) and --host-noise (default 30%) for the host-bound ones (call, decode), whose rounds
-follow the host's load and vary far more (the measured spreads: docs/results/public_path/); the
-host-bound gate catches only large regressions. Baselines are
+compares each row with the file's (measured on the same GPU name) and exits 1 when one is slower by
+more than its suite's noise allowance: --noise (default 8%) for the GPU-bound suites (ranker, kernels),
+on the best round's ms; --host-noise (default 30%) for the host-bound ones (call, decode), whose rounds
+follow the host's load and vary far more (the measured spreads: docs/results/public_path/), on the
+row's time over its yardstick's in the same round (SDPA's eager call, SDPA compiled, SDPA's decode
+step; the best round's ratio): machines of one GPU kind differ in host speed (SDPA's compiled call
+moved 30% between two H100 machines), which a ratio to torch's own call on the same host cancels
+in part. The yardstick rows themselves are torch's and are reported, not gated. The host-bound gate
+catches only large regressions. Baselines are
 committed per GPU kind under docs/results/baselines/, named after the GPU (`--baseline auto` picks
 this GPU's; `--write-baseline` writes one from this run).
 """
@@ -228,23 +232,50 @@ HOST_BOUND_SUITES = ("call", "decode")
 HOST_TIMING = "back-to-back"  # how the host-bound suites are timed (timing.back_to_back_ms)
 
 
+def yardstick(name: str) -> str | None:
+    """The row a host-bound row is measured against in the gate (torch's own call of the suite, same host,
+    same round); None for GPU-bound rows and for the yardsticks themselves."""
+    suite = name.split(" ")[0]
+    if suite not in HOST_BOUND_SUITES or "sdpa" in name:
+        return None
+    if suite == "call":
+        return "call sdpa compiled fwd+bwd" if "compiled" in name else "call sdpa fwd+bwd"
+    return "decode sdpa"
+
+
 def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, noise: float,
-            host_noise: float) -> list[str]:
-    """Rows whose best round is slower than the baseline's best by more than their suite's allowance
-    (`host_noise` for HOST_BOUND_SUITES, `noise` for the others; fractions), as report lines. A
-    baseline whose host-bound rows were timed another way (its meta's host_timing) is compared on
-    the GPU-bound rows only."""
+            host_noise: float, rounds: dict[str, list[float]] | None = None) -> list[str]:
+    """Rows slower than the baseline by more than their suite's allowance (fractions), as report lines:
+    a GPU-bound row's best round against the baseline's best by `noise`; a host-bound row (HOST_BOUND_SUITES)
+    as its time over its `yardstick`'s, the best over `rounds` of the same round's ratio (without rounds:
+    the best rounds'), against the baseline's best rows' ratio, by `host_noise`. Yardstick rows, rows the
+    baseline lacks, and host-bound rows of a baseline timed another way (its meta's host_timing) are not
+    compared."""
     same_host_timing = baseline.get("meta", {}).get("host_timing") == HOST_TIMING
+    base_best = baseline["best"]
     failures = []
     for name, ms in best.items():
-        base = baseline["best"].get(name)
+        base = base_best.get(name)
         host_bound = name.split(" ")[0] in HOST_BOUND_SUITES
         if base is None or (host_bound and not same_host_timing):
             continue
-        allowed = host_noise if host_bound else noise
-        if ms > base * (1.0 + allowed):
-            failures.append(f"REGRESSION {name}: {ms:.4f} ms vs baseline {base:.4f} ms (+{ms / base - 1:.1%}, "
-                            f"allowed +{allowed:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
+        if not host_bound:
+            if ms > base * (1.0 + noise):
+                failures.append(f"REGRESSION {name}: {ms:.4f} ms vs baseline {base:.4f} ms (+{ms / base - 1:.1%}, "
+                                f"allowed +{noise:.0%}; this run's spread over rounds {spread.get(name, 0):.1%})")
+            continue
+        yard = yardstick(name)
+        if yard is None or yard not in best or yard not in base_best:
+            continue
+        if rounds and name in rounds and yard in rounds:
+            ratio = min(t / y for t, y in zip(rounds[name], rounds[yard]))
+        else:
+            ratio = ms / best[yard]
+        base_ratio = base / base_best[yard]
+        if ratio > base_ratio * (1.0 + host_noise):
+            failures.append(f"REGRESSION {name}: {ratio:.3f}x {yard} vs baseline {base_ratio:.3f}x "
+                            f"(+{ratio / base_ratio - 1:.1%}, allowed +{host_noise:.0%}; {ms:.4f} ms vs baseline "
+                            f"{base:.4f} ms)")
     return failures
 
 
@@ -264,8 +295,8 @@ def markdown(meta: dict, rows: dict, best: dict, spread: dict, failures: list[st
     lines += ["", "| ratio | median rounds | best rounds |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {value:.2f} | {best_ratios[name]:.2f} |" for name, value in ratios(rows).items()]
     if meta.get("baseline"):
-        lines += ["", f"Best rounds against {meta['baseline']} (allowed: {meta['noise']:.0%} GPU-bound, "
-                  f"{meta['host_noise']:.0%} host-bound): "
+        lines += ["", f"Against {meta['baseline']} (allowed: {meta['noise']:.0%} GPU-bound, best rounds; "
+                  f"{meta['host_noise']:.0%} host-bound, best ratios to the yardstick in the same round): "
                   + ("no regression." if not failures else "")]
         lines += [f"- {line}" for line in failures]
     return "\n".join(lines) + "\n"
@@ -312,7 +343,7 @@ def main() -> int:
         if baseline["meta"]["gpu"] != meta["gpu"]:
             raise SystemExit(f"--baseline {args.baseline} was measured on {baseline['meta']['gpu']}, this is "
                              f"{meta['gpu']}: compare with a baseline of the same GPU kind")
-        failures = compare(best, spread, baseline, args.noise, args.host_noise)
+        failures = compare(best, spread, baseline, args.noise, args.host_noise, rounds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows, "best": best, "spread": spread, "rounds": rounds, "ratios": ratios(rows),
