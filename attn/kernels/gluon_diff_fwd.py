@@ -43,6 +43,7 @@ from attn.kernels.gluon_pipeline import (
     CONSUMER_REGS,
     GLUON_OPTIONS,
     PRODUCER_REGS,
+    allocate_query_empty,
     check_operands,
     compile_gluon_sm90,
     descriptor,
@@ -51,6 +52,7 @@ from attn.kernels.gluon_pipeline import (
     issue_pv,
     key_blocks,
     mbarrier,
+    persistent_item,
     persistent_programs,
     program_rows,
     pv_operand,
@@ -61,7 +63,6 @@ from attn.kernels.gluon_pipeline import (
     visible_key,
     warpgroup_mma,
     warpgroup_mma_wait,
-    work_item,
 )
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, TINY, _ex2, _lg2, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
@@ -167,8 +168,8 @@ def _persistent_producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_sm
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
-        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
         k_row = b * kv_len
         kv_col = hk * HEAD_DIM
         first = gl.minimum(n_tiles, 1)
@@ -349,8 +350,8 @@ def _persistent_consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, q_empt
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
-        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
         _consumer(q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O,
                   b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_on, LAM,
                   h.to(gl.int64) * stride_lam, m0 + WARPGROUP * HALF_M, q_len, kv_len, n_full, n_tiles, tau_scale,
@@ -376,9 +377,7 @@ def _gluon_diff_threshold_fwd_persistent_kernel(q_desc, k_desc, v_desc, q2_desc,
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    q_empty = allocate_query_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), q2_smem.index(0), k_smem, k2_smem, v_smem, q_bar, q_empty, k_ready,
                                 v_ready, k_empty, v_empty, O, LAM, stride_ob, stride_on, stride_oh, stride_lam, H,

@@ -212,6 +212,25 @@ def work_item(t, q_len, H, GROUP, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexp
 
 
 @gluon.jit
+def persistent_item(t, q_len, kv_len, H, GROUP, BH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+    """Work item t's (b, h, hk, bh, m0, n_full, n_tiles): its rows (`work_item`) and key blocks (`key_blocks`)."""
+    b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    return b, h, hk, bh, m0, n_full, n_tiles
+
+
+@gluon.jit
+def allocate_query_empty():
+    """A persistent program's query-empty mbarrier: one arrival per consumer warpgroup once its work item's
+    last product that reads the query tile retired, after which the producer loads the next item's."""
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_empty, count=2)
+    fence_async_shared()
+    return q_empty
+
+
+@gluon.jit
 def persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                         v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -222,8 +241,8 @@ def persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
-        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
         k_row = b * kv_len
         kv_col = hk * HEAD_DIM
         first = gl.minimum(n_tiles, 1)

@@ -30,11 +30,11 @@ from attn.kernels.gluon_pipeline import (
     GLUON_OPTIONS,
     LOG2E,
     PRODUCER_REGS,
+    allocate_query_empty,
     allocate_ring,
     check_operands,
     compile_sm90 as compile_kernel,
     descriptor,
-    fence_async_shared,
     invalidate_ring,
     issue_first_qk,
     issue_last_pv,
@@ -43,6 +43,7 @@ from attn.kernels.gluon_pipeline import (
     mbarrier,
     producer,
     persistent_producer,
+    persistent_item,
     persistent_programs,
     program_rows,
     pv_operand,
@@ -52,7 +53,6 @@ from attn.kernels.gluon_pipeline import (
     tma_view,
     visible_key,
     warpgroup_mma_wait,
-    work_item,
 )
 from attn.kernels.runtime import DirectLauncher, cdiv
 
@@ -333,8 +333,8 @@ def _persistent_consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_read
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
-        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
         _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, TEMP,
                   b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_on, bh.to(gl.int64) * q_len,
                   b.to(gl.int64) * stride_tb, stride_tn, m0 + WARPGROUP * HALF_M, q_len, kv_len, n_full, n_tiles,
@@ -361,9 +361,7 @@ def _gluon_softmax_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    q_empty = allocate_query_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                 O, LSE, TEMP, stride_ob, stride_on, stride_oh, stride_tb, stride_tn, H, GROUP, BH,

@@ -29,12 +29,12 @@ from attn.kernels.gluon_pipeline import (
     CONSUMER_REGS,
     LOG2E,
     PRODUCER_REGS,
+    allocate_query_empty,
     allocate_ring,
     check_operands,
     GLUON_OPTIONS,
     compile_sm90 as compile_kernel,
     descriptor,
-    fence_async_shared,
     invalidate_ring,
     issue_first_qk,
     issue_last_pv,
@@ -42,6 +42,7 @@ from attn.kernels.gluon_pipeline import (
     key_blocks,
     mbarrier,
     persistent_producer,
+    persistent_item,
     persistent_programs,
     producer,
     program_rows,
@@ -52,7 +53,6 @@ from attn.kernels.gluon_pipeline import (
     tma_view,
     visible_key,
     warpgroup_mma_wait,
-    work_item,
 )
 from attn.kernels.runtime import DirectLauncher, cdiv
 
@@ -273,8 +273,8 @@ def _persistent_consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_read
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0 = work_item(t, q_len, H, GROUP, BH, 2 * HALF_M, CAUSAL)
-        n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, 2 * HALF_M, BLOCK_N)
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
         _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O,
                   b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh, stride_on, m0 + WARPGROUP * HALF_M, q_len,
                   kv_len, n_full, n_tiles, score_scale, row_param, power, ring, it & 1, q_empty, WEIGHT, POWER_MODE,
@@ -299,9 +299,7 @@ def _gluon_weighted_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, stride_ob, 
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    q_empty = allocate_query_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                 O, stride_ob, stride_on, stride_oh, H, GROUP, BH, n_items, q_len, kv_len, score_scale,
