@@ -13,7 +13,9 @@ with a ring of three streamed operands. Per key block the producer loads K and K
 "ready" barrier for the pair) and V into another; each consumer holds its Q and Q2 tiles in shared
 memory, issues S1 = Q K^T and S2 = Q2 K2^T back to back as async wgmmas beside the previous block's
 O += W V, forms W = relu(S1 - tau)^p - lambda relu(S2 - tau)^p in the wgmmas' registers while the tensor
-cores run W V, and issues one W V per block: three products per block, not four. Key blocks wholly
+cores run W V, and issues one W V per block: three products per block, not four. A program per work item
+(query block, batch x head) or, with `persistent=True`, `gluon_pipeline`'s persistent grid (its producer
+loads the next item's first key block, then its Q and Q2 tiles, while the consumers finish). Key blocks wholly
 visible to every row run without mask arithmetic; on the causal diagonal and the ragged last block both
 views' scores of keys a row does not see become -inf before the weight (relu(-inf - tau) = 0), as in
 the one-map forward. A NaN score of a visible key gives a NaN weight, as the reference does.

@@ -10,8 +10,8 @@ loop has no running max, no sum and no accumulator rescale:
 
 The schedule, the ring and the host side are `gluon_pipeline`'s (FA3's producer / two consumer
 warpgroups, unordered or in ping-pong with `pingpong=True`, block j's S = Q K^T issued beside block j-1's
-W V). A NaN score gives a NaN weight, as
-the reference does. The differential threshold (two score maps), segments, a window, key lengths
+W V; a program per work item or, with `persistent=True`, `gluon_pipeline`'s persistent grid). A NaN score
+gives a NaN weight, as the reference does. The differential threshold (two score maps), segments, a window, key lengths
 and dropout stay on the portable kernels (`attn/kernels/tiers.py` chooses per launch).
 """
 
