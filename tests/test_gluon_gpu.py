@@ -20,8 +20,11 @@ The forwards' ping-pong schedule (ATTNLAB_GLUON_SCHEDULE=pingpong: the two consu
 at issuing their wgmmas, attn/kernels/gluon_pipeline.py) runs the plain, capped / tempered and threshold /
 sigmoid public-call cases as well, and its direct kernel entries must give the unordered schedule's bits
 exactly (the same arithmetic, only the wgmma issue order differs) on programs with no key block, one key
-block, the ragged and the causal-diagonal blocks, many blocks, GQA, D 64 (3 ring slots) and 128 (2). A
-mistake in a barrier protocol hangs the GPU: run these under a `timeout -s KILL`.
+block, the ragged and the causal-diagonal blocks, many blocks, GQA, D 64 (3 ring slots) and 128 (2). The
+forwards' persistent grid (ATTNLAB_GLUON_PERSISTENT: a program per SM running work items in turn) must give
+the per-item grid's bits for every form on those cases and on more work items than SMs with a last work-item
+group of fewer pairs; its public calls are within the rule. A mistake in a barrier protocol hangs the GPU:
+run these under a `timeout -s KILL`.
 """
 
 from __future__ import annotations
