@@ -13,7 +13,7 @@ import bench_public_path as bp  # noqa: E402
 
 ROWS = {"call sdpa fwd+bwd": 0.40, "call softmax eager fwd+bwd": 0.50, "decode sdpa": 0.08, "decode threshold": 0.10,
         "ranker segments fwd": 0.70, "ranker full mask fwd": 1.20, "kernels sdpa fwd": 0.50,
-        "kernels threshold fwd": 0.48}
+        "kernels threshold fwd": 0.48, "kernels diff_threshold fwd": 0.72}
 
 
 def test_ratios_put_each_row_against_its_yardstick():
@@ -22,6 +22,7 @@ def test_ratios_put_each_row_against_its_yardstick():
     assert r["decode threshold / SDPA"] == pytest.approx(1.25)
     assert r["ranker segments fwd / full mask"] == pytest.approx(0.7 / 1.2)
     assert r["kernels threshold fwd: SDPA / ours"] == pytest.approx(0.5 / 0.48)
+    assert r["kernels diff_threshold fwd / threshold"] == pytest.approx(0.72 / 0.48)
     assert not any("sdpa" in name.split(" / ")[0] for name in r)
 
 

@@ -13,8 +13,9 @@ medians after warm-up:
             segment_ids= (one tensor, checked on its first call), segment_ids=attn.segments(ids),
             the full mask, and FlexAttention compiled with the same mask and cap (its BlockMask built
             once, outside the timing); each round times them starting one row further on
-  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, softmax, softcap_tanh, threshold, sigmoid
-            (on sm_90 each on the tier the call's first timing chose: the Gluon kernels' gate)
+  kernels   (4,16,4096,128) causal bf16 fwd and fwd+bwd: SDPA, softmax, softcap_tanh, threshold, sigmoid,
+            diff_threshold (also against threshold's time) (on sm_90 each on the tier the call's first timing
+            chose: the Gluon kernels' gate)
 
     python scripts/bench/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
     python scripts/bench/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
@@ -59,6 +60,7 @@ PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 30.0}, "softcap_softsign": {"ca
           "diff_threshold": {"beta": 1.0, "power": 2.0}, "sigmoid": {}}
 CALL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
 DECODE_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid"]
+KERNEL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
 
 
 def tensors(variant: str, b: int, n: int, h: int, d: int, grad: bool, kv: int | None = None) -> dict:
@@ -183,7 +185,7 @@ def flex_ranker_call(x: dict, ids: torch.Tensor):
 def kernel_rows() -> dict[str, float]:
     b, h, n, d = 4, 16, 4096, 128
     rows = {}
-    for variant in ("sdpa", "softmax", "softcap_tanh", "threshold", "sigmoid"):
+    for variant in ("sdpa", *KERNEL_VARIANTS):
         x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
         do = torch.randn_like(x["q"])
         if variant == "sdpa":
@@ -193,7 +195,7 @@ def kernel_rows() -> dict[str, float]:
             spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
 
             def call(x=x, spec=spec):
-                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True)
+                return attn.attention(x["q"], x["k"], x["v"], spec, causal=True, extra=x["extra"])
         call().backward(do)
         with torch.no_grad():
             rows[f"kernels {variant} fwd"] = median_ms(call)
@@ -223,6 +225,8 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
                 out[f"{name}: Flex / ours"] = rows[f"ranker flex {rest[-1]}"] / ms
         elif suite == "kernels" and "sdpa" not in name:
             out[f"{name}: SDPA / ours"] = rows[f"kernels sdpa {rest[-1]}"] / ms
+            if "diff_threshold" in name and f"kernels threshold {rest[-1]}" in rows:  # issue 35's ratio
+                out[f"{name} / threshold"] = ms / rows[f"kernels threshold {rest[-1]}"]
     return out
 
 
