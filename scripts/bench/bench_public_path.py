@@ -58,9 +58,7 @@ import attn  # noqa: E402
 PARAMS = {"softmax": {}, "softcap_tanh": {"cap": 30.0}, "softcap_softsign": {"cap": 30.0},
           "alsc": {"cap": 30.0, "knee": 0.5}, "threshold": {"beta": 1.0, "power": 2.0},
           "diff_threshold": {"beta": 1.0, "power": 2.0}, "sigmoid": {}}
-CALL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
-DECODE_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid"]
-KERNEL_VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]
+VARIANTS = ["softmax", "softcap_tanh", "threshold", "sigmoid", "diff_threshold"]  # of the call, decode and kernels suites
 
 
 def tensors(variant: str, b: int, n: int, h: int, d: int, grad: bool, kv: int | None = None) -> dict:
@@ -94,7 +92,7 @@ def call_rows() -> dict[str, float]:
     sdpa_compiled = torch.compile(sdpa, fullgraph=True)
     rows["call sdpa compiled fwd+bwd"] = back_to_back_ms(
         lambda: sdpa_compiled(x["q"], x["k"], x["v"], True).backward(do))
-    for variant in CALL_VARIANTS:
+    for variant in VARIANTS:
         spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
         x = tensors(variant, b, n, h, d, True)
 
@@ -116,7 +114,7 @@ def decode_rows() -> dict[str, float]:
     with torch.no_grad():
         x = tensors("softmax", b, 1, h, d, False, kv=cache)
         rows["decode sdpa"] = back_to_back_ms(lambda: sdpa(x["q"], x["k"], x["v"], False))
-        for variant in DECODE_VARIANTS:
+        for variant in VARIANTS:
             spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
             x = tensors(variant, b, 1, h, d, False, kv=cache)
 
@@ -185,7 +183,7 @@ def flex_ranker_call(x: dict, ids: torch.Tensor):
 def kernel_rows() -> dict[str, float]:
     b, h, n, d = 4, 16, 4096, 128
     rows = {}
-    for variant in ("sdpa", *KERNEL_VARIANTS):
+    for variant in ("sdpa", *VARIANTS):
         x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
         do = torch.randn_like(x["q"])
         if variant == "sdpa":

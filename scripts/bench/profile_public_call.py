@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attn  # noqa: E402
 from bench_attention_call import profile_host  # noqa: E402
-from bench_public_path import CALL_VARIANTS, DECODE_VARIANTS, PARAMS, sdpa, tensors  # noqa: E402
+from bench_public_path import PARAMS, VARIANTS, sdpa, tensors  # noqa: E402
 
 QUEUED_CALLS = 30
 PROFILED_CALLS = 10
@@ -86,7 +86,7 @@ def call_cases(b: int, h: int, n: int, d: int):
     x = tensors("softmax", b, n, h, d, True)
     do = torch.randn_like(x["q"])
     yield "call sdpa fwd+bwd", lambda: sdpa(x["q"], x["k"], x["v"], True).backward(do), None
-    for variant in CALL_VARIANTS:
+    for variant in VARIANTS:
         spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
         xv = tensors(variant, b, n, h, d, True)
 
@@ -104,7 +104,7 @@ def decode_cases():
     b, h, d, cache = 8, 16, 128, 4096
     x = tensors("softmax", b, 1, h, d, False, kv=cache)
     yield "decode sdpa", lambda: sdpa(x["q"], x["k"], x["v"], False), None
-    for variant in DECODE_VARIANTS:
+    for variant in VARIANTS:
         spec = attn.get_variant(variant).make_spec(**PARAMS[variant])
         xv = tensors(variant, b, 1, h, d, False, kv=cache)
         yield f"decode {variant}", (lambda xv=xv, spec=spec: attn.attention(
