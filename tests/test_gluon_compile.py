@@ -14,7 +14,8 @@ iteration, and its delta (zeroing the fp32 dq) and scale-and-cast kernels.
 
 The threshold and sigmoid backwards (attn/kernels/gluon_weighted_bwd.py): the same PTX checks, the same
 wgmma counts per loop, MUFU ops per score as their math needs (none for the threshold at p = 1 and 2, two for
-any other p and for the sigmoid) and no local memory inside a loop.
+any other p and for the sigmoid) and no local memory inside a loop; their persistent kernels the per-item
+kernels' wgmma count and one more mbarrier.
 
 The differential threshold forward (attn/kernels/gluon_diff_fwd.py): the same PTX checks, per loop iteration
 both views' S products and one W V product, MUFU ops per score as the power needs (none at p = 1 and 2, a
@@ -86,6 +87,15 @@ REQUESTS.update({
     f"{name}-{k}-{d}-{c}-{t}": ("gluon_weighted_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=k, **WEIGHTS[name]),
                                 f"{name}_bwd_{k}")
     for name, configs in WEIGHTED_CONFIGS.items() for k in ("dkdv", "dq") for d, c, t in configs})
+# their persistent kernels: (weight name, kernel, D, causal, dtype), each beside a WEIGHTED_CONFIGS entry
+WEIGHTED_BACKWARD_PERSISTENT = [("threshold", "dkdv", 64, True, "bf16"), ("threshold", "dq", 64, True, "bf16"),
+                                ("threshold_p1.5", "dkdv", 128, True, "bf16"),
+                                ("threshold_p1.5", "dq", 128, True, "bf16"),
+                                ("sigmoid", "dkdv", 128, False, "fp16"), ("sigmoid", "dq", 128, True, "bf16")]
+REQUESTS.update({
+    f"{name}-{k}_persistent-{d}-{c}-{t}": ("gluon_weighted_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=k,
+                                                                      persistent=True, **WEIGHTS[name]), None)
+    for name, k, d, c, t in WEIGHTED_BACKWARD_PERSISTENT})
 # the backward's capped / tempered forms: (gluon_sass_counts variant, its compile_sm90 arguments, D, causal, dtype)
 CAPPED_BACKWARD = [
     ("bwd_dkdv_tanh", dict(kernel="dkdv", cap=1), 128, True, "bf16"),
@@ -248,6 +258,19 @@ def test_persistent_weighted_forward_compiles_with_the_per_item_products(compile
     result = compiled[f"weighted_fwd_persistent-{name}-{head_dim}-{causal}"]
     _assert_hopper_schedule(per_item, "bf16")
     _assert_hopper_schedule(result["ptx"], "bf16")
+    assert result["shared"] <= 227 * 1024
+    assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
+    assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
+
+
+@pytest.mark.parametrize("name,kernel,head_dim,causal,dtype", WEIGHTED_BACKWARD_PERSISTENT)
+def test_persistent_weighted_backward_compiles_with_the_per_item_products(compiled, name, kernel, head_dim, causal,
+                                                                          dtype):
+    """The threshold and sigmoid backwards' persistent dK / dV and dQ kernels: the per-item kernel's Hopper
+    schedule and wgmma count (the same consumer per work item), plus the once-per-item tiles' empty barrier."""
+    per_item = compiled[f"{name}-{kernel}-{head_dim}-{causal}-{dtype}"]["ptx"]
+    result = compiled[f"{name}-{kernel}_persistent-{head_dim}-{causal}-{dtype}"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
     assert result["shared"] <= 227 * 1024
     assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
     assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1

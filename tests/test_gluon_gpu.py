@@ -320,6 +320,20 @@ def test_threshold_and_sigmoid_calls_on_the_gluon_kernels_are_within_the_rule(va
         assert (row_norms == 0).any() and (row_norms > 0).any()
 
 
+@pytest.mark.parametrize("variant,params,case", WEIGHTED, ids=[f"{v}-{p}-{_case_id(c)}" for v, p, c in WEIGHTED])
+def test_threshold_and_sigmoid_calls_on_the_persistent_grids_are_within_the_rule(variant, params, case,
+                                                                                 weighted_launches, monkeypatch,
+                                                                                 nan_poison):
+    """ATTNLAB_GLUON_PERSISTENT=1: the threshold and sigmoid Gluon forwards and backwards on their persistent
+    grids through attn.attention, out and gradients within the float64 rule."""
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
+    _check_weighted_on_gluon(case, variant, params, seed=300 + WEIGHTED.index((variant, params, case)),
+                             unit_norm=variant == "threshold")
+    assert f"launch_{variant}" in weighted_launches, "the call did not run the Gluon forward"
+    assert f"launch_{variant}_backward" in weighted_launches, "the call did not run the Gluon backward"
+
+
 DIFF_GRADIENTS = ("dq", "dk", "dv", "dq2", "dk2", "dlam")
 
 

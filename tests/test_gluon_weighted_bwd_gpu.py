@@ -203,6 +203,45 @@ def test_gluon_backward_matches_the_portable_backward_bitwise_repeatably(variant
         assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+# the persistent grids' shapes: SHAPES and ones with more work items than SMs, a last work-item group of fewer
+# (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H_kv = 5, 301, 1), rows that see no key (N > KV)
+PERSISTENT_SHAPES = SHAPES + [
+    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
+    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
+    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
+    (1, 700, 200, 3, 1, 64, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("variant,params", [("threshold", {"power": 2.0}), ("threshold", {"power": 1.5}),
+                                            ("sigmoid", {})])
+def test_the_persistent_backward_gives_the_per_item_grids_bits(variant, params, nan_poison):
+    """The persistent dK / dV and dQ kernels (one program per SM running work items in turn) compute each item
+    as the per-item grids do: dq, dk, dv equal bit for bit, every element written (NaN-poisoned allocations),
+    on PERSISTENT_SHAPES."""
+    from attn.kernels.gluon_weighted_bwd import launch_sigmoid_backward, launch_threshold_backward
+
+    spec = attn.get_variant(variant).make_spec(**params)
+    for index, shape in enumerate(PERSISTENT_SHAPES):
+        causal, dtype = shape[6], shape[7]
+        tensors, do = _inputs(shape, variant, seed=400 + index)
+        q, k, v, do = (t.to(dtype) for t in (tensors["q"], tensors["k"], tensors["v"], do))
+        if variant == "threshold":
+            def run(persistent):
+                return launch_threshold_backward(q, k, v, do, causal, float(spec.beta), float(spec.power),
+                                                 persistent=persistent)
+        else:
+            def run(persistent):
+                return launch_sigmoid_backward(q, k, v, do, causal, float(spec.scale(q.shape[-1])), spec.bias,
+                                               persistent=persistent)
+        per_item, persistent = run(False), run(True)
+        torch.cuda.synchronize()
+        for name, ref, got in zip(("dq", "dk", "dv"), per_item, persistent):
+            where = f"{variant} {params} {shape} {name}"
+            assert not got.isnan().any(), f"{where}: an element unwritten (NaN)"
+            assert torch.equal(got, ref), f"{where}: the grids' bits differ"
+
+
 def test_checked_entries_name_what_a_call_misses():
     from attn.kernels.gluon_weighted_bwd import gluon_sigmoid_backward, gluon_threshold_backward
 

@@ -501,6 +501,7 @@ def test_backward_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, par
         expected = ([params["beta"], params["power"]] if variant == "threshold"
                     else [pytest.approx(d ** -0.5), params.get("bias")])
         assert variant_args == expected
+        assert named["persistent"] is False  # ATTNLAB_GLUON_PERSISTENT=0
     assert torch.equal(dout, grad) and got_causal is causal
     assert (q.grad == 2.0).all() and (k.grad == 3.0).all() and (v.grad == 4.0).all()
 
@@ -510,6 +511,63 @@ def test_the_backward_plans_read_the_switch():
 
     for family in (softmax_family, threshold_family, sigmoid_family):
         assert tiers.GLUON_ENV in family._BWD_PLANS.settings
+    for family in (threshold_family, sigmoid_family):
+        assert tiers.GLUON_PERSISTENT_ENV in family._BWD_PLANS.settings
+
+
+BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "launch_threshold_backward"),
+                          ("sigmoid", {}, "sigmoid_family", "launch_sigmoid_backward")]
+
+
+@pytest.mark.parametrize("variant,params,family,launcher", BACKWARD_GRID_FAMILIES,
+                         ids=[v for v, *_ in BACKWARD_GRID_FAMILIES])
+@pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
+def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, variant, params,
+                                                            family, launcher, gluon_offered, monkeypatch):
+    """ATTNLAB_GLUON_PERSISTENT=auto: the threshold and sigmoid backward plans' Gluon tier times the per-item and
+    the persistent grid on the call's own arguments at a key's first backward and keeps the faster, keyed by
+    the work items too; "0" / "1" pin a grid."""
+    import importlib
+
+    import attn
+    from attn.kernels import gluon_weighted_bwd
+
+    plans = importlib.import_module(f"attn.kernels.{family}")
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(plans, "_GLUON_BWD_GRIDS", tiers.TimedChoice("grid"))
+    log = []
+
+    def launch(q, k, v, *args, persistent):
+        log.append(persistent)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(gluon_weighted_bwd, launcher, launch)
+
+    def median_ms(fn):
+        forward_before, backward_before = len(gluon_offered), len(log)
+        fn()
+        persistent = log[-1] if len(log) > backward_before else gluon_offered[forward_before][2]["persistent"]
+        return persistent_ms if persistent else per_item_ms
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant(variant).make_spec(**params)
+
+    def backward(batch=1):
+        q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        attn.attention(q, k, v, spec, causal=True, backend="triton").sum().backward()
+        grids = list(log)
+        del log[:]
+        return grids
+
+    # each grid once to compile, once timed; then the winner serves the call
+    assert backward() == [False, False, True, True, winner]
+    assert list(plans._GLUON_BWD_GRIDS.chosen.values()) == ["persistent" if winner else "per_item"]
+    assert backward() == [winner]  # remembered
+    assert backward(batch=64) == [False, False, True, True, winner]  # more work items: a key of its own
+    for value, persistent in (("0", False), ("1", True)):
+        monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
+        assert backward() == [persistent]
 
 
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):

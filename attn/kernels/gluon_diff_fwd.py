@@ -45,7 +45,7 @@ from attn.kernels.gluon_pipeline import (
     CONSUMER_REGS,
     GLUON_OPTIONS,
     PRODUCER_REGS,
-    allocate_query_empty,
+    allocate_item_empty,
     check_operands,
     compile_gluon_sm90,
     descriptor,
@@ -379,7 +379,7 @@ def _gluon_diff_threshold_fwd_persistent_kernel(q_desc, k_desc, v_desc, q2_desc,
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = allocate_query_empty()
+    q_empty = allocate_item_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), q2_smem.index(0), k_smem, k2_smem, v_smem, q_bar, q_empty, k_ready,
                                 v_ready, k_empty, v_empty, O, LAM, stride_ob, stride_on, stride_oh, stride_lam, H,

@@ -191,21 +191,27 @@ HEADS_PER_WORK_GROUP = gl.constexpr(2)
 
 
 @gluon.jit
-def work_item(t, q_len, H, GROUP, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(b, h, hk, bh, m0) of work item t of BH (batch x head) pairs' query blocks: items run through groups of
-    HEADS_PER_WORK_GROUP pairs, within a group by query block (causal: the last query block, the longest, first)
-    and then by pair, so the items in flight at once cover a few heads' key / value tiles (L2 reuse) and the
-    longest items of each group start first. The last group may hold fewer pairs."""
-    num_m = gl.cdiv(q_len, BLOCK_M)
-    group_items = num_m * HEADS_PER_WORK_GROUP
+def grouped_block(t, num_blocks, BH):
+    """(bh, block) of work item t of BH (batch x head) pairs' num_blocks blocks each: items run through groups of
+    HEADS_PER_WORK_GROUP pairs, within a group by block and then by pair, so the items in flight at once cover
+    a few heads' tiles (L2 reuse). The last group may hold fewer pairs."""
+    group_items = num_blocks * HEADS_PER_WORK_GROUP
     group = t // group_items
     first_head = group * HEADS_PER_WORK_GROUP
     heads = gl.minimum(BH - first_head, HEADS_PER_WORK_GROUP)
     r = t - group * group_items
-    pid_m = r // heads
+    block = r // heads
+    return first_head + r % heads, block
+
+
+@gluon.jit
+def work_item(t, q_len, H, GROUP, BH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(b, h, hk, bh, m0) of work item t of BH (batch x head) pairs' query blocks, in `grouped_block`'s order
+    (causal: the last query block, the longest, first in each group)."""
+    num_m = gl.cdiv(q_len, BLOCK_M)
+    bh, pid_m = grouped_block(t, num_m, BH)
     if CAUSAL:
         pid_m = num_m - 1 - pid_m
-    bh = first_head + r % heads
     b = bh // H
     h = bh % H
     return b, h, h // GROUP, bh, pid_m * BLOCK_M
@@ -221,9 +227,10 @@ def persistent_item(t, q_len, kv_len, H, GROUP, BH, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def allocate_query_empty():
-    """A persistent program's query-empty mbarrier: one arrival per consumer warpgroup once its work item's
-    last product that reads the query tile retired, after which the producer loads the next item's."""
+def allocate_item_empty():
+    """A persistent program's mbarrier for the tiles it loads once per work item (the forward's query tile,
+    the backward's query and dO tiles or key and value tiles): one arrival per consumer warpgroup once its
+    item's last product that reads them retired, after which the producer loads the next item's."""
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_empty, count=2)
     fence_async_shared()

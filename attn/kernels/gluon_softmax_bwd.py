@@ -112,10 +112,12 @@ from attn.kernels.gluon_pipeline import (
     descriptor,
     descriptor_type,
     fence_async_shared,
+    grouped_block,
     invalidate_ring,
     issue_qk,
     key_blocks,
     mbarrier,
+    persistent_item,
     program_rows,
     release,
     stream_ring,
@@ -280,6 +282,17 @@ def key_block_program(H_KV, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.con
 
 
 @gluon.jit
+def key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`key_block_program`'s (b, hk, n0, i_lo, i_full, i_hi) for work item t of a persistent key-block kernel:
+    the key blocks of BHK (batch x kv head) pairs in `gluon_pipeline.grouped_block`'s order (the first key
+    block, which the most query blocks see, first in each group)."""
+    bhk, pid_n = grouped_block(t, gl.cdiv(kv_len, BLOCK_N), BHK)
+    n0 = pid_n * BLOCK_N
+    i_lo, i_full, i_hi = query_block_range(n0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    return bhk // H_KV, bhk % H_KV, n0, i_lo, i_full, i_hi
+
+
+@gluon.jit
 def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready, do_ready,
                    q_empty, do_empty, k_row, kv_col, q_row, hk, GROUP, i_lo, i_hi,
                    HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
@@ -295,6 +308,41 @@ def _dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, 
         h = hk * GROUP + gi
         stream_ring(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
                     q_row + i_lo * BLOCK_M, h * HEAD_DIM, gi * count, count, BLOCK_M, STAGES)
+
+
+@gluon.jit
+def persistent_dkdv_producer(k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, kv_empty,
+                             q_ready, do_ready, q_empty, do_empty, H_KV, GROUP, BHK, n_items, q_len, kv_len,
+                             HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warp of a persistent key-block kernel: per work item of this program (`key_block_item`), its first
+    Q and dO tiles, then its K and V once both consumers are done with the last item's (kv_empty: one
+    arrival per consumer after its last product retired), then the rest of `_dkdv_producer`'s tiles. The
+    first tiles come before the wait so that they load while the consumers finish the last item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
+        count = i_hi - i_lo
+        q_row = b * q_len + i_lo * BLOCK_M
+        first = gl.minimum(count, 1)
+        stream_ring(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_row,
+                    hk * GROUP * HEAD_DIM, ring, first, BLOCK_M, STAGES)
+        mbarrier.wait(kv_empty, (it & 1) ^ 1)
+        k_row = b * kv_len + n0
+        kv_col = hk * HEAD_DIM
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row, kv_col], kv_bar, k_halves.index(0))
+        tma.async_copy_global_to_shared(k_desc, [k_row + HALF_N, kv_col], kv_bar, k_halves.index(1))
+        tma.async_copy_global_to_shared(v_desc, [k_row, kv_col], kv_bar, v_halves.index(0))
+        tma.async_copy_global_to_shared(v_desc, [k_row + HALF_N, kv_col], kv_bar, v_halves.index(1))
+        stream_ring(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_row + first * BLOCK_M,
+                    hk * GROUP * HEAD_DIM, ring + first, count - first, BLOCK_M, STAGES)
+        for gi in range(1, GROUP):
+            stream_ring(q_desc, do_desc, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_row,
+                        (hk * GROUP + gi) * HEAD_DIM, ring + gi * count, count, BLOCK_M, STAGES)
+        ring += GROUP * count
+        it += 1
 
 
 @gluon.jit
@@ -696,6 +744,38 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v
     tma.async_copy_global_to_shared(do_desc, [q_row + HALF_M, q_col], q_bar, do_halves.index(1))
     stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, 0, n_tiles,
                 BLOCK_N, STAGES)
+
+
+@gluon.jit
+def persistent_dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
+                           k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len,
+                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr):
+    """One warp of a persistent query-block kernel: per work item of this program (`gluon_pipeline.persistent_item`),
+    its first K and V tiles, then its Q and dO rows once both consumers are done with the last item's
+    (q_empty: one arrival per consumer after its last product retired), then the rest of its K and V tiles."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
+        k_row = b * kv_len
+        kv_col = hk * HEAD_DIM
+        first = gl.minimum(n_tiles, 1)
+        stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, ring, first,
+                    BLOCK_N, STAGES)
+        mbarrier.wait(q_empty, (it & 1) ^ 1)
+        q_row = b * q_len + m0
+        q_col = h * HEAD_DIM
+        mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_halves.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_halves.index(1))
+        tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_halves.index(0))
+        tma.async_copy_global_to_shared(do_desc, [q_row + HALF_M, q_col], q_bar, do_halves.index(1))
+        stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row + first * BLOCK_N,
+                    kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
+        ring += n_tiles
+        it += 1
 
 
 @gluon.jit

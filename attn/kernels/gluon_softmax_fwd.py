@@ -30,7 +30,7 @@ from attn.kernels.gluon_pipeline import (
     GLUON_OPTIONS,
     LOG2E,
     PRODUCER_REGS,
-    allocate_query_empty,
+    allocate_item_empty,
     allocate_ring,
     check_operands,
     compile_sm90 as compile_kernel,
@@ -361,7 +361,7 @@ def _gluon_softmax_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = allocate_query_empty()
+    q_empty = allocate_item_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                 O, LSE, TEMP, stride_ob, stride_on, stride_oh, stride_tb, stride_tn, H, GROUP, BH,

@@ -63,6 +63,7 @@ from attn.kernels.gluon_pipeline import (
     GLUON_OPTIONS,
     LOG2E,
     PRODUCER_REGS,
+    allocate_item_empty,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
@@ -72,6 +73,8 @@ from attn.kernels.gluon_pipeline import (
     issue_qk,
     key_blocks,
     mbarrier,
+    persistent_item,
+    persistent_programs,
     program_rows,
     release,
     tma_view,
@@ -86,7 +89,10 @@ from attn.kernels.gluon_softmax_bwd import (
     backward_tiles,
     dkdv_tile_config,
     dq_tile_config,
+    key_block_item,
     key_block_program,
+    persistent_dkdv_producer,
+    persistent_dq_producer,
 )
 from attn.kernels.gluon_weighted_fwd import (
     SIGMOID,
@@ -201,12 +207,15 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
 @gluon.jit
 def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, b, hk,
                    key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, GROUP, q_len, kv_len,
-                   i_lo, i_full, i_hi, score_scale, start_scale, row_param, power, grad_scale,
-                   WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
-                   CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                   i_lo, i_full, i_hi, score_scale, start_scale, row_param, power, grad_scale, ring, kv_phase,
+                   kv_empty, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+                   PERSISTENT: gl.constexpr = False):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
-    each query head of the group; stores its rows of dk (times grad_scale) and dv."""
+    each query head of the group; stores its rows of dk (times grad_scale) and dv. The ring's tiles start at
+    ring, K's and V's phase is kv_phase. PERSISTENT: one of a persistent program's work items, which arrives
+    on kv_empty once its last product retired (the producer then loads the next item's K and V)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -218,9 +227,9 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
 
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):  # the row values do not depend on the head: only the ring tiles move on
-        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
         if CAUSAL:
             for i in range(i_lo, i_full):
                 dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
@@ -232,6 +241,9 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                                  q_empty, do_empty, q_len, kv_len, first_col, score_scale, start_scale, row_param,
                                  power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False,
                                  HALF_N, BLOCK_M, STAGES)
+    if PERSISTENT:  # every product of the item has retired: K and V are free
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty)
 
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -264,13 +276,13 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                           stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale, row_param,
-                          power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM,
-                          STAGES, NUM_WARPS_C)),
+                          power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                           stride_dvn, stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale,
-                          row_param, power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M,
-                          HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          row_param, power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
+                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
@@ -279,18 +291,79 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
     invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
 
 
+@gluon.jit
+def _persistent_dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty,
+                              do_empty, DK, DV, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                              H_KV, GROUP, BHK, n_items, q_len, kv_len, score_scale, start_scale, row_param, power,
+                              grad_scale, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                              NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+                              WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent key-block kernel: `_dkdv_consumer` on its half of each work
+    item of the program (`key_block_item`'s order, as the producer), the ring's tile count and K's and V's
+    phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
+        _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, b, hk,
+                       n0 + WARPGROUP * HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                       GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale, row_param, power, grad_scale,
+                       ring, it & 1, kv_empty, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM,
+                       STAGES, NUM_WARPS_C, True)
+        ring += GROUP * (i_hi - i_lo)
+        it += 1
+
+
+@gluon.jit
+def _persistent_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
+                            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                            H_KV, GROUP, q_len, kv_len, score_scale, start_scale, row_param, power, grad_scale, BHK,
+                            WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The persistent form of `_dkdv_kernel` (a grid of at most one program per SM, each running work items
+    (key block, batch x kv head) in `key_block_item`'s order): the same partitions and per-item work, the
+    producer loading the next item's tiles while the consumers finish this one and store its dk and dv."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n_items = gl.cdiv(kv_len, BLOCK_N) * BHK
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    kv_empty = allocate_item_empty()
+    gl.warp_specialize([
+        (_persistent_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, kv_empty, q_ready,
+                                     do_ready, q_empty, do_empty, DK, DV, stride_dkb, stride_dkn, stride_dkh,
+                                     stride_dvb, stride_dvn, stride_dvh, H_KV, GROUP, BHK, n_items, q_len, kv_len,
+                                     score_scale, start_scale, row_param, power, grad_scale, WEIGHT, POWER_MODE,
+                                     HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+        (_persistent_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, kv_empty, q_ready,
+                                     do_ready, q_empty, do_empty, DK, DV, stride_dkb, stride_dkn, stride_dkh,
+                                     stride_dvb, stride_dvn, stride_dvh, H_KV, GROUP, BHK, n_items, q_len, kv_len,
+                                     score_scale, start_scale, row_param, power, grad_scale, WEIGHT, POWER_MODE,
+                                     HAS_BIAS, NEWTON, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+        (persistent_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar,
+                                    kv_empty, q_ready, do_ready, q_empty, do_empty, H_KV, GROUP, BHK, n_items, q_len,
+                                    kv_len, HALF_N, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(kv_empty)
+
+
 # ------------------------------------------------------------------------------- dQ (query blocks)
 
 
 @gluon.jit
-def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value, last_key,
+def _dq_block(j, r, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value, last_key,
               kv_len, score_scale, power, s_layout: gl.constexpr, a_layout: gl.constexpr, WEIGHT: gl.constexpr,
               POWER_MODE: gl.constexpr, NEWTON: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
               HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, G as soon as S is
-    in, V's slot back once dP retired, dS = dP G, dQ += dS K, K's slot back once that retired."""
-    s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
-    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    """Key block j (ring tile r) for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, G as soon
+    as S is in, V's slot back once dP retired, dS = dP G, dQ += dS K, K's slot back once that retired."""
+    s, k_tile = issue_qk(r, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(r, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     s, q_tile, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_tile, k_tile))  # S retired
     if WEIGHT == THRESHOLD:
         x = s - gl.expand_dims(row_value, 1)
@@ -301,22 +374,25 @@ def _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty,
         visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
     w, g = _weight_and_grad(x, visible, power, WEIGHT, POWER_MODE, NEWTON, MASKED)
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
-    release(j, v_empty, STAGES)
+    release(r, v_empty, STAGES)
     ds16 = gl.convert_layout(_score_grad(dp, g, WEIGHT, POWER_MODE).to(k_ring.dtype), a_layout)
     dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
     dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
-    release(j, k_empty, STAGES)
+    release(r, k_empty, STAGES)
     return dq
 
 
 @gluon.jit
 def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ, dq_base, stride_dqn,
-                 m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, grad_scale,
-                 WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
-                 CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                 m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, grad_scale, ring, q_phase,
+                 q_empty, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+                 PERSISTENT: gl.constexpr = False):
     """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
-    [n_full, n_tiles) masked); stores its rows of dq (times grad_scale)."""
+    [n_full, n_tiles) masked); key block j is ring tile ring + j, Q's and dO's phase q_phase; stores its rows
+    of dq (times grad_scale). PERSISTENT: one of a persistent program's work items, which arrives on q_empty
+    once its last product retired (the producer then loads the next item's Q and dO)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -328,15 +404,18 @@ def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_emp
     last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     for j in range(0, n_full):
-        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value,
-                       last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON, False,
-                       CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq = _dq_block(j, ring + j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty,
+                       row_value, last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON,
+                       False, CAUSAL, HALF_M, BLOCK_N, STAGES)
     for j in range(n_full, n_tiles):
-        dq = _dq_block(j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, row_value,
-                       last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON, True,
-                       CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq = _dq_block(j, ring + j, dq, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty,
+                       row_value, last_key, kv_len, score_scale, power, s_layout, a_layout, WEIGHT, POWER_MODE, NEWTON,
+                       True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+    if PERSISTENT:  # every product of the item has retired: Q and dO are free
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty)
 
     offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
@@ -365,18 +444,77 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, stride_dqn, stri
     gl.warp_specialize([
         (_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
                         v_empty, DQ, dq_base, stride_dqn, m0, q_len, kv_len, n_full, n_tiles, score_scale, row_param,
-                        power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM,
-                        STAGES, NUM_WARPS_C)),
+                        power, grad_scale, 0, 0, q_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N,
+                        HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
                         v_empty, DQ, dq_base, stride_dqn, m0 + HALF_M, q_len, kv_len, n_full, n_tiles, score_scale,
-                        row_param, power, grad_scale, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N,
-                        HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        row_param, power, grad_scale, 0, 0, q_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
+                        HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready,
                         v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles,
                         HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, DQ,
+                            stride_dqb, stride_dqn, stride_dqh, H, GROUP, BH, n_items, q_len, kv_len, score_scale,
+                            row_param, power, grad_scale, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                            NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent query-block kernel: `_dq_consumer` on its half of each work
+    item of the program (`gluon_pipeline.persistent_item`'s order, as the producer), the ring's tile count and
+    Q's and dO's phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
+        _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ,
+                     b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh, stride_dqn, m0 + WARPGROUP * HALF_M,
+                     q_len, kv_len, n_full, n_tiles, score_scale, row_param, power, grad_scale, ring, it & 1, q_empty,
+                     WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, True)
+        ring += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _persistent_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, stride_dqn, stride_dqh,
+                          H, GROUP, q_len, kv_len, score_scale, row_param, power, grad_scale, BH,
+                          WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """The persistent form of `_dq_kernel` (a grid of at most one program per SM, each running work items
+    (query block, batch x head) in `gluon_pipeline.work_item`'s order): the same partitions and per-item work,
+    the producer loading the next item's tiles while the consumers finish this one and store its dq."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = gl.cdiv(q_len, BLOCK_M) * BH
+    q_halves, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_halves = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+    q_empty = allocate_item_empty()
+    gl.warp_specialize([
+        (_persistent_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, DQ, stride_dqb, stride_dqn, stride_dqh, H, GROUP, BH,
+                                   n_items, q_len, kv_len, score_scale, row_param, power, grad_scale, WEIGHT,
+                                   POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   NUM_WARPS_C, 0)),
+        (_persistent_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, DQ, stride_dqb, stride_dqn, stride_dqh, H, GROUP, BH,
+                                   n_items, q_len, kv_len, score_scale, row_param, power, grad_scale, WEIGHT,
+                                   POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   NUM_WARPS_C, 1)),
+        (persistent_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
+                                  k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len, HEAD_DIM,
+                                  HALF_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    mbarrier.invalidate(q_empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,10 +533,12 @@ def _backward_plan(dtype, head_dim: int, causal: bool, weight: int, power_conste
 
 _DKDV = DirectLauncher(_dkdv_kernel, "gluon_weighted_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_weighted_bwd_dq")
+_PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_weighted_bwd_dkdv_persistent")
+_PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_weighted_bwd_dq_persistent")
 
 
 def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_scale: float, row_param: float,
-            power: float, has_bias: bool, newton: int, grad_scale: float):
+            power: float, has_bias: bool, newton: int, grad_scale: float, persistent: bool = False):
     import torch
 
     bsz, n, h, d = q.shape
@@ -415,36 +555,43 @@ def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_
     dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
     score_scale, row_param, power, grad_scale = float(score_scale), float(row_param), float(power), float(grad_scale)
     kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
-    _DKDV.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc), (dk, dv),
-              (*kv_strides, *kv_strides, h_kv, h // h_kv, n, kv_len, score_scale, float(start_scale), row_param, power,
-               grad_scale),
-              dkdv_constexprs, GLUON_OPTIONS)
-    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), (q_desc, do_desc, k_block_desc, v_block_desc), (dq,),
-            (n * h * d, h * d, d,  # dq's strides (contiguous)
-             h, h // h_kv, n, kv_len, score_scale, row_param, power, grad_scale),
-            dq_constexprs, GLUON_OPTIONS)
+    dkdv_scalars = (*kv_strides, *kv_strides, h_kv, h // h_kv, n, kv_len, score_scale, float(start_scale), row_param,
+                    power, grad_scale)
+    dq_scalars = (n * h * d, h * d, d,  # dq's strides (contiguous)
+                  h, h // h_kv, n, kv_len, score_scale, row_param, power, grad_scale)
+    kv_blocks, q_blocks = cdiv(kv_len, kv_cfg["BLOCK_N"]), cdiv(n, q_cfg["BLOCK_M"])
+    dkdv_descriptors, dq_descriptors = (k_half_desc, v_half_desc, q_desc, do_desc), (q_desc, do_desc, k_block_desc,
+                                                                                      v_block_desc)
+    if persistent:
+        _PERSISTENT_DKDV.run((persistent_programs(kv_blocks * bsz * h_kv, q.device),), dkdv_descriptors, (dk, dv),
+                             (*dkdv_scalars, bsz * h_kv), dkdv_constexprs, GLUON_OPTIONS)
+        _PERSISTENT_DQ.run((persistent_programs(q_blocks * bsz * h, q.device),), dq_descriptors, (dq,),
+                           (*dq_scalars, bsz * h), dq_constexprs, GLUON_OPTIONS)
+    else:
+        _DKDV.run((kv_blocks, bsz * h_kv), dkdv_descriptors, (dk, dv), dkdv_scalars, dkdv_constexprs, GLUON_OPTIONS)
+        _DQ.run((q_blocks, bsz * h), dq_descriptors, (dq,), dq_scalars, dq_constexprs, GLUON_OPTIONS)
     return dq, dk, dv
 
 
-def launch_threshold_backward(q, k, v, dout, causal: bool, beta: float, power: float):
+def launch_threshold_backward(q, k, v, dout, causal: bool, beta: float, power: float, persistent: bool = False):
     """(dq, dk, dv) of threshold attention in the inputs' dtype, without checks (for callers that checked
     the operands once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D), as
     `gluon_weighted_fwd.launch_threshold`. Two launches: the key-block dK / dV kernel, the query-block dQ
-    kernel."""
+    kernel; `persistent`: both on the persistent grid (a program per SM running work items in turn)."""
     return _launch(q, k, v, dout, causal, 1, 1.0, -1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0,
-                   power)
+                   power, persistent)
 
 
 def launch_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: float | None,
-                            newton: int | None = None):
+                            newton: int | None = None, persistent: bool = False):
     """(dq, dk, dv) of sigmoid attention in the inputs' dtype, without checks: w = sigmoid(sm_scale q.k +
     b_i), b_i = bias or -ln n_i, as `gluon_weighted_fwd.launch_sigmoid`; sm_scale > 0 (the spec's rule,
     which the rows past N rely on). `newton`: the reciprocal's Newton steps (0: MUFU.RCP; None:
-    SIGMOID_BWD_NEWTON_STEPS)."""
+    SIGMOID_BWD_NEWTON_STEPS); `persistent` as `launch_threshold_backward`'s."""
     if newton is None:
         newton = SIGMOID_BWD_NEWTON_STEPS
     return _launch(q, k, v, dout, causal, 2, -sm_scale * LOG2E, 1.0 / (sm_scale * LOG2E),
-                   0.0 if bias is None else bias * LOG2E, 1.0, bias is not None, newton, sm_scale)
+                   0.0 if bias is None else bias * LOG2E, 1.0, bias is not None, newton, sm_scale, persistent)
 
 
 def _check_dout(q, dout, what: str):
@@ -493,9 +640,10 @@ KERNELS = ("dkdv", "dq")
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
                  kernel: str = "dkdv", weight: int = 1, power: float = 2.0, has_bias: bool = False,
-                 newton: int = SIGMOID_BWD_NEWTON_STEPS):
+                 newton: int = SIGMOID_BWD_NEWTON_STEPS, persistent: bool = False):
     """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
-    (`gluon_pipeline.compile_gluon_sm90`): weight 1 threshold (power picks POWER_MODE), 2 sigmoid."""
+    (`gluon_pipeline.compile_gluon_sm90`): weight 1 threshold (power picks POWER_MODE), 2 sigmoid;
+    `persistent` its persistent form."""
     if weight not in (1, 2):
         raise ValueError(f"weight must be 1 (threshold) or 2 (sigmoid), got {weight!r}")
     rows = descriptor_type(dtype, [64, head_dim])
@@ -509,16 +657,20 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
                      "DV": f"*{dtype}", **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
                      "H_KV": "i32", "GROUP": "i32", **scalars, "start_scale": "fp32", **params, **tail}
-        fn, aligned = _dkdv_kernel, ("DK", "DV")
+        fn, aligned = (_persistent_dkdv_kernel if persistent else _dkdv_kernel), ("DK", "DV")
     elif kernel == "dq":
         cfg = dq_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
         signature = {"q_desc": rows, "do_desc": rows, "k_desc": keys, "v_desc": keys, "DQ": f"*{dtype}",
                      "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32", "H": "i32", "GROUP": "i32",
                      **scalars, **params, **tail}
-        fn, aligned = _dq_kernel, ("DQ",)
+        fn, aligned = (_persistent_dq_kernel if persistent else _dq_kernel), ("DQ",)
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if persistent:  # the persistent kernels' last scalar: the batch x (kv) head pairs
+        tail_at = list(signature).index("WEIGHT")
+        items = list(signature.items())
+        signature = dict(items[:tail_at] + [("BHK" if kernel == "dkdv" else "BH", "i32")] + items[tail_at:])
     constexprs = {"WEIGHT": weight, "POWER_MODE": power_mode(power) if weight == 1 else 1, "HAS_BIAS": has_bias,
                   "NEWTON": newton if weight == 2 else 0, "CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
     return compile_gluon_sm90(fn, signature, constexprs, aligned, arch)

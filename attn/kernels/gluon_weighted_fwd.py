@@ -29,7 +29,7 @@ from attn.kernels.gluon_pipeline import (
     CONSUMER_REGS,
     LOG2E,
     PRODUCER_REGS,
-    allocate_query_empty,
+    allocate_item_empty,
     allocate_ring,
     check_operands,
     GLUON_OPTIONS,
@@ -299,7 +299,7 @@ def _gluon_weighted_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, stride_ob, 
     n_items = gl.cdiv(q_len, BLOCK_M) * BH
     q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
         q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
-    q_empty = allocate_query_empty()
+    q_empty = allocate_item_empty()
     gl.warp_specialize([
         (_persistent_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty,
                                 O, stride_ob, stride_on, stride_oh, H, GROUP, BH, n_items, q_len, kv_len, score_scale,

@@ -398,7 +398,8 @@ def _launch_settings(kind: str, meta: dict, buckets: tuple, dtype) -> tuple:
 
 def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
-    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report(), **_BWD_TIERS.report(), **_GLUON_GRIDS.report()}
+    return {**_tuned_configs(_KERNELS.values()), **_TIERS.report(), **_BWD_TIERS.report(), **_GLUON_GRIDS.report(),
+            **_GLUON_BWD_GRIDS.report()}
 
 
 def _strides(q, k, v):
@@ -565,9 +566,15 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
     if not gluon_weighted_bwd.serves(q, k, v):
         return backward
 
-    def gluon_backward(dout, q, k, v, bounds, seed):
-        return gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, dout, causal, sm_scale, bias)
-    return tiered(_BWD_TIERS, (q.dtype, *buckets, group, d, causal, bias is None), backward, gluon_backward)
+    def gluon_grid(persistent):
+        def gluon_backward(dout, q, k, v, bounds, seed):
+            return gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, dout, causal, sm_scale, bias,
+                                                              persistent=persistent)
+        return gluon_backward
+
+    tier_key = (q.dtype, *buckets, group, d, causal, bias is None)
+    gluon_backward = choose_gluon_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid, False)
+    return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
 _FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_SCHEDULE_ENV,
@@ -577,9 +584,11 @@ _FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GL
 _TIERS = TierChoice("sigmoid_family_fwd")
 # the Gluon forward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
 _GLUON_GRIDS = TimedChoice("gluon sigmoid forward grid")
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV))
 # sigmoid backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("sigmoid_family_bwd")
+# the Gluon backward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
+_GLUON_BWD_GRIDS = TimedChoice("gluon sigmoid backward grid")
 
 
 # ----------------------------------------------------------------------------------------

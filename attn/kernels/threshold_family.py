@@ -590,7 +590,8 @@ def tuned_configs() -> dict[str, str]:
     """The configs tuning chose so far, readable (for benchmark reports)."""
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
-    for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS, _GLUON_GRIDS, _DIFF_GLUON_GRIDS):
+    for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS, _GLUON_GRIDS, _DIFF_GLUON_GRIDS,
+                   _GLUON_BWD_GRIDS):
         out.update(choice.report())
     return out
 
@@ -879,15 +880,22 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
     if not gluon_weighted_bwd.serves(q, k, v):
         return backward
 
-    def gluon_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
-        return gluon_weighted_bwd.launch_threshold_backward(q, k, v, dout, causal, beta, power)
+    def gluon_grid(persistent):
+        def gluon_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+            return gluon_weighted_bwd.launch_threshold_backward(q, k, v, dout, causal, beta, power,
+                                                                persistent=persistent)
+        return gluon_backward
+
+    gluon_backward = choose_gluon_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid, False)
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV,))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV))
 # backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones, chosen per tuning
 # key for the one-map threshold and for the differential threshold
 _BWD_TIERS = TierChoice("threshold_family_bwd")
+# the one-map threshold's Gluon backward grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
+_GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 
 

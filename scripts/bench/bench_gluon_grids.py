@@ -1,4 +1,4 @@
-"""The Gluon forwards' two grids side by side on an sm_90 GPU: a program per work item against the
+"""The Gluon kernels' two grids side by side on an sm_90 GPU: a program per work item against the
 persistent grid (attn/kernels/gluon_pipeline.py), beside SDPA, in one process.
 
 Per shape (causal, bf16) and form (plain softmax; tanh, c = 30, its bound shift; threshold p = 2 on unit-norm
@@ -7,7 +7,9 @@ per-item grid's, bit for bit (the same arithmetic per item), then the do_bench m
 of both grids' direct entries (`gluon_softmax_fwd.launch_forward`, `gluon_weighted_fwd.launch_threshold` /
 `launch_sigmoid`, `gluon_diff_fwd.launch_diff_threshold`); then the forward (no gradient) through
 `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as set: by default the timed
-choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). With
+choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward forms (threshold_bwd, sigmoid_bwd): the same for
+`gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` (dq, dk, dv bit for bit), SDPA's
+forward + backward, and the forward + backward through `attn.attention`. With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
@@ -39,7 +41,8 @@ SHAPES = ["16,1024,12,64", "8,1024,16,128", "8,2048,16,64", "4,4096,16,128"]
 
 # form -> (variant, its spec parameters) of the calls through attn.attention
 FORMS = {"softmax": ("softmax", {}), "tanh": ("softcap_tanh", {"cap": CAP}), "threshold": ("threshold", {}),
-         "sigmoid": ("sigmoid", {}), "diff_threshold": ("diff_threshold", {})}
+         "sigmoid": ("sigmoid", {}), "diff_threshold": ("diff_threshold", {}),
+         "threshold_bwd": ("threshold", {}), "sigmoid_bwd": ("sigmoid", {})}
 
 
 def inputs(form: str, b: int, n: int, h: int, d: int) -> dict:
@@ -51,8 +54,10 @@ def inputs(form: str, b: int, n: int, h: int, d: int) -> dict:
         x = torch.randn(b, n, h, d, device="cuda", generator=gen)
         return (F.normalize(x, dim=-1) if unit else x).to(torch.bfloat16)
 
-    unit = form in ("threshold", "diff_threshold")
+    unit = form in ("threshold", "diff_threshold", "threshold_bwd")
     x = {"q": draw(unit), "k": draw(unit), "v": draw(False)}
+    if form.endswith("_bwd"):
+        x["do"] = draw(False)
     if form == "diff_threshold":
         x.update(q2=draw(True), k2=draw(True), lam=torch.linspace(-0.5, 1.0, h, device="cuda"))
     return x
@@ -60,10 +65,16 @@ def inputs(form: str, b: int, n: int, h: int, d: int) -> dict:
 
 def direct(form: str, x: dict, persistent: bool):
     """The form's direct Gluon entry on one grid, as a callable."""
-    from attn.kernels import gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd
+    from attn.kernels import gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_bwd, gluon_weighted_fwd
 
     q, k, v = x["q"], x["k"], x["v"]
     sm_scale = q.shape[-1] ** -0.5
+    if form == "threshold_bwd":
+        return lambda: gluon_weighted_bwd.launch_threshold_backward(q, k, v, x["do"], True, 1.0, 2.0,
+                                                                    persistent=persistent)
+    if form == "sigmoid_bwd":
+        return lambda: gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, x["do"], True, sm_scale, None,
+                                                                  persistent=persistent)
     if form == "softmax":
         return lambda: gluon_softmax_fwd.launch_forward(q, k, v, True, sm_scale * LOG2E, persistent=persistent)
     if form == "tanh":
@@ -78,12 +89,19 @@ def direct(form: str, x: dict, persistent: bool):
 
 
 def public(form: str, x: dict):
-    """The form's forward through attn.attention (no gradient), as a callable."""
+    """The form's forward (no gradient; a backward form: forward + backward) through attn.attention, as a
+    callable."""
     import attn
 
     variant, params = FORMS[form]
     spec = attn.get_variant(variant).make_spec(**params)
     extra = {"q2": x["q2"], "k2": x["k2"], "lam": x["lam"]} if form == "diff_threshold" else None
+    if form.endswith("_bwd"):
+        q, k, v = (x[name].detach().requires_grad_() for name in "qkv")
+
+        def step():
+            attn.attention(q, k, v, spec, causal=True).backward(x["do"])
+        return step
 
     def call():
         with torch.no_grad():
@@ -119,6 +137,12 @@ def main() -> None:
         row = {"shape": [b, n, h, d],
                "sdpa_ms": median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True))}
         parts = []
+        if any(form.endswith("_bwd") for form in args.forms):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (qt, kt, vt))
+            dog = torch.randn_like(qt)
+            row["sdpa_fwd_bwd_ms"] = median_ms(
+                lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dog))
+            parts.append(f"SDPA fwd+bwd {row['sdpa_fwd_bwd_ms']:.4f} ms")
         for form in args.forms:
             x = inputs(form, b, n, h, d)
             per_item, persistent = direct(form, x, False), direct(form, x, True)
@@ -129,7 +153,8 @@ def main() -> None:
             parts.append(f"{form} per item {row[f'{form}_per_item_ms']:.4f}, persistent "
                          f"{row[f'{form}_persistent_ms']:.4f} ms "
                          f"({row[f'{form}_per_item_ms'] / row[f'{form}_persistent_ms']:.2f}x), "
-                         f"bitwise {row[f'{form}_bitwise']}, attn.attention {row[f'{form}_public_ms']:.4f} ms")
+                         f"bitwise {row[f'{form}_bitwise']}, attn.attention "
+                         f"{'fwd+bwd ' if form.endswith('_bwd') else ''}{row[f'{form}_public_ms']:.4f} ms")
             del x
         rows.append(row)
         print(f"{shape}: SDPA {row['sdpa_ms']:.4f} ms\n  " + "\n  ".join(parts), flush=True)
