@@ -317,6 +317,53 @@ def test_one_pass_gluon_backward_matches_the_separate_form(monkeypatch):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+# the persistent grids' shapes: CASES and ones with more work items than SMs, a last work-item group of fewer
+# (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H_kv = 5, 301, 1), rows that see no key (N > KV)
+PERSISTENT_CASES = CASES + [
+    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
+    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
+    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
+    (1, 700, 200, 3, 1, 64, True, torch.float16),
+]
+# (cap id, cap value, knee, with a temperature and its gradient)
+PERSISTENT_FORMS = [(0, 0.0, 0.0, False), (1, 30.0, 0.0, False), (3, 3.0, 0.25, True)]
+
+
+@pytest.mark.parametrize("cap,cap_value,knee,with_dt", PERSISTENT_FORMS, ids=["plain", "tanh", "alsc-temperature-dt"])
+def test_the_persistent_backward_gives_the_per_item_grids_bits(cap, cap_value, knee, with_dt, nan_poison):
+    """The separate form's persistent dK / dV and dQ kernels (one program per SM running work items in turn)
+    compute each item as the per-item grids do: dq, dk, dv (and d-temperature) equal bit for bit, every element
+    written (NaN-poisoned allocations), on PERSISTENT_CASES."""
+    from attn.kernels import gluon_softmax_bwd
+
+    for index, case in enumerate(PERSISTENT_CASES):
+        b, n, kv, h, h_kv, d, causal, dtype = case
+        tensors, do = _inputs(b, n, kv, h, h_kv, d, seed=500 + index)
+        q, k, v, do = (t.to(dtype) for t in (tensors["q"], tensors["k"], tensors["v"], do))
+        sm_scale = d ** -0.5
+        temperature = None
+        if with_dt:
+            gen = torch.Generator(device=CUDA).manual_seed(index)
+            temperature = torch.rand(b, n, device=CUDA, generator=gen) * 2.0 - 0.5
+        out, lse2 = _gluon_forward(q, k, v, temperature, cap, cap_value, knee, sm_scale, causal)
+        caps = dict(cap=cap, cap_value=cap_value, knee=knee)
+        if with_dt:
+            def run(persistent):
+                return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse2, sm_scale, causal,
+                                                                 temperature=temperature, persistent=persistent,
+                                                                 **caps)
+        else:
+            def run(persistent):
+                return gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse2, sm_scale, causal, form="separate",
+                                                         persistent=persistent, **caps)
+        per_item, persistent = run(False), run(True)
+        torch.cuda.synchronize()
+        for name, ref, got in zip(("dq", "dk", "dv", "dt"), per_item, persistent):
+            where = f"cap {cap} {_case_id(case)} {name}"
+            assert not got.isnan().any(), f"{where}: an element unwritten (NaN)"
+            assert torch.equal(got, ref), f"{where}: the grids' bits differ"
+
+
 def test_checked_entry_names_what_a_call_misses():
     from attn.kernels.gluon_softmax_bwd import gluon_softmax_backward
 

@@ -113,6 +113,16 @@ CAPPED_BACKWARD = [
 ]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d, dtype=t, causal=c, **kwargs), variant)
                  for variant, kwargs, d, c, t in CAPPED_BACKWARD})
+# the separate form's persistent kernels: (per-item REQUESTS entry, its compile_sm90 arguments)
+SOFTMAX_BACKWARD_PERSISTENT = [
+    ("dkdv-64-True-bf16", dict(kernel="dkdv", head_dim=64, dtype="bf16", causal=True)),
+    ("dq-128-False-fp16", dict(kernel="dq", head_dim=128, dtype="fp16", causal=False)),
+    ("bwd_dkdv_tanh-128-True-bf16", dict(kernel="dkdv", cap=1, head_dim=128, dtype="bf16", causal=True)),
+    ("bwd_dq_alsc_temperature_dt-128-True-bf16", dict(kernel="dq", cap=3, has_temp=True, need_dt=True, head_dim=128,
+                                                      dtype="bf16", causal=True)),
+]
+REQUESTS.update({f"{entry}_persistent": ("gluon_softmax_bwd", dict(persistent=True, **kwargs), None)
+                 for entry, kwargs in SOFTMAX_BACKWARD_PERSISTENT})
 # the one-pass dQ form's key-block kernel (ATTNLAB_GLUON_DQ=one_pass): (gluon_sass_counts variant, compile_sm90
 # arguments, D, causal, dtype)
 ONE_PASS_BACKWARD = [
@@ -271,6 +281,18 @@ def test_persistent_weighted_backward_compiles_with_the_per_item_products(compil
     per_item = compiled[f"{name}-{kernel}-{head_dim}-{causal}-{dtype}"]["ptx"]
     result = compiled[f"{name}-{kernel}_persistent-{head_dim}-{causal}-{dtype}"]
     _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert result["shared"] <= 227 * 1024
+    assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
+    assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1
+
+
+@pytest.mark.parametrize("entry,kwargs", SOFTMAX_BACKWARD_PERSISTENT, ids=[e for e, _ in SOFTMAX_BACKWARD_PERSISTENT])
+def test_persistent_softmax_backward_compiles_with_the_per_item_products(compiled, entry, kwargs):
+    """The softmax family backward's persistent dK / dV and dQ kernels (plain, capped, tempered with d-temperature):
+    the per-item kernel's Hopper schedule and wgmma count, plus the once-per-item tiles' empty barrier."""
+    per_item = compiled[entry]["ptx"]
+    result = compiled[f"{entry}_persistent"]
+    _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[kwargs["dtype"]])
     assert result["shared"] <= 227 * 1024
     assert result["ptx"].count("wgmma.mma_async") == per_item.count("wgmma.mma_async")
     assert result["ptx"].count("mbarrier.init") == per_item.count("mbarrier.init") + 1

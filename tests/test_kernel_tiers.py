@@ -515,34 +515,36 @@ def test_the_backward_plans_read_the_switch():
         assert tiers.GLUON_PERSISTENT_ENV in family._BWD_PLANS.settings
 
 
-BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "launch_threshold_backward"),
-                          ("sigmoid", {}, "sigmoid_family", "launch_sigmoid_backward")]
+BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "gluon_weighted_bwd",
+                           "launch_threshold_backward"),
+                          ("sigmoid", {}, "sigmoid_family", "gluon_weighted_bwd", "launch_sigmoid_backward"),
+                          ("softcap_tanh", {"cap": 30.0}, "softmax_family", "gluon_softmax_bwd", "launch_backward")]
 
 
-@pytest.mark.parametrize("variant,params,family,launcher", BACKWARD_GRID_FAMILIES,
+@pytest.mark.parametrize("variant,params,family,module,launcher", BACKWARD_GRID_FAMILIES,
                          ids=[v for v, *_ in BACKWARD_GRID_FAMILIES])
 @pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
 def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, variant, params,
-                                                            family, launcher, gluon_offered, monkeypatch):
-    """ATTNLAB_GLUON_PERSISTENT=auto: the threshold and sigmoid backward plans' Gluon tier times the per-item and
-    the persistent grid on the call's own arguments at a key's first backward and keeps the faster, keyed by
-    the work items too; "0" / "1" pin a grid."""
+                                                            family, module, launcher, gluon_offered, monkeypatch):
+    """ATTNLAB_GLUON_PERSISTENT=auto: the threshold, sigmoid and softmax family backward plans' Gluon tier (the
+    softmax family's separate dq form) times the per-item and the persistent grid on the call's own arguments
+    at a key's first backward and keeps the faster, keyed by the work items too; "0" / "1" pin a grid."""
     import importlib
 
     import attn
-    from attn.kernels import gluon_weighted_bwd
 
     plans = importlib.import_module(f"attn.kernels.{family}")
+    kernels = importlib.import_module(f"attn.kernels.{module}")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(plans, "_GLUON_BWD_GRIDS", tiers.TimedChoice("grid"))
     log = []
 
-    def launch(q, k, v, *args, persistent):
+    def launch(q, k, v, *args, persistent, **named):
         log.append(persistent)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(gluon_weighted_bwd, launcher, launch)
+    monkeypatch.setattr(kernels, launcher, launch)
 
     def median_ms(fn):
         forward_before, backward_before = len(gluon_offered), len(log)

@@ -106,6 +106,7 @@ from attn.kernels.gluon_pipeline import (
     HEAD_DIMS,
     LOG2E,
     PRODUCER_REGS,
+    allocate_item_empty,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
@@ -118,6 +119,7 @@ from attn.kernels.gluon_pipeline import (
     key_blocks,
     mbarrier,
     persistent_item,
+    persistent_programs,
     program_rows,
     release,
     stream_ring,
@@ -560,9 +562,9 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                    DK, DV, LSE, DELTA, TEMP, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                    stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale,
                    alsc_knee, grad_scale, ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_col0,
-                   CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, ONE_PASS_DQ: gl.constexpr,
-                   HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS_C: gl.constexpr):
+                   ring, kv_phase, kv_empty, CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr,
+                   ONE_PASS_DQ: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, PERSISTENT: gl.constexpr = False):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
     each query head of the group; stores its rows of dk (times grad_scale) and dv. ONE_PASS_DQ: also
     adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile to the fp32 dq
@@ -571,7 +573,9 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     must have dS = 0: the masked blocks' compare hides them (p = 0 whatever their scores). Causal, it
     already does (a key past kv_len is visible to query columns past q_len only, whose p is 0), and
     every block of a program whose keys run past kv_len is a masked one; full, the compare is
-    key < kv_len, and `_dkdv_dq_kernel` makes every block of such a program a masked one."""
+    key < kv_len, and `_dkdv_dq_kernel` makes every block of such a program a masked one. The ring's tiles
+    start at ring, K's and V's phase is kv_phase. PERSISTENT: one of a persistent program's work items (never
+    ONE_PASS_DQ), which arrives on kv_empty once its last product retired."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -589,14 +593,14 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     count = i_hi - i_lo
     temp_rows = TEMP + b.to(gl.int64) * stride_tb
 
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):
         h = hk * GROUP + gi
         bh = b * H + h
         lse_rows = LSE + bh.to(gl.int64) * q_len
         delta_rows = DELTA + bh.to(gl.int64) * q_len
         dq_col = h * HEAD_DIM + dq_col0  # ONE_PASS_DQ: this warpgroup's first column of dq
-        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
         for i in range(i_lo, i_full):
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
                                  q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
@@ -611,6 +615,9 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                                  CAP, HAS_TEMP, False, ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
     if ONE_PASS_DQ:
         tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
+    if PERSISTENT:  # every product of the item has retired: K and V are free
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty)
 
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -648,20 +655,81 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
                           stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
                           i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves, k_halves,
-                          k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N, BLOCK_M,
-                          HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          k_halves, k_desc, kv_bar, kv_bar, 0, 0, 0, kv_bar, CAP, HAS_TEMP, CAUSAL, False, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
                           stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
                           kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, k_halves, k_halves,
-                          k_halves, k_halves, k_desc, kv_bar, kv_bar, 0, CAP, HAS_TEMP, CAUSAL, False, HALF_N,
-                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          k_halves, k_halves, k_desc, kv_bar, kv_bar, 0, 0, 0, kv_bar, CAP, HAS_TEMP, CAUSAL, False,
+                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty,
+                              do_empty, DK, DV, LSE, DELTA, TEMP, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                              stride_dvn, stride_dvh, stride_tb, stride_tn, H, H_KV, GROUP, BHK, n_items, q_len,
+                              kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, CAP: gl.constexpr,
+                              HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
+                              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                              NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent key-block kernel: `_dkdv_consumer` on its half of each work
+    item of the program (`key_block_item`'s order, as the producer), the ring's tile count and K's and V's
+    phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
+        _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, LSE,
+                       DELTA, TEMP, b, hk, n0 + WARPGROUP * HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                       stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                       qk_scale, cap_scale, alsc_knee, grad_scale, k_tile, k_tile, k_tile, k_tile, k_tile, kv_bar,
+                       kv_bar, 0, ring, it & 1, kv_empty, CAP, HAS_TEMP, CAUSAL, False, HALF_N, BLOCK_M, HEAD_DIM,
+                       STAGES, NUM_WARPS_C, True)
+        ring += GROUP * (i_hi - i_lo)
+        it += 1
+
+
+@gluon.jit
+def _persistent_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA, TEMP,
+                            stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb,
+                            stride_tn, H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, BHK,
+                            CAP: gl.constexpr, HAS_TEMP: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The persistent form of `_dkdv_kernel` (a grid of at most one program per SM, each running work items
+    (key block, batch x kv head) in `key_block_item`'s order): the same partitions and per-item work, the
+    producer loading the next item's tiles while the consumers finish this one and store its dk and dv."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n_items = gl.cdiv(kv_len, BLOCK_N) * BHK
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    kv_empty = allocate_item_empty()
+    gl.warp_specialize([
+        (_persistent_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, kv_empty, q_ready,
+                                     do_ready, q_empty, do_empty, DK, DV, LSE, DELTA, TEMP, stride_dkb, stride_dkn,
+                                     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, H_KV,
+                                     GROUP, BHK, n_items, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+                                     CAP, HAS_TEMP, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+        (_persistent_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, kv_empty, q_ready,
+                                     do_ready, q_empty, do_empty, DK, DV, LSE, DELTA, TEMP, stride_dkb, stride_dkn,
+                                     stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, H_KV,
+                                     GROUP, BHK, n_items, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
+                                     CAP, HAS_TEMP, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+        (persistent_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar,
+                                    kv_empty, q_ready, do_ready, q_empty, do_empty, H_KV, GROUP, BHK, n_items, q_len,
+                                    kv_len, HALF_N, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(kv_empty)
 
 
 @gluon.jit
@@ -711,14 +779,14 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0, stride_dkb, stride_dkn, stride_dkh,
                           stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo,
                           i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_0, k_cols_0,
-                          staging_0, dq_desc, ds_ready, ds_free, 0, CAP, HAS_TEMP, CAUSAL, True, HALF_N,
-                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          staging_0, dq_desc, ds_ready, ds_free, 0, 0, 0, kv_bar, CAP, HAS_TEMP, CAUSAL, True,
+                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, LSE, DELTA, TEMP, b, hk, n0 + HALF_N, stride_dkb, stride_dkn,
                           stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn, H, GROUP, q_len,
                           kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale, alsc_knee, grad_scale, ds_smem, ds_rows_1,
-                          k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS, CAP, HAS_TEMP, CAUSAL,
-                          True, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                          k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS, 0, 0, kv_bar, CAP, HAS_TEMP,
+                          CAUSAL, True, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
                           i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
@@ -779,19 +847,19 @@ def persistent_dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves,
 
 
 @gluon.jit
-def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, row_scale,
+def _dq_block(j, r, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, row_scale,
               last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout: gl.constexpr, a_layout: gl.constexpr,
               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, MASKED: gl.constexpr,
               CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Key block j for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, P as soon as S is
-    in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired.
+    """Key block j (ring tile r) for one warpgroup's rows: S = Q K^T and dP = dO V^T back to back, P as soon
+    as S is in, V's slot back once dP retired, dS = P (dP - delta), dQ += dS K, K's slot back once that retired.
     A cap or a temperature: (g, F'(y)) = `_capped_with_slope(S)`, P = exp2(g row_scale - lse2) (row_scale =
     t qk_scale, or qk_scale), P F'(y) formed while dP runs (and P g for d-temperature), dS = that times
     (dP - delta) (the row's t is the caller's, once on dQ); NEED_DT adds the rows' sum of P (dP - delta) g
     to dt. Returns (dq, dt)."""
     PLAIN: gl.constexpr = CAP == 0 and not HAS_TEMP
-    s, k_tile = issue_qk(j, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
-    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    s, k_tile = issue_qk(r, q_tile, k_ring, k_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(r, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     s, q_tile, k_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s, q_tile, k_tile))  # S retired
     if PLAIN:
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
@@ -814,7 +882,7 @@ def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_em
         if NEED_DT:
             p_g = p * g
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
-    release(j, v_empty, STAGES)
+    release(r, v_empty, STAGES)
     if PLAIN:
         ds = p * (dp - gl.expand_dims(delta, 1))
     else:
@@ -825,19 +893,22 @@ def _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_em
     ds16 = gl.convert_layout(ds.to(k_ring.dtype), a_layout)
     dq = warpgroup_mma(ds16, k_tile, dq, is_async=True)
     dq, k_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, k_tile, ds16))
-    release(j, k_empty, STAGES)
+    release(r, k_empty, STAGES)
     return dq, dt
 
 
 @gluon.jit
 def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
                  DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn, m0, q_len, kv_len,
-                 n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, CAP: gl.constexpr,
-                 HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                 n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, ring, q_phase, q_empty,
+                 CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, CAUSAL: gl.constexpr,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 NUM_WARPS_C: gl.constexpr, PERSISTENT: gl.constexpr = False):
     """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
-    [n_full, n_tiles) masked); stores its rows of dq (times grad_scale) and, NEED_DT, of the rows'
-    d-temperature share (times dt_scale, one value per (batch, head, row))."""
+    [n_full, n_tiles) masked); key block j is ring tile ring + j, Q's and dO's phase q_phase; stores its rows
+    of dq (times grad_scale) and, NEED_DT, of the rows' d-temperature share (times dt_scale, one value per
+    (batch, head, row)). PERSISTENT: one of a persistent program's work items, which arrives on q_empty once
+    its last product retired."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -857,15 +928,18 @@ def _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_emp
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
     dt = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     for j in range(0, n_full):
-        dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
-                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
-                           CAP, HAS_TEMP, NEED_DT, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq, dt = _dq_block(j, ring + j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty,
+                           lse, delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout,
+                           a_layout, CAP, HAS_TEMP, NEED_DT, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
     for j in range(n_full, n_tiles):
-        dq, dt = _dq_block(j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse,
-                           delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout, a_layout,
-                           CAP, HAS_TEMP, NEED_DT, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+        dq, dt = _dq_block(j, ring + j, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty,
+                           lse, delta, row_scale, last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout,
+                           a_layout, CAP, HAS_TEMP, NEED_DT, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+    if PERSISTENT:  # every product of the item has retired: Q and dO are free
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty)
 
     offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
@@ -901,18 +975,79 @@ def _dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride
     gl.warp_specialize([
         (_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
                         v_empty, DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn, m0,
-                        q_len, kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, CAP,
-                        HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        q_len, kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, 0, 0,
+                        q_bar, CAP, HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
                         v_empty, DQ, LSE, DELTA, TEMP, DT, dq_base, stride_dqn, lse_base, temp_base, stride_tn,
                         m0 + HALF_M, q_len, kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale,
-                        dt_scale, CAP, HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        dt_scale, 0, 0, q_bar, CAP, HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                        NUM_WARPS_C)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, k_ready,
                         v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles,
                         HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, DQ,
+                            LSE, DELTA, TEMP, DT, stride_dqb, stride_dqn, stride_dqh, stride_tb, stride_tn, H, GROUP,
+                            BH, n_items, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale,
+                            CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, CAUSAL: gl.constexpr,
+                            HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                            NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent query-block kernel: `_dq_consumer` on its half of each work
+    item of the program (`gluon_pipeline.persistent_item`'s order, as the producer), the ring's tile count and
+    Q's and dO's phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
+        _dq_consumer(q_tile, do_tile, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ, LSE, DELTA,
+                     TEMP, DT, b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh, stride_dqn,
+                     bh.to(gl.int64) * q_len, b.to(gl.int64) * stride_tb, stride_tn, m0 + WARPGROUP * HALF_M, q_len,
+                     kv_len, n_full, n_tiles, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale, ring, it & 1,
+                     q_empty, CAP, HAS_TEMP, NEED_DT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, True)
+        ring += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _persistent_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP, DT, stride_dqb, stride_dqn,
+                          stride_dqh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee,
+                          grad_scale, dt_scale, BH, CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr,
+                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """The persistent form of `_dq_kernel` (a grid of at most one program per SM, each running work items
+    (query block, batch x head) in `gluon_pipeline.work_item`'s order): the same partitions and per-item work,
+    the producer loading the next item's tiles while the consumers finish this one and store its dq."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = gl.cdiv(q_len, BLOCK_M) * BH
+    q_halves, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_halves = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+    q_empty = allocate_item_empty()
+    gl.warp_specialize([
+        (_persistent_dq_consumer, (q_halves.index(0), do_halves.index(0), k_ring, v_ring, q_bar, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, DQ, LSE, DELTA, TEMP, DT, stride_dqb, stride_dqn,
+                                   stride_dqh, stride_tb, stride_tn, H, GROUP, BH, n_items, q_len, kv_len, qk_scale,
+                                   cap_scale, alsc_knee, grad_scale, dt_scale, CAP, HAS_TEMP, NEED_DT, CAUSAL,
+                                   HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+        (_persistent_dq_consumer, (q_halves.index(1), do_halves.index(1), k_ring, v_ring, q_bar, q_empty, k_ready,
+                                   v_ready, k_empty, v_empty, DQ, LSE, DELTA, TEMP, DT, stride_dqb, stride_dqn,
+                                   stride_dqh, stride_tb, stride_tn, H, GROUP, BH, n_items, q_len, kv_len, qk_scale,
+                                   cap_scale, alsc_knee, grad_scale, dt_scale, CAP, HAS_TEMP, NEED_DT, CAUSAL,
+                                   HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+        (persistent_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
+                                  k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len, HEAD_DIM,
+                                  HALF_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    mbarrier.invalidate(q_empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -962,6 +1097,8 @@ def _backward_plan(dtype, head_dim: int, causal: bool, cap: int, cap_value: floa
 _DELTA = DirectLauncher(_delta_kernel, "gluon_softmax_bwd_delta")
 _DKDV = DirectLauncher(_dkdv_kernel, "gluon_softmax_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_softmax_bwd_dq")
+_PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_softmax_bwd_dkdv_persistent")
+_PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_softmax_bwd_dq_persistent")
 
 
 @functools.cache
@@ -996,11 +1133,12 @@ _DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_softmax_bwd_dq_cast")
 
 
 def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, cap_value: float, knee: float,
-            temperature, need_dt: bool, one_pass: bool):
+            temperature, need_dt: bool, one_pass: bool, persistent: bool = False):
     """(dq, dk, dv, dt or None). The separate form: three launches (delta, the key-block dK / dV kernel,
-    the query-block dQ kernel), then dt (B, N) in temperature's dtype, the dQ kernel's (B, H, N) rows
-    summed over heads. The one-pass form (`one_pass`, never with need_dt): delta (zeroing the fp32 dq
-    too), the key-block kernel with the dQ path, and dq's scale-and-cast."""
+    the query-block dQ kernel; `persistent`: those two on the persistent grid), then dt (B, N) in
+    temperature's dtype, the dQ kernel's (B, H, N) rows summed over heads. The one-pass form (`one_pass`,
+    never with need_dt, per item): delta (zeroing the fp32 dq too), the key-block kernel with the dQ path,
+    and dq's scale-and-cast."""
     import torch
 
     if one_pass and not need_dt:
@@ -1029,16 +1167,23 @@ def _launch(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, cap: int, c
     temp, (stride_tb, stride_tn) = (temperature, temperature.stride()) if has_temp else (lse2, (0, 0))
     dt_rows = torch.empty((bsz, h, n), device=q.device, dtype=torch.float32) if need_dt else lse2
     kv_strides = (kv_len * h_kv * d, h_kv * d, d)  # dk's and dv's (contiguous)
-    _DKDV.run((cdiv(kv_len, kv_cfg["BLOCK_N"]), bsz * h_kv), (k_half_desc, v_half_desc, q_desc, do_desc),
-              (dk, dv, lse2, delta, temp),
-              (*kv_strides, *kv_strides, stride_tb, stride_tn,
-               h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale),
-              dkdv_constexprs, GLUON_OPTIONS)
-    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), (q_desc, do_desc, k_block_desc, v_block_desc),
-            (dq, lse2, delta, temp, dt_rows),
-            (n * h * d, h * d, d, stride_tb, stride_tn,  # dq's strides (contiguous), the temperature's
-             h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale),
-            dq_constexprs, GLUON_OPTIONS)
+    dkdv_args = ((k_half_desc, v_half_desc, q_desc, do_desc), (dk, dv, lse2, delta, temp),
+                 (*kv_strides, *kv_strides, stride_tb, stride_tn,
+                  h, h_kv, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale))
+    dq_args = ((q_desc, do_desc, k_block_desc, v_block_desc), (dq, lse2, delta, temp, dt_rows),
+               (n * h * d, h * d, d, stride_tb, stride_tn,  # dq's strides (contiguous), the temperature's
+                h, h // h_kv, n, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale, dt_scale))
+    kv_blocks, q_blocks = cdiv(kv_len, kv_cfg["BLOCK_N"]), cdiv(n, q_cfg["BLOCK_M"])
+    if persistent:
+        descriptors, tensors, scalars = dkdv_args
+        _PERSISTENT_DKDV.run((persistent_programs(kv_blocks * bsz * h_kv, q.device),), descriptors, tensors,
+                             (*scalars, bsz * h_kv), dkdv_constexprs, GLUON_OPTIONS)
+        descriptors, tensors, scalars = dq_args
+        _PERSISTENT_DQ.run((persistent_programs(q_blocks * bsz * h, q.device),), descriptors, tensors,
+                           (*scalars, bsz * h), dq_constexprs, GLUON_OPTIONS)
+    else:
+        _DKDV.run((kv_blocks, bsz * h_kv), *dkdv_args, dkdv_constexprs, GLUON_OPTIONS)
+        _DQ.run((q_blocks, bsz * h), *dq_args, dq_constexprs, GLUON_OPTIONS)
     dt = dt_rows.sum(dim=1).to(temperature.dtype) if need_dt else None
     return dq, dk, dv, dt
 
@@ -1084,7 +1229,8 @@ def _launch_one_pass(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, ca
 
 
 def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, cap: int = 0,
-                    cap_value: float = 0.0, knee: float = 0.0, temperature=None, form: str | None = None):
+                    cap_value: float = 0.0, knee: float = 0.0, temperature=None, form: str | None = None,
+                    persistent: bool = False):
     """(dq, dk, dv) in the inputs' dtype, without checks (for callers that checked the operands once).
     Logits z_ij = t_i F(sm_scale q_i.k_j) as the portable kernels define them: F the cap `cap` (CAPS' ids;
     its `cap_value` c > 0 and, for ALSC, `knee` in [0, 1), the spec's values), t the optional (B, N)
@@ -1093,19 +1239,23 @@ def launch_backward(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, 
     The dq form `form` ("separate" or "one_pass"; None: the one ATTNLAB_GLUON_DQ names, "auto" meaning
     "separate" here, since the backward plans time the forms): three launches (delta, the key-block dK / dV
     kernel, the query-block dQ kernel), or the one-pass form's (delta zeroing the fp32 dq, the key-block
-    kernel with the dQ path, dq's scale-and-cast)."""
+    kernel with the dQ path, dq's scale-and-cast). `persistent`: the separate form's key-block and query-block
+    kernels on the persistent grid (a program per SM running work items in turn; the one-pass form runs per
+    item)."""
     one_pass = (form or dq_form()) == "one_pass"
     dq, dk, dv, _ = _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, False,
-                            one_pass)
+                            one_pass, persistent)
     return dq, dk, dv
 
 
 def launch_backward_with_dt(q, k, v, out, dout, lse2, sm_scale: float, causal: bool, *, temperature,
-                            cap: int = 0, cap_value: float = 0.0, knee: float = 0.0):
+                            cap: int = 0, cap_value: float = 0.0, knee: float = 0.0, persistent: bool = False):
     """`launch_backward` with the temperature's gradient too: (dq, dk, dv, dt), dt (B, N) in temperature's
     dtype (the dQ kernel's per-head rows summed over heads, as the portable backward sums them). Always the
-    separate form, whatever ATTNLAB_GLUON_DQ says: only the dQ kernel sums dt."""
-    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True, False)
+    separate form, whatever ATTNLAB_GLUON_DQ says: only the dQ kernel sums dt; `persistent` as
+    `launch_backward`'s."""
+    return _launch(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature, True, False,
+                   persistent)
 
 
 def _check_backward(q, k, v, out, dout, lse2, sm_scale, causal, cap, cap_value, knee, temperature):
@@ -1181,11 +1331,13 @@ KERNELS = ("delta", "delta_zero_dq", "dkdv", "dkdv_one_pass", "dq", "dq_cast")
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
-                 kernel: str = "dkdv", cap: int = 0, has_temp: bool = False, need_dt: bool = False):
+                 kernel: str = "dkdv", cap: int = 0, has_temp: bool = False, need_dt: bool = False,
+                 persistent: bool = False):
     """One of the backward's kernels (`kernel` in KERNELS) compiled for sm_<arch> without a GPU
     (`gluon_pipeline.compile_gluon_sm90`): the dK / dV kernels (dkdv, and dkdv_one_pass with the dQ path) and
     the dQ kernel with a cap (`cap`, CAP_IDS' ids) and a temperature (`has_temp`), the dQ kernel also with
-    d-temperature (`need_dt`); delta_zero_dq and dq_cast are the one-pass form's delta and last kernels."""
+    d-temperature (`need_dt`); delta_zero_dq and dq_cast are the one-pass form's delta and last kernels.
+    `persistent`: the persistent form of dkdv or dq."""
     if kernel in ("delta", "delta_zero_dq"):
         zero_dq = kernel == "delta_zero_dq"
         signature = {"O": f"*{dtype}", "DO": f"*{dtype}", "DELTA": "*fp32", "DQ_ACC": "*fp32",
@@ -1198,6 +1350,8 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     if kernel == "dq_cast":
         signature = {"DQ_ACC": "*fp32", "DQ": f"*{dtype}", "numel": "i32", "grad_scale": "fp32", "BLOCK": "constexpr"}
         return compile_gluon_sm90(_dq_cast_kernel, signature, {"BLOCK": CAST_BLOCK}, ("DQ_ACC", "DQ"), arch)
+    if persistent and kernel not in ("dkdv", "dq"):
+        raise ValueError(f"persistent compiles the dkdv and dq kernels only, got kernel={kernel!r}")
     if need_dt and not (kernel == "dq" and has_temp):
         raise ValueError(f"need_dt compiles into the dq kernel with has_temp only, got kernel={kernel!r}, "
                          f"has_temp={has_temp}")
@@ -1215,17 +1369,18 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "dq_desc": dq_acc,
                      "DK": f"*{dtype}", "DV": f"*{dtype}", "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32",
                      **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
-                     "H": "i32", "H_KV": "i32", "GROUP": "i32", **scalars, **tail}
-        fn = _dkdv_dq_kernel if kernel == "dkdv_one_pass" else _dkdv_kernel
+                     "H": "i32", "H_KV": "i32", "GROUP": "i32", "BHK": "i32", **scalars, **tail}
+        fn = (_dkdv_dq_kernel if kernel == "dkdv_one_pass" else
+              _persistent_dkdv_kernel if persistent else _dkdv_kernel)
         aligned = ("DK", "DV", "LSE", "DELTA")
     elif kernel == "dq":
         cfg = dq_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
         signature = {"q_desc": rows, "do_desc": rows, "k_desc": keys, "v_desc": keys, "DQ": f"*{dtype}",
                      "LSE": "*fp32", "DELTA": "*fp32", "TEMP": "*fp32", "DT": "*fp32", "stride_dqb": "i32",
-                     "stride_dqn": "i32", "stride_dqh": "i32", "H": "i32", "GROUP": "i32", **scalars,
+                     "stride_dqn": "i32", "stride_dqh": "i32", "H": "i32", "GROUP": "i32", "BH": "i32", **scalars,
                      "dt_scale": "fp32", "NEED_DT": "constexpr", **tail}
-        fn, aligned = _dq_kernel, ("DQ", "LSE", "DELTA", "DT")
+        fn, aligned = (_persistent_dq_kernel if persistent else _dq_kernel), ("DQ", "LSE", "DELTA", "DT")
         constexprs["NEED_DT"] = need_dt
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

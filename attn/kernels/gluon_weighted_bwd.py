@@ -667,10 +667,7 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         fn, aligned = (_persistent_dq_kernel if persistent else _dq_kernel), ("DQ",)
     else:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if persistent:  # the persistent kernels' last scalar: the batch x (kv) head pairs
-        tail_at = list(signature).index("WEIGHT")
-        items = list(signature.items())
-        signature = dict(items[:tail_at] + [("BHK" if kernel == "dkdv" else "BH", "i32")] + items[tail_at:])
+    signature.update(BHK="i32", BH="i32")  # the persistent kernels' (batch x head pairs); unused names drop out
     constexprs = {"WEIGHT": weight, "POWER_MODE": power_mode(power) if weight == 1 else 1, "HAS_BIAS": has_bias,
                   "NEWTON": newton if weight == 2 else 0, "CAUSAL": causal, "HEAD_DIM": head_dim, **cfg}
     return compile_gluon_sm90(fn, signature, constexprs, aligned, arch)

@@ -938,34 +938,45 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
         return backward
     logits = dict(cap=cap, cap_value=float(cap_value), knee=float(knee))
 
-    def gluon_with_dt(do, q, k, v, out, lse, bounds, temperature, seed):
-        return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse, sm_scale, causal,
-                                                         temperature=temperature, **logits)
+    def gluon_with_dt(persistent):
+        def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
+            return gluon_softmax_bwd.launch_backward_with_dt(q, k, v, out, do, lse, sm_scale, causal,
+                                                             temperature=temperature, persistent=persistent,
+                                                             **logits)
+        return gluon_backward
 
-    def gluon_form(form):
+    def gluon_form(form, persistent=False):
         def gluon_backward(do, q, k, v, out, lse, bounds, temperature, seed):
             dq, dk, dv = gluon_softmax_bwd.launch_backward(q, k, v, out, do, lse, sm_scale, causal,
-                                                           temperature=temperature, form=form, **logits)
+                                                           temperature=temperature, form=form,
+                                                           persistent=persistent, **logits)
             return dq, dk, dv, q.new_empty(0)
         return gluon_backward
 
     # the Gluon dq form in the key: each form's tier timing is its own
     dq_form = gluon_dq_form()
     tier_key = (q.dtype, *nb, group, d, causal, cap, has_temp, need_dt, dq_form)
+    # the separate form's two grids, timed per key with the work items (the one-pass form runs per item)
+    grid_key = (*tier_key, n_bucket(bsz * h))
     if need_dt:  # only the separate form's dQ kernel sums d-temperature
-        gluon = gluon_with_dt
-    elif dq_form == "auto":  # the two forms timed per key (inside the Gluon tier's first, untimed call)
-        gluon = choose_gluon_dq_form(_GLUON_DQ_FORMS, tier_key, gluon_form("separate"), gluon_form("one_pass"))
+        gluon = choose_gluon_grid(_GLUON_BWD_GRIDS, grid_key, gluon_with_dt, False)
     else:
-        gluon = gluon_form(dq_form)
+        separate = choose_gluon_grid(_GLUON_BWD_GRIDS, grid_key, lambda persistent: gluon_form("separate", persistent),
+                                     False)
+        if dq_form == "auto":  # the two forms timed per key (inside the Gluon tier's first, untimed call)
+            gluon = choose_gluon_dq_form(_GLUON_DQ_FORMS, tier_key, separate, gluon_form("one_pass"))
+        else:
+            gluon = separate if dq_form == "separate" else gluon_form(dq_form)
     return tiered(_BWD_TIERS, tier_key, backward, gluon)
 
 
-_BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_DQ_ENV))
+_BWD_PLANS = LaunchPlans(_bwd_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_DQ_ENV, GLUON_PERSISTENT_ENV))
 # softmax backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("softmax_family_bwd")
 # the Gluon backward's dq form per tuning key under ATTNLAB_GLUON_DQ=auto: "separate" or "one_pass"
 _GLUON_DQ_FORMS = TimedChoice("gluon softmax backward dq form")
+# the separate form's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
+_GLUON_BWD_GRIDS = TimedChoice("gluon softmax backward grid")
 
 
 # the backward's form per tuning key: "separate" (dk/dv kernel, then the dq kernel) or "one_pass"
@@ -1017,6 +1028,7 @@ def tuned_configs() -> dict[str, str]:
     out.update(_BWD_TIERS.report())
     out.update(_GLUON_DQ_FORMS.report())
     out.update(_GLUON_GRIDS.report())
+    out.update(_GLUON_BWD_GRIDS.report())
     return out
 
 

@@ -7,9 +7,10 @@ per-item grid's, bit for bit (the same arithmetic per item), then the do_bench m
 of both grids' direct entries (`gluon_softmax_fwd.launch_forward`, `gluon_weighted_fwd.launch_threshold` /
 `launch_sigmoid`, `gluon_diff_fwd.launch_diff_threshold`); then the forward (no gradient) through
 `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as set: by default the timed
-choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward forms (threshold_bwd, sigmoid_bwd): the same for
-`gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` (dq, dk, dv bit for bit), SDPA's
-forward + backward, and the forward + backward through `attn.attention`. With
+choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward forms (threshold_bwd, sigmoid_bwd, softmax_bwd,
+tanh_bwd): the same for `gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
+`gluon_softmax_bwd.launch_backward` (its separate dq form, after the Gluon forward; dq, dk, dv bit for bit),
+SDPA's forward + backward, and the forward + backward through `attn.attention`. With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
@@ -42,7 +43,8 @@ SHAPES = ["16,1024,12,64", "8,1024,16,128", "8,2048,16,64", "4,4096,16,128"]
 # form -> (variant, its spec parameters) of the calls through attn.attention
 FORMS = {"softmax": ("softmax", {}), "tanh": ("softcap_tanh", {"cap": CAP}), "threshold": ("threshold", {}),
          "sigmoid": ("sigmoid", {}), "diff_threshold": ("diff_threshold", {}),
-         "threshold_bwd": ("threshold", {}), "sigmoid_bwd": ("sigmoid", {})}
+         "threshold_bwd": ("threshold", {}), "sigmoid_bwd": ("sigmoid", {}), "softmax_bwd": ("softmax", {}),
+         "tanh_bwd": ("softcap_tanh", {"cap": CAP})}
 
 
 def inputs(form: str, b: int, n: int, h: int, d: int) -> dict:
@@ -75,6 +77,16 @@ def direct(form: str, x: dict, persistent: bool):
     if form == "sigmoid_bwd":
         return lambda: gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, x["do"], True, sm_scale, None,
                                                                   persistent=persistent)
+    if form in ("softmax_bwd", "tanh_bwd"):
+        from attn.kernels import gluon_softmax_bwd
+
+        caps = dict(cap=1, cap_value=CAP) if form == "tanh_bwd" else {}
+        if "lse2" not in x:
+            fwd = (dict(cap=1, cap_scale=sm_scale / CAP, shift=CAP * LOG2E) if form == "tanh_bwd" else {})
+            x["out"], x["lse2"] = gluon_softmax_fwd.launch_forward(q, k, v, True, (CAP if caps else sm_scale) * LOG2E,
+                                                                   **fwd)
+        return lambda: gluon_softmax_bwd.launch_backward(q, k, v, x["out"], x["do"], x["lse2"], sm_scale, True,
+                                                         form="separate", persistent=persistent, **caps)
     if form == "softmax":
         return lambda: gluon_softmax_fwd.launch_forward(q, k, v, True, sm_scale * LOG2E, persistent=persistent)
     if form == "tanh":
