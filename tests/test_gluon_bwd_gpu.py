@@ -11,7 +11,9 @@ one too), with the temperature's gradient (`gluon_softmax_backward_with_dt`) whe
 reference's d-temperature by the same rule. The tests pair each forward with the Gluon backward through an
 autograd.Function of their own; tests/test_gluon_gpu.py runs the plain one behind the public function. The
 one-pass dQ form (ATTNLAB_GLUON_DQ=one_pass) on plain, capped and tempered cases by the same rule, and against
-the separate form.
+the separate form. The separate form's persistent kernels (ATTNLAB_GLUON_PERSISTENT=1: a program per SM running
+work items in turn) must give the per-item kernels' bits (plain, tanh, ALSC with a temperature and its gradient)
+on those cases and on more work items than SMs with a last work-item group of fewer pairs.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ exactly (the same arithmetic, only the wgmma issue order differs) on programs wi
 block, the ragged and the causal-diagonal blocks, many blocks, GQA, D 64 (3 ring slots) and 128 (2). The
 forwards' persistent grid (ATTNLAB_GLUON_PERSISTENT: a program per SM running work items in turn) must give
 the per-item grid's bits for every form on those cases and on more work items than SMs with a last work-item
-group of fewer pairs; its public calls are within the rule. A mistake in a barrier protocol hangs the GPU:
+group of fewer pairs; its public calls are within the rule (the threshold and sigmoid calls with their
+backwards on the persistent grid too). A mistake in a barrier protocol hangs the GPU:
 run these under a `timeout -s KILL`.
 """
 

@@ -11,7 +11,9 @@ at p = 1, 2 and general p on unit-norm q and k (dense and empty rows: rows whose
 threshold pass exactly zero dq), sigmoid with the -ln n_i bias and a fixed one. The tests call the backwards
 through an autograd.Function of their own (their calls through the public function are
 tests/test_gluon_gpu.py's). Neither family has a learnable row parameter (beta, p and the bias are spec
-constants): dq, dk, dv are every gradient there is.
+constants): dq, dk, dv are every gradient there is. The persistent dK / dV and dQ kernels
+(ATTNLAB_GLUON_PERSISTENT=1: a program per SM running work items in turn) must give the per-item kernels' bits
+on the shapes and on more work items than SMs with a last work-item group of fewer pairs.
 """
 
 from __future__ import annotations

@@ -41,6 +41,14 @@ The separate form, three launches:
    global memory, no atomics, the same bits every run. NEED_DT: each row's sum of dz g, per (batch, head,
    row) in fp32, summed over heads on the host.
 
+The separate form's persistent grid (`_persistent_dkdv_kernel`, `_persistent_dq_kernel`; `launch_backward`'s
+`persistent`): at most one program per SM, each running work items in turn (key blocks in `key_block_item`'s
+order, query blocks in `gluon_pipeline.work_item`'s), the ring's tile count and the once-per-item tiles'
+phase carried across items; the consumers arrive on an item-empty mbarrier once an item's last product
+retired, and the producer loads the next item's first streamed tiles, then (after that barrier) its
+stationary ones (K and V; Q and dO), while the consumers store this item's gradients. Each item's arithmetic
+is the per-item kernel's: the same bits.
+
 The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launches:
 
 1. `_delta_zero_dq_kernel`: `_delta_kernel`'s delta, and zeros in an fp32 dq (B, N, H, D).

@@ -36,6 +36,10 @@ issue helper these kernels import):
    dP = dO V^T back to back, G, dS = dP G, dQ += dS K. dq is written once: no atomics, the same bits
    every run.
 
+Both also run on the persistent grid (`persistent`: `gluon_softmax_bwd`'s persistent producers, at most one
+program per SM running work items in turn, the next item's tiles loading while this one stores its
+gradients), each item's arithmetic the per-item kernel's: the same bits.
+
 Masks: key-block programs visit only query blocks that see their keys; the causal diagonal's blocks
 compare per score, the rest run without mask arithmetic. Query rows past N (a TMA tile running into the
 next batch's rows) start S^T at -1e30: x = -1e30 gives w = g = 0 for the threshold, and for the sigmoid

@@ -85,12 +85,12 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 def gluon_persistent_mode() -> str:
     """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and the
-    threshold and sigmoid backwards launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query
-    block or key block, batch x head), "1" the persistent kernels (a program per SM running work items in
-    turn, the next item's tiles loading while this one finishes: attn/kernels/gluon_pipeline.py), "auto"
-    (default: the plans time both per tuning key and keep the faster, the per-item grid where nothing is
-    timed; `choose_gluon_grid`). The ping-pong schedule runs per item. A ValueError naming the variable for
-    anything else."""
+    softmax family (its separate dq form), threshold and sigmoid backwards launch, by
+    ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
+    persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
+    this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
+    and keep the faster, the per-item grid where nothing is timed; `choose_gluon_grid`). The ping-pong
+    schedule runs per item. A ValueError naming the variable for anything else."""
     raw = setting(GLUON_PERSISTENT_ENV, GLUON_PERSISTENT_MODES[0])
     if raw not in GLUON_PERSISTENT_MODES:
         raise ValueError(f"{GLUON_PERSISTENT_ENV} must be one of {GLUON_PERSISTENT_MODES}, got {raw!r}")
@@ -212,9 +212,9 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 def choose_gluon_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable], pingpong: bool) -> Callable:
     """A plan's launch function for a Gluon forward or backward with both grids (`gluon_persistent_mode`);
-    `grid(persistent)` gives the launch on the per-item (False) or the persistent (True) grid. The ping-pong schedule runs per
-    item; under "auto" `choice` times the two grids per tuning key and keeps the faster ("per_item" while
-    timing is not allowed)."""
+    `grid(persistent)` gives the launch on the per-item (False) or the persistent (True) grid. The ping-pong
+    schedule runs per item; under "auto" `choice` times the two grids per tuning key and keeps the faster
+    ("per_item" while timing is not allowed)."""
     mode = gluon_persistent_mode()
     if pingpong or mode != "auto":
         return grid(mode == "1" and not pingpong)
