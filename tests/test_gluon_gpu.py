@@ -326,9 +326,11 @@ def test_threshold_and_sigmoid_calls_on_the_persistent_grids_are_within_the_rule
                                                                                  weighted_launches, monkeypatch,
                                                                                  nan_poison):
     """ATTNLAB_GLUON_PERSISTENT=1: the threshold and sigmoid Gluon forwards and backwards on their persistent
-    grids through attn.attention, out and gradients within the float64 rule."""
+    grids through attn.attention, out and gradients within the float64 rule (the persistent backwards offered
+    whether or not the plans offer them by default)."""
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
     _check_weighted_on_gluon(case, variant, params, seed=300 + WEIGHTED.index((variant, params, case)),
                              unit_norm=variant == "threshold")
     assert f"launch_{variant}" in weighted_launches, "the call did not run the Gluon forward"

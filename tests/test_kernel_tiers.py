@@ -526,15 +526,17 @@ BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "glu
 @pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
 def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persistent_ms, winner, variant, params,
                                                             family, module, launcher, gluon_offered, monkeypatch):
-    """ATTNLAB_GLUON_PERSISTENT=auto: the threshold, sigmoid and softmax family backward plans' Gluon tier (the
-    softmax family's separate dq form) times the per-item and the persistent grid on the call's own arguments
-    at a key's first backward and keeps the faster, keyed by the work items too; "0" / "1" pin a grid."""
+    """ATTNLAB_GLUON_PERSISTENT=auto, with the persistent backwards offered: the threshold, sigmoid and softmax
+    family backward plans' Gluon tier (the softmax family's separate dq form) times the per-item and the
+    persistent grid on the call's own arguments at a key's first backward and keeps the faster, keyed by the
+    work items too; "0" / "1" pin a grid. Not offered (tiers.PERSISTENT_BACKWARDS_OFFERED): per item."""
     import importlib
 
     import attn
 
     plans = importlib.import_module(f"attn.kernels.{family}")
     kernels = importlib.import_module(f"attn.kernels.{module}")
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(plans, "_GLUON_BWD_GRIDS", tiers.TimedChoice("grid"))
@@ -570,6 +572,9 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
     for value, persistent in (("0", False), ("1", True)):
         monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
         assert backward() == [persistent]
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", False)  # not offered: per item, whatever the switch
+    runtime.clear_launch_plans()
+    assert backward() == [False]
 
 
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):

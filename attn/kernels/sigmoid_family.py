@@ -64,7 +64,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
 from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
-                                choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
+                                choose_gluon_backward_grid, choose_gluon_grid, gluon_candidate, gluon_pingpong,
+                                tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -573,7 +574,7 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
         return gluon_backward
 
     tier_key = (q.dtype, *buckets, group, d, causal, bias is None)
-    gluon_backward = choose_gluon_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid, False)
+    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid)
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 

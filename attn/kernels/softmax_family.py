@@ -49,8 +49,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_EXP2_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV,
-                                TierChoice, TimedChoice, choose_gluon_dq_form, choose_gluon_grid, gluon_candidate,
-                                gluon_dq_form, gluon_exp2_degree, gluon_pingpong, tiered)
+                                TierChoice, TimedChoice, choose_gluon_backward_grid, choose_gluon_dq_form,
+                                choose_gluon_grid, gluon_candidate, gluon_dq_form, gluon_exp2_degree, gluon_pingpong,
+                                tiered)
 from attn.kernels.tiles import (batch_and_head, clip_to_key_split, full_key_span_ignoring_padding,
                                 full_query_span_ignoring_padding, head_descriptor, head_tile_ptrs, key_block_program,
                                 key_ranges, load_head_rows, query_block_program, query_row_ranges, tile_visible,
@@ -959,10 +960,10 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
     # the separate form's two grids, timed per key with the work items (the one-pass form runs per item)
     grid_key = (*tier_key, n_bucket(bsz * h))
     if need_dt:  # only the separate form's dQ kernel sums d-temperature
-        gluon = choose_gluon_grid(_GLUON_BWD_GRIDS, grid_key, gluon_with_dt, False)
+        gluon = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, grid_key, gluon_with_dt)
     else:
-        separate = choose_gluon_grid(_GLUON_BWD_GRIDS, grid_key, lambda persistent: gluon_form("separate", persistent),
-                                     False)
+        separate = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, grid_key,
+                                              lambda persistent: gluon_form("separate", persistent))
         if dq_form == "auto":  # the two forms timed per key (inside the Gluon tier's first, untimed call)
             gluon = choose_gluon_dq_form(_GLUON_DQ_FORMS, tier_key, separate, gluon_form("one_pass"))
         else:

@@ -84,9 +84,9 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 
 def gluon_persistent_mode() -> str:
-    """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and the
-    softmax family (its separate dq form), threshold and sigmoid backwards launch, by
-    ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
+    """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and, once
+    offered (PERSISTENT_BACKWARDS_OFFERED), the softmax family (its separate dq form), threshold and sigmoid
+    backwards launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
     persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
     this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
     and keep the faster, the per-item grid where nothing is timed; `choose_gluon_grid`). The ping-pong
@@ -208,6 +208,19 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
             return separate(*args)
         return choice.choose(key, forms, args, "separate")(*args)
     return launch
+
+
+# Whether the backward plans offer the Gluon backwards' persistent grid: not until its bit-for-bit GPU tests
+# (tests/test_gluon_weighted_bwd_gpu.py, tests/test_gluon_bwd_gpu.py, -k persistent) have passed on a GPU; until
+# then the per-item grid serves every backward, whatever ATTNLAB_GLUON_PERSISTENT says (docs/gluon.md)
+PERSISTENT_BACKWARDS_OFFERED = False
+
+
+def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable]) -> Callable:
+    """`choose_gluon_grid` for a Gluon backward where PERSISTENT_BACKWARDS_OFFERED, else its per-item grid."""
+    if not PERSISTENT_BACKWARDS_OFFERED:
+        return grid(False)
+    return choose_gluon_grid(choice, key, grid, False)
 
 
 def choose_gluon_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable], pingpong: bool) -> Callable:
