@@ -240,11 +240,14 @@ def allocate_item_empty():
 @gluon.jit
 def persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
                         v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr,
-                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warp of a persistent forward: per work item of this program, its first key / value tiles, then
-    its query tile once both consumers are done with the last item's (q_empty: one arrival per consumer,
-    after its last S = Q K^T retired), then the rest of its key / value tiles (`stream_ring`). The first
-    tiles come before the query tile's wait so that they load while the consumers finish the last item."""
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, do_desc, do_smem,
+                        WITH_DO: gl.constexpr):
+    """One warp of a persistent query-block kernel: per work item of this program, its first key / value tiles,
+    then its query tile once both consumers are done with the last item's (q_empty: one arrival per consumer,
+    after the item's last product that reads it retired), then the rest of its key / value tiles
+    (`stream_ring`). The first tiles come before the query tile's wait so that they load while the consumers
+    finish the last item. WITH_DO (the backward's dQ kernels): dO's rows too (do_desc into do_smem, on the
+    query tile's barrier); the forwards pass q_desc and q_smem there, unused."""
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -256,10 +259,16 @@ def persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q
         stream_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, ring, first,
                     BLOCK_N, STAGES)
         mbarrier.wait(q_empty, (it & 1) ^ 1)
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        if WITH_DO:
+            mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         q_row = b * q_len + m0
         tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_bar, q_smem.index(0))
         tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, h * HEAD_DIM], q_bar, q_smem.index(1))
+        if WITH_DO:
+            tma.async_copy_global_to_shared(do_desc, [q_row, h * HEAD_DIM], q_bar, do_smem.index(0))
+            tma.async_copy_global_to_shared(do_desc, [q_row + HALF_M, h * HEAD_DIM], q_bar, do_smem.index(1))
         stream_ring(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row + first * BLOCK_N,
                     kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
         ring += n_tiles

@@ -129,6 +129,7 @@ from attn.kernels.gluon_pipeline import (
     key_blocks,
     mbarrier,
     persistent_item,
+    persistent_producer,
     persistent_programs,
     program_rows,
     release,
@@ -825,38 +826,6 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v
 
 
 @gluon.jit
-def persistent_dq_producer(q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
-                           k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len,
-                           HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           CAUSAL: gl.constexpr):
-    """One warp of a persistent query-block kernel: per work item of this program (`gluon_pipeline.persistent_item`),
-    its first K and V tiles, then its Q and dO rows once both consumers are done with the last item's
-    (q_empty: one arrival per consumer after its last product retired), then the rest of its K and V tiles."""
-    ring = 0
-    it = 0
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
-                                                            CAUSAL)
-        k_row = b * kv_len
-        kv_col = hk * HEAD_DIM
-        first = gl.minimum(n_tiles, 1)
-        stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col, ring, first,
-                    BLOCK_N, STAGES)
-        mbarrier.wait(q_empty, (it & 1) ^ 1)
-        q_row = b * q_len + m0
-        q_col = h * HEAD_DIM
-        mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_halves.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_row + HALF_M, q_col], q_bar, q_halves.index(1))
-        tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_halves.index(0))
-        tma.async_copy_global_to_shared(do_desc, [q_row + HALF_M, q_col], q_bar, do_halves.index(1))
-        stream_ring(k_desc, v_desc, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row + first * BLOCK_N,
-                    kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
-        ring += n_tiles
-        it += 1
-
-
-@gluon.jit
 def _dq_block(j, r, dq, dt, q_tile, do_tile, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, lse, delta, row_scale,
               last_key, kv_len, qk_scale, cap_scale, alsc_knee, s_layout: gl.constexpr, a_layout: gl.constexpr,
               CAP: gl.constexpr, HAS_TEMP: gl.constexpr, NEED_DT: gl.constexpr, MASKED: gl.constexpr,
@@ -1052,9 +1021,9 @@ def _persistent_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, LSE, DELTA, TEMP,
                                    stride_dqh, stride_tb, stride_tn, H, GROUP, BH, n_items, q_len, kv_len, qk_scale,
                                    cap_scale, alsc_knee, grad_scale, dt_scale, CAP, HAS_TEMP, NEED_DT, CAUSAL,
                                    HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
-        (persistent_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
-                                  k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len, HEAD_DIM,
-                                  HALF_M, BLOCK_N, STAGES, CAUSAL)),
+        (persistent_producer, (q_desc, k_desc, v_desc, q_halves, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready,
+                               k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM, HALF_M, BLOCK_N,
+                               STAGES, CAUSAL, do_desc, do_halves, True)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
     mbarrier.invalidate(q_empty)

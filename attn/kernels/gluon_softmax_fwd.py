@@ -373,7 +373,7 @@ def _gluon_softmax_fwd_persistent_kernel(q_desc, k_desc, v_desc, O, LSE, TEMP,
                                 FIXED_SHIFT, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, EXP2_POLY, 1)),
         (persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                                k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM, HALF_M, BLOCK_N,
-                               STAGES, CAUSAL)),
+                               STAGES, CAUSAL, q_desc, q_smem, False)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)

@@ -80,6 +80,7 @@ from attn.kernels.gluon_pipeline import (
     key_blocks,
     mbarrier,
     persistent_item,
+    persistent_producer,
     persistent_programs,
     program_rows,
     release,
@@ -98,7 +99,6 @@ from attn.kernels.gluon_softmax_bwd import (
     key_block_item,
     key_block_program,
     persistent_dkdv_producer,
-    persistent_dq_producer,
 )
 from attn.kernels.gluon_weighted_fwd import (
     SIGMOID,
@@ -515,9 +515,9 @@ def _persistent_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, stride_dqb, strid
                                    n_items, q_len, kv_len, score_scale, row_param, power, grad_scale, WEIGHT,
                                    POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
                                    NUM_WARPS_C, 1)),
-        (persistent_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_halves, do_halves, k_ring, v_ring, q_bar, q_empty,
-                                  k_ready, v_ready, k_empty, v_empty, H, GROUP, BH, n_items, q_len, kv_len, HEAD_DIM,
-                                  HALF_M, BLOCK_N, STAGES, CAUSAL)),
+        (persistent_producer, (q_desc, k_desc, v_desc, q_halves, k_ring, v_ring, q_bar, q_empty, k_ready, v_ready,
+                               k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items, HEAD_DIM, HALF_M, BLOCK_N,
+                               STAGES, CAUSAL, do_desc, do_halves, True)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
     mbarrier.invalidate(q_empty)
