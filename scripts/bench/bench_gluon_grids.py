@@ -7,16 +7,17 @@ per-item grid's, bit for bit (the same arithmetic per item), then the do_bench m
 of both grids' direct entries (`gluon_softmax_fwd.launch_forward`, `gluon_weighted_fwd.launch_threshold` /
 `launch_sigmoid`, `gluon_diff_fwd.launch_diff_threshold`); then the forward (no gradient) through
 `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as set: by default the timed
-choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward forms (threshold_bwd, sigmoid_bwd, softmax_bwd,
-tanh_bwd): the same for `gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
+choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward
+forms (threshold_bwd, sigmoid_bwd, softmax_bwd, tanh_bwd): the same for `gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
 `gluon_softmax_bwd.launch_backward` (its separate dq form, after the Gluon forward; dq, dk, dv bit for bit),
-SDPA's forward + backward, and the forward + backward through `attn.attention`. With
+SDPA's forward + backward, and the forward + backward through `attn.attention` (whose backward plans offer
+the persistent grid only with --offer-persistent-backwards: `tiers.PERSISTENT_BACKWARDS_OFFERED`). With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
 
     python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--forms softmax threshold]
-        [--heads-per-group 2] [--out FILE.json]
+        [--heads-per-group 2] [--offer-persistent-backwards] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -132,11 +133,15 @@ def main() -> None:
     ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
     ap.add_argument("--heads-per-group", type=int, default=None,
                     help="the persistent grid's (batch, head) pairs per work-item group (default: the module's)")
+    ap.add_argument("--offer-persistent-backwards", action="store_true",
+                    help="let the backward plans of the attn.attention calls offer the persistent grid")
     ap.add_argument("--out", default=None, help="write a JSON of the rows")
     args = ap.parse_args()
     from triton.experimental.gluon import language as gl
 
-    from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family
+    from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family, tiers
+
+    tiers.PERSISTENT_BACKWARDS_OFFERED = args.offer_persistent_backwards
 
     if args.heads_per_group is not None:  # before anything compiles the persistent kernel
         gluon_pipeline.HEADS_PER_WORK_GROUP = gl.constexpr(args.heads_per_group)
@@ -175,7 +180,8 @@ def main() -> None:
     for key, value in choices.items():
         print(f"{key} -> {value}")
     if args.out:
-        meta = {**result_header(), "heads_per_group": gluon_pipeline.HEADS_PER_WORK_GROUP.value}
+        meta = {**result_header(), "heads_per_group": gluon_pipeline.HEADS_PER_WORK_GROUP.value,
+                "persistent_backwards_offered": args.offer_persistent_backwards}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "choices": choices}, indent=1))
     if not all(row[f"{form}_bitwise"] for row in rows for form in args.forms):
         sys.exit(1)
