@@ -579,10 +579,12 @@ def test_the_persistent_forward_gives_the_per_item_grids_bits(name, form, nan_po
 
 
 @pytest.mark.parametrize("case", CASES[:6], ids=[_case_id(c) for c in CASES[:6]])
-def test_public_call_on_the_persistent_forward_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
-    """The softmax family through attn.attention on the persistent grid (ATTNLAB_GLUON_PERSISTENT=1): out and
-    gradients within the float64 rule."""
+def test_public_call_on_the_persistent_grids_is_within_the_rule(case, gluon_launches, monkeypatch, nan_poison):
+    """The softmax family through attn.attention on the persistent grids (ATTNLAB_GLUON_PERSISTENT=1, the
+    persistent backward offered whether or not the plans offer it by default): out and gradients within the
+    float64 rule."""
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
     _check_on_gluon(case, "softcap_tanh", {"cap": 3.0}, False, seed=CASES.index(case))
     assert gluon_launches, "the call did not run the Gluon forward"
