@@ -23,7 +23,9 @@ MUFU lg2 and ex2 per view's score for any other p) and no local memory inside a 
 
 The differential threshold backward (attn/kernels/gluon_diff_bwd.py): the same PTX checks, per loop iteration
 the products of its kernel (key-block forms: S1^T, S2^T, dP^T, dV, dK and, fused, dK2; the second view's S2^T,
-dP^T, dK2; the query-block kernel S1, S2, dP, dQ, dQ2), the power's MUFU ops and no local memory inside a loop.
+dP^T, dK2; the view warpgroups' S^T, dP^T, dV, dK each; the query-block kernel S1, S2, dP, dQ, dQ2), the
+power's MUFU ops and no local memory inside a loop (a bounded few for the view warpgroups at D = 128 with a
+general power).
 
 The forwards' ping-pong form (PINGPONG: the two consumer warpgroups take turns at issuing their wgmmas,
 attn/kernels/gluon_pipeline.py), softmax family (every cap, a temperature) and threshold / sigmoid: the same
@@ -159,7 +161,7 @@ REQUESTS.update({f"diff_threshold_persistent-{p}-{d}-{c}-{t}": ("gluon_diff_fwd"
 # the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
 DIFFERENTIAL_BACKWARD = [
     (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
-    for kernel in ("dkdv", "dkdv_second", "dq")
+    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dq")
     for suffix, power, d, c, t in (("", 2.0, 128, True, "bf16"), ("", 2.0, 64, True, "bf16"),
                                    ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
                                    ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
@@ -519,10 +521,13 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     """Per loop iteration (a k of 16 per wgmma instruction): the key-block kernel that computes dV (the fused form
     at D = 64, the first view's at D = 128) runs S1^T, S2^T, dP^T (k = D) and dV, dK (fused also dK2; k = its
     query block); the second view's key-block kernel S2^T, dP^T (k = D) and dK2; the query-block kernel S1, S2,
-    dP (k = D) and dQ, dQ2 (k = its key block). The weights and gradients of both views need no MUFU op per score
-    at p = 1 and 2 (a handful per loop for the row thresholds) and a lg2 and an ex2 per view's score otherwise
-    (width / 2 scores per thread). Every score tile and accumulator stays in registers: no local memory in a
-    loop."""
+    dP (k = D) and dQ, dQ2 (k = its key block); the view-warpgroup form's loops (one per view's warpgroup) S^T,
+    dP^T (k = D) and dV, dK (k = its query block). The weights and gradients of both views need no MUFU op per
+    score at p = 1 and 2 (a handful per loop for the row thresholds) and a lg2 and an ex2 per view's score
+    otherwise (width / 2 scores per thread). Every score tile and accumulator stays in registers: no local
+    memory in a loop, but for the view-warpgroup form at D = 128 with a general power (its lg2 / ex2
+    temporaries beside two 64 x 128 accumulators and the view's lambda): at most 4 local-memory instructions
+    per iteration (measured: 4 in the causal diagonal's loops, 2 in the second view's unmasked loop)."""
     result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
     _assert_hopper_schedule(result["ptx"], {"bf16": "bf16", "fp16": "f16"}[dtype])
     assert result["shared"] <= 227 * 1024
@@ -530,15 +535,16 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     width = result["tile_width"]
     assert set(rows) == ({"unmasked"} if (kernel.startswith("dkdv") and not causal) else {"unmasked", "masked"})
     score_products, width_products = {"dkdv": (3, 3 if head_dim == 64 else 2), "dkdv_second": (2, 1),
-                                      "dq": (3, 2)}[kernel]
-    views = 1 if kernel == "dkdv_second" else 2
+                                      "dkdv_views": (2, 2), "dq": (3, 2)}[kernel]
+    views = 1 if kernel in ("dkdv_second", "dkdv_views") else 2
+    spills_allowed = 4 if (kernel == "dkdv_views" and head_dim == 128 and power not in (1.0, 2.0)) else 0
     for row in rows.values():
         assert row["hgmma"] == score_products * (head_dim // 16) + width_products * (width // 16), row
         if power in (1.0, 2.0):
             assert row["mufu"] <= 4, row
         else:
             assert row["mufu"] >= views * width, row
-        assert row["loop_spills"] == 0, row
+        assert row["loop_spills"] <= spills_allowed, row
 
 
 @pytest.mark.parametrize("variant,module,head_dim,causal,dtype", PINGPONG, ids=PINGPONG_IDS)

@@ -41,7 +41,7 @@ class _GluonDiffBackward(torch.autograd.Function):
     the Gluon backward (as the family's backward plan calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier):
+    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, view_warpgroups=False):
         from attn.kernels import gluon_diff_fwd, threshold_family
 
         beta, power = float(spec.beta), float(spec.power)
@@ -50,7 +50,7 @@ class _GluonDiffBackward(torch.autograd.Function):
         else:
             out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
         ctx.save_for_backward(q, k, v, q2, k2, lam)
-        ctx.spec, ctx.causal = spec, causal
+        ctx.spec, ctx.causal, ctx.view_warpgroups = spec, causal, view_warpgroups
         return out
 
     @staticmethod
@@ -60,8 +60,9 @@ class _GluonDiffBackward(torch.autograd.Function):
         q, k, v, q2, k2, lam = ctx.saved_tensors
         spec = ctx.spec
         dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout.contiguous(),
-                                                                   ctx.causal, float(spec.beta), float(spec.power))
-        return dq, dk, dv, dq2, dk2, dlam, None, None, None
+                                                                   ctx.causal, float(spec.beta), float(spec.power),
+                                                                   view_warpgroups=ctx.view_warpgroups)
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None
 
 
 def _inputs(shape, seed):
@@ -78,7 +79,7 @@ def _leaves(tensors, dtype):
             for name, t in tensors.items()}
 
 
-def _check(case, forward_tier, seed):
+def _check(case, forward_tier, seed, view_warpgroups=False):
     params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant("diff_threshold").make_spec(**params)
@@ -91,7 +92,8 @@ def _check(case, forward_tier, seed):
     ref64 = outputs_and_grads(reference, _leaves(tensors, torch.float64), do)
     same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
     fused = outputs_and_grads(
-        lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier),
+        lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier,
+                                                              view_warpgroups),
         _leaves(tensors, dtype), do)
     sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
     for name in ("out", *GRADIENTS):
@@ -110,6 +112,14 @@ def test_gluon_differential_backward_after_the_portable_forward_is_within_the_ru
 @pytest.mark.parametrize("case", CASES[::3], ids=[case_id(c) for c in CASES[::3]])
 def test_gluon_differential_backward_after_the_gluon_forward_is_within_the_rule(case, nan_poison):
     _check(case, "gluon", seed=100 + CASES.index(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_the_view_warpgroup_form_is_within_the_rule(case, nan_poison):
+    """The key-block kernel's view-warpgroup form (`gluon_diff_bwd.VIEW_WARPGROUPS`: one warpgroup per score
+    view on the same 64 keys, view 2's dV part handed to view 1 through shared memory) on the whole case
+    matrix: all six gradients within the rule."""
+    _check(case, "portable", seed=200 + CASES.index(case), view_warpgroups=True)
 
 
 def _packed(seed, b=2, n=700, kv=700, h=8, h_kv=2, d=128, dtype=torch.bfloat16):
@@ -143,6 +153,28 @@ def test_gluon_differential_backward_is_repeatable_and_close_to_the_portable_bac
         scale = p.float().abs().max().item()
         assert scale > 0, name
         assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
+
+
+@pytest.mark.parametrize("power,causal,d", [(2.0, True, 128), (1.5, True, 64), (1.0, False, 128)])
+def test_the_view_warpgroup_form_is_repeatable_and_close_to_the_key_halves_form(power, causal, d):
+    """The view-warpgroup form gives the same bits twice (dV = dV1 - dV2 in a fixed order) and the gradients of
+    the key-halves forms but for rounding: dq, dq2 and d-lambda (the same query-block kernel) bit for bit, dk,
+    dk2 within a rounding of the 16-bit results (the same products, lambda applied per score in both), dv within
+    a few (W rounded per view to 16 bits before its product, instead of once)."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, lam, do = _packed(seed=11, d=d)
+    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, view_warpgroups=True)
+    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, view_warpgroups=True)
+    halves = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    for name, a, b, h in zip(GRADIENTS, first, second, halves):
+        assert torch.equal(a, b), name
+        if name in ("dq", "dq2", "dlam"):
+            assert torch.equal(a, h), name
+            continue
+        scale = h.float().abs().max().item()
+        assert scale > 0, name
+        assert (a.float() - h.float()).abs().max().item() <= 2e-2 * scale, name
 
 
 def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):

@@ -577,6 +577,53 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
     assert backward() == [False]
 
 
+@pytest.mark.parametrize("halves_ms,views_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
+def test_the_differential_backward_form_is_timed_per_key_once_offered(halves_ms, views_ms, winner, gluon_offered,
+                                                                     monkeypatch):
+    """With the view-warpgroup form offered (tiers.DIFF_VIEW_WARPGROUPS_OFFERED), the differential threshold's
+    Gluon backward times its key-halves and view-warpgroup key-block forms on the call's own arguments at a key's
+    first backward and keeps the faster, keyed by the batch x head count too; not offered: the key halves,
+    untimed."""
+    import attn
+    from attn.kernels import gluon_diff_bwd, threshold_family
+
+    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", True)
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
+    log = []
+
+    def launch(q, k, v, q2, k2, lam, *args, view_warpgroups):
+        log.append(view_warpgroups)
+        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
+
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+
+    def median_ms(fn):
+        fn()
+        return views_ms if log[-1] else halves_ms
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant("diff_threshold").make_spec()
+
+    def backward(batch=1):
+        q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        extra = _second_view(q, k, 2, requires_grad=True)
+        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        forms = list(log)
+        del log[:]
+        return forms
+
+    # each form once to compile, once timed; then the winner serves the call
+    assert backward() == [False, False, True, True, winner]
+    assert list(threshold_family._GLUON_DIFF_DKDV_FORMS.chosen.values()) == [
+        "view_warpgroups" if winner else "key_halves"]
+    assert backward() == [winner]  # remembered
+    assert backward(batch=64) == [False, False, True, True, winner]  # more (batch, head) pairs: a key of its own
+    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", False)  # not offered: the key halves
+    runtime.clear_launch_plans()
+    assert backward() == [False]
+
+
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):
     """Under ATTNLAB_GLUON=auto the softmax backward's tier timing is keyed by ATTNLAB_GLUON_DQ as well:
     switching the dq form times the tiers again (each form's Gluon kernels are other kernels), and the
@@ -615,7 +662,7 @@ def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype
 
     seen = []
 
-    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power):
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, view_warpgroups=False):
         seen.append(lam)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
                 torch.zeros_like(k2), torch.full_like(lam, 0.25))
@@ -657,9 +704,9 @@ def test_the_differential_threshold_has_tier_choices_of_its_own_keyed_by_power(m
     monkeypatch.setattr(runtime, "median_ms", lambda fn: next(timed))
     monkeypatch.setattr(gluon_diff_fwd, "launch_diff_threshold", lambda q, *args, **kwargs: torch.zeros_like(q))
     monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward",
-                        lambda q, k, v, q2, k2, lam, *args: (torch.zeros_like(q), torch.zeros_like(k),
-                                                             torch.zeros_like(v), torch.zeros_like(q2),
-                                                             torch.zeros_like(k2), torch.zeros_like(lam)))
+                        lambda q, k, v, q2, k2, lam, *args, **named: (torch.zeros_like(q), torch.zeros_like(k),
+                                                                       torch.zeros_like(v), torch.zeros_like(q2),
+                                                                       torch.zeros_like(k2), torch.zeros_like(lam)))
     b, n, h, d = 1, 24, 2, 64
     for power in (2.0, 1.5):
         q, k, v = (torch.randn(b, n, h, d, dtype=torch.float16, requires_grad=True) for _ in range(3))

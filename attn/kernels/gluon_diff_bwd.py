@@ -32,6 +32,13 @@ accumulators started at -tau_i so the scores are x itself):
    - 2, second view: dK2 (the ring carries Q2 and dO only: the one-map kernel's ring and producer).
    At D = 128 three accumulators do not fit a warpgroup's registers beside the score tiles, so the
    backward runs forms 1 (on 32-row query blocks) and 2 (`dkdv_forms`, `dkdv_tile_config`).
+   - 3, view warpgroups (`launch_diff_threshold_backward(..., view_warpgroups=True)`): one program per 64
+     keys, a warpgroup per score view on the same keys, each the one-map threshold's key-block step
+     (`gluon_weighted_bwd._dkdv_block`, 64-row query blocks, two accumulators): view 1 dK and
+     dV1 += W1^T dO, view 2 dK2 and dV2 += lambda_h W2^T dO; view 2 hands dV2 to view 1 through an fp32
+     shared-memory tile and dv = dV1 - dV2. One launch instead of two, dP^T computed by both warpgroups.
+     The backward plan offers it only once `tiers.DIFF_VIEW_WARPGROUPS_OFFERED` is set (its GPU tests
+     have not run yet); then it times both forms per tuning key.
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
@@ -70,6 +77,7 @@ from attn.kernels.gluon_pipeline import (
     compile_gluon_sm90,
     descriptor,
     descriptor_type,
+    fence_async_shared,
     invalidate_ring,
     issue_qk,
     key_blocks,
@@ -84,13 +92,14 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma_wait,
 )
 from attn.kernels.gluon_softmax_bwd import _dkdv_producer, _issue_with_columns, key_block_program
-from attn.kernels.gluon_weighted_bwd import _query_starts, _score_grad, _weight_and_grad
+from attn.kernels.gluon_weighted_bwd import _dkdv_block, _query_starts, _score_grad, _weight_and_grad
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
 
 FUSED = 0  # dK, dV and dK2 in one key-block launch
 FIRST_VIEW = 1  # dK and dV
 SECOND_VIEW = 2  # dK2
+VIEW_WARPGROUPS = 3  # one warpgroup per view on the same keys: dK and dV, dK2, in one launch
 
 
 def dkdv_tile_config(head_dim: int, views: int) -> dict:
@@ -102,11 +111,20 @@ def dkdv_tile_config(head_dim: int, views: int) -> dict:
     a slot: K2, V (64 / 32 KiB) and 3 slots of Q2, dO (32 / 16 KiB each)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if views not in (FUSED, FIRST_VIEW, SECOND_VIEW):
-        raise ValueError(f"views must be {FUSED} (fused), {FIRST_VIEW} or {SECOND_VIEW}, got {views!r}")
+    if views not in (FUSED, FIRST_VIEW, SECOND_VIEW, VIEW_WARPGROUPS):
+        raise ValueError(f"views must be {FUSED} (fused), {FIRST_VIEW}, {SECOND_VIEW} or {VIEW_WARPGROUPS} (view "
+                         f"warpgroups), got {views!r}")
     if views == SECOND_VIEW:
         return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
+    if views == VIEW_WARPGROUPS:
+        return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3)
     return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
+
+
+def key_tile_rows(views: int, config: dict) -> int:
+    """Rows of a key-block form's K, K2, V tiles: a warpgroup's half of the program's keys, or, for the
+    view warpgroups (both on the same keys), all of them."""
+    return config["BLOCK_N"] if views == VIEW_WARPGROUPS else config["BLOCK_N"] // 2
 
 
 def dkdv_forms(head_dim: int) -> tuple[int, ...]:
@@ -299,16 +317,71 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
 
 
 @gluon.jit
+def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dv2_smem, dv2_bar,
+                   DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                   tau_scale, power, VIEW: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                   KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_WARPS_C: gl.constexpr):
+    """The view warpgroups' form (`VIEW_WARPGROUPS`): one warpgroup per score view on the program's KEYS
+    keys, each running the one-map threshold's key-block step (`gluon_weighted_bwd._dkdv_block`) on its
+    view's K tile and Q ring for every query block of every query head of the group. View 1: dK and
+    dV1 += W1^T dO; view 2 (lambda_h riding on its scores, heads of a GQA group differ): dK2 with its factor
+    -lambda_h p and dV2 += lambda_h W2^T dO. View 2 stores dk2 and hands dV2 to view 1 through dv2_smem
+    (arriving on dv2_bar); view 1 stores dk times p and dv = dV1 - dV2. `DK` is the view's gradient of its
+    keys (dk or dk2)."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    SCALED: gl.constexpr = VIEW == 2
+    first_col = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    count = i_hi - i_lo
+
+    mbarrier.wait(kv_bar, 0)
+    for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
+        lam = 1.0
+        if SCALED:
+            lam = gl.load(LAM + (hk * GROUP + gi).to(gl.int64) * stride_lam).to(gl.float32)
+        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        if CAUSAL:
+            for i in range(i_lo, i_full):
+                dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                     q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power,
+                                     st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
+                                     BLOCK_M, STAGES, lam, SCALED)
+        for i in range(i_full, i_hi):
+            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                                 q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout,
+                                 a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS, BLOCK_M, STAGES, lam,
+                                 SCALED)
+
+    keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    if VIEW == 2:
+        _store_key_rows(DK, kv_base, keys, stride_kvn, dk, kv_len, kv_layout, HEAD_DIM)
+        dv2_smem.store(dv)
+        gl.thread_barrier()  # every warp's part of dV2 is in shared memory before the one arrival
+        mbarrier.arrive(dv2_bar)
+    else:
+        _store_key_rows(DK, kv_base, keys, stride_kvn, dk * power, kv_len, kv_layout, HEAD_DIM)
+        mbarrier.wait(dv2_bar, 0)
+        dv = dv - dv2_smem.load(kv_layout)
+        _store_key_rows(DV, kv_base, keys, stride_kvn, dv, kv_len, kv_layout, HEAD_DIM)
+
+
+@gluon.jit
 def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves, q_ring,
                        q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, k_row, kv_col, q_row, hk,
                        GROUP, i_lo, i_hi, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       STAGES: gl.constexpr):
-    """One warp: the program's K, K2 and V (two HALF_N-row halves each) once, then Q and Q2 (one ready
-    barrier) and dO of query blocks i_lo .. i_hi - 1 of each query head of kv head hk's group, in that
-    order, into ring tile j's slot j % STAGES once both consumers released its previous use (empty
-    phase parity starts at 1: the first round does not wait)."""
-    mbarrier.expect(kv_bar, 6 * k_desc.block_type.nbytes)
-    for half in gl.static_range(2):
+                       STAGES: gl.constexpr, KV_TILES: gl.constexpr = 2):
+    """One warp: the program's K, K2 and V (KV_TILES HALF_N-row tiles each: two halves, or the view
+    warpgroups' one) once, then Q and Q2 (one ready barrier) and dO of query blocks i_lo .. i_hi - 1 of
+    each query head of kv head hk's group, in that order, into ring tile j's slot j % STAGES once both
+    consumers released its previous use (empty phase parity starts at 1: the first round does not wait)."""
+    mbarrier.expect(kv_bar, 3 * KV_TILES * k_desc.block_type.nbytes)
+    for half in gl.static_range(KV_TILES):
         tma.async_copy_global_to_shared(k_desc, [k_row + half * HALF_N, kv_col], kv_bar, k_halves.index(half))
         tma.async_copy_global_to_shared(k2_desc, [k_row + half * HALF_N, kv_col], kv_bar, k2_halves.index(half))
         tma.async_copy_global_to_shared(v_desc, [k_row + half * HALF_N, kv_col], kv_bar, v_halves.index(half))
@@ -343,7 +416,49 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
     HALF_N: gl.constexpr = BLOCK_N // 2
     b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
-    if VIEWS == 2:
+    if VIEWS == 3:
+        # BLOCK_N keys for both warpgroups: K, K2, V once; Q and Q2 (one ready barrier, each view's warpgroup
+        # releases its own) and dO streamed; an fp32 tile for view 2's dV2
+        dtype: gl.constexpr = q_desc.dtype
+        k_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        k2_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        q2_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        dv2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM],
+                                             gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(dv2_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+            mbarrier.init(do_empty.index(i), count=2)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_view_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                              do_empty, dv2_smem, dv2_bar, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0, GROUP,
+                              q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 1, POWER_MODE, CAUSAL, BLOCK_N,
+                              BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+            (_view_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                              do_empty, dv2_smem, dv2_bar, DK2, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0,
+                              GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 2, POWER_MODE, CAUSAL,
+                              BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+            (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
+                                  q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
+                                  hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
+                                  1)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+        mbarrier.invalidate(dv2_bar)
+    elif VIEWS == 2:
         k2_halves, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
             k2_desc, q2_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
         v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
@@ -537,14 +652,14 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
 
 
 @functools.cache
-def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int):
-    """What every launch of one backward form shares: per key-block form of `dkdv_forms` (its config, its
-    half-key-block tile, its query-block tile, its constexprs), then the query-block kernel's config, its
-    64-row tile, its key-block tile and its constexprs."""
+def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, view_warpgroups: bool):
+    """What every launch of one backward form shares: per key-block form (`dkdv_forms`, or the view
+    warpgroups) its config, its key tile (`key_tile_rows`), its query-block tile and its constexprs; then
+    the query-block kernel's config, its 64-row tile, its key-block tile and its constexprs."""
     forms = []
-    for form in dkdv_forms(head_dim):
+    for form in ((VIEW_WARPGROUPS,) if view_warpgroups else dkdv_forms(head_dim)):
         cfg = dkdv_tile_config(head_dim, form)
-        forms.append((cfg, tma_tile(dtype, cfg["BLOCK_N"] // 2, head_dim), tma_tile(dtype, cfg["BLOCK_M"], head_dim),
+        forms.append((cfg, tma_tile(dtype, key_tile_rows(form, cfg), head_dim), tma_tile(dtype, cfg["BLOCK_M"], head_dim),
                       dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
     q_cfg = dq_tile_config(head_dim)
     dq_constexprs = dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
@@ -556,17 +671,20 @@ _DKDV = DirectLauncher(_dkdv_kernel, "gluon_diff_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
 
 
-def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float):
+def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
+                                   view_warpgroups: bool = False):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
     k2 in their dtype, dlam (H,) in lam's dtype. Launches: the key-block kernel per form of
-    `dkdv_forms(D)`, the query-block kernel, and torch's fixed-order sum of the d-lambda partials."""
+    `dkdv_forms(D)` (view_warpgroups: the one launch of the view-warpgroup form), the query-block kernel,
+    and torch's fixed-order sum of the d-lambda partials."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
-    forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power))
+    forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power),
+                                                                      bool(view_warpgroups))
     tau_scale, power = float(beta * math.sqrt(2.0 / d)), float(power)
     q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
     k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
@@ -600,7 +718,8 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
     return dq, dk, dv, dq2, dk2, dlam
 
 
-def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0):
+def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
+                                  view_warpgroups: bool = False):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
 
@@ -624,14 +743,15 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
         raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
     if not math.isfinite(float(beta)):
         raise ValueError(f"{what}: beta must be finite, got {beta}")
-    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power))
+    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power),
+                                          bool(view_warpgroups))
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dq")
-_DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW}
+KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dq")
+_DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS}
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
@@ -640,7 +760,7 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     """One of the backward's kernels compiled for sm_<arch> without a GPU
     (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
-    "dkdv_first" / "dkdv_second" (forms 1 / 2)."""
+    "dkdv_first" / "dkdv_second" / "dkdv_views" (forms 1 / 2 / 3)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
@@ -666,7 +786,7 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     if stages is not None:
         cfg["STAGES"] = stages
     rows = descriptor_type(dtype, [cfg["BLOCK_M"], head_dim])
-    keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
+    keys = descriptor_type(dtype, [key_tile_rows(views, cfg), head_dim])
     signature = {"k_desc": keys, "k2_desc": keys, "v_desc": keys, "q_desc": rows, "q2_desc": rows, "do_desc": rows,
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}",
                  "stride_kvb": "i32", "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32",

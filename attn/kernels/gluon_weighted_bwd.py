@@ -180,11 +180,12 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
                 first_col, score_scale, start_scale, row_param, power, st_layout: gl.constexpr,
                 a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False):
     """One warpgroup's keys against the query block from row m (ring tile j): S^T (from its start) and
     dP^T issued back to back; W^T, G^T once S^T is in and dV += W^T dO issued at once; dS^T = dP^T G^T
     once dP^T is in and dK += dS^T Q; dO's slot handed back when dV retired, Q's when dK did. MASKED: the
-    causal compare, key row r visible to query column c when c >= first_col[r] - m."""
+    causal compare, key row r visible to query column c when c >= first_col[r] - m. SCALED (the
+    differential threshold's second view): W^T times lam and dS^T times -lam p per score."""
     start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
     s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
@@ -198,10 +199,15 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
     w_t, g_t = _weight_and_grad(x, visible, power, WEIGHT, POWER_MODE, NEWTON, MASKED)
+    if SCALED:
+        w_t = w_t * lam
     w16 = gl.convert_layout(w_t.to(q_ring.dtype), a_layout)
     dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
     dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, v_tile, do_tile))  # dP^T retired
-    ds16 = gl.convert_layout(_score_grad(dp_t, g_t, WEIGHT, POWER_MODE).to(q_ring.dtype), a_layout)
+    ds_t = _score_grad(dp_t, g_t, WEIGHT, POWER_MODE)
+    if SCALED:
+        ds_t = ds_t * (-lam * power)
+    ds16 = gl.convert_layout(ds_t.to(q_ring.dtype), a_layout)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
     dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
     release(j, do_empty, STAGES)

@@ -59,8 +59,8 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
 from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
-                                choose_gluon_backward_grid, choose_gluon_grid, gluon_candidate, gluon_pingpong,
-                                tiered)
+                                choose_gluon_backward_grid, choose_gluon_diff_dkdv_form, choose_gluon_grid,
+                                gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -592,7 +592,7 @@ def tuned_configs() -> dict[str, str]:
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS, _GLUON_GRIDS, _DIFF_GLUON_GRIDS,
-                   _GLUON_BWD_GRIDS):
+                   _GLUON_BWD_GRIDS, _GLUON_DIFF_DKDV_FORMS):
         out.update(choice.report())
     return out
 
@@ -871,10 +871,15 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         if not (gluon_diff_bwd.serves(q, k, v) and gluon_diff_bwd.serves(q2, k2, v)):
             return backward
 
-        def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
-            *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(q, k, v, q2, k2, _gluon_lambda(lam), dout,
-                                                                         causal, beta, power)
-            return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
+        def diff_form(view_warpgroups):
+            def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+                *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
+                    q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, view_warpgroups=view_warpgroups)
+                return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
+            return gluon_diff_backward
+
+        gluon_diff_backward = choose_gluon_diff_dkdv_form(_GLUON_DIFF_DKDV_FORMS, (*tier_key, n_bucket(bsz * heads)),
+                                                          diff_form)
         return tiered(_DIFF_BWD_TIERS, tier_key, backward, gluon_diff_backward)
     from attn.kernels import gluon_weighted_bwd
 
@@ -898,6 +903,8 @@ _BWD_TIERS = TierChoice("threshold_family_bwd")
 # the one-map threshold's Gluon backward grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
 _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
+# the differential threshold's Gluon key-block form per tuning key, once offered (tiers.DIFF_VIEW_WARPGROUPS_OFFERED)
+_GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
 
 
 # ----------------------------------------------------------------------------------------

@@ -223,6 +223,31 @@ def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[
     return choose_gluon_grid(choice, key, grid, False)
 
 
+# Whether the differential threshold's backward plan offers its view-warpgroup key-block form
+# (gluon_diff_bwd.VIEW_WARPGROUPS: a warpgroup per score view) beside the key-halves forms: not until its GPU
+# tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) have passed on a GPU; until then the key-halves
+# forms serve every differential backward (docs/gluon.md)
+DIFF_VIEW_WARPGROUPS_OFFERED = False
+
+
+def choose_gluon_diff_dkdv_form(choice: TimedChoice, key: tuple, form: Callable[[bool], Callable]) -> Callable:
+    """A plan's launch function for the Gluon differential threshold backward; `form(view_warpgroups)` gives
+    the launch with the key-halves (False) or the view-warpgroup (True) key-block form. Where
+    DIFF_VIEW_WARPGROUPS_OFFERED, `choice` times both per tuning key and keeps the faster ("key_halves" while
+    timing is not allowed); else the key halves."""
+    if not DIFF_VIEW_WARPGROUPS_OFFERED:
+        return form(False)
+    return timed_launch(choice, key, {"key_halves": form(False), "view_warpgroups": form(True)}, "key_halves")
+
+
+def timed_launch(choice: TimedChoice, key: tuple, impls: dict[str, Callable], untimed: str) -> Callable:
+    """A launch function that runs the implementation `choice` keeps for `key` (timing `impls` on the
+    first call's arguments; `untimed` while timing is not allowed)."""
+    def launch(*args):
+        return choice.choose(key, impls, args, untimed)(*args)
+    return launch
+
+
 def choose_gluon_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable], pingpong: bool) -> Callable:
     """A plan's launch function for a Gluon forward or backward with both grids (`gluon_persistent_mode`);
     `grid(persistent)` gives the launch on the per-item (False) or the persistent (True) grid. The ping-pong
@@ -231,8 +256,4 @@ def choose_gluon_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Ca
     mode = gluon_persistent_mode()
     if pingpong or mode != "auto":
         return grid(mode == "1" and not pingpong)
-    grids = {"per_item": grid(False), "persistent": grid(True)}
-
-    def launch(*args):
-        return choice.choose(key, grids, args, "per_item")(*args)
-    return launch
+    return timed_launch(choice, key, {"per_item": grid(False), "persistent": grid(True)}, "per_item")

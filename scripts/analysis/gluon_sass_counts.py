@@ -183,7 +183,7 @@ VARIANTS.update(DIFFERENTIAL_VARIANTS)
 DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_fwd.py"
 # the differential threshold backward's kernels (gluon_diff_bwd.compile_sm90's kernel, power)
 DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kernel, power=power)
-                                  for kernel in ("dkdv", "dkdv_second", "dq")
+                                  for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dq")
                                   for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
 VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
 DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"
@@ -211,7 +211,8 @@ def tile_width(module, variant: str, head_dim: int) -> int:
     if variant in DIFFERENTIAL_BACKWARD_VARIANTS:  # its key-block kernels' forms differ in BLOCK_M
         if kernel == "dq":
             return module.dq_tile_config(head_dim)["BLOCK_N"]
-        views = module.SECOND_VIEW if kernel == "dkdv_second" else module.dkdv_forms(head_dim)[0]
+        views = {"dkdv_second": module.SECOND_VIEW, "dkdv_views": module.VIEW_WARPGROUPS}.get(
+            kernel, module.dkdv_forms(head_dim)[0])
         return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
     if kernel in ("dkdv", "dkdv_one_pass"):
         return module.dkdv_tile_config(head_dim)["BLOCK_M"]
@@ -234,7 +235,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second") and not causal:
+    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second", "dkdv_views") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
     # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
     # of a program whose keys run past the key length, whose keys must not reach dq)

@@ -14,12 +14,13 @@ then times.
    done before the timing) and the Gluon backward (`launch_*_backward`), at
    SHAPES (B, H, N, D, causal), bf16; also the differential threshold's (diff_threshold: both views' six
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
-   correctness is tests/test_gluon_diff_bwd_gpu.py's).
+   correctness is tests/test_gluon_diff_bwd_gpu.py's), in both its key-block forms (key halves per warpgroup,
+   the default; `view_warpgroups=True`, a warpgroup per score view).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
 
-    python scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py --out $OUT
+    python scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py --out $OUT [--no-checks] [--shapes 4,16,4096,128,1]
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4, 16, 4096, 128, True)]
 # p = 2 and the -ln n_i bias: the families' defaults
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
-COLUMNS = ["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
+# the differential backward's key-block forms: key halves per warpgroup (the default) and a warpgroup per view
+COLUMNS = ["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")] + ["diff_threshold gluon views"]
 
 
 def _spec(variant, params):
@@ -106,7 +108,7 @@ def check_case(case, error_ratio):
     return row
 
 
-def time_shapes(results):
+def time_shapes(results, shapes=SHAPES):
     import torch.nn.functional as F
 
     from attn.kernels import sigmoid_family, threshold_family
@@ -114,7 +116,7 @@ def time_shapes(results):
     from attn.kernels.gluon_weighted_bwd import launch_sigmoid_backward, launch_threshold_backward
 
     rows = []
-    for b, h, n, d, causal in SHAPES:
+    for b, h, n, d, causal in shapes:
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         qn, kn = (torch.nn.functional.normalize(x.float(), dim=-1).to(torch.bfloat16) for x in (q, k))
         q2n, k2n = (torch.nn.functional.normalize(torch.randn(b, n, h, d, device="cuda"), dim=-1).to(torch.bfloat16)
@@ -137,6 +139,8 @@ def time_shapes(results):
                     do, qn, kn, v, q2n, k2n, lam, None, diff_beta, diff_power, causal, 0)))
                 impls["diff_threshold gluon"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power))
+                impls["diff_threshold gluon views"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, view_warpgroups=True))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
                 impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
@@ -157,6 +161,9 @@ def time_shapes(results):
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
+        if "ms" in row["diff_threshold gluon"] and "ms" in row["diff_threshold gluon views"]:
+            speedups += (f"  diff_threshold views vs key halves "
+                         f"{row['diff_threshold gluon']['ms'] / row['diff_threshold gluon views']['ms']:.2f}x")
         print(f"{str((b, h, n, d, 'causal' if causal else 'full')):<28}{cells}   {speedups}")
         for name, cell in row.items():
             if isinstance(cell, dict) and "error" in cell:
@@ -169,7 +176,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for gluon_weighted_bwd.json")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-checks", action="store_true", help="time only (the tests hold the correctness cases)")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="B,H,N,D[,causal] per shape, bf16 (default: (4,16,4096,128) causal)")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes is None else [
+        (*map(int, x.split(",")[:4]), bool(int(x.split(",")[4])) if len(x.split(",")) > 4 else True)
+        for x in args.shapes]
     args.out.mkdir(parents=True, exist_ok=True)
     results = {**result_header(), "capability": torch.cuda.get_device_capability(), "cases": []}
     dump = lambda: (args.out / "gluon_weighted_bwd.json").write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
@@ -185,7 +198,7 @@ def main() -> int:
     failed = 0
     print(f"{'variant, params, (B,N,KV,H,Hkv,D,causal,dtype)':<72}{'ratio dq':>10}{'ratio dk':>10}{'ratio dv':>10}"
           "  status")
-    for case in CASES:
+    for case in ([] if args.no_checks else CASES):
         row = {"case": [case[0], case[1], list(case[2])]}
         ok = checked_row(row, lambda: check_case(case, error_ratio), ("dq", "dk", "dv"))
         failed += not ok
@@ -197,7 +210,7 @@ def main() -> int:
     dump()
     if not args.no_timing:
         print(f"\n{'(B,H,N,D,mask) bf16, bwd':<28}" + "".join(f"{name + ' ms':>22}{'TF/s':>6}" for name in COLUMNS))
-        time_shapes(results)
+        time_shapes(results, shapes)
         dump()
     return 1 if failed else 0
 
