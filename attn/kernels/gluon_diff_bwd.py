@@ -419,28 +419,13 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
     if VIEWS == 3:
         # BLOCK_N keys for both warpgroups: K, K2, V once; Q and Q2 (one ready barrier, each view's warpgroup
         # releases its own) and dO streamed; an fp32 tile for view 2's dV2
-        dtype: gl.constexpr = q_desc.dtype
-        k_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
-        k2_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        q2_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
+            k_desc, q_desc, do_desc, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, 1)
+        v_tile = gl.allocate_shared_memory(v_desc.dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
         dv2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM],
                                              gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
         mbarrier.init(dv2_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)
-            mbarrier.init(do_empty.index(i), count=2)
         fence_async_shared()
         gl.warp_specialize([
             (_view_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,

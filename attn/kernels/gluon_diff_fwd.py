@@ -85,13 +85,13 @@ def tile_config(head_dim: int) -> dict:
 
 @gluon.jit
 def _allocate_ring(q_desc, k_desc, v_desc, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr):
-    """Shared memory and barriers: both consumers' Q and Q2 halves (one barrier for all four tiles),
-    STAGES slots of K, K2 and V, a ready / empty mbarrier pair for the slot's K and K2 and one for its V
-    (empty barriers count one arrival per consumer)."""
+                   STAGES: gl.constexpr, TILES: gl.constexpr = 2):
+    """Shared memory and barriers: both consumers' Q and Q2 halves (one barrier for all four tiles; TILES = 1:
+    one tile of each that both consumers read), STAGES slots of K, K2 and V, a ready / empty mbarrier pair for
+    the slot's K and K2 and one for its V (empty barriers count one arrival per consumer)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
-    q2_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [TILES, HALF_M, HEAD_DIM], q_desc.layout)
+    q2_smem = gl.allocate_shared_memory(dtype, [TILES, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     k2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
