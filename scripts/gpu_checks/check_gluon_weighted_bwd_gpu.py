@@ -58,7 +58,8 @@ SHAPES = [(4, 16, 4096, 128, True)]
 # p = 2 and the -ln n_i bias: the families' defaults
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 # the differential backward's key-block forms: key halves per warpgroup (the default) and a warpgroup per view
-COLUMNS = ["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")] + ["diff_threshold gluon views"]
+COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
+           + ["diff_threshold gluon views"])
 
 
 def _spec(variant, params):
