@@ -645,7 +645,8 @@ def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, vie
     for form in ((VIEW_WARPGROUPS,) if view_warpgroups else dkdv_forms(head_dim)):
         cfg = dkdv_tile_config(head_dim, form)
         forms.append((cfg, tma_tile(dtype, key_tile_rows(form, cfg), head_dim),
-                      tma_tile(dtype, cfg["BLOCK_M"], head_dim), dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
+                      tma_tile(dtype, cfg["BLOCK_M"], head_dim),
+                      dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
     q_cfg = dq_tile_config(head_dim)
     dq_constexprs = dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
     return (tuple(forms), q_cfg, tma_tile(dtype, 64, head_dim), tma_tile(dtype, q_cfg["BLOCK_N"], head_dim),
