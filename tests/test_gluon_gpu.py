@@ -330,7 +330,7 @@ def test_threshold_and_sigmoid_calls_on_the_persistent_grids_are_within_the_rule
     whether or not the plans offer them by default)."""
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
-    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset({"softmax", "threshold", "sigmoid"}))
     _check_weighted_on_gluon(case, variant, params, seed=300 + WEIGHTED.index((variant, params, case)),
                              unit_norm=variant == "threshold")
     assert f"launch_{variant}" in weighted_launches, "the call did not run the Gluon forward"
@@ -585,6 +585,6 @@ def test_public_call_on_the_persistent_grids_is_within_the_rule(case, gluon_laun
     float64 rule."""
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "1")
-    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset({"softmax", "threshold", "sigmoid"}))
     _check_on_gluon(case, "softcap_tanh", {"cap": 3.0}, False, seed=CASES.index(case))
     assert gluon_launches, "the call did not run the Gluon forward"

@@ -226,15 +226,16 @@ def _fake_gluon(monkeypatch, module, name, log, result):
 
 @pytest.fixture
 def gluon_offered(monkeypatch):
-    """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1; the softmax backward's dq form
-    and the softmax forward's grid fixed, untimed: ATTNLAB_GLUON_DQ=separate, ATTNLAB_GLUON_PERSISTENT=0), its
-    launchers logged."""
+    """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1; the softmax backward's dq form,
+    the grids and the differential backward's key-block form fixed, untimed: ATTNLAB_GLUON_DQ=separate,
+    ATTNLAB_GLUON_PERSISTENT=0, ATTNLAB_GLUON_DIFF_DKDV=key_halves), its launchers logged."""
     from attn.kernels import (gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family,
                               threshold_family)
 
     monkeypatch.setenv(tiers.GLUON_ENV, "1")
     monkeypatch.setenv(tiers.GLUON_DQ_ENV, "separate")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "0")
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "key_halves")
     for family in (softmax_family, threshold_family, sigmoid_family):
         monkeypatch.setattr(family, "gluon_candidate", lambda device: True)
     log = []
@@ -325,6 +326,17 @@ def test_gluon_persistent_switch_values(value, monkeypatch):
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "yes")
     with pytest.raises(ValueError, match="ATTNLAB_GLUON_PERSISTENT must be one of"):
         tiers.gluon_persistent_mode()
+
+
+@pytest.mark.parametrize("value", tiers.GLUON_DIFF_DKDV_FORMS)
+def test_gluon_diff_dkdv_switch_values(value, monkeypatch):
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, value)
+    assert tiers.gluon_diff_dkdv_form() == value
+    monkeypatch.delenv(tiers.GLUON_DIFF_DKDV_ENV)
+    assert tiers.gluon_diff_dkdv_form() == "auto"
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "views")
+    with pytest.raises(ValueError, match="ATTNLAB_GLUON_DIFF_DKDV must be one of"):
+        tiers.gluon_diff_dkdv_form()
 
 
 GRID_FAMILIES = [("softcap_tanh", {"cap": 30.0}, "softmax_family", "_GLUON_GRIDS"),
@@ -513,6 +525,7 @@ def test_the_backward_plans_read_the_switch():
         assert tiers.GLUON_ENV in family._BWD_PLANS.settings
     for family in (threshold_family, sigmoid_family):
         assert tiers.GLUON_PERSISTENT_ENV in family._BWD_PLANS.settings
+    assert tiers.GLUON_DIFF_DKDV_ENV in threshold_family._BWD_PLANS.settings
 
 
 BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "gluon_weighted_bwd",
@@ -536,7 +549,7 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
 
     plans = importlib.import_module(f"attn.kernels.{family}")
     kernels = importlib.import_module(f"attn.kernels.{module}")
-    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", True)
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset({"softmax", "threshold", "sigmoid"}))
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(plans, "_GLUON_BWD_GRIDS", tiers.TimedChoice("grid"))
@@ -572,7 +585,7 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
     for value, persistent in (("0", False), ("1", True)):
         monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
         assert backward() == [persistent]
-    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", False)  # not offered: per item, whatever the switch
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset())  # not offered: per item, whatever set
     runtime.clear_launch_plans()
     assert backward() == [False]
 
@@ -582,12 +595,13 @@ def test_the_differential_backward_form_is_timed_per_key_once_offered(halves_ms,
                                                                      monkeypatch):
     """With the view-warpgroup form offered (tiers.DIFF_VIEW_WARPGROUPS_OFFERED), the differential threshold's
     Gluon backward times its key-halves and view-warpgroup key-block forms on the call's own arguments at a key's
-    first backward and keeps the faster, keyed by the batch x head count too; not offered: the key halves,
-    untimed."""
+    first backward and keeps the faster (ATTNLAB_GLUON_DIFF_DKDV=auto), keyed by the batch x head count too;
+    "key_halves" / "view_warpgroups" pin one; not offered: the key halves, untimed."""
     import attn
     from attn.kernels import gluon_diff_bwd, threshold_family
 
     monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", True)
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
     log = []
@@ -619,7 +633,11 @@ def test_the_differential_backward_form_is_timed_per_key_once_offered(halves_ms,
         "view_warpgroups" if winner else "key_halves"]
     assert backward() == [winner]  # remembered
     assert backward(batch=64) == [False, False, True, True, winner]  # more (batch, head) pairs: a key of its own
-    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", False)  # not offered: the key halves
+    for value, views in (("key_halves", False), ("view_warpgroups", True)):
+        monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, value)
+        assert backward() == [views]
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "view_warpgroups")
+    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", False)  # not offered: the key halves, whatever set
     runtime.clear_launch_plans()
     assert backward() == [False]
 

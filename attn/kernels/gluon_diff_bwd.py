@@ -37,8 +37,9 @@ accumulators started at -tau_i so the scores are x itself):
      (`gluon_weighted_bwd._dkdv_block`, 64-row query blocks, two accumulators): view 1 dK and
      dV1 += W1^T dO, view 2 dK2 and dV2 += lambda_h W2^T dO; view 2 hands dV2 to view 1 through an fp32
      shared-memory tile and dv = dV1 - dV2. One launch instead of two, dP^T computed by both warpgroups.
-     The backward plan offers it only once `tiers.DIFF_VIEW_WARPGROUPS_OFFERED` is set (its GPU tests
-     have not run yet); then it times both forms per tuning key.
+     The backward plan offers it (`tiers.DIFF_VIEW_WARPGROUPS_OFFERED`; tests/test_gluon_diff_bwd_gpu.py
+     -k view_warpgroup passes on the GPU): ATTNLAB_GLUON_DIFF_DKDV picks the form, "auto" times both per
+     tuning key.
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.

@@ -38,9 +38,9 @@ issue helper these kernels import):
 
 Both also run on the persistent grid (`persistent`: at most one program per SM running work items in turn,
 `gluon_softmax_bwd.persistent_dkdv_producer` and `gluon_pipeline.persistent_producer` loading the next item's
-tiles while this one stores its gradients), each item's arithmetic the per-item kernel's: the same bits.
-Compiled for sm_90 on the CPU only so far; its GPU test (tests/test_gluon_weighted_bwd_gpu.py) has not run,
-so the plans launch it only once `tiers.PERSISTENT_BACKWARDS_OFFERED` is set.
+tiles while this one stores its gradients), each item's arithmetic the per-item kernel's: the same bits
+(tests/test_gluon_weighted_bwd_gpu.py -k persistent, on the GPU). The plans offer it
+(`tiers.PERSISTENT_BACKWARDS_OFFERED`): ATTNLAB_GLUON_PERSISTENT picks the grid, "auto" times both per key.
 
 Masks: key-block programs visit only query blocks that see their keys; the causal diagonal's blocks
 compare per score, the rest run without mask arithmetic. Query rows past N (a TMA tile running into the

@@ -574,7 +574,8 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
         return gluon_backward
 
     tier_key = (q.dtype, *buckets, group, d, causal, bias is None)
-    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid)
+    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
+                                                "sigmoid")
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 

@@ -960,10 +960,10 @@ def _bwd_plan(do, q, k, v, out, temperature, has_bounds, need_dt, cap, cap_value
     # the separate form's two grids, timed per key with the work items (the one-pass form runs per item)
     grid_key = (*tier_key, n_bucket(bsz * h))
     if need_dt:  # only the separate form's dQ kernel sums d-temperature
-        gluon = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, grid_key, gluon_with_dt)
+        gluon = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, grid_key, gluon_with_dt, "softmax")
     else:
         separate = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, grid_key,
-                                              lambda persistent: gluon_form("separate", persistent))
+                                              lambda persistent: gluon_form("separate", persistent), "softmax")
         if dq_form == "auto":  # the two forms timed per key (inside the Gluon tier's first, untimed call)
             gluon = choose_gluon_dq_form(_GLUON_DQ_FORMS, tier_key, separate, gluon_form("one_pass"))
         else:

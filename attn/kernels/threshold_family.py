@@ -58,7 +58,7 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
+from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
                                 choose_gluon_backward_grid, choose_gluon_diff_dkdv_form, choose_gluon_grid,
                                 gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
@@ -892,11 +892,12 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
                                                                 persistent=persistent)
         return gluon_backward
 
-    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid)
+    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
+                                                "threshold")
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_DIFF_DKDV_ENV))
 # backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones, chosen per tuning
 # key for the one-map threshold and for the differential threshold
 _BWD_TIERS = TierChoice("threshold_family_bwd")

@@ -85,8 +85,8 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 def gluon_persistent_mode() -> str:
     """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and, once
-    offered (PERSISTENT_BACKWARDS_OFFERED), the softmax family (its separate dq form), threshold and sigmoid
-    backwards launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
+    offered (PERSISTENT_BACKWARDS_OFFERED: threshold and sigmoid; the softmax family's separate dq form not yet)
+    the backwards launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
     persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
     this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
     and keep the faster, the per-item grid where nothing is timed; `choose_gluon_grid`). The ping-pong
@@ -94,6 +94,21 @@ def gluon_persistent_mode() -> str:
     raw = setting(GLUON_PERSISTENT_ENV, GLUON_PERSISTENT_MODES[0])
     if raw not in GLUON_PERSISTENT_MODES:
         raise ValueError(f"{GLUON_PERSISTENT_ENV} must be one of {GLUON_PERSISTENT_MODES}, got {raw!r}")
+    return raw
+
+
+GLUON_DIFF_DKDV_ENV = "ATTNLAB_GLUON_DIFF_DKDV"
+GLUON_DIFF_DKDV_FORMS = ("auto", "key_halves", "view_warpgroups")
+
+
+def gluon_diff_dkdv_form() -> str:
+    """The differential threshold's Gluon key-block form by ATTNLAB_GLUON_DIFF_DKDV: "key_halves" (each consumer
+    warpgroup half the keys, both views), "view_warpgroups" (a warpgroup per score view, all the keys), "auto"
+    (default: the plan times both per tuning key and keeps the faster, the key halves where nothing is timed;
+    `choose_gluon_diff_dkdv_form`). A ValueError naming the variable for anything else."""
+    raw = setting(GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DKDV_FORMS[0])
+    if raw not in GLUON_DIFF_DKDV_FORMS:
+        raise ValueError(f"{GLUON_DIFF_DKDV_ENV} must be one of {GLUON_DIFF_DKDV_FORMS}, got {raw!r}")
     return raw
 
 
@@ -210,33 +225,39 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
     return launch
 
 
-# Whether the backward plans offer the Gluon backwards' persistent grid: not until its bit-for-bit GPU tests
-# (tests/test_gluon_weighted_bwd_gpu.py, tests/test_gluon_bwd_gpu.py, -k persistent) have passed on a GPU; until
-# then the per-item grid serves every backward, whatever ATTNLAB_GLUON_PERSISTENT says (docs/gluon.md)
-PERSISTENT_BACKWARDS_OFFERED = False
+# The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
+# the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py -k persistent: threshold and sigmoid). The
+# softmax family's (tests/test_gluon_bwd_gpu.py -k persistent) has not completed on a GPU yet, so its backward
+# runs per item whatever ATTNLAB_GLUON_PERSISTENT says (docs/gluon.md)
+PERSISTENT_BACKWARDS_OFFERED = frozenset({"threshold", "sigmoid"})
 
 
-def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable]) -> Callable:
-    """`choose_gluon_grid` for a Gluon backward where PERSISTENT_BACKWARDS_OFFERED, else its per-item grid."""
-    if not PERSISTENT_BACKWARDS_OFFERED:
+def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable],
+                               family: str) -> Callable:
+    """`choose_gluon_grid` for the Gluon backward of `family` ("softmax", "threshold", "sigmoid") where
+    PERSISTENT_BACKWARDS_OFFERED holds it, else its per-item grid."""
+    if family not in PERSISTENT_BACKWARDS_OFFERED:
         return grid(False)
     return choose_gluon_grid(choice, key, grid, False)
 
 
 # Whether the differential threshold's backward plan offers its view-warpgroup key-block form
-# (gluon_diff_bwd.VIEW_WARPGROUPS: a warpgroup per score view) beside the key-halves forms: not until its GPU
-# tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) have passed on a GPU; until then the key-halves
-# forms serve every differential backward (docs/gluon.md)
-DIFF_VIEW_WARPGROUPS_OFFERED = False
+# (gluon_diff_bwd.VIEW_WARPGROUPS: a warpgroup per score view) beside the key-halves forms, timing both per key:
+# its GPU tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) pass; its speed is not measured yet
+# (docs/gluon.md)
+DIFF_VIEW_WARPGROUPS_OFFERED = True
 
 
 def choose_gluon_diff_dkdv_form(choice: TimedChoice, key: tuple, form: Callable[[bool], Callable]) -> Callable:
     """A plan's launch function for the Gluon differential threshold backward; `form(view_warpgroups)` gives
     the launch with the key-halves (False) or the view-warpgroup (True) key-block form. Where
-    DIFF_VIEW_WARPGROUPS_OFFERED, `choice` times both per tuning key and keeps the faster ("key_halves" while
-    timing is not allowed); else the key halves."""
+    DIFF_VIEW_WARPGROUPS_OFFERED, the form `gluon_diff_dkdv_form` names, or under "auto" the faster as `choice`
+    times both per tuning key ("key_halves" while timing is not allowed); else the key halves."""
     if not DIFF_VIEW_WARPGROUPS_OFFERED:
         return form(False)
+    mode = gluon_diff_dkdv_form()
+    if mode != "auto":
+        return form(mode == "view_warpgroups")
     return timed_launch(choice, key, {"key_halves": form(False), "view_warpgroups": form(True)}, "key_halves")
 
 
