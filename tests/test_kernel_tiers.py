@@ -317,26 +317,22 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
     assert named["pingpong"] is False  # consumers unordered unless ATTNLAB_GLUON_SCHEDULE says otherwise
 
 
-@pytest.mark.parametrize("value", tiers.GLUON_PERSISTENT_MODES)
-def test_gluon_persistent_switch_values(value, monkeypatch):
-    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
-    assert tiers.gluon_persistent_mode() == value
-    monkeypatch.delenv(tiers.GLUON_PERSISTENT_ENV)
-    assert tiers.gluon_persistent_mode() == "auto"
-    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "yes")
-    with pytest.raises(ValueError, match="ATTNLAB_GLUON_PERSISTENT must be one of"):
-        tiers.gluon_persistent_mode()
+# (variable, its values, its reader, a value it refuses): the persistent grid's and the differential backward's
+# key-block form's switches, "auto" when unset
+TIMED_SWITCHES = [(tiers.GLUON_PERSISTENT_ENV, tiers.GLUON_PERSISTENT_MODES, tiers.gluon_persistent_mode, "yes"),
+                  (tiers.GLUON_DIFF_DKDV_ENV, tiers.GLUON_DIFF_DKDV_FORMS, tiers.gluon_diff_dkdv_form, "views")]
 
 
-@pytest.mark.parametrize("value", tiers.GLUON_DIFF_DKDV_FORMS)
-def test_gluon_diff_dkdv_switch_values(value, monkeypatch):
-    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, value)
-    assert tiers.gluon_diff_dkdv_form() == value
-    monkeypatch.delenv(tiers.GLUON_DIFF_DKDV_ENV)
-    assert tiers.gluon_diff_dkdv_form() == "auto"
-    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "views")
-    with pytest.raises(ValueError, match="ATTNLAB_GLUON_DIFF_DKDV must be one of"):
-        tiers.gluon_diff_dkdv_form()
+@pytest.mark.parametrize("env,values,read,refused", TIMED_SWITCHES, ids=[s[0] for s in TIMED_SWITCHES])
+def test_gluon_timed_switch_values(env, values, read, refused, monkeypatch):
+    for value in values:
+        monkeypatch.setenv(env, value)
+        assert read() == value
+    monkeypatch.delenv(env)
+    assert read() == "auto"
+    monkeypatch.setenv(env, refused)
+    with pytest.raises(ValueError, match=f"{env} must be one of"):
+        read()
 
 
 GRID_FAMILIES = [("softcap_tanh", {"cap": 30.0}, "softmax_family", "_GLUON_GRIDS"),
