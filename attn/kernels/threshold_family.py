@@ -58,9 +58,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
-                                choose_gluon_backward_grid, choose_gluon_diff_dkdv_form, choose_gluon_grid,
-                                gluon_candidate, gluon_pingpong, tiered)
+from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice,
+                                TimedChoice, choose_gluon_backward_grid, choose_gluon_diff_dkdv_form,
+                                choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,

@@ -84,9 +84,9 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 
 def gluon_persistent_mode() -> str:
-    """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and, once
-    offered (PERSISTENT_BACKWARDS_OFFERED: threshold and sigmoid; the softmax family's separate dq form not yet)
-    the backwards launch, by ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
+    """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and the
+    backwards of the families in PERSISTENT_BACKWARDS_OFFERED (threshold, sigmoid) launch, by
+    ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
     persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
     this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
     and keep the faster, the per-item grid where nothing is timed; `choose_gluon_grid`). The ping-pong

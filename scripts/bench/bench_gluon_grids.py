@@ -8,7 +8,8 @@ of both grids' direct entries (`gluon_softmax_fwd.launch_forward`, `gluon_weight
 `launch_sigmoid`, `gluon_diff_fwd.launch_diff_threshold`); then the forward (no gradient) through
 `attn.attention` as a user calls it (ATTNLAB_GLUON and ATTNLAB_GLUON_PERSISTENT as set: by default the timed
 choices) of each form's variant, with the tiers and grids those calls chose (`tuned_configs()`). The backward
-forms (threshold_bwd, sigmoid_bwd, softmax_bwd, tanh_bwd): the same for `gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
+forms (threshold_bwd, sigmoid_bwd, softmax_bwd, tanh_bwd): the same for
+`gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
 `gluon_softmax_bwd.launch_backward` (its separate dq form, after the Gluon forward; dq, dk, dv bit for bit),
 SDPA's forward + backward, and the forward + backward through `attn.attention` (whose backward plans offer
 the persistent grid to the families in `tiers.PERSISTENT_BACKWARDS_OFFERED`, with --offer-persistent-backwards
