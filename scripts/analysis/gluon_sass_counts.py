@@ -40,8 +40,8 @@ both views' scores together. The differential backward (attn/kernels/gluon_diff_
 diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dkdv_views diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is
 the key-block launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128,
 both on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the
-view-warpgroup form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so both
-warpgroups together run about twice its count per position), diff_bwd_dq the query-block dQ / dQ2 /
+view-warpgroup form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the
+smaller of the two, so both warpgroups together run about twice its count per position), diff_bwd_dq the query-block dQ / dQ2 /
 d-lambda kernel; their per_score counts per (query, key) position as well. The forwards' <form>_pingpong
 variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
 BAR.SYNC and one BAR.ARV more, counted as sync). `loop_spills` counts local-memory instructions inside the
