@@ -42,8 +42,8 @@ the key-block launch that computes dV at the head dim (the fused form at D = 64,
 both on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the
 view-warpgroup form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the
 smaller of the two, so both warpgroups together run about twice its count per position), diff_bwd_dq the
-query-block dQ / dQ2 / d-lambda kernel; their per_score counts per (query, key) position as well. The forwards' <form>_pingpong
-variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
+query-block dQ / dQ2 / d-lambda kernel; their per_score counts per (query, key) position as well. The
+forwards' <form>_pingpong variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
 BAR.SYNC and one BAR.ARV more, counted as sync). `loop_spills` counts local-memory instructions inside the
 counted loop, `spills` those of the whole kernel.
 """
