@@ -36,16 +36,15 @@ product and its TMA reduce-add per tile (no dQ kernel runs in that form). The th
 threshold_p1.5 and sigmoid) have the same loops. The differential threshold forward
 (attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
 forward's two loops with two score products per key block; its per_score counts per (query, key) position,
-both views' scores together. The differential backward (attn/kernels/gluon_diff_bwd.py, `--variant
-diff_bwd_dkdv diff_bwd_dkdv_second diff_bwd_dkdv_views diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is
-the key-block launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128,
-both on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the
-view-warpgroup form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the
-smaller of the two, so both warpgroups together run about twice its count per position), diff_bwd_dq the
-query-block dQ / dQ2 / d-lambda kernel; their per_score counts per (query, key) position as well. The
-forwards' <form>_pingpong variants compile the two consumer warpgroups in ping-pong (gluon_pipeline's turn barriers: each loop holds one
-BAR.SYNC and one BAR.ARV more, counted as sync). `loop_spills` counts local-memory instructions inside the
-counted loop, `spills` those of the whole kernel.
+both views' scores together. The differential backward (attn/kernels/gluon_diff_bwd.py, `--variant diff_bwd_dkdv
+diff_bwd_dkdv_second diff_bwd_dkdv_views diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is the key-block launch
+that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both on 32-row query blocks),
+diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the view-warpgroup form's launch (a warpgroup
+per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so both warpgroups together run
+about twice its count per position), diff_bwd_dq the query-block dQ / dQ2 / d-lambda kernel; their per_score counts
+per (query, key) position as well. The forwards' <form>_pingpong variants compile the two consumer warpgroups in
+ping-pong (gluon_pipeline's turn barriers: each loop holds one BAR.SYNC and one BAR.ARV more, counted as sync).
+`loop_spills` counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
 """
 
 from __future__ import annotations
