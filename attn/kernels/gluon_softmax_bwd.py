@@ -47,9 +47,8 @@ order, query blocks in `gluon_pipeline.work_item`'s), the ring's tile count and 
 phase carried across items; the consumers arrive on an item-empty mbarrier once an item's last product
 retired, and the producer loads the next item's first streamed tiles, then (after that barrier) its
 stationary ones (K and V; Q and dO), while the consumers store this item's gradients. Each item's arithmetic
-is the per-item kernel's: the same bits. Compiled for sm_90 on the CPU (tests/test_gluon_compile.py); its GPU
-test (tests/test_gluon_bwd_gpu.py -k persistent) has not completed on a GPU, so the plans launch it only once
-`tiers.PERSISTENT_BACKWARDS_OFFERED` holds "softmax".
+is the per-item kernel's: the same bits (tests/test_gluon_bwd_gpu.py -k persistent, on the GPU). The plans offer
+it (`tiers.PERSISTENT_BACKWARDS_OFFERED`): ATTNLAB_GLUON_PERSISTENT picks the grid, "auto" times both per key.
 
 The one-pass form, FlashAttention-3's dQ path (`_launch_one_pass`), three launches:
 

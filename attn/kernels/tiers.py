@@ -85,7 +85,7 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 def gluon_persistent_mode() -> str:
     """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and the
-    backwards of the families in PERSISTENT_BACKWARDS_OFFERED (threshold, sigmoid) launch, by
+    backwards of the families in PERSISTENT_BACKWARDS_OFFERED (softmax, threshold, sigmoid) launch, by
     ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
     persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
     this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
@@ -226,10 +226,9 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 
 # The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
-# the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py -k persistent: threshold and sigmoid). The
-# softmax family's (tests/test_gluon_bwd_gpu.py -k persistent) has not completed on a GPU yet, so its backward
-# runs per item whatever ATTNLAB_GLUON_PERSISTENT says (docs/gluon.md)
-PERSISTENT_BACKWARDS_OFFERED = frozenset({"threshold", "sigmoid"})
+# the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py and tests/test_gluon_bwd_gpu.py
+# -k persistent: every family, docs/gluon.md)
+PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid"})
 
 
 def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable],
@@ -243,8 +242,8 @@ def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[
 
 # Whether the differential threshold's backward plan offers its view-warpgroup key-block form
 # (gluon_diff_bwd.VIEW_WARPGROUPS: a warpgroup per score view) beside the key-halves forms, timing both per key:
-# its GPU tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) pass; its speed is not measured yet
-# (docs/gluon.md)
+# its GPU tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) pass, and it is faster at D = 128, slower
+# at D = 64 (docs/gluon.md)
 DIFF_VIEW_WARPGROUPS_OFFERED = True
 
 

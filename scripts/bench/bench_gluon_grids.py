@@ -12,14 +12,13 @@ forms (threshold_bwd, sigmoid_bwd, softmax_bwd, tanh_bwd): the same for
 `gluon_weighted_bwd.launch_threshold_backward` / `launch_sigmoid_backward` and
 `gluon_softmax_bwd.launch_backward` (its separate dq form, after the Gluon forward; dq, dk, dv bit for bit),
 SDPA's forward + backward, and the forward + backward through `attn.attention` (whose backward plans offer
-the persistent grid to the families in `tiers.PERSISTENT_BACKWARDS_OFFERED`, with --offer-persistent-backwards
-to the softmax family's too). With
+the persistent grid to the families in `tiers.PERSISTENT_BACKWARDS_OFFERED`). With
 --heads-per-group G the persistent grid's work-item order takes groups of G (batch, head) pairs
 (`gluon_pipeline.HEADS_PER_WORK_GROUP`, a compile-time constant: set before the first compile, so one
 value per process).
 
     python scripts/bench/bench_gluon_grids.py [--shapes 16,1024,12,64 4,4096,16,128] [--forms softmax threshold]
-        [--heads-per-group 2] [--offer-persistent-backwards] [--out FILE.json]
+        [--heads-per-group 2] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -135,16 +134,11 @@ def main() -> None:
     ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
     ap.add_argument("--heads-per-group", type=int, default=None,
                     help="the persistent grid's (batch, head) pairs per work-item group (default: the module's)")
-    ap.add_argument("--offer-persistent-backwards", action="store_true",
-                    help="let the softmax family's backward plans offer the persistent grid too")
     ap.add_argument("--out", default=None, help="write a JSON of the rows")
     args = ap.parse_args()
     from triton.experimental.gluon import language as gl
 
     from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family, tiers
-
-    if args.offer_persistent_backwards:
-        tiers.PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid"})
 
     if args.heads_per_group is not None:  # before anything compiles the persistent kernel
         gluon_pipeline.HEADS_PER_WORK_GROUP = gl.constexpr(args.heads_per_group)
