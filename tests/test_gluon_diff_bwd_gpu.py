@@ -41,7 +41,7 @@ class _GluonDiffBackward(torch.autograd.Function):
     the Gluon backward (as the family's backward plan calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, view_warpgroups=False):
+    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves"):
         from attn.kernels import gluon_diff_fwd, threshold_family
 
         beta, power = float(spec.beta), float(spec.power)
@@ -50,7 +50,7 @@ class _GluonDiffBackward(torch.autograd.Function):
         else:
             out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
         ctx.save_for_backward(q, k, v, q2, k2, lam)
-        ctx.spec, ctx.causal, ctx.view_warpgroups = spec, causal, view_warpgroups
+        ctx.spec, ctx.causal, ctx.dkdv_form = spec, causal, dkdv_form
         return out
 
     @staticmethod
@@ -61,7 +61,7 @@ class _GluonDiffBackward(torch.autograd.Function):
         spec = ctx.spec
         dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout.contiguous(),
                                                                    ctx.causal, float(spec.beta), float(spec.power),
-                                                                   view_warpgroups=ctx.view_warpgroups)
+                                                                   dkdv_form=ctx.dkdv_form)
         return dq, dk, dv, dq2, dk2, dlam, None, None, None, None
 
 
@@ -79,7 +79,7 @@ def _leaves(tensors, dtype):
             for name, t in tensors.items()}
 
 
-def _check(case, forward_tier, seed, view_warpgroups=False):
+def _check(case, forward_tier, seed, dkdv_form="key_halves"):
     params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant("diff_threshold").make_spec(**params)
@@ -93,7 +93,7 @@ def _check(case, forward_tier, seed, view_warpgroups=False):
     same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
     fused = outputs_and_grads(
         lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier,
-                                                              view_warpgroups),
+                                                              dkdv_form),
         _leaves(tensors, dtype), do)
     sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
     for name in ("out", *GRADIENTS):
@@ -114,12 +114,17 @@ def test_gluon_differential_backward_after_the_gluon_forward_is_within_the_rule(
     _check(case, "gluon", seed=100 + CASES.index(case))
 
 
+VIEW_FORMS = ["view_warpgroups", "view_exchange"]
+
+
+@pytest.mark.parametrize("form", VIEW_FORMS)
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_the_view_warpgroup_form_is_within_the_rule(case, nan_poison):
-    """The key-block kernel's view-warpgroup form (`gluon_diff_bwd.VIEW_WARPGROUPS`: one warpgroup per score
-    view on the same 64 keys, view 2's dV part handed to view 1 through shared memory) on the whole case
-    matrix: all six gradients within the rule."""
-    _check(case, "portable", seed=200 + CASES.index(case), view_warpgroups=True)
+def test_the_view_warpgroup_forms_are_within_the_rule(case, form, nan_poison):
+    """The key-block kernel's forms with one warpgroup per score view on the same 64 keys
+    (`gluon_diff_bwd.VIEW_WARPGROUPS`: view 2's dV part handed to view 1 through shared memory;
+    `VIEW_EXCHANGE`: view 1's dP^T and W1^T handed to view 2 per query block) on the whole case matrix: all six
+    gradients within the rule."""
+    _check(case, "portable", seed=200 + CASES.index(case), dkdv_form=form)
 
 
 def _packed(seed, b=2, n=700, kv=700, h=8, h_kv=2, d=128, dtype=torch.bfloat16):
@@ -155,17 +160,18 @@ def test_gluon_differential_backward_is_repeatable_and_close_to_the_portable_bac
         assert (a.float() - p.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+@pytest.mark.parametrize("form", VIEW_FORMS)
 @pytest.mark.parametrize("power,causal,d", [(2.0, True, 128), (1.5, True, 64), (1.0, False, 128)])
-def test_the_view_warpgroup_form_is_repeatable_and_close_to_the_key_halves_form(power, causal, d):
-    """The view-warpgroup form gives the same bits twice (dV = dV1 - dV2 in a fixed order) and the gradients of
-    the key-halves forms but for rounding: dq, dq2 and d-lambda (the same query-block kernel) bit for bit, dk,
-    dk2 within a rounding of the 16-bit results (the same products, lambda applied per score in both), dv within
-    a few (W rounded per view to 16 bits before its product, instead of once)."""
+def test_the_view_warpgroup_forms_are_repeatable_and_close_to_the_key_halves_form(power, causal, d, form):
+    """The view-warpgroup forms give the same bits twice (no atomics, fixed orders) and the gradients of the
+    key-halves forms but for rounding: dq, dq2 and d-lambda (the same query-block kernel) bit for bit, dk, dk2
+    within a rounding of the 16-bit results (the same products, lambda applied per score in both), dv within a
+    few (W rounded to 16 bits per view or once, before its product)."""
     from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
 
     q, k, v, q2, k2, lam, do = _packed(seed=11, d=d)
-    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, view_warpgroups=True)
-    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, view_warpgroups=True)
+    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, dkdv_form=form)
+    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, dkdv_form=form)
     halves = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power)
     for name, a, b, h in zip(GRADIENTS, first, second, halves):
         assert torch.equal(a, b), name
@@ -217,6 +223,8 @@ def test_checked_entry_names_what_a_call_misses():
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, power=0.0)
     with pytest.raises(ValueError, match="beta"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, beta=float("nan"))
+    with pytest.raises(ValueError, match="dkdv_form"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, dkdv_form="views")
     with pytest.raises(ValueError, match="causal"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, 1)
     with pytest.raises(ValueError, match="head dim"):

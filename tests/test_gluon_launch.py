@@ -331,6 +331,9 @@ def _entries():
                                                         1.5),
         "diff_bwd": lambda x: dbw.launch_diff_threshold_backward(x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"],
                                                                  x["do"], True, 0.8, 2.0),
+        **{f"diff_bwd_{form}": (lambda x, form=form: dbw.launch_diff_threshold_backward(
+            x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], x["do"], False, 0.8, 1.5, dkdv_form=form))
+           for form in ("view_warpgroups", "view_exchange")},
     }
 
 

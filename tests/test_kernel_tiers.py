@@ -586,31 +586,38 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
     assert backward() == [False]
 
 
-@pytest.mark.parametrize("halves_ms,views_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
-def test_the_differential_backward_form_is_timed_per_key_once_offered(halves_ms, views_ms, winner, gluon_offered,
-                                                                     monkeypatch):
-    """With the view-warpgroup form offered (tiers.DIFF_VIEW_WARPGROUPS_OFFERED), the differential threshold's
-    Gluon backward times its key-halves and view-warpgroup key-block forms on the call's own arguments at a key's
-    first backward and keeps the faster (ATTNLAB_GLUON_DIFF_DKDV=auto), keyed by the batch x head count too;
-    "key_halves" / "view_warpgroups" pin one; not offered: the key halves, untimed."""
+@pytest.mark.parametrize("times,winner", [({"key_halves": 2.0, "view_warpgroups": 1.0, "view_exchange": 1.5},
+                                              "view_warpgroups"),
+                                             ({"key_halves": 1.0, "view_warpgroups": 1.5, "view_exchange": 2.0},
+                                              "key_halves"),
+                                             ({"key_halves": 2.0, "view_warpgroups": 1.5, "view_exchange": 1.0},
+                                              "view_exchange")])
+def test_the_differential_backward_form_is_timed_per_key_among_those_offered(times, winner, gluon_offered,
+                                                                             monkeypatch):
+    """The differential threshold's Gluon backward times the key-block forms tiers.DIFF_DKDV_FORMS_OFFERED holds
+    on the call's own arguments at a key's first backward and keeps the fastest (ATTNLAB_GLUON_DIFF_DKDV=auto),
+    keyed by the batch x head count too; a form's name pins it; a form not offered is never launched (the key
+    halves instead, whatever the switch says); with one form offered nothing is timed."""
     import attn
     from attn.kernels import gluon_diff_bwd, threshold_family
 
-    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", True)
+    forms = tuple(gluon_diff_bwd.DKDV_FORMS)
+    assert set(forms) == set(times) and forms[0] == "key_halves"
+    monkeypatch.setattr(tiers, "DIFF_DKDV_FORMS_OFFERED", forms)
     monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, view_warpgroups):
-        log.append(view_warpgroups)
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form):
+        log.append(dkdv_form)
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
     monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
 
     def median_ms(fn):
         fn()
-        return views_ms if log[-1] else halves_ms
+        return times[log[-1]]
 
     monkeypatch.setattr(runtime, "median_ms", median_ms)
     spec = attn.get_variant("diff_threshold").make_spec()
@@ -619,23 +626,26 @@ def test_the_differential_backward_form_is_timed_per_key_once_offered(halves_ms,
         q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
         extra = _second_view(q, k, 2, requires_grad=True)
         attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
-        forms = list(log)
+        launched = list(log)
         del log[:]
-        return forms
+        return launched
 
-    # each form once to compile, once timed; then the winner serves the call
-    assert backward() == [False, False, True, True, winner]
-    assert list(threshold_family._GLUON_DIFF_DKDV_FORMS.chosen.values()) == [
-        "view_warpgroups" if winner else "key_halves"]
+    timed = [form for form in forms for _ in range(2)]  # each form once to compile, once timed
+    assert backward() == timed + [winner]  # then the winner serves the call
+    assert list(threshold_family._GLUON_DIFF_DKDV_FORMS.chosen.values()) == [winner]
     assert backward() == [winner]  # remembered
-    assert backward(batch=64) == [False, False, True, True, winner]  # more (batch, head) pairs: a key of its own
-    for value, views in (("key_halves", False), ("view_warpgroups", True)):
-        monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, value)
-        assert backward() == [views]
-    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "view_warpgroups")
-    monkeypatch.setattr(tiers, "DIFF_VIEW_WARPGROUPS_OFFERED", False)  # not offered: the key halves, whatever set
+    assert backward(batch=64) == timed + [winner]  # more (batch, head) pairs: a key of its own
+    for form in forms:
+        monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, form)
+        assert backward() == [form]
+    monkeypatch.setattr(tiers, "DIFF_DKDV_FORMS_OFFERED", ("key_halves", "view_warpgroups"))
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "view_exchange")  # not offered: the key halves
     runtime.clear_launch_plans()
-    assert backward() == [False]
+    assert backward() == ["key_halves"]
+    monkeypatch.setattr(tiers, "DIFF_DKDV_FORMS_OFFERED", ("key_halves",))
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "auto")  # one form offered: launched untimed
+    runtime.clear_launch_plans()
+    assert backward(batch=3) == ["key_halves"]
 
 
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):
@@ -676,7 +686,7 @@ def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype
 
     seen = []
 
-    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, view_warpgroups=False):
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves"):
         seen.append(lam)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
                 torch.zeros_like(k2), torch.full_like(lam, 0.25))

@@ -32,14 +32,18 @@ accumulators started at -tau_i so the scores are x itself):
    - 2, second view: dK2 (the ring carries Q2 and dO only: the one-map kernel's ring and producer).
    At D = 128 three accumulators do not fit a warpgroup's registers beside the score tiles, so the
    backward runs forms 1 (on 32-row query blocks) and 2 (`dkdv_forms`, `dkdv_tile_config`).
-   - 3, view warpgroups (`launch_diff_threshold_backward(..., view_warpgroups=True)`): one program per 64
-     keys, a warpgroup per score view on the same keys, each the one-map threshold's key-block step
+   - 3, view warpgroups (`launch_diff_threshold_backward(..., dkdv_form="view_warpgroups")`): one program
+     per 64 keys, a warpgroup per score view on the same keys, each the one-map threshold's key-block step
      (`gluon_weighted_bwd._dkdv_block`, 64-row query blocks, two accumulators): view 1 dK and
      dV1 += W1^T dO, view 2 dK2 and dV2 += lambda_h W2^T dO; view 2 hands dV2 to view 1 through an fp32
-     shared-memory tile and dv = dV1 - dV2. One launch instead of two, dP^T computed by both warpgroups.
-     The backward plan offers it (`tiers.DIFF_VIEW_WARPGROUPS_OFFERED`; tests/test_gluon_diff_bwd_gpu.py
-     -k view_warpgroup passes on the GPU): ATTNLAB_GLUON_DIFF_DKDV picks the form, "auto" times both per
-     tuning key.
+     shared-memory tile and dv = dV1 - dV2. One launch instead of two, dP^T computed by both warpgroups:
+     8 products per block.
+   - 4, view exchange (`dkdv_form="view_exchange"`): form 3's program and ring, 6 products per block
+     instead of 8. View 1 computes S1^T, dP^T and dK; it hands dP^T and W1^T (fp32 tiles in shared memory,
+     a full / empty mbarrier pair, one block in flight) to view 2, which computes S2^T, then
+     dV += (W1^T - lambda_h W2^T) dO and dK2 from that dP^T. View 2 stores dk2 and dv.
+   The backward plan offers the forms in `tiers.DIFF_DKDV_FORMS_OFFERED` (those whose GPU tests pass):
+   ATTNLAB_GLUON_DIFF_DKDV picks one, "auto" times the offered forms per tuning key.
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
@@ -101,6 +105,10 @@ FUSED = 0  # dK, dV and dK2 in one key-block launch
 FIRST_VIEW = 1  # dK and dV
 SECOND_VIEW = 2  # dK2
 VIEW_WARPGROUPS = 3  # one warpgroup per view on the same keys: dK and dV, dK2, in one launch
+VIEW_EXCHANGE = 4  # as VIEW_WARPGROUPS, dP^T and dV computed once: view 1 hands dP^T and W1^T to view 2
+# the key-block forms a backward launch takes (`launch_diff_threshold_backward`'s dkdv_form): the key halves
+# (`dkdv_forms`: FUSED at D = 64, FIRST_VIEW and SECOND_VIEW at D = 128), VIEW_WARPGROUPS, VIEW_EXCHANGE
+DKDV_FORMS = {"key_halves": None, "view_warpgroups": VIEW_WARPGROUPS, "view_exchange": VIEW_EXCHANGE}
 
 
 def dkdv_tile_config(head_dim: int, views: int) -> dict:
@@ -112,12 +120,12 @@ def dkdv_tile_config(head_dim: int, views: int) -> dict:
     a slot: K2, V (64 / 32 KiB) and 3 slots of Q2, dO (32 / 16 KiB each)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if views not in (FUSED, FIRST_VIEW, SECOND_VIEW, VIEW_WARPGROUPS):
-        raise ValueError(f"views must be {FUSED} (fused), {FIRST_VIEW}, {SECOND_VIEW} or {VIEW_WARPGROUPS} (view "
-                         f"warpgroups), got {views!r}")
+    if views not in (FUSED, FIRST_VIEW, SECOND_VIEW, VIEW_WARPGROUPS, VIEW_EXCHANGE):
+        raise ValueError(f"views must be {FUSED} (fused), {FIRST_VIEW}, {SECOND_VIEW}, {VIEW_WARPGROUPS} (view "
+                         f"warpgroups) or {VIEW_EXCHANGE} (view exchange), got {views!r}")
     if views == SECOND_VIEW:
         return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
-    if views == VIEW_WARPGROUPS:
+    if views in (VIEW_WARPGROUPS, VIEW_EXCHANGE):
         return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3)
     return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
 
@@ -125,7 +133,7 @@ def dkdv_tile_config(head_dim: int, views: int) -> dict:
 def key_tile_rows(views: int, config: dict) -> int:
     """Rows of a key-block form's K, K2, V tiles: a warpgroup's half of the program's keys, or, for the
     view warpgroups (both on the same keys), all of them."""
-    return config["BLOCK_N"] if views == VIEW_WARPGROUPS else config["BLOCK_N"] // 2
+    return config["BLOCK_N"] if views in (VIEW_WARPGROUPS, VIEW_EXCHANGE) else config["BLOCK_N"] // 2
 
 
 def dkdv_forms(head_dim: int) -> tuple[int, ...]:
@@ -373,6 +381,133 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
 
 
 @gluon.jit
+def _exchange_first_block(j, m, dk, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, dp_smem,
+                          w_smem, xchg_full, xchg_empty, q_len, kv_len, first_col, tau_scale, power,
+                          st_layout: gl.constexpr, a_layout: gl.constexpr, POWER_MODE: gl.constexpr,
+                          CAUSAL: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """View 1 of the exchange form on the query block from row m (ring tile j): S1^T and dP^T issued back
+    to back, W1^T and G1^T once S1^T is in, dS1^T = dP^T G1^T and dK += dS1^T Q once dP^T is in; while dK
+    runs, dP^T and W1^T go to the exchange tiles (once view 2 read the previous block's) for view 2."""
+    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, KEYS, BLOCK_M, STAGES)
+    dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, KEYS, BLOCK_M, STAGES)
+    s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S1^T retired
+    visible = 0
+    if MASKED:
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+    w_t, g_t = _weight_and_grad(s_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
+    dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
+    release(j, do_empty, STAGES)
+    ds16 = gl.convert_layout(_score_grad(dp_t, g_t, THRESHOLD, POWER_MODE).to(q_ring.dtype), a_layout)
+    dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
+    mbarrier.wait(xchg_empty, (j & 1) ^ 1)  # view 2 read block j - 1's tiles (the first block does not wait)
+    dp_smem.store(dp_t)
+    w_smem.store(w_t)
+    gl.thread_barrier()  # every warp's part of both tiles is in shared memory before the one arrival
+    mbarrier.arrive(xchg_full)
+    dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
+    release(j, q_empty, STAGES)
+    return dk
+
+
+@gluon.jit
+def _exchange_second_block(j, m, dk2, dv, k2_tile, q2_ring, do_ring, q_ready, do_ready, q_empty, do_empty, dp_smem,
+                           w_smem, xchg_full, xchg_empty, q_len, kv_len, first_col, tau_scale, lam, power,
+                           st_layout: gl.constexpr, a_layout: gl.constexpr, POWER_MODE: gl.constexpr,
+                           CAUSAL: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+                           STAGES: gl.constexpr):
+    """View 2 of the exchange form on the query block from row m (ring tile j): S2^T, then W2^T and G2^T;
+    view 1's W1^T from the exchange tile gives dV += (W1^T - lambda_h W2^T) dO, its dP^T gives
+    dS2^T = -lambda_h p dP^T G2^T and dK2 += dS2^T Q2; the exchange tiles are handed back once read."""
+    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    s_t, q2_tile = _issue_with_columns(j, k2_tile, q2_ring, q_ready, start, st_layout, KEYS, BLOCK_M, STAGES)
+    s_t, k2_tile, q2_tile = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, k2_tile, q2_tile))  # S2^T retired
+    visible = 0
+    if MASKED:
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+    w_t, g_t = _weight_and_grad(s_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
+    mbarrier.wait(xchg_full, j & 1)
+    w_t = w_smem.load(st_layout) - lam * w_t
+    w16 = gl.convert_layout(w_t.to(q2_ring.dtype), a_layout)
+    s = j % STAGES
+    do_tile = do_ring.index(s)
+    mbarrier.wait(do_ready.index(s), (j // STAGES) & 1)
+    dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
+    ds_t = _score_grad(dp_smem.load(st_layout), g_t, THRESHOLD, POWER_MODE) * (-lam * power)
+    gl.thread_barrier()  # every warp read both tiles before the one arrival
+    mbarrier.arrive(xchg_empty)
+    ds16 = gl.convert_layout(ds_t.to(q2_ring.dtype), a_layout)
+    dk2 = warpgroup_mma(ds16, q2_tile, dk2, is_async=True)
+    dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
+    release(j, do_empty, STAGES)
+    dk2, ds16, q2_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk2, ds16, q2_tile))
+    release(j, q_empty, STAGES)
+    return dk2, dv
+
+
+@gluon.jit
+def _exchange_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dp_smem, w_smem,
+                       xchg_full, xchg_empty, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len,
+                       kv_len, i_lo, i_full, i_hi, tau_scale, power, VIEW: gl.constexpr, POWER_MODE: gl.constexpr,
+                       CAUSAL: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """The exchange form (`VIEW_EXCHANGE`): one warpgroup per score view on the program's KEYS keys for
+    every query block of every query head of the group, three products each per block. View 1
+    (`_exchange_first_block`, k_tile K, q_ring Q): dP^T once, dK; it stores dk times p. View 2
+    (`_exchange_second_block`, k_tile K2, q_ring Q2): dV of both views' weights, dK2 with its factor
+    -lambda_h p; it stores dk2 and dv. `DK` is the view's gradient of its keys (dk or dk2)."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    first_col = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    count = i_hi - i_lo
+
+    mbarrier.wait(kv_bar, 0)
+    for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
+        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i, also the exchange's block count
+        if VIEW == 1:
+            if CAUSAL:
+                for i in range(i_lo, i_full):
+                    dk = _exchange_first_block(j0 + i, i * BLOCK_M, dk, k_tile, v_tile, q_ring, do_ring, q_ready,
+                                               do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
+                                               q_len, kv_len, first_col, tau_scale, power, st_layout, a_layout,
+                                               POWER_MODE, CAUSAL, True, KEYS, BLOCK_M, STAGES)
+            for i in range(i_full, i_hi):
+                dk = _exchange_first_block(j0 + i, i * BLOCK_M, dk, k_tile, v_tile, q_ring, do_ring, q_ready,
+                                           do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
+                                           q_len, kv_len, first_col, tau_scale, power, st_layout, a_layout,
+                                           POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES)
+        else:
+            lam = gl.load(LAM + (hk * GROUP + gi).to(gl.int64) * stride_lam).to(gl.float32)
+            if CAUSAL:
+                for i in range(i_lo, i_full):
+                    dk, dv = _exchange_second_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, q_ring, do_ring, q_ready,
+                                                    do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full,
+                                                    xchg_empty, q_len, kv_len, first_col, tau_scale, lam, power,
+                                                    st_layout, a_layout, POWER_MODE, CAUSAL, True, KEYS, BLOCK_M,
+                                                    STAGES)
+            for i in range(i_full, i_hi):
+                dk, dv = _exchange_second_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, q_ring, do_ring, q_ready,
+                                                do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
+                                                q_len, kv_len, first_col, tau_scale, lam, power, st_layout, a_layout,
+                                                POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES)
+
+    keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    if VIEW == 1:
+        _store_key_rows(DK, kv_base, keys, stride_kvn, dk * power, kv_len, kv_layout, HEAD_DIM)
+    else:
+        _store_key_rows(DK, kv_base, keys, stride_kvn, dk, kv_len, kv_layout, HEAD_DIM)
+        _store_key_rows(DV, kv_base, keys, stride_kvn, dv, kv_len, kv_layout, HEAD_DIM)
+
+
+@gluon.jit
 def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves, q_ring,
                        q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, k_row, kv_col, q_row, hk,
                        GROUP, i_lo, i_hi, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -417,7 +552,38 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
     HALF_N: gl.constexpr = BLOCK_N // 2
     b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
-    if VIEWS == 3:
+    if VIEWS == 4:
+        # as form 3, with fp32 exchange tiles of dP^T and W1^T (view 1 to view 2) instead of dV2's tile
+        k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
+            k_desc, q_desc, do_desc, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, 1)
+        v_tile = gl.allocate_shared_memory(v_desc.dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        xchg_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
+        dp_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], xchg_layout)
+        w_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], xchg_layout)
+        xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        xchg_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(xchg_full, count=1)
+        mbarrier.init(xchg_empty, count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_exchange_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready,
+                                  q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty, DK, DV, LAM, stride_lam,
+                                  kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                                  power, 1, POWER_MODE, CAUSAL, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+            (_exchange_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready,
+                                  q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty, DK2, DV, LAM,
+                                  stride_lam, kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                                  tau_scale, power, 2, POWER_MODE, CAUSAL, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES,
+                                  NUM_WARPS_C)),
+            (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
+                                  q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
+                                  hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
+                                  1)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+        mbarrier.invalidate(xchg_full)
+        mbarrier.invalidate(xchg_empty)
+    elif VIEWS == 3:
         # BLOCK_N keys for both warpgroups: K, K2, V once; Q and Q2 (one ready barrier, each view's warpgroup
         # releases its own) and dO streamed; an fp32 tile for view 2's dV2
         k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
@@ -638,12 +804,13 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
 
 
 @functools.cache
-def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, view_warpgroups: bool):
-    """What every launch of one backward form shares: per key-block form (`dkdv_forms`, or the view
-    warpgroups) its config, its key tile (`key_tile_rows`), its query-block tile and its constexprs; then
-    the query-block kernel's config, its 64-row tile, its key-block tile and its constexprs."""
+def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkdv_form: str):
+    """What every launch of one backward form shares: per key-block launch of `dkdv_form` (DKDV_FORMS) its
+    config, its key tile (`key_tile_rows`), its query-block tile and its constexprs; then the query-block
+    kernel's config, its 64-row tile, its key-block tile and its constexprs."""
     forms = []
-    for form in ((VIEW_WARPGROUPS,) if view_warpgroups else dkdv_forms(head_dim)):
+    views = DKDV_FORMS[dkdv_form]
+    for form in ((views,) if views is not None else dkdv_forms(head_dim)):
         cfg = dkdv_tile_config(head_dim, form)
         forms.append((cfg, tma_tile(dtype, key_tile_rows(form, cfg), head_dim),
                       tma_tile(dtype, cfg["BLOCK_M"], head_dim),
@@ -659,19 +826,20 @@ _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
-                                   view_warpgroups: bool = False):
+                                   dkdv_form: str = "key_halves"):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
     k2 in their dtype, dlam (H,) in lam's dtype. Launches: the key-block kernel per form of
-    `dkdv_forms(D)` (view_warpgroups: the one launch of the view-warpgroup form), the query-block kernel,
-    and torch's fixed-order sum of the d-lambda partials."""
+    `dkdv_forms(D)` ("key_halves"), or the one launch of the "view_warpgroups" or "view_exchange" form
+    (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel, and torch's fixed-order sum of the d-lambda
+    partials."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power),
-                                                                      bool(view_warpgroups))
+                                                                      dkdv_form)
     tau_scale, power = float(beta * math.sqrt(2.0 / d)), float(power)
     q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
     k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
@@ -706,7 +874,7 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
 
 
 def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
-                                  view_warpgroups: bool = False):
+                                  dkdv_form: str = "key_halves"):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
 
@@ -730,15 +898,17 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
         raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
     if not math.isfinite(float(beta)):
         raise ValueError(f"{what}: beta must be finite, got {beta}")
-    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power),
-                                          bool(view_warpgroups))
+    if dkdv_form not in DKDV_FORMS:
+        raise ValueError(f"{what}: dkdv_form must be one of {tuple(DKDV_FORMS)}, got {dkdv_form!r}")
+    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form)
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dq")
-_DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS}
+KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq")
+_DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS,
+               "dkdv_exchange": VIEW_EXCHANGE}
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,

@@ -871,10 +871,10 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         if not (gluon_diff_bwd.serves(q, k, v) and gluon_diff_bwd.serves(q2, k2, v)):
             return backward
 
-        def diff_form(view_warpgroups):
+        def diff_form(dkdv_form):
             def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
                 *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
-                    q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, view_warpgroups=view_warpgroups)
+                    q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form)
                 return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
             return gluon_diff_backward
 
@@ -904,7 +904,7 @@ _BWD_TIERS = TierChoice("threshold_family_bwd")
 # the one-map threshold's Gluon backward grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
 _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
-# the differential threshold's Gluon key-block form per tuning key, once offered (tiers.DIFF_VIEW_WARPGROUPS_OFFERED)
+# the differential threshold's Gluon key-block form per tuning key, among tiers.DIFF_DKDV_FORMS_OFFERED
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
 
 

@@ -98,13 +98,14 @@ def gluon_persistent_mode() -> str:
 
 
 GLUON_DIFF_DKDV_ENV = "ATTNLAB_GLUON_DIFF_DKDV"
-GLUON_DIFF_DKDV_FORMS = ("auto", "key_halves", "view_warpgroups")
+GLUON_DIFF_DKDV_FORMS = ("auto", "key_halves", "view_warpgroups", "view_exchange")
 
 
 def gluon_diff_dkdv_form() -> str:
     """The differential threshold's Gluon key-block form by ATTNLAB_GLUON_DIFF_DKDV: "key_halves" (each consumer
-    warpgroup half the keys, both views), "view_warpgroups" (a warpgroup per score view, all the keys), "auto"
-    (default: the plan times both per tuning key and keeps the faster, the key halves where nothing is timed;
+    warpgroup half the keys, both views), "view_warpgroups" (a warpgroup per score view, all the keys),
+    "view_exchange" (as view_warpgroups, dP^T and dV computed once: gluon_diff_bwd.VIEW_EXCHANGE), "auto" (default:
+    the plan times the offered forms per tuning key and keeps the fastest, the key halves where nothing is timed;
     `choose_gluon_diff_dkdv_form`). A ValueError naming the variable for anything else."""
     raw = setting(GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DKDV_FORMS[0])
     if raw not in GLUON_DIFF_DKDV_FORMS:
@@ -240,24 +241,23 @@ def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[
     return choose_gluon_grid(choice, key, grid, False)
 
 
-# Whether the differential threshold's backward plan offers its view-warpgroup key-block form
-# (gluon_diff_bwd.VIEW_WARPGROUPS: a warpgroup per score view) beside the key-halves forms, timing both per key:
-# its GPU tests (tests/test_gluon_diff_bwd_gpu.py -k view_warpgroup) pass, and it is faster at D = 128, slower
-# at D = 64 (docs/gluon.md)
-DIFF_VIEW_WARPGROUPS_OFFERED = True
+# The differential threshold's key-block forms (gluon_diff_bwd.DKDV_FORMS) its backward plan offers, timing them
+# per key: those whose GPU tests (tests/test_gluon_diff_bwd_gpu.py) pass. The view warpgroups are faster at
+# D = 128, slower at D = 64 (docs/gluon.md); the view exchange has not run on a GPU yet
+DIFF_DKDV_FORMS_OFFERED = ("key_halves", "view_warpgroups")
 
 
-def choose_gluon_diff_dkdv_form(choice: TimedChoice, key: tuple, form: Callable[[bool], Callable]) -> Callable:
-    """A plan's launch function for the Gluon differential threshold backward; `form(view_warpgroups)` gives
-    the launch with the key-halves (False) or the view-warpgroup (True) key-block form. Where
-    DIFF_VIEW_WARPGROUPS_OFFERED, the form `gluon_diff_dkdv_form` names, or under "auto" the faster as `choice`
-    times both per tuning key ("key_halves" while timing is not allowed); else the key halves."""
-    if not DIFF_VIEW_WARPGROUPS_OFFERED:
-        return form(False)
+def choose_gluon_diff_dkdv_form(choice: TimedChoice, key: tuple, form: Callable[[str], Callable]) -> Callable:
+    """A plan's launch function for the Gluon differential threshold backward; `form(name)` gives the launch
+    with the key-block form `name` (gluon_diff_bwd.DKDV_FORMS). The form `gluon_diff_dkdv_form` names where
+    DIFF_DKDV_FORMS_OFFERED holds it (else the key halves), or under "auto" the fastest offered form as `choice`
+    times them per tuning key ("key_halves" while timing is not allowed, or when it is the only one offered)."""
     mode = gluon_diff_dkdv_form()
     if mode != "auto":
-        return form(mode == "view_warpgroups")
-    return timed_launch(choice, key, {"key_halves": form(False), "view_warpgroups": form(True)}, "key_halves")
+        return form(mode if mode in DIFF_DKDV_FORMS_OFFERED else "key_halves")
+    if len(DIFF_DKDV_FORMS_OFFERED) == 1:
+        return form(DIFF_DKDV_FORMS_OFFERED[0])
+    return timed_launch(choice, key, {name: form(name) for name in DIFF_DKDV_FORMS_OFFERED}, "key_halves")
 
 
 def timed_launch(choice: TimedChoice, key: tuple, impls: dict[str, Callable], untimed: str) -> Callable:

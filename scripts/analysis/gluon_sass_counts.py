@@ -37,12 +37,14 @@ threshold_p1.5 and sigmoid) have the same loops. The differential threshold forw
 (attn/kernels/gluon_diff_fwd.py, `--variant diff_threshold diff_threshold_p1 diff_threshold_p1.5`) has the
 forward's two loops with two score products per key block; its per_score counts per (query, key) position,
 both views' scores together. The differential backward (attn/kernels/gluon_diff_bwd.py, `--variant diff_bwd_dkdv
-diff_bwd_dkdv_second diff_bwd_dkdv_views diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv is the key-block launch
-that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both on 32-row query blocks),
-diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the view-warpgroup form's launch (a warpgroup
-per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so both warpgroups together run
-about twice its count per position), diff_bwd_dq the query-block dQ / dQ2 / d-lambda kernel; their per_score counts
-per (query, key) position as well. The forwards' <form>_pingpong variants compile the two consumer warpgroups in
+diff_bwd_dkdv_second diff_bwd_dkdv_views diff_bwd_dkdv_exchange diff_bwd_dq`, and _p1 / _p1.5 of each): diff_bwd_dkdv
+is the key-block launch that computes dV at the head dim (the fused form at D = 64, the first view's at D = 128, both
+on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff_bwd_dkdv_views the view-warpgroup
+form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so
+both warpgroups together run about twice its count per position), diff_bwd_dkdv_exchange the view-exchange form's (the
+same, dP^T and dV once: view 1's loop has three products, view 2's three; its row is the shorter loop), diff_bwd_dq
+the query-block dQ / dQ2 / d-lambda kernel; their per_score counts per (query, key) position as well. The forwards'
+<form>_pingpong variants compile the two consumer warpgroups in
 ping-pong (gluon_pipeline's turn barriers: each loop holds one BAR.SYNC and one BAR.ARV more, counted as sync).
 `loop_spills` counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
 """
@@ -184,7 +186,7 @@ VARIANTS.update(DIFFERENTIAL_VARIANTS)
 DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_fwd.py"
 # the differential threshold backward's kernels (gluon_diff_bwd.compile_sm90's kernel, power)
 DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kernel, power=power)
-                                  for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dq")
+                                  for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq")
                                   for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
 VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
 DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"
@@ -212,7 +214,8 @@ def tile_width(module, variant: str, head_dim: int) -> int:
     if variant in DIFFERENTIAL_BACKWARD_VARIANTS:  # its key-block kernels' forms differ in BLOCK_M
         if kernel == "dq":
             return module.dq_tile_config(head_dim)["BLOCK_N"]
-        views = {"dkdv_second": module.SECOND_VIEW, "dkdv_views": module.VIEW_WARPGROUPS}.get(
+        views = {"dkdv_second": module.SECOND_VIEW, "dkdv_views": module.VIEW_WARPGROUPS,
+                 "dkdv_exchange": module.VIEW_EXCHANGE}.get(
             kernel, module.dkdv_forms(head_dim)[0])
         return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
     if kernel in ("dkdv", "dkdv_one_pass"):
@@ -236,7 +239,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second", "dkdv_views") and not causal:
+    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
     # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
     # of a program whose keys run past the key length, whose keys must not reach dq)

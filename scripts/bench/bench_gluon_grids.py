@@ -138,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     from triton.experimental.gluon import language as gl
 
-    from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family, tiers
+    from attn.kernels import gluon_pipeline, sigmoid_family, softmax_family, threshold_family
 
     if args.heads_per_group is not None:  # before anything compiles the persistent kernel
         gluon_pipeline.HEADS_PER_WORK_GROUP = gl.constexpr(args.heads_per_group)

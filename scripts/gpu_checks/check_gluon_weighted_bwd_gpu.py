@@ -14,8 +14,9 @@ then times.
    done before the timing) and the Gluon backward (`launch_*_backward`), at
    SHAPES (B, H, N, D, causal), bf16; also the differential threshold's (diff_threshold: both views' six
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
-   correctness is tests/test_gluon_diff_bwd_gpu.py's), in both its key-block forms (key halves per warpgroup,
-   the default; `view_warpgroups=True`, a warpgroup per score view).
+   correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
+   per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
+   with dP^T and dV computed once).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -57,9 +58,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4, 16, 4096, 128, True)]
 # p = 2 and the -ln n_i bias: the families' defaults
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
-# the differential backward's key-block forms: key halves per warpgroup (the default) and a warpgroup per view
+# the differential backward's key-block forms: key halves per warpgroup (the default), a warpgroup per view, and
+# a warpgroup per view with dP^T and dV computed once
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
-           + ["diff_threshold gluon views"])
+           + ["diff_threshold gluon views", "diff_threshold gluon exchange"])
 
 
 def _spec(variant, params):
@@ -141,7 +143,9 @@ def time_shapes(results, shapes=SHAPES):
                 impls["diff_threshold gluon"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power))
                 impls["diff_threshold gluon views"] = (lambda: launch_diff_threshold_backward(
-                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, view_warpgroups=True))
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups"))
+                impls["diff_threshold gluon exchange"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_exchange"))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
                 impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
@@ -162,9 +166,10 @@ def time_shapes(results, shapes=SHAPES):
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
-        if "ms" in row["diff_threshold gluon"] and "ms" in row["diff_threshold gluon views"]:
-            speedups += (f"  diff_threshold views vs key halves "
-                         f"{row['diff_threshold gluon']['ms'] / row['diff_threshold gluon views']['ms']:.2f}x")
+        for form in ("views", "exchange"):
+            if "ms" in row["diff_threshold gluon"] and "ms" in row[f"diff_threshold gluon {form}"]:
+                speedups += (f"  diff_threshold {form} vs key halves "
+                             f"{row['diff_threshold gluon']['ms'] / row[f'diff_threshold gluon {form}']['ms']:.2f}x")
         print(f"{str((b, h, n, d, 'causal' if causal else 'full')):<28}{cells}   {speedups}")
         for name, cell in row.items():
             if isinstance(cell, dict) and "error" in cell:
