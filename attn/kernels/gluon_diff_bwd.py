@@ -40,8 +40,9 @@ accumulators started at -tau_i so the scores are x itself):
      8 products per block.
    - 4, view exchange (`dkdv_form="view_exchange"`): form 3's program and ring, 6 products per block
      instead of 8. View 1 computes S1^T, dP^T and dK; it hands dP^T and W1^T (fp32 tiles in shared memory,
-     a full / empty mbarrier pair, one block in flight) to view 2, which computes S2^T, then
-     dV += (W1^T - lambda_h W2^T) dO and dK2 from that dP^T. View 2 stores dk2 and dv.
+     XCHG_SLOTS slots with a full / empty mbarrier pair each) to view 2, which computes S2^T, then
+     dV += (W1^T - lambda_h W2^T) dO and dK2 from that dP^T. View 2 stores dk2 and dv. Within the float64
+     rule on an H100 and 1.5-6 % slower than form 3 there: the exchange costs what the products save.
    The backward plan offers the forms in `tiers.DIFF_DKDV_FORMS_OFFERED` (those whose GPU tests pass):
    ATTNLAB_GLUON_DIFF_DKDV picks one, "auto" times the offered forms per tuning key.
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
@@ -125,8 +126,10 @@ def dkdv_tile_config(head_dim: int, views: int) -> dict:
                          f"warpgroups) or {VIEW_EXCHANGE} (view exchange), got {views!r}")
     if views == SECOND_VIEW:
         return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
-    if views in (VIEW_WARPGROUPS, VIEW_EXCHANGE):
+    if views == VIEW_WARPGROUPS:
         return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3)
+    if views == VIEW_EXCHANGE:  # XCHG_SLOTS exchange slots of dP^T and W1^T, 32 / 16 KiB each at D = 128 / 64
+        return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, XCHG_SLOTS=1)
     return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
 
 
@@ -385,10 +388,10 @@ def _exchange_first_block(j, m, dk, k_tile, v_tile, q_ring, do_ring, q_ready, do
                           w_smem, xchg_full, xchg_empty, q_len, kv_len, first_col, tau_scale, power,
                           st_layout: gl.constexpr, a_layout: gl.constexpr, POWER_MODE: gl.constexpr,
                           CAUSAL: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
-                          STAGES: gl.constexpr):
+                          STAGES: gl.constexpr, XCHG_SLOTS: gl.constexpr):
     """View 1 of the exchange form on the query block from row m (ring tile j): S1^T and dP^T issued back
     to back, W1^T and G1^T once S1^T is in, dS1^T = dP^T G1^T and dK += dS1^T Q once dP^T is in; while dK
-    runs, dP^T and W1^T go to the exchange tiles (once view 2 read the previous block's) for view 2."""
+    runs, dP^T and W1^T go to exchange slot j % XCHG_SLOTS (once view 2 read its previous block) for view 2."""
     start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
     s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, KEYS, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, KEYS, BLOCK_M, STAGES)
@@ -402,11 +405,13 @@ def _exchange_first_block(j, m, dk, k_tile, v_tile, q_ring, do_ring, q_ready, do
     release(j, do_empty, STAGES)
     ds16 = gl.convert_layout(_score_grad(dp_t, g_t, THRESHOLD, POWER_MODE).to(q_ring.dtype), a_layout)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
-    mbarrier.wait(xchg_empty, (j & 1) ^ 1)  # view 2 read block j - 1's tiles (the first block does not wait)
-    dp_smem.store(dp_t)
-    w_smem.store(w_t)
+    slot = j % XCHG_SLOTS
+    # view 2 read block j - XCHG_SLOTS's tiles from this slot (the first round does not wait)
+    mbarrier.wait(xchg_empty.index(slot), ((j // XCHG_SLOTS) & 1) ^ 1)
+    dp_smem.index(slot).store(dp_t)
+    w_smem.index(slot).store(w_t)
     gl.thread_barrier()  # every warp's part of both tiles is in shared memory before the one arrival
-    mbarrier.arrive(xchg_full)
+    mbarrier.arrive(xchg_full.index(slot))
     dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
     release(j, q_empty, STAGES)
     return dk
@@ -417,7 +422,7 @@ def _exchange_second_block(j, m, dk2, dv, k2_tile, q2_ring, do_ring, q_ready, do
                            w_smem, xchg_full, xchg_empty, q_len, kv_len, first_col, tau_scale, lam, power,
                            st_layout: gl.constexpr, a_layout: gl.constexpr, POWER_MODE: gl.constexpr,
                            CAUSAL: gl.constexpr, MASKED: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
-                           STAGES: gl.constexpr):
+                           STAGES: gl.constexpr, XCHG_SLOTS: gl.constexpr):
     """View 2 of the exchange form on the query block from row m (ring tile j): S2^T, then W2^T and G2^T;
     view 1's W1^T from the exchange tile gives dV += (W1^T - lambda_h W2^T) dO, its dP^T gives
     dS2^T = -lambda_h p dP^T G2^T and dK2 += dS2^T Q2; the exchange tiles are handed back once read."""
@@ -429,16 +434,17 @@ def _exchange_second_block(j, m, dk2, dv, k2_tile, q2_ring, do_ring, q_ready, do
         cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
     w_t, g_t = _weight_and_grad(s_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
-    mbarrier.wait(xchg_full, j & 1)
-    w_t = w_smem.load(st_layout) - lam * w_t
+    slot = j % XCHG_SLOTS
+    mbarrier.wait(xchg_full.index(slot), (j // XCHG_SLOTS) & 1)
+    w_t = w_smem.index(slot).load(st_layout) - lam * w_t
     w16 = gl.convert_layout(w_t.to(q2_ring.dtype), a_layout)
     s = j % STAGES
     do_tile = do_ring.index(s)
     mbarrier.wait(do_ready.index(s), (j // STAGES) & 1)
     dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
-    ds_t = _score_grad(dp_smem.load(st_layout), g_t, THRESHOLD, POWER_MODE) * (-lam * power)
+    ds_t = _score_grad(dp_smem.index(slot).load(st_layout), g_t, THRESHOLD, POWER_MODE) * (-lam * power)
     gl.thread_barrier()  # every warp read both tiles before the one arrival
-    mbarrier.arrive(xchg_empty)
+    mbarrier.arrive(xchg_empty.index(slot))
     ds16 = gl.convert_layout(ds_t.to(q2_ring.dtype), a_layout)
     dk2 = warpgroup_mma(ds16, q2_tile, dk2, is_async=True)
     dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
@@ -453,7 +459,7 @@ def _exchange_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_read
                        xchg_full, xchg_empty, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len,
                        kv_len, i_lo, i_full, i_hi, tau_scale, power, VIEW: gl.constexpr, POWER_MODE: gl.constexpr,
                        CAUSAL: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                       STAGES: gl.constexpr, XCHG_SLOTS: gl.constexpr, NUM_WARPS_C: gl.constexpr):
     """The exchange form (`VIEW_EXCHANGE`): one warpgroup per score view on the program's KEYS keys for
     every query block of every query head of the group, three products each per block. View 1
     (`_exchange_first_block`, k_tile K, q_ring Q): dP^T once, dK; it stores dk times p. View 2
@@ -478,12 +484,12 @@ def _exchange_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_read
                     dk = _exchange_first_block(j0 + i, i * BLOCK_M, dk, k_tile, v_tile, q_ring, do_ring, q_ready,
                                                do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
                                                q_len, kv_len, first_col, tau_scale, power, st_layout, a_layout,
-                                               POWER_MODE, CAUSAL, True, KEYS, BLOCK_M, STAGES)
+                                               POWER_MODE, CAUSAL, True, KEYS, BLOCK_M, STAGES, XCHG_SLOTS)
             for i in range(i_full, i_hi):
                 dk = _exchange_first_block(j0 + i, i * BLOCK_M, dk, k_tile, v_tile, q_ring, do_ring, q_ready,
                                            do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
                                            q_len, kv_len, first_col, tau_scale, power, st_layout, a_layout,
-                                           POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES)
+                                           POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES, XCHG_SLOTS)
         else:
             lam = gl.load(LAM + (hk * GROUP + gi).to(gl.int64) * stride_lam).to(gl.float32)
             if CAUSAL:
@@ -492,12 +498,12 @@ def _exchange_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_read
                                                     do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full,
                                                     xchg_empty, q_len, kv_len, first_col, tau_scale, lam, power,
                                                     st_layout, a_layout, POWER_MODE, CAUSAL, True, KEYS, BLOCK_M,
-                                                    STAGES)
+                                                    STAGES, XCHG_SLOTS)
             for i in range(i_full, i_hi):
                 dk, dv = _exchange_second_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, q_ring, do_ring, q_ready,
                                                 do_ready, q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty,
                                                 q_len, kv_len, first_col, tau_scale, lam, power, st_layout, a_layout,
-                                                POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES)
+                                                POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES, XCHG_SLOTS)
 
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     if VIEW == 1:
@@ -542,7 +548,7 @@ def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halv
 def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2, LAM,
                  stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, q_len, kv_len, tau_scale, power,
                  VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, XCHG_SLOTS: gl.constexpr = 1):
     """Program (key block, batch x kv head): keys [n0, n0 + BLOCK_N), two consumer warpgroups of
     BLOCK_N / 2 keys each (the default partition and a 4-warp worker) and a 1-warp TMA producer. dk, dv,
     dk2 share one (B, KV, H_kv, D) layout (strides stride_kv*). Form 2 reads only k2_desc, v_desc, q2_desc
@@ -557,32 +563,37 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
         k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
             k_desc, q_desc, do_desc, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, 1)
         v_tile = gl.allocate_shared_memory(v_desc.dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
-        xchg_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
-        dp_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], xchg_layout)
-        w_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], xchg_layout)
-        xchg_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        xchg_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(xchg_full, count=1)
-        mbarrier.init(xchg_empty, count=1)
+        # a warp's accumulator stores / loads (8 rows x 4 column pairs) hit 8 different 32-byte groups per row
+        # under an 8-element XOR swizzle: conflict-free, where a 2-element one leaves them on 16 banks
+        xchg_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        dp_smem = gl.allocate_shared_memory(gl.float32, [XCHG_SLOTS, BLOCK_N, BLOCK_M], xchg_layout)
+        w_smem = gl.allocate_shared_memory(gl.float32, [XCHG_SLOTS, BLOCK_N, BLOCK_M], xchg_layout)
+        xchg_full = gl.allocate_shared_memory(gl.int64, [XCHG_SLOTS, 1], mbarrier.MBarrierLayout())
+        xchg_empty = gl.allocate_shared_memory(gl.int64, [XCHG_SLOTS, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(XCHG_SLOTS):
+            mbarrier.init(xchg_full.index(slot), count=1)
+            mbarrier.init(xchg_empty.index(slot), count=1)
         fence_async_shared()
         gl.warp_specialize([
             (_exchange_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready,
                                   q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty, DK, DV, LAM, stride_lam,
                                   kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
-                                  power, 1, POWER_MODE, CAUSAL, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                                  power, 1, POWER_MODE, CAUSAL, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, XCHG_SLOTS,
+                                  NUM_WARPS_C)),
             (_exchange_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready,
                                   q_empty, do_empty, dp_smem, w_smem, xchg_full, xchg_empty, DK2, DV, LAM,
                                   stride_lam, kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
                                   tau_scale, power, 2, POWER_MODE, CAUSAL, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES,
-                                  NUM_WARPS_C)),
+                                  XCHG_SLOTS, NUM_WARPS_C)),
             (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
                                   q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
                                   hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
                                   1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
-        mbarrier.invalidate(xchg_full)
-        mbarrier.invalidate(xchg_empty)
+        for slot in gl.static_range(XCHG_SLOTS):
+            mbarrier.invalidate(xchg_full.index(slot))
+            mbarrier.invalidate(xchg_empty.index(slot))
     elif VIEWS == 3:
         # BLOCK_N keys for both warpgroups: K, K2, V once; Q and Q2 (one ready barrier, each view's warpgroup
         # releases its own) and dO streamed; an fp32 tile for view 2's dV2
@@ -913,11 +924,12 @@ _DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VI
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
                  kernel: str = "dkdv", power: float = 2.0, lam_dtype: str = "fp32", views: int | None = None,
-                 block_n: int | None = None, block_m: int | None = None, stages: int | None = None):
+                 block_n: int | None = None, block_m: int | None = None, stages: int | None = None,
+                 xchg_slots: int | None = None):
     """One of the backward's kernels compiled for sm_<arch> without a GPU
     (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
-    "dkdv_first" / "dkdv_second" / "dkdv_views" (forms 1 / 2 / 3)."""
+    "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
@@ -942,11 +954,13 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
         cfg["BLOCK_M"] = block_m
     if stages is not None:
         cfg["STAGES"] = stages
+    if xchg_slots is not None:
+        cfg["XCHG_SLOTS"] = xchg_slots
     rows = descriptor_type(dtype, [cfg["BLOCK_M"], head_dim])
     keys = descriptor_type(dtype, [key_tile_rows(views, cfg), head_dim])
     signature = {"k_desc": keys, "k2_desc": keys, "v_desc": keys, "q_desc": rows, "q2_desc": rows, "do_desc": rows,
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}",
                  "stride_kvb": "i32", "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32",
-                 "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail}
-    return compile_gluon_sm90(_dkdv_kernel, signature, {**constexprs, "VIEWS": views, **cfg},
+                 "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail, "XCHG_SLOTS": "constexpr"}
+    return compile_gluon_sm90(_dkdv_kernel, signature, {**constexprs, "VIEWS": views, "XCHG_SLOTS": 1, **cfg},
                               ("DK", "DV", "DK2"), arch)

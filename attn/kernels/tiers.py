@@ -242,8 +242,9 @@ def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[
 
 
 # The differential threshold's key-block forms (gluon_diff_bwd.DKDV_FORMS) its backward plan offers, timing them
-# per key: those whose GPU tests (tests/test_gluon_diff_bwd_gpu.py) pass. The view warpgroups are faster at
-# D = 128, slower at D = 64 (docs/gluon.md); the view exchange has not run on a GPU yet
+# per key: those whose GPU tests (tests/test_gluon_diff_bwd_gpu.py) pass and that win somewhere. The view
+# warpgroups are faster at D = 128, slower at D = 64; the view exchange passes its tests but trails the view
+# warpgroups at every measured shape, so it is not offered (docs/gluon.md)
 DIFF_DKDV_FORMS_OFFERED = ("key_halves", "view_warpgroups")
 
 
