@@ -79,3 +79,40 @@ def test_the_committed_baselines_hold_rows_the_benchmark_writes():
         assert bp.baseline_path(data["meta"]["gpu"]) == path
         suites = {name.split(" ")[0] for name in data["best"]}
         assert suites <= set(bp.SUITES) and all(0 < data["best"][name] <= data["rows"][name] for name in data["best"])
+
+
+def test_a_host_bound_row_rechecked_beside_its_yardstick_passes_when_a_pair_is_within_its_allowance():
+    """`compare` takes the best of the rounds' and the recheck pairs' ratios: a host-bound row whose rounds were
+    over the allowance passes when one (row, yardstick) pair of the recheck is within it, and still fails when
+    every pair is over; GPU-bound rows ignore rechecks; `regressed_rows` names the rows of the report lines."""
+    baseline = {"best": dict(ROWS), "meta": {"host_timing": bp.HOST_TIMING}}
+    slow = {**ROWS, "decode threshold": 0.10 * 1.5, "kernels threshold fwd": 0.48 * 1.2}
+    failures = bp.compare(slow, {}, baseline, 0.08, 0.30)
+    assert bp.regressed_rows(failures) == ["decode threshold", "kernels threshold fwd"]
+    one_good_pair = {"decode threshold": [[0.16, 0.08], [0.11, 0.09]], "kernels threshold fwd": [[0.1, 1.0]]}
+    assert bp.regressed_rows(bp.compare(slow, {}, baseline, 0.08, 0.30, rechecks=one_good_pair)) == [
+        "kernels threshold fwd"]
+    all_slow = {"decode threshold": [[0.16, 0.08], [0.2, 0.1]]}  # 2.0x against the baseline's 1.25x
+    assert bp.regressed_rows(bp.compare(slow, {}, baseline, 0.08, 0.30, rechecks=all_slow)) == [
+        "decode threshold", "kernels threshold fwd"]
+
+
+def test_host_pairs_name_the_suite_rows_and_their_yardsticks():
+    """Every host-bound row the suites write has a yardstick, and `host_pair` builds the row's step from its name
+    (here with the step builders stubbed: no GPU)."""
+    built = []
+    original = bp.call_step, bp.decode_step
+    try:
+        bp.call_step = lambda variant, compiled: built.append(("call", variant, compiled)) or len(built)
+        bp.decode_step = lambda variant: built.append(("decode", variant)) or len(built)
+        assert bp.host_pair("call threshold compiled fwd+bwd") == (1, 2)
+        assert bp.host_pair("call softmax eager fwd+bwd") == (3, 4)
+        assert bp.host_pair("decode sigmoid") == (5, 6)
+    finally:
+        bp.call_step, bp.decode_step = original
+    assert built == [("call", "threshold", True), ("call", "sdpa", True), ("call", "softmax", False),
+                     ("call", "sdpa", False), ("decode", "sigmoid"), ("decode", "sdpa")]
+    for variant in bp.VARIANTS:
+        assert bp.yardstick(f"call {variant} compiled fwd+bwd") == "call sdpa compiled fwd+bwd"
+        assert bp.yardstick(f"call {variant} eager fwd+bwd") == "call sdpa fwd+bwd"
+        assert bp.yardstick(f"decode {variant}") == "decode sdpa"
