@@ -14,6 +14,14 @@ from attn.kernels import tiers
 CUDA = torch.device("cuda")
 # the shared matrix and one more: full mask, more keys than queries, GQA, D = 128
 SHAPES = [*gluon_cases.SHAPES, (2, 190, 321, 8, 2, 128, False, torch.bfloat16)]
+# the persistent grids' shapes: SHAPES and ones with more work items than SMs, a last work-item group of fewer
+# (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 15, 301, 3), rows that see no key (N > KV)
+PERSISTENT_SHAPES = SHAPES + [
+    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
+    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
+    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
+    (1, 700, 200, 3, 1, 64, True, torch.float16),
+]
 
 # (spec parameters, shape)
 CASES = [

@@ -161,13 +161,18 @@ REQUESTS.update({f"diff_threshold_persistent-{p}-{d}-{c}-{t}": ("gluon_diff_fwd"
 # the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
 DIFFERENTIAL_BACKWARD = [
     (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
-    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq")
+    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent")
     for suffix, power, d, c, t in (("", 2.0, 128, True, "bf16"), ("", 2.0, 64, True, "bf16"),
                                    ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
                                    ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
                                    ("_p1.5", 1.5, 64, False, "bf16"))]
+# the fused form (D = 64) on 64-row query blocks (gluon_diff_bwd's fused_query_rows=64)
+DIFFERENTIAL_BACKWARD += [("diff_bwd_dkdv_fused64", "dkdv", 2.0, 64, True, "bf16"),
+                          ("diff_bwd_dkdv_fused64_p1", "dkdv", 1.0, 64, False, "fp16"),
+                          ("diff_bwd_dkdv_fused64_p1.5", "dkdv", 1.5, 64, True, "bf16")]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=kernel,
-                                                                   power=power), variant)
+                                                                   power=power, **({"block_m": 64} if "fused64" in
+                                                                                    variant else {})), variant)
                  for variant, kernel, power, d, c, t in DIFFERENTIAL_BACKWARD})
 
 
@@ -521,7 +526,8 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     """Per loop iteration (a k of 16 per wgmma instruction): the key-block kernel that computes dV (the fused form
     at D = 64, the first view's at D = 128) runs S1^T, S2^T, dP^T (k = D) and dV, dK (fused also dK2; k = its
     query block); the second view's key-block kernel S2^T, dP^T (k = D) and dK2; the query-block kernel S1, S2,
-    dP (k = D) and dQ, dQ2 (k = its key block); the view-warpgroup form's loops (one per view's warpgroup) S^T,
+    dP (k = D) and dQ, dQ2 (k = its key block), on either grid (per item, persistent); the view-warpgroup form's
+    loops (one per view's warpgroup) S^T,
     dP^T (k = D) and dV, dK (k = its query block); the view-exchange form's loops six products between them,
     view 1 S1^T, dP^T (k = D) and dK (k = its query block), view 2 S2^T (k = D) and dV, dK2 (k = its query
     block) (the row counted is the shorter loop, either view's). The weights and gradients of both views need
@@ -537,7 +543,8 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     width = result["tile_width"]
     assert set(rows) == ({"unmasked"} if (kernel.startswith("dkdv") and not causal) else {"unmasked", "masked"})
     products = {"dkdv": [(3, 3 if head_dim == 64 else 2)], "dkdv_second": [(2, 1)], "dkdv_views": [(2, 2)],
-                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)]}[kernel]  # (k = D, k = width) per loop
+                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)], "dq_persistent": [(3, 2)]}[kernel]
+    # (products of k = D, products of k = width) per loop
     views = 1 if kernel in ("dkdv_second", "dkdv_views", "dkdv_exchange") else 2
     spills_allowed = 4 if (kernel == "dkdv_views" and head_dim == 128 and power not in (1.0, 2.0)) else 0
     for row in rows.values():

@@ -23,7 +23,8 @@ import attn
 from attn.kernels import tiers
 from attn.testing import outputs_and_grads, rounding_sensitivity
 from gluon_cases import FLOORS
-from gluon_diff_cases import CASES, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
+from gluon_diff_cases import (CASES, PERSISTENT_SHAPES, case_id, draw_inputs,  # noqa: F401
+                             portable_plans)  # (autouse fixture)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -41,7 +42,7 @@ class _GluonDiffBackward(torch.autograd.Function):
     the Gluon backward (as the family's backward plan calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves"):
+    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves", fused_query_rows=None):
         from attn.kernels import gluon_diff_fwd, threshold_family
 
         beta, power = float(spec.beta), float(spec.power)
@@ -50,7 +51,7 @@ class _GluonDiffBackward(torch.autograd.Function):
         else:
             out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
         ctx.save_for_backward(q, k, v, q2, k2, lam)
-        ctx.spec, ctx.causal, ctx.dkdv_form = spec, causal, dkdv_form
+        ctx.spec, ctx.causal, ctx.dkdv_form, ctx.fused_query_rows = spec, causal, dkdv_form, fused_query_rows
         return out
 
     @staticmethod
@@ -59,10 +60,10 @@ class _GluonDiffBackward(torch.autograd.Function):
 
         q, k, v, q2, k2, lam = ctx.saved_tensors
         spec = ctx.spec
-        dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout.contiguous(),
-                                                                   ctx.causal, float(spec.beta), float(spec.power),
-                                                                   dkdv_form=ctx.dkdv_form)
-        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None
+        dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(
+            q, k, v, q2, k2, lam, dout.contiguous(), ctx.causal, float(spec.beta), float(spec.power),
+            dkdv_form=ctx.dkdv_form, fused_query_rows=ctx.fused_query_rows)
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None
 
 
 def _inputs(shape, seed):
@@ -79,7 +80,7 @@ def _leaves(tensors, dtype):
             for name, t in tensors.items()}
 
 
-def _check(case, forward_tier, seed, dkdv_form="key_halves"):
+def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=None):
     params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant("diff_threshold").make_spec(**params)
@@ -93,7 +94,7 @@ def _check(case, forward_tier, seed, dkdv_form="key_halves"):
     same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
     fused = outputs_and_grads(
         lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier,
-                                                              dkdv_form),
+                                                              dkdv_form, fused_query_rows),
         _leaves(tensors, dtype), do)
     sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
     for name in ("out", *GRADIENTS):
@@ -183,6 +184,56 @@ def test_the_view_warpgroup_forms_are_repeatable_and_close_to_the_key_halves_for
         assert (a.float() - h.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+@pytest.mark.parametrize("power,form", [(2.0, "key_halves"), (1.5, "key_halves"), (2.0, "view_warpgroups")])
+def test_the_persistent_dq_kernel_gives_the_per_item_grids_bits(power, form, nan_poison):
+    """The query-block kernel's persistent form (`persistent_dq`: one program per SM running work items in turn)
+    computes each item as the per-item grid does: dq, dq2 and d-lambda equal bit for bit (dk, dk2, dv come from the
+    same key-block launch), every element written (NaN-poisoned allocations), on `PERSISTENT_SHAPES` (more work
+    items than SMs, a ragged last group, rows that see no key)."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    for index, shape in enumerate(PERSISTENT_SHAPES):
+        causal, dtype = shape[6], shape[7]
+        tensors, do = _inputs(shape, seed=300 + index)
+        t = {name: x.to(torch.float32 if name == "lam" else dtype) for name, x in tensors.items()}
+        args = (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], do.to(dtype), causal, 1.0, power)
+        per_item = launch_diff_threshold_backward(*args, dkdv_form=form)
+        persistent = launch_diff_threshold_backward(*args, dkdv_form=form, persistent_dq=True)
+        torch.cuda.synchronize()
+        for name, ref, got in zip(GRADIENTS, per_item, persistent):
+            assert not got.isnan().any(), f"{shape} {name}: an element unwritten (NaN)"
+            assert torch.equal(got, ref), f"{shape} p={power} {name}: the grids' bits differ"
+
+
+D64_CASES = [case for case in CASES if case[1][5] == 64]
+
+
+@pytest.mark.parametrize("case", D64_CASES, ids=[case_id(c) for c in D64_CASES])
+def test_fused_64_rows_is_within_the_rule(case, nan_poison):
+    """fused_64_rows: the fused key-block form (D = 64) with 64 query rows per ring slot instead of
+    FUSED_QUERY_ROWS's 32 (`fused_query_rows=64`) on the D = 64 cases: all six gradients within the rule."""
+    _check(case, "portable", seed=400 + CASES.index(case), fused_query_rows=64)
+
+
+@pytest.mark.parametrize("power,causal", [(2.0, True), (1.5, False)])
+def test_fused_64_rows_is_repeatable_and_close_to_32_rows(power, causal):
+    """fused_64_rows: the same bits twice; dq, dq2 and d-lambda (the query-block kernel) the 32-row form's bits;
+    dk, dk2, dv within a rounding or two of it (the same products, summed over query rows in other chunks)."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, lam, do = _packed(seed=13, d=64)
+    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=64)
+    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=64)
+    rows32 = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=32)
+    for name, a, b, r in zip(GRADIENTS, first, second, rows32):
+        assert torch.equal(a, b), name
+        if name in ("dq", "dq2", "dlam"):
+            assert torch.equal(a, r), name
+            continue
+        scale = r.float().abs().max().item()
+        assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
+
+
 def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):
     """lambda is read per head through its stride and converted to fp32 in the kernels: a bf16 or fp16 lambda, or a
     strided one, gives the gradients of q, k, v, q2, k2 of its contiguous fp32 copy, and d-lambda in its own dtype
@@ -225,6 +276,8 @@ def test_checked_entry_names_what_a_call_misses():
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, beta=float("nan"))
     with pytest.raises(ValueError, match="dkdv_form"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, dkdv_form="views")
+    with pytest.raises(ValueError, match="fused_query_rows"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, fused_query_rows=48)
     with pytest.raises(ValueError, match="causal"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, 1)
     with pytest.raises(ValueError, match="head dim"):

@@ -20,7 +20,8 @@ import torch
 import attn
 from attn.kernels import tiers
 from gluon_cases import FLOORS
-from gluon_diff_cases import CASES, SHAPES, case_id, draw_inputs, portable_plans  # noqa: F401 (autouse fixture)
+from gluon_diff_cases import (CASES, PERSISTENT_SHAPES, SHAPES, case_id, draw_inputs,  # noqa: F401
+                             portable_plans)  # (autouse fixture)
 from tolerance import assert_within_reference_error
 
 CUDA = torch.device("cuda")
@@ -138,16 +139,6 @@ def test_gluon_differential_forward_is_repeatable_and_close_to_the_portable_forw
     scale = portable.float().abs().max().item()
     assert scale > 0
     assert (first.float() - portable.float()).abs().max().item() <= 2e-2 * scale
-
-
-# the persistent grid's shapes: SHAPES and ones with more work items than SMs, a last work-item group of fewer
-# (batch, head) pairs than gluon_pipeline.HEADS_PER_WORK_GROUP (B H = 15, 301, 3), rows that see no key (N > KV)
-PERSISTENT_SHAPES = SHAPES + [
-    (16, 1024, 1024, 12, 12, 64, True, torch.bfloat16),
-    (3, 777, 777, 5, 5, 128, True, torch.bfloat16),
-    (1, 640, 640, 301, 301, 64, False, torch.bfloat16),
-    (1, 700, 200, 3, 1, 64, True, torch.float16),
-]
 
 
 @pytest.mark.parametrize("power", [2.0, 1.5])

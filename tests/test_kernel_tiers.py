@@ -609,7 +609,7 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form):
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent_dq):
         log.append(dkdv_form)
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
@@ -646,6 +646,56 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "auto")  # one form offered: launched untimed
     runtime.clear_launch_plans()
     assert backward(batch=3) == ["key_halves"]
+
+
+@pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
+def test_the_differential_backward_dq_grid_is_timed_per_key_once_offered(per_item_ms, persistent_ms, winner,
+                                                                         gluon_offered, monkeypatch):
+    """With "diff_threshold" in tiers.PERSISTENT_BACKWARDS_OFFERED and ATTNLAB_GLUON_PERSISTENT=auto, the
+    differential backward times its query-block kernel's per-item and persistent grids (for the key-block form
+    in use) at a key's first backward and keeps the faster; "0" / "1" pin one; not offered: per item."""
+    import attn
+    from attn.kernels import gluon_diff_bwd, threshold_family
+
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED",
+                        frozenset({"softmax", "threshold", "sigmoid", "diff_threshold"}))
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(threshold_family, "_GLUON_DIFF_BWD_GRIDS", tiers.TimedChoice("grid"))
+    log = []
+
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent_dq):
+        log.append((dkdv_form, persistent_dq))
+        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
+
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+    def median_ms(fn):  # the forward's grid is timed too under auto: its launches log in the fixture's list
+        forward_before, backward_before = len(gluon_offered), len(log)
+        fn()
+        persistent = log[-1][1] if len(log) > backward_before else gluon_offered[forward_before][2]["persistent"]
+        return persistent_ms if persistent else per_item_ms
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant("diff_threshold").make_spec()
+
+    def backward():
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        extra = _second_view(q, k, 2, requires_grad=True)
+        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        grids = [persistent for form, persistent in log if form == "key_halves"]
+        assert len(grids) == len(log)  # the fixture pins the key halves
+        del log[:]
+        return grids
+
+    assert backward() == [False, False, True, True, winner]
+    assert list(threshold_family._GLUON_DIFF_BWD_GRIDS.chosen.values()) == ["persistent" if winner else "per_item"]
+    assert backward() == [winner]
+    for value, persistent in (("0", False), ("1", True)):
+        monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, value)
+        assert backward() == [persistent]
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset({"softmax", "threshold", "sigmoid"}))
+    runtime.clear_launch_plans()
+    assert backward() == [False]
 
 
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):
@@ -686,7 +736,7 @@ def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype
 
     seen = []
 
-    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves"):
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves", persistent_dq=False):
         seen.append(lam)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
                 torch.zeros_like(k2), torch.full_like(lam, 0.25))

@@ -48,7 +48,13 @@ accumulators started at -tau_i so the scores are x itself):
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
-   dq, dq2 and the sums are written once (no atomics).
+   dq, dq2 and the sums are written once (no atomics). `_persistent_dq_kernel` (`persistent_dq=True`) runs the
+   same work items on at most one program per SM (`gluon_pipeline.work_item`'s order), the producer loading
+   the next item's first key block and then (once both consumers are done with this item's products) its Q,
+   Q2 and dO while the consumers store this item's rows (`gluon_diff_fwd._persistent_producer` with dO): the
+   same bits per item. The backward plan offers it
+   once `tiers.PERSISTENT_BACKWARDS_OFFERED` holds "diff_threshold" (tests/test_gluon_diff_bwd_gpu.py
+   -k persistent, not yet run on a GPU).
 
 Masks: as `gluon_weighted_bwd`: the causal diagonal's blocks compare per score (both views' scores
 select -inf where a key is not seen, so w and g vanish there), the rest run without mask arithmetic;
@@ -71,13 +77,15 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from attn.kernels.gluon_diff_fwd import _allocate_ring, _invalidate_ring, _rectified_power
+from attn.kernels.gluon_diff_fwd import (_allocate_ring, _invalidate_ring, _load_queries, _persistent_producer,
+                                         _rectified_power, _stream_keys)
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
     GLUON_OPTIONS,
     HEAD_DIMS,
     PRODUCER_REGS,
+    allocate_item_empty,
     allocate_ring,
     check_operands,
     compile_gluon_sm90,
@@ -88,6 +96,8 @@ from attn.kernels.gluon_pipeline import (
     issue_qk,
     key_blocks,
     mbarrier,
+    persistent_item,
+    persistent_programs,
     program_rows,
     release,
     tma,
@@ -107,18 +117,22 @@ FIRST_VIEW = 1  # dK and dV
 SECOND_VIEW = 2  # dK2
 VIEW_WARPGROUPS = 3  # one warpgroup per view on the same keys: dK and dV, dK2, in one launch
 VIEW_EXCHANGE = 4  # as VIEW_WARPGROUPS, dP^T and dV computed once: view 1 hands dP^T and W1^T to view 2
+# Query rows per ring slot of the fused form (D = 64). 64 rows compile without local memory in the loops and with
+# 21 % fewer instructions per position than 32 (15.6 against 19.7 at p = 2), but have not run on a GPU yet
+# (tests/test_gluon_diff_bwd_gpu.py -k fused_64_rows; docs/gluon.md)
+FUSED_QUERY_ROWS = 32
 # the key-block forms a backward launch takes (`launch_diff_threshold_backward`'s dkdv_form): the key halves
 # (`dkdv_forms`: FUSED at D = 64, FIRST_VIEW and SECOND_VIEW at D = 128), VIEW_WARPGROUPS, VIEW_EXCHANGE
 DKDV_FORMS = {"key_halves": None, "view_warpgroups": VIEW_WARPGROUPS, "view_exchange": VIEW_EXCHANGE}
 
 
-def dkdv_tile_config(head_dim: int, views: int) -> dict:
+def dkdv_tile_config(head_dim: int, views: int, fused_query_rows: int | None = None) -> dict:
     """The key-block kernels' constexprs: BLOCK_N keys per program (64 per consumer warpgroup), BLOCK_M
     query rows per ring slot, STAGES ring slots. Forms 0 and 1 hold two or three 64 x D fp32 accumulators
-    beside S1^T, S2^T and dP^T (BLOCK_M / 2 fp32 registers each per thread): BLOCK_M is 32 there (64
-    spilled inside their loops: form 1 at D = 128, form 0 at D = 64 with p = 1.5); they keep K, K2, V
-    (D = 128: 96 KiB; D = 64: 48 KiB) and 4 slots of Q, Q2, dO (24 / 12 KiB each). Form 2 takes 64 rows
-    a slot: K2, V (64 / 32 KiB) and 3 slots of Q2, dO (32 / 16 KiB each)."""
+    beside S1^T, S2^T and dP^T (BLOCK_M / 2 fp32 registers each per thread): BLOCK_M is 32 for form 1 (64
+    spills inside its loops at D = 128) and `fused_query_rows` (default FUSED_QUERY_ROWS) for form 0; they
+    keep K, K2, V (D = 128: 96 KiB; D = 64: 48 KiB) and 4 slots of Q, Q2, dO (BLOCK_M x D each). Form 2 takes
+    64 rows a slot: K2, V (64 / 32 KiB) and 3 slots of Q2, dO (32 / 16 KiB each)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
     if views not in (FUSED, FIRST_VIEW, SECOND_VIEW, VIEW_WARPGROUPS, VIEW_EXCHANGE):
@@ -130,6 +144,8 @@ def dkdv_tile_config(head_dim: int, views: int) -> dict:
         return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3)
     if views == VIEW_EXCHANGE:  # XCHG_SLOTS exchange slots of dP^T and W1^T, 32 / 16 KiB each at D = 128 / 64
         return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, XCHG_SLOTS=1)
+    if views == FUSED:
+        return dict(BLOCK_M=fused_query_rows or FUSED_QUERY_ROWS, BLOCK_N=128, STAGES=4)
     return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
 
 
@@ -669,21 +685,22 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
 
 
 @gluon.jit
-def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, k_ready, v_ready, k_empty,
-              v_empty, tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
+def _dq_block(j, ring, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, k_ready, v_ready,
+              k_empty, v_empty, tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
               POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Key block j for one warpgroup's rows: S1 = Q K^T, S2 = Q2 K2^T and dP = dO V^T back to back, G1,
-    G2 and W2 once the scores are in, V's slot back once dP retired, the rows' d-lambda sums of dP W2,
-    dQ += (dP G1) K and dQ2 += (dP G2) K2, the K / K2 slot back once those retired."""
-    s = j % STAGES
+    """Key block j (ring tile ring + j) for one warpgroup's rows: S1 = Q K^T, S2 = Q2 K2^T and dP = dO V^T
+    back to back, G1, G2 and W2 once the scores are in, V's slot back once dP retired, the rows' d-lambda sums
+    of dP W2, dQ += (dP G1) K and dQ2 += (dP G2) K2, the K / K2 slot back once those retired."""
+    tile = ring + j
+    s = tile % STAGES
     k_tile = k_ring.index(s)
     k2_tile = k2_ring.index(s)
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    mbarrier.wait(k_ready.index(s), (tile // STAGES) & 1)
     zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
     s1 = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     s2 = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(tile, do_tile, v_ring, v_ready, s_layout, HALF_M, BLOCK_N, STAGES)
     s1, s2, q_tile, q2_tile, k_tile, k2_tile = warpgroup_mma_wait(
         num_outstanding=1, deps=(s1, s2, q_tile, q2_tile, k_tile, k2_tile))  # S1, S2 retired
     t = gl.expand_dims(tau, 1)
@@ -696,7 +713,7 @@ def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, 
     _, g1 = _weight_and_grad(x1, 0, power, THRESHOLD, POWER_MODE, 0, False)
     w2, g2 = _weight_and_grad(x2, 0, power, THRESHOLD, POWER_MODE, 0, False)
     dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
-    release(j, v_empty, STAGES)
+    release(tile, v_empty, STAGES)
     dlam_rows = dlam_rows + gl.sum(dp * w2, axis=1)
     ds1_16 = gl.convert_layout(_score_grad(dp, g1, THRESHOLD, POWER_MODE).to(k_ring.dtype), a_layout)
     dq = warpgroup_mma(ds1_16, k_tile, dq, is_async=True)
@@ -704,18 +721,21 @@ def _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, 
     dq2 = warpgroup_mma(ds2_16, k2_tile, dq2, is_async=True)
     dq, dq2, k_tile, k2_tile, ds1_16, ds2_16 = warpgroup_mma_wait(
         num_outstanding=0, deps=(dq, dq2, k_tile, k2_tile, ds1_16, ds2_16))
-    release(j, k_empty, STAGES)
+    release(tile, k_empty, STAGES)
     return dq, dq2, dlam_rows
 
 
 @gluon.jit
 def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ,
                  DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base, m0, q_len, kv_len, n_full, n_tiles,
-                 tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                 tau_scale, power, ring, q_phase, q_empty, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                 HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                 NUM_WARPS_C: gl.constexpr, PERSISTENT: gl.constexpr = False):
     """One warpgroup: rows [m0, m0 + HALF_M) against the program's key blocks ([0, n_full) unmasked,
-    [n_full, n_tiles) masked); stores its rows of dq (times p), dq2 (times -lam p) and their d-lambda
-    sums."""
+    [n_full, n_tiles) masked; key block j is ring tile ring + j, the query tiles' phase q_phase); stores its
+    rows of dq (times p), dq2 (times -lam p) and their d-lambda sums. PERSISTENT: one of a persistent
+    program's work items, which arrives on q_empty once its last product retired (the producer then loads
+    the next item's Q, Q2 and dO)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -729,15 +749,18 @@ def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_rea
     dq2 = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
     dlam_rows = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, q_phase)
     for j in range(0, n_full):
-        dq, dq2, dlam_rows = _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
+        dq, dq2, dlam_rows = _dq_block(j, ring, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
                                        k_ready, v_ready, k_empty, v_empty, tau, last_key, kv_len, power, s_layout,
                                        a_layout, POWER_MODE, False, CAUSAL, HALF_M, BLOCK_N, STAGES)
     for j in range(n_full, n_tiles):
-        dq, dq2, dlam_rows = _dq_block(j, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
+        dq, dq2, dlam_rows = _dq_block(j, ring, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring,
                                        k_ready, v_ready, k_empty, v_empty, tau, last_key, kv_len, power, s_layout,
                                        a_layout, POWER_MODE, True, CAUSAL, HALF_M, BLOCK_N, STAGES)
+    if PERSISTENT:  # every product of the item has retired: Q, Q2 and dO are free
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty)
 
     lam = gl.load(LAM + lam_offset).to(gl.float32)
     offs_m = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, dq_layout))
@@ -754,25 +777,12 @@ def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_rea
 def _dq_producer(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, do_smem, k_ring, k2_ring, v_ring,
                  q_bar, k_ready, v_ready, k_empty, v_empty, q_row, q_col, k_row, kv_col, n_tiles,
                  HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both consumers' Q, Q2 and dO rows once (one barrier), then per key block j < n_tiles K
-    and K2 (one ready barrier) and V into ring slot j % STAGES, each once both consumers released the
-    slot's previous use."""
-    mbarrier.expect(q_bar, 6 * q_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF_M, q_col], q_bar, q_smem.index(half))
-        tma.async_copy_global_to_shared(q2_desc, [q_row + half * HALF_M, q_col], q_bar, q2_smem.index(half))
-        tma.async_copy_global_to_shared(do_desc, [q_row + half * HALF_M, q_col], q_bar, do_smem.index(half))
-    for j in range(n_tiles):
-        s = j % STAGES
-        empty_phase = ((j // STAGES) & 1) ^ 1
-        r = k_row + j * BLOCK_N
-        mbarrier.wait(k_empty.index(s), empty_phase)
-        mbarrier.expect(k_ready.index(s), 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [r, kv_col], k_ready.index(s), k_ring.index(s))
-        tma.async_copy_global_to_shared(k2_desc, [r, kv_col], k_ready.index(s), k2_ring.index(s))
-        mbarrier.wait(v_empty.index(s), empty_phase)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [r, kv_col], v_ready.index(s), v_ring.index(s))
+    """One warp: both consumers' Q, Q2 and dO rows once (`gluon_diff_fwd._load_queries`), then per key block
+    j < n_tiles K and K2 (one ready barrier) and V into ring slot j % STAGES, each once both consumers released
+    the slot's previous use (`gluon_diff_fwd._stream_keys`)."""
+    _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, q_row, q_col, HALF_M, do_desc, do_smem, True)
+    _stream_keys(k_desc, k2_desc, v_desc, k_ring, k2_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col,
+                 0, n_tiles, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -797,12 +807,12 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
     gl.warp_specialize([
         (_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), k_ring, k2_ring, v_ring, q_bar, k_ready,
                         v_ready, k_empty, v_empty, DQ, DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base,
-                        m0, q_len, kv_len, n_full, n_tiles, tau_scale, power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N,
-                        HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        m0, q_len, kv_len, n_full, n_tiles, tau_scale, power, 0, 0, q_bar, POWER_MODE, CAUSAL, HALF_M,
+                        BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), k_ring, k2_ring, v_ring, q_bar, k_ready,
                         v_ready, k_empty, v_empty, DQ, DQ2, dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base,
-                        m0 + HALF_M, q_len, kv_len, n_full, n_tiles, tau_scale, power, POWER_MODE, CAUSAL, HALF_M,
-                        BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+                        m0 + HALF_M, q_len, kv_len, n_full, n_tiles, tau_scale, power, 0, 0, q_bar, POWER_MODE, CAUSAL,
+                        HALF_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
         (_dq_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, do_smem, k_ring, k2_ring,
                         v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len,
                         hk * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
@@ -810,19 +820,78 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
     _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
 
 
+@gluon.jit
+def _persistent_dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, DQ, DQ2, LAM, DLAM_PART, stride_dqb, stride_dqn, stride_dqh, stride_lam,
+                            H, GROUP, BH, n_items, q_len, kv_len, tau_scale, power, POWER_MODE: gl.constexpr,
+                            CAUSAL: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent query-block kernel: `_dq_consumer` on its half of each work item
+    of the program (`gluon_pipeline.work_item`'s order, as the producer), the ring's tile count and the query
+    tiles' phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, hk, bh, m0, n_full, n_tiles = persistent_item(t, q_len, kv_len, H, GROUP, BH, 2 * HALF_M, BLOCK_N,
+                                                            CAUSAL)
+        _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     DQ, DQ2, b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh, stride_dqn, LAM,
+                     h.to(gl.int64) * stride_lam, DLAM_PART, bh.to(gl.int64) * q_len, m0 + WARPGROUP * HALF_M, q_len,
+                     kv_len, n_full, n_tiles, tau_scale, power, ring, it & 1, q_empty, POWER_MODE, CAUSAL, HALF_M,
+                     BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C, True)
+        ring += n_tiles
+        it += 1
+
+
+@gluon.jit
+def _persistent_dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, DLAM_PART, stride_dqb,
+                          stride_dqn, stride_dqh, stride_lam, H, GROUP, q_len, kv_len, tau_scale, power, BH,
+                          POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The persistent form of `_dq_kernel` (a grid of at most one program per SM, each running work items
+    (query block, batch x head) in `gluon_pipeline.work_item`'s order): the same partitions and per-item work,
+    the producer loading the next item's tiles while the consumers finish this one and store its rows."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    n_items = gl.cdiv(q_len, BLOCK_M) * BH
+    q_smem, q2_smem, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
+        q_desc, k_desc, v_desc, HALF_M, BLOCK_N, HEAD_DIM, STAGES)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF_M, HEAD_DIM], do_desc.layout)
+    q_empty = allocate_item_empty()
+    gl.warp_specialize([
+        (_persistent_dq_consumer, (q_smem.index(0), q2_smem.index(0), do_smem.index(0), k_ring, k2_ring, v_ring,
+                                   q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, DQ, DQ2, LAM, DLAM_PART,
+                                   stride_dqb, stride_dqn, stride_dqh, stride_lam, H, GROUP, BH, n_items, q_len,
+                                   kv_len, tau_scale, power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   NUM_WARPS_C, 0)),
+        (_persistent_dq_consumer, (q_smem.index(1), q2_smem.index(1), do_smem.index(1), k_ring, k2_ring, v_ring,
+                                   q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, DQ, DQ2, LAM, DLAM_PART,
+                                   stride_dqb, stride_dqn, stride_dqh, stride_lam, H, GROUP, BH, n_items, q_len,
+                                   kv_len, tau_scale, power, POWER_MODE, CAUSAL, HALF_M, BLOCK_N, HEAD_DIM, STAGES,
+                                   NUM_WARPS_C, 1)),
+        (_persistent_producer, (q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_ring, k2_ring, v_ring,
+                                q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH,
+                                n_items, HEAD_DIM, HALF_M, BLOCK_N, STAGES, CAUSAL, do_desc, do_smem, True)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    mbarrier.invalidate(q_empty)
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 
 
 @functools.cache
-def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkdv_form: str):
+def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkdv_form: str,
+                   fused_query_rows: int | None):
     """What every launch of one backward form shares: per key-block launch of `dkdv_form` (DKDV_FORMS) its
     config, its key tile (`key_tile_rows`), its query-block tile and its constexprs; then the query-block
     kernel's config, its 64-row tile, its key-block tile and its constexprs."""
     forms = []
     views = DKDV_FORMS[dkdv_form]
     for form in ((views,) if views is not None else dkdv_forms(head_dim)):
-        cfg = dkdv_tile_config(head_dim, form)
+        cfg = dkdv_tile_config(head_dim, form, fused_query_rows)
         forms.append((cfg, tma_tile(dtype, key_tile_rows(form, cfg), head_dim),
                       tma_tile(dtype, cfg["BLOCK_M"], head_dim),
                       dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
@@ -834,23 +903,26 @@ def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkd
 
 _DKDV = DirectLauncher(_dkdv_kernel, "gluon_diff_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
+_PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_diff_bwd_dq_persistent")
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
-                                   dkdv_form: str = "key_halves"):
+                                   dkdv_form: str = "key_halves", persistent_dq: bool = False,
+                                   fused_query_rows: int | None = None):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
     k2 in their dtype, dlam (H,) in lam's dtype. Launches: the key-block kernel per form of
     `dkdv_forms(D)` ("key_halves"), or the one launch of the "view_warpgroups" or "view_exchange" form
-    (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel, and torch's fixed-order sum of the d-lambda
-    partials."""
+    (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel (`persistent_dq`: its persistent form, a program
+    per SM running work items in turn), and torch's fixed-order sum of the d-lambda partials.
+    `fused_query_rows`: the fused form's query rows per ring slot (default FUSED_QUERY_ROWS)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power),
-                                                                      dkdv_form)
+                                                                      dkdv_form, fused_query_rows)
     tau_scale, power = float(beta * math.sqrt(2.0 / d)), float(power)
     q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
     k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
@@ -872,20 +944,24 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
                    h_kv, h // h_kv, n, kv_len, tau_scale, power),
                   constexprs, GLUON_OPTIONS)
     # the query-block kernel takes Q, Q2, dO in 64-row tiles (one consumer's rows)
-    _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h),
-            (*(descriptor(t, rows_tile) for t in (q_view, q2_view, do_view)),
-             *(descriptor(t, key_tile) for t in (k_view, k2_view, v_view))),
-            (dq, dq2, lam, dlam_part),
-            (n * h * d, h * d, d, lam_stride,  # dq's and dq2's strides (contiguous), lam's
-             h, h // h_kv, n, kv_len, tau_scale, power),
-            dq_constexprs, GLUON_OPTIONS)
+    dq_descriptors = (*(descriptor(t, rows_tile) for t in (q_view, q2_view, do_view)),
+                      *(descriptor(t, key_tile) for t in (k_view, k2_view, v_view)))
+    dq_scalars = (n * h * d, h * d, d, lam_stride,  # dq's and dq2's strides (contiguous), lam's
+                  h, h // h_kv, n, kv_len, tau_scale, power)
+    if persistent_dq:
+        _PERSISTENT_DQ.run((persistent_programs(cdiv(n, q_cfg["BLOCK_M"]) * bsz * h, q.device),), dq_descriptors,
+                           (dq, dq2, lam, dlam_part), (*dq_scalars, bsz * h), dq_constexprs, GLUON_OPTIONS)
+    else:
+        _DQ.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), dq_descriptors, (dq, dq2, lam, dlam_part), dq_scalars,
+                dq_constexprs, GLUON_OPTIONS)
     # fixed-order reduction of the per-(batch, head, query row) sums: deterministic
     dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
     return dq, dk, dv, dq2, dk2, dlam
 
 
 def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
-                                  dkdv_form: str = "key_halves"):
+                                  dkdv_form: str = "key_halves", persistent_dq: bool = False,
+                                  fused_query_rows: int | None = None):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
 
@@ -911,13 +987,16 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
         raise ValueError(f"{what}: beta must be finite, got {beta}")
     if dkdv_form not in DKDV_FORMS:
         raise ValueError(f"{what}: dkdv_form must be one of {tuple(DKDV_FORMS)}, got {dkdv_form!r}")
-    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form)
+    if fused_query_rows not in (None, 32, 64):
+        raise ValueError(f"{what}: fused_query_rows must be None, 32 or 64, got {fused_query_rows!r}")
+    return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form,
+                                          bool(persistent_dq), fused_query_rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq")
+KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent")
 _DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS,
                "dkdv_exchange": VIEW_EXCHANGE}
 
@@ -929,14 +1008,15 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     """One of the backward's kernels compiled for sm_<arch> without a GPU
     (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
-    "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4)."""
+    "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4), "dq_persistent"
+    (the query-block kernel's persistent form)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
     scalars = {"q_len": "i32", "kv_len": "i32", "tau_scale": "fp32", "power": "fp32"}
     tail = {name: "constexpr" for name in ("POWER_MODE", "CAUSAL", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES")}
     constexprs = {"POWER_MODE": power_mode(power), "CAUSAL": causal, "HEAD_DIM": head_dim}
-    if kernel == "dq":
+    if kernel in ("dq", "dq_persistent"):
         cfg = dq_tile_config(head_dim)
         if block_n is not None:
             cfg["BLOCK_N"] = block_n
@@ -946,6 +1026,10 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                      "DLAM_PART": "*fp32",
                      "stride_dqb": "i32", "stride_dqn": "i32", "stride_dqh": "i32", "stride_lam": "i32", "H": "i32",
                      "GROUP": "i32", **scalars, **tail}
+        if kernel == "dq_persistent":
+            signature = {**signature, "BH": "i32"}
+            return compile_gluon_sm90(_persistent_dq_kernel, signature, {**constexprs, **cfg},
+                                      ("DQ", "DQ2", "DLAM_PART"), arch)
         return compile_gluon_sm90(_dq_kernel, signature, {**constexprs, **cfg}, ("DQ", "DQ2", "DLAM_PART"), arch)
     if views is None:
         views = _DKDV_VIEWS[kernel] if kernel != "dkdv" else dkdv_forms(head_dim)[0]

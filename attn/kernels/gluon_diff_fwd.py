@@ -121,12 +121,18 @@ def _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES: gl.const
 
 
 @gluon.jit
-def _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, q_row, q_col, HALF_M: gl.constexpr):
-    """Both consumers' Q and Q2 halves of the query block from row q_row, on one barrier."""
-    mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
+def _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, q_row, q_col, HALF_M: gl.constexpr, do_desc=None,
+                  do_smem=None, WITH_DO: gl.constexpr = False):
+    """Both consumers' Q and Q2 halves of the query block from row q_row (WITH_DO: and dO's), on one barrier."""
+    if WITH_DO:
+        mbarrier.expect(q_bar, 6 * q_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
     for half in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF_M, q_col], q_bar, q_smem.index(half))
         tma.async_copy_global_to_shared(q2_desc, [q_row + half * HALF_M, q_col], q_bar, q2_smem.index(half))
+        if WITH_DO:
+            tma.async_copy_global_to_shared(do_desc, [q_row + half * HALF_M, q_col], q_bar, do_smem.index(half))
 
 
 @gluon.jit
@@ -163,10 +169,11 @@ def _producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem,
 def _persistent_producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar,
                          q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH, n_items,
                          HEAD_DIM: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         CAUSAL: gl.constexpr):
+                         CAUSAL: gl.constexpr, do_desc=None, do_smem=None, WITH_DO: gl.constexpr = False):
     """One warp of the persistent forward (`gluon_pipeline.persistent_producer`'s order with both views): per
     work item its first key block, then its Q and Q2 tiles once both consumers are done with the last item's
-    (q_empty), then the rest of its key blocks."""
+    (q_empty), then the rest of its key blocks. WITH_DO (the differential backward's dQ kernel): dO's rows
+    too, on the query tiles' barrier (`gluon_diff_bwd._load_rows`)."""
     ring = 0
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -178,7 +185,11 @@ def _persistent_producer(q_desc, q2_desc, k_desc, k2_desc, v_desc, q_smem, q2_sm
         _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty, k_row,
                      kv_col, ring, first, BLOCK_N, STAGES)
         mbarrier.wait(q_empty, (it & 1) ^ 1)
-        _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, b * q_len + m0, h * HEAD_DIM, HALF_M)
+        if WITH_DO:
+            _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, b * q_len + m0, h * HEAD_DIM, HALF_M, do_desc,
+                          do_smem, True)
+        else:
+            _load_queries(q_desc, q2_desc, q_smem, q2_smem, q_bar, b * q_len + m0, h * HEAD_DIM, HALF_M)
         _stream_keys(k_desc, k2_desc, v_desc, k_smem, k2_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                      k_row + first * BLOCK_N, kv_col, ring + first, n_tiles - first, BLOCK_N, STAGES)
         ring += n_tiles

@@ -871,15 +871,19 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         if not (gluon_diff_bwd.serves(q, k, v) and gluon_diff_bwd.serves(q2, k2, v)):
             return backward
 
-        def diff_form(dkdv_form):
-            def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
-                *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
-                    q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form)
-                return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
-            return gluon_diff_backward
+        work_key = (*tier_key, n_bucket(bsz * heads))
 
-        gluon_diff_backward = choose_gluon_diff_dkdv_form(_GLUON_DIFF_DKDV_FORMS, (*tier_key, n_bucket(bsz * heads)),
-                                                          diff_form)
+        def diff_form(dkdv_form):
+            def grid(persistent):
+                def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+                    *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
+                        q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form,
+                        persistent_dq=persistent)
+                    return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
+                return gluon_diff_backward
+            return choose_gluon_backward_grid(_GLUON_DIFF_BWD_GRIDS, (*work_key, dkdv_form), grid, "diff_threshold")
+
+        gluon_diff_backward = choose_gluon_diff_dkdv_form(_GLUON_DIFF_DKDV_FORMS, work_key, diff_form)
         return tiered(_DIFF_BWD_TIERS, tier_key, backward, gluon_diff_backward)
     from attn.kernels import gluon_weighted_bwd
 
@@ -906,6 +910,9 @@ _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 # the differential threshold's Gluon key-block form per tuning key, among tiers.DIFF_DKDV_FORMS_OFFERED
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
+# and its query-block kernel's grid per tuning key and key-block form, once offered
+# (tiers.PERSISTENT_BACKWARDS_OFFERED holding "diff_threshold")
+_GLUON_DIFF_BWD_GRIDS = TimedChoice("gluon diff_threshold backward dq grid")
 
 
 # ----------------------------------------------------------------------------------------

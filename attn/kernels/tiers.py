@@ -228,14 +228,15 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 # The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
 # the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py and tests/test_gluon_bwd_gpu.py
-# -k persistent: every family, docs/gluon.md)
+# -k persistent: softmax, threshold, sigmoid; docs/gluon.md). The differential threshold's persistent dQ kernel
+# (tests/test_gluon_diff_bwd_gpu.py -k persistent) has not run on a GPU yet
 PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid"})
 
 
 def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable],
                                family: str) -> Callable:
-    """`choose_gluon_grid` for the Gluon backward of `family` ("softmax", "threshold", "sigmoid") where
-    PERSISTENT_BACKWARDS_OFFERED holds it, else its per-item grid."""
+    """`choose_gluon_grid` for the Gluon backward of `family` ("softmax", "threshold", "sigmoid",
+    "diff_threshold") where PERSISTENT_BACKWARDS_OFFERED holds it, else its per-item grid."""
     if family not in PERSISTENT_BACKWARDS_OFFERED:
         return grid(False)
     return choose_gluon_grid(choice, key, grid, False)

@@ -43,7 +43,8 @@ on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff
 form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so
 both warpgroups together run about twice its count per position), diff_bwd_dkdv_exchange the view-exchange form's (the
 same, dP^T and dV once: view 1's loop has three products, view 2's three; its row is the shorter loop), diff_bwd_dq
-the query-block dQ / dQ2 / d-lambda kernel; their per_score counts per (query, key) position as well. The forwards'
+the query-block dQ / dQ2 / d-lambda kernel (diff_bwd_dq_persistent its persistent form, diff_bwd_dkdv_fused64 the
+fused form on 64-row query blocks); their per_score counts per (query, key) position as well. The forwards'
 <form>_pingpong variants compile the two consumer warpgroups in
 ping-pong (gluon_pipeline's turn barriers: each loop holds one BAR.SYNC and one BAR.ARV more, counted as sync).
 `loop_spills` counts local-memory instructions inside the counted loop, `spills` those of the whole kernel.
@@ -186,8 +187,12 @@ VARIANTS.update(DIFFERENTIAL_VARIANTS)
 DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_fwd.py"
 # the differential threshold backward's kernels (gluon_diff_bwd.compile_sm90's kernel, power)
 DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kernel, power=power)
-                                  for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq")
+                                  for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq",
+                                                 "dq_persistent")
                                   for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
+# the fused key-block form (D = 64) on 64-row query blocks (gluon_diff_bwd's fused_query_rows)
+DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_fused64{suffix}": dict(kernel="dkdv", power=power, block_m=64)
+                                       for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))})
 VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
 DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"
 
@@ -212,12 +217,12 @@ def tile_width(module, variant: str, head_dim: int) -> int:
     and the dQ kernel's BLOCK_N keys, the dK / dV kernel's BLOCK_M query rows."""
     kernel = VARIANTS[variant].get("kernel")
     if variant in DIFFERENTIAL_BACKWARD_VARIANTS:  # its key-block kernels' forms differ in BLOCK_M
-        if kernel == "dq":
+        if kernel in ("dq", "dq_persistent"):
             return module.dq_tile_config(head_dim)["BLOCK_N"]
         views = {"dkdv_second": module.SECOND_VIEW, "dkdv_views": module.VIEW_WARPGROUPS,
                  "dkdv_exchange": module.VIEW_EXCHANGE}.get(
             kernel, module.dkdv_forms(head_dim)[0])
-        return module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
+        return VARIANTS[variant].get("block_m") or module.dkdv_tile_config(head_dim, views)["BLOCK_M"]
     if kernel in ("dkdv", "dkdv_one_pass"):
         return module.dkdv_tile_config(head_dim)["BLOCK_M"]
     if kernel == "dq":

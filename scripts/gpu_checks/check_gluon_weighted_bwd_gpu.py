@@ -16,7 +16,8 @@ then times.
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
    correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
    per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
-   with dP^T and dV computed once).
+   with dP^T and dV computed once), the key halves with the persistent dQ kernel (`persistent_dq`), and at D = 64
+   the fused form on 64-row query blocks (`fused_query_rows=64`).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -58,10 +59,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(4, 16, 4096, 128, True)]
 # p = 2 and the -ln n_i bias: the families' defaults
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
-# the differential backward's key-block forms: key halves per warpgroup (the default), a warpgroup per view, and
-# a warpgroup per view with dP^T and dV computed once
+# the differential backward's key-block forms: key halves per warpgroup (the default), a warpgroup per view, a
+# warpgroup per view with dP^T and dV computed once; the key halves with the persistent dQ kernel, and (D = 64)
+# with the fused form on 64-row query blocks
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
-           + ["diff_threshold gluon views", "diff_threshold gluon exchange"])
+           + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent dq",
+              "diff_threshold gluon fused 64 rows"])
 
 
 def _spec(variant, params):
@@ -146,6 +149,11 @@ def time_shapes(results, shapes=SHAPES):
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups"))
                 impls["diff_threshold gluon exchange"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_exchange"))
+                impls["diff_threshold gluon persistent dq"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, persistent_dq=True))
+                if d == 64:  # the fused key-block form (D = 64 only) on 64-row query blocks
+                    impls["diff_threshold gluon fused 64 rows"] = (lambda: launch_diff_threshold_backward(
+                        qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=64))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
                 impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
@@ -161,13 +169,13 @@ def time_shapes(results, shapes=SHAPES):
             except Exception:
                 row[name] = {"error": traceback.format_exc(limit=3)}
         rows.append(row)
-        cells = "".join(f"{row[k]['ms']:>22.3f}{row[k]['tflops']:>6.0f}" if "ms" in row[k] else f"{'error':>28}"
-                        for k in COLUMNS)
+        cells = "".join(f"{row[k]['ms']:>22.3f}{row[k]['tflops']:>6.0f}" if "ms" in row.get(k, {})
+                        else f"{'error' if k in row else '-':>28}" for k in COLUMNS)
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
-        for form in ("views", "exchange"):
-            if "ms" in row["diff_threshold gluon"] and "ms" in row[f"diff_threshold gluon {form}"]:
+        for form in ("views", "exchange", "persistent dq", "fused 64 rows"):
+            if "ms" in row["diff_threshold gluon"] and "ms" in row.get(f"diff_threshold gluon {form}", {}):
                 speedups += (f"  diff_threshold {form} vs key halves "
                              f"{row['diff_threshold gluon']['ms'] / row[f'diff_threshold gluon {form}']['ms']:.2f}x")
         print(f"{str((b, h, n, d, 'causal' if causal else 'full')):<28}{cells}   {speedups}")
