@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_public_path as bp  # noqa: E402
@@ -116,3 +117,46 @@ def test_host_pairs_name_the_suite_rows_and_their_yardsticks():
         assert bp.yardstick(f"call {variant} compiled fwd+bwd") == "call sdpa compiled fwd+bwd"
         assert bp.yardstick(f"call {variant} eager fwd+bwd") == "call sdpa fwd+bwd"
         assert bp.yardstick(f"decode {variant}") == "decode sdpa"
+
+
+def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(monkeypatch):
+    """call_rows, decode_rows and recheck build and run every row's step (eager and compiled calls through
+    attn.attention, SDPA's yardsticks) on small CPU tensors, the timer replaced by a counter: the suites' plumbing
+    works without a GPU, and each row times the callable built for it."""
+    import torch.nn.functional as F
+
+    def cpu_tensors(variant, b, n, h, d, grad, kv=None):
+        kv = n if kv is None else kv
+
+        def rand(length):
+            x = torch.randn(b, length, h, d)
+            return (F.normalize(x, dim=-1) if variant in ("threshold", "diff_threshold") else x).requires_grad_(grad)
+
+        x = {"q": rand(n), "k": rand(kv), "v": rand(kv), "extra": None}
+        if variant == "diff_threshold":
+            x["extra"] = {"q2": rand(n), "k2": rand(kv), "lam": torch.full((h,), 0.5, requires_grad=grad)}
+        return x
+
+    timed = []
+
+    def count_calls(step):
+        step()
+        timed.append(step)
+        return float(len(timed))
+
+    monkeypatch.setattr(bp, "tensors", cpu_tensors)
+    monkeypatch.setattr(bp, "back_to_back_ms", count_calls)
+    monkeypatch.setattr(bp, "CALL_SHAPE", (1, 2, 16, 8))
+    monkeypatch.setattr(bp, "DECODE_SHAPE", (1, 2, 8, 32))
+    monkeypatch.setattr(bp, "VARIANTS", ["threshold", "diff_threshold"])
+    decode = bp.decode_rows()
+    assert list(decode) == ["decode sdpa", "decode threshold", "decode diff_threshold"]
+    call = bp.call_rows()
+    assert list(call) == ["call sdpa fwd+bwd", "call sdpa compiled fwd+bwd", "call threshold eager fwd+bwd",
+                          "call threshold compiled fwd+bwd", "call diff_threshold eager fwd+bwd",
+                          "call diff_threshold compiled fwd+bwd"]
+    assert len(set(map(id, timed))) == len(timed) == 9  # a callable of its own per row
+    pairs = bp.recheck(["decode threshold", "call diff_threshold compiled fwd+bwd"], 2)
+    assert {name: len(p) for name, p in pairs.items()} == {"decode threshold": 2,
+                                                           "call diff_threshold compiled fwd+bwd": 2}
+    assert all(row > 0 and yard > 0 for p in pairs.values() for row, yard in p)
