@@ -161,7 +161,8 @@ REQUESTS.update({f"diff_threshold_persistent-{p}-{d}-{c}-{t}": ("gluon_diff_fwd"
 # the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
 DIFFERENTIAL_BACKWARD = [
     (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
-    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent")
+    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent", "dkdv_persistent",
+                   "dkdv_second_persistent")
     for suffix, power, d, c, t in (("", 2.0, 128, True, "bf16"), ("", 2.0, 64, True, "bf16"),
                                    ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
                                    ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
@@ -526,8 +527,8 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     """Per loop iteration (a k of 16 per wgmma instruction): the key-block kernel that computes dV (the fused form
     at D = 64, the first view's at D = 128) runs S1^T, S2^T, dP^T (k = D) and dV, dK (fused also dK2; k = its
     query block); the second view's key-block kernel S2^T, dP^T (k = D) and dK2; the query-block kernel S1, S2,
-    dP (k = D) and dQ, dQ2 (k = its key block), on either grid (per item, persistent); the view-warpgroup form's
-    loops (one per view's warpgroup) S^T,
+    dP (k = D) and dQ, dQ2 (k = its key block), the key-halves kernels and the query-block kernel on either grid
+    (per item, persistent); the view-warpgroup form's loops (one per view's warpgroup) S^T,
     dP^T (k = D) and dV, dK (k = its query block); the view-exchange form's loops six products between them,
     view 1 S1^T, dP^T (k = D) and dK (k = its query block), view 2 S2^T (k = D) and dV, dK2 (k = its query
     block) (the row counted is the shorter loop, either view's). The weights and gradients of both views need
@@ -543,9 +544,9 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     width = result["tile_width"]
     assert set(rows) == ({"unmasked"} if (kernel.startswith("dkdv") and not causal) else {"unmasked", "masked"})
     products = {"dkdv": [(3, 3 if head_dim == 64 else 2)], "dkdv_second": [(2, 1)], "dkdv_views": [(2, 2)],
-                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)], "dq_persistent": [(3, 2)]}[kernel]
+                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)]}[kernel.removesuffix("_persistent")]
     # (products of k = D, products of k = width) per loop
-    views = 1 if kernel in ("dkdv_second", "dkdv_views", "dkdv_exchange") else 2
+    views = 1 if kernel.removesuffix("_persistent") in ("dkdv_second", "dkdv_views", "dkdv_exchange") else 2
     spills_allowed = 4 if (kernel == "dkdv_views" and head_dim == 128 and power not in (1.0, 2.0)) else 0
     for row in rows.values():
         assert row["hgmma"] in [score * (head_dim // 16) + other * (width // 16) for score, other in products], row

@@ -185,11 +185,12 @@ def test_the_view_warpgroup_forms_are_repeatable_and_close_to_the_key_halves_for
 
 
 @pytest.mark.parametrize("power,form", [(2.0, "key_halves"), (1.5, "key_halves"), (2.0, "view_warpgroups")])
-def test_the_persistent_dq_kernel_gives_the_per_item_grids_bits(power, form, nan_poison):
-    """The query-block kernel's persistent form (`persistent_dq`: one program per SM running work items in turn)
-    computes each item as the per-item grid does: dq, dq2 and d-lambda equal bit for bit (dk, dk2, dv come from the
-    same key-block launch), every element written (NaN-poisoned allocations), on `PERSISTENT_SHAPES` (more work
-    items than SMs, a ragged last group, rows that see no key)."""
+def test_the_persistent_grids_give_the_per_item_grids_bits(power, form, nan_poison):
+    """`persistent=True` (the query-block kernel and the key halves' key-block launches on persistent grids, one
+    program per SM running work items in turn; the view warpgroups' key-block launch stays per item) computes
+    each item as the per-item grids do: all six gradients equal bit for bit, every element written (NaN-poisoned
+    allocations), on `PERSISTENT_SHAPES` (more work items than SMs, a ragged last group, rows that see no key;
+    D 64 runs the fused key-block form, D 128 the first and second views' launches)."""
     from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
 
     for index, shape in enumerate(PERSISTENT_SHAPES):
@@ -198,7 +199,7 @@ def test_the_persistent_dq_kernel_gives_the_per_item_grids_bits(power, form, nan
         t = {name: x.to(torch.float32 if name == "lam" else dtype) for name, x in tensors.items()}
         args = (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], do.to(dtype), causal, 1.0, power)
         per_item = launch_diff_threshold_backward(*args, dkdv_form=form)
-        persistent = launch_diff_threshold_backward(*args, dkdv_form=form, persistent_dq=True)
+        persistent = launch_diff_threshold_backward(*args, dkdv_form=form, persistent=True)
         torch.cuda.synchronize()
         for name, ref, got in zip(GRADIENTS, per_item, persistent):
             assert not got.isnan().any(), f"{shape} {name}: an element unwritten (NaN)"

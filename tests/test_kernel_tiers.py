@@ -609,7 +609,7 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent_dq):
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent):
         log.append(dkdv_form)
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
@@ -649,11 +649,11 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
 
 
 @pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
-def test_the_differential_backward_dq_grid_is_timed_per_key_once_offered(per_item_ms, persistent_ms, winner,
-                                                                         gluon_offered, monkeypatch):
+def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_ms, persistent_ms, winner,
+                                                                      gluon_offered, monkeypatch):
     """With "diff_threshold" in tiers.PERSISTENT_BACKWARDS_OFFERED and ATTNLAB_GLUON_PERSISTENT=auto, the
-    differential backward times its query-block kernel's per-item and persistent grids (for the key-block form
-    in use) at a key's first backward and keeps the faster; "0" / "1" pin one; not offered: per item."""
+    differential backward times its per-item and persistent grids (for the key-block form in use) at a key's
+    first backward and keeps the faster; "0" / "1" pin one; not offered: per item."""
     import attn
     from attn.kernels import gluon_diff_bwd, threshold_family
 
@@ -664,8 +664,8 @@ def test_the_differential_backward_dq_grid_is_timed_per_key_once_offered(per_ite
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_BWD_GRIDS", tiers.TimedChoice("grid"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent_dq):
-        log.append((dkdv_form, persistent_dq))
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent):
+        log.append((dkdv_form, persistent))
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
     monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
@@ -736,7 +736,7 @@ def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype
 
     seen = []
 
-    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves", persistent_dq=False):
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves", persistent=False):
         seen.append(lam)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
                 torch.zeros_like(k2), torch.full_like(lam, 0.25))

@@ -48,13 +48,14 @@ accumulators started at -tau_i so the scores are x itself):
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
-   dq, dq2 and the sums are written once (no atomics). `_persistent_dq_kernel` (`persistent_dq=True`) runs the
-   same work items on at most one program per SM (`gluon_pipeline.work_item`'s order), the producer loading
-   the next item's first key block and then (once both consumers are done with this item's products) its Q,
-   Q2 and dO while the consumers store this item's rows (`gluon_diff_fwd._persistent_producer` with dO): the
-   same bits per item. The backward plan offers it
-   once `tiers.PERSISTENT_BACKWARDS_OFFERED` holds "diff_threshold" (tests/test_gluon_diff_bwd_gpu.py
-   -k persistent, not yet run on a GPU).
+   dq, dq2 and the sums are written once (no atomics).
+3. `persistent=True`: the query-block kernel and the key halves' key-block launches (forms 0, 1, 2) on
+   persistent grids (`_persistent_dq_kernel`, `_persistent_dkdv_kernel`): at most one program per SM
+   running the same work items in turn (the forwards' query-block order, `key_block_item`'s key-block order),
+   the producer loading the next item's first streamed tiles and then, once both consumers arrived on the
+   item-empty barrier, its stationary ones, while the consumers store this item's gradients: the same bits
+   per item. The backward plan offers it once `tiers.PERSISTENT_BACKWARDS_OFFERED` holds "diff_threshold"
+   (tests/test_gluon_diff_bwd_gpu.py -k persistent, not yet run on a GPU).
 
 Masks: as `gluon_weighted_bwd`: the causal diagonal's blocks compare per score (both views' scores
 select -inf where a key is not seen, so w and g vanish there), the rest run without mask arithmetic;
@@ -107,7 +108,8 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from attn.kernels.gluon_softmax_bwd import _dkdv_producer, _issue_with_columns, key_block_program
+from attn.kernels.gluon_softmax_bwd import (_dkdv_producer, _issue_with_columns, key_block_item, key_block_program,
+                                           persistent_dkdv_producer)
 from attn.kernels.gluon_weighted_bwd import _dkdv_block, _query_starts, _score_grad, _weight_and_grad
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
@@ -286,12 +288,16 @@ def _store_key_rows(ptr, base, keys, stride_n, acc, kv_len, kv_layout: gl.conste
 @gluon.jit
 def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
                    DK, DV, DK2, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len,
-                   kv_len, i_lo, i_full, i_hi, tau_scale, power,
+                   kv_len, i_lo, i_full, i_hi, tau_scale, power, ring, kv_phase, kv_empty,
                    VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+                   BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
+                   PERSISTENT: gl.constexpr = False):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
     each query head of the group (lambda per head: dK2's factor -lam_h p rides on its scores); stores its
-    rows of its form's gradients (dk times p). Form 2 gets K2 as k_tile and the Q2 ring as q2_ring."""
+    rows of its form's gradients (dk times p). Form 2 gets K2 as k_tile and the Q2 ring as q2_ring. The
+    ring's tiles start at ring, the key tiles' phase is kv_phase. PERSISTENT: one of a persistent program's
+    work items, which arrives on kv_empty once its last product retired (the producer then loads the next
+    item's key tiles)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -305,12 +311,12 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
     dk2 = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
 
-    mbarrier.wait(kv_bar, 0)
+    mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
         h = hk * GROUP + gi
         lam = gl.load(LAM + h.to(gl.int64) * stride_lam).to(gl.float32)
         dk2_scale = -lam * power
-        j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
+        j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
         if CAUSAL:
             for i in range(i_lo, i_full):
                 if VIEWS == 2:
@@ -335,6 +341,9 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
                     j0 + i, i * BLOCK_M, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
                     q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale,
                     power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
+    if PERSISTENT:  # every product of the item has retired: the key tiles are free
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty)
 
     keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
     if VIEWS != 2:
@@ -530,34 +539,82 @@ def _exchange_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_read
 
 
 @gluon.jit
+def _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_bar, k_row, kv_col,
+                    HALF_N: gl.constexpr, KV_TILES: gl.constexpr):
+    """The program's (or work item's) K, K2 and V from row k_row: KV_TILES HALF_N-row tiles each, on kv_bar."""
+    mbarrier.expect(kv_bar, 3 * KV_TILES * k_desc.block_type.nbytes)
+    for half in gl.static_range(KV_TILES):
+        tma.async_copy_global_to_shared(k_desc, [k_row + half * HALF_N, kv_col], kv_bar, k_halves.index(half))
+        tma.async_copy_global_to_shared(k2_desc, [k_row + half * HALF_N, kv_col], kv_bar, k2_halves.index(half))
+        tma.async_copy_global_to_shared(v_desc, [k_row + half * HALF_N, kv_col], kv_bar, v_halves.index(half))
+
+
+@gluon.jit
+def _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                             do_empty, row, col, first, count, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Query blocks i = 0 .. count-1 from row row + i BLOCK_M as the ring's tiles j = first + i: Q and Q2
+    (one ready barrier) and dO into slot j % STAGES, each once both consumers released the slot's previous
+    use (empty phase parity starts at 1: the first round does not wait)."""
+    for i in range(count):
+        j = first + i
+        s = j % STAGES
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        r = row + i * BLOCK_M
+        mbarrier.wait(q_empty.index(s), empty_phase)
+        mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [r, col], q_ready.index(s), q_ring.index(s))
+        tma.async_copy_global_to_shared(q2_desc, [r, col], q_ready.index(s), q2_ring.index(s))
+        mbarrier.wait(do_empty.index(s), empty_phase)
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [r, col], do_ready.index(s), do_ring.index(s))
+
+
+@gluon.jit
 def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves, q_ring,
                        q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, k_row, kv_col, q_row, hk,
                        GROUP, i_lo, i_hi, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        STAGES: gl.constexpr, KV_TILES: gl.constexpr = 2):
     """One warp: the program's K, K2 and V (KV_TILES HALF_N-row tiles each: two halves, or the view
     warpgroups' one) once, then Q and Q2 (one ready barrier) and dO of query blocks i_lo .. i_hi - 1 of
-    each query head of kv head hk's group, in that order, into ring tile j's slot j % STAGES once both
-    consumers released its previous use (empty phase parity starts at 1: the first round does not wait)."""
-    mbarrier.expect(kv_bar, 3 * KV_TILES * k_desc.block_type.nbytes)
-    for half in gl.static_range(KV_TILES):
-        tma.async_copy_global_to_shared(k_desc, [k_row + half * HALF_N, kv_col], kv_bar, k_halves.index(half))
-        tma.async_copy_global_to_shared(k2_desc, [k_row + half * HALF_N, kv_col], kv_bar, k2_halves.index(half))
-        tma.async_copy_global_to_shared(v_desc, [k_row + half * HALF_N, kv_col], kv_bar, v_halves.index(half))
+    each query head of kv head hk's group, in that order (`_stream_two_view_queries`)."""
+    _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_bar, k_row, kv_col, HALF_N, KV_TILES)
     count = i_hi - i_lo
     for gi in range(GROUP):
-        q_col = (hk * GROUP + gi) * HEAD_DIM
-        for i in range(count):
-            j = gi * count + i
-            s = j % STAGES
-            empty_phase = ((j // STAGES) & 1) ^ 1
-            r = q_row + (i_lo + i) * BLOCK_M
-            mbarrier.wait(q_empty.index(s), empty_phase)
-            mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [r, q_col], q_ready.index(s), q_ring.index(s))
-            tma.async_copy_global_to_shared(q2_desc, [r, q_col], q_ready.index(s), q2_ring.index(s))
-            mbarrier.wait(do_empty.index(s), empty_phase)
-            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [r, q_col], do_ready.index(s), do_ring.index(s))
+        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                                 do_empty, q_row + i_lo * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM, gi * count, count,
+                                 BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _persistent_two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves,
+                                  q_ring, q2_ring, do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty,
+                                  H_KV, GROUP, BHK, n_items, q_len, kv_len, HALF_N: gl.constexpr,
+                                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                  CAUSAL: gl.constexpr):
+    """One warp of the persistent key-block kernel (forms 0 and 1; `gluon_softmax_bwd.persistent_dkdv_producer`'s
+    order with both views): per work item (`key_block_item`) its first Q, Q2 and dO tiles, then its K, K2 and V
+    once both consumers are done with the last item's (kv_empty), then the rest of its query blocks."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
+        count = i_hi - i_lo
+        q_row = b * q_len + i_lo * BLOCK_M
+        first = gl.minimum(count, 1)
+        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                                 do_empty, q_row, hk * GROUP * HEAD_DIM, ring, first, BLOCK_M, STAGES)
+        mbarrier.wait(kv_empty, (it & 1) ^ 1)
+        _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_bar, b * kv_len + n0,
+                        hk * HEAD_DIM, HALF_N, 2)
+        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                                 do_empty, q_row + first * BLOCK_M, hk * GROUP * HEAD_DIM, ring + first,
+                                 count - first, BLOCK_M, STAGES)
+        for gi in range(1, GROUP):
+            _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                                     do_empty, q_row, (hk * GROUP + gi) * HEAD_DIM, ring + gi * count, count,
+                                     BLOCK_M, STAGES)
+        ring += GROUP * count
+        it += 1
 
 
 @gluon.jit
@@ -645,13 +702,13 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
             (_dkdv_consumer, (k2_halves.index(0), k2_halves.index(0), v_halves.index(0), q2_ring, q2_ring, do_ring,
                               kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
                               kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
-                              power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              power, 0, 0, kv_bar, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
                               NUM_WARPS_C)),
             (_dkdv_consumer, (k2_halves.index(1), k2_halves.index(1), v_halves.index(1), q2_ring, q2_ring, do_ring,
                               kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
                               kv_base, stride_kvn, hk, n0 + HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
-                              tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
-                              NUM_WARPS_C)),
+                              tau_scale, power, 0, 0, kv_bar, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM,
+                              STAGES, NUM_WARPS_C)),
             (_dkdv_producer, (k2_desc, v_desc, q2_desc, do_desc, k2_halves, v_halves, q2_ring, do_ring, kv_bar,
                               q_ready, do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk,
                               GROUP, i_lo, i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
@@ -666,19 +723,102 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
             (_dkdv_consumer, (k_halves.index(0), k2_halves.index(0), v_halves.index(0), q_ring, q2_ring, do_ring,
                               kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
                               kv_base, stride_kvn, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
-                              power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                              power, 0, 0, kv_bar, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
                               NUM_WARPS_C)),
             (_dkdv_consumer, (k_halves.index(1), k2_halves.index(1), v_halves.index(1), q_ring, q2_ring, do_ring,
                               kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2, LAM, stride_lam,
                               kv_base, stride_kvn, hk, n0 + HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
-                              tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
-                              NUM_WARPS_C)),
+                              tau_scale, power, 0, 0, kv_bar, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM,
+                              STAGES, NUM_WARPS_C)),
             (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves,
                                   q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
                                   b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, HALF_N, HEAD_DIM,
                                   BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+@gluon.jit
+def _persistent_dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, kv_empty, q_ready, do_ready,
+                              q_empty, do_empty, DK, DV, DK2, LAM, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV,
+                              GROUP, BHK, n_items, q_len, kv_len, tau_scale, power, VIEWS: gl.constexpr,
+                              POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
+                              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                              NUM_WARPS_C: gl.constexpr, WARPGROUP: gl.constexpr):
+    """One consumer warpgroup of the persistent key-block kernel (forms 0, 1, 2): `_dkdv_consumer` on its half
+    of each work item of the program (`key_block_item`'s order, as the producer), the ring's tile count and
+    the key tiles' phase carried from item to item."""
+    ring = 0
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
+        kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
+        _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                       do_empty, DK, DV, DK2, LAM, stride_lam, kv_base, stride_kvn, hk, n0 + WARPGROUP * HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                       power, ring, it & 1, kv_empty, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
+                       NUM_WARPS_C, True)
+        ring += GROUP * (i_hi - i_lo)
+        it += 1
+
+
+@gluon.jit
+def _persistent_dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2, LAM,
+                            stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, q_len, kv_len, tau_scale,
+                            power, BHK, VIEWS: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr):
+    """The persistent form of `_dkdv_kernel`'s key-halves forms 0, 1 and 2 (a grid of at most one program per
+    SM, each running work items (key block, batch x kv head) in `key_block_item`'s order): the same partitions
+    and per-item work, the producer loading the next item's first query tiles while the consumers finish this
+    item and store its gradients. The view forms (3, 4) run per item only."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    gl.static_assert(VIEWS <= 2, "the view forms have no persistent kernel")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    n_items = gl.cdiv(kv_len, BLOCK_N) * BHK
+    kv_empty = allocate_item_empty()
+    if VIEWS == 2:
+        k2_halves, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+            k2_desc, q2_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+        v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+        gl.warp_specialize([
+            (_persistent_dkdv_consumer, (k2_halves.index(0), k2_halves.index(0), v_halves.index(0), q2_ring, q2_ring,
+                                         do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2,
+                                         LAM, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, BHK,
+                                         n_items, q_len, kv_len, tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N,
+                                         BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+            (_persistent_dkdv_consumer, (k2_halves.index(1), k2_halves.index(1), v_halves.index(1), q2_ring, q2_ring,
+                                         do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2,
+                                         LAM, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, BHK,
+                                         n_items, q_len, kv_len, tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N,
+                                         BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+            (persistent_dkdv_producer, (k2_desc, v_desc, q2_desc, do_desc, k2_halves, v_halves, q2_ring, do_ring,
+                                        kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, H_KV, GROUP, BHK,
+                                        n_items, q_len, kv_len, HALF_N, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    else:
+        k_halves, k2_halves, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
+            k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+        v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+        gl.warp_specialize([
+            (_persistent_dkdv_consumer, (k_halves.index(0), k2_halves.index(0), v_halves.index(0), q_ring, q2_ring,
+                                         do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2,
+                                         LAM, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, BHK,
+                                         n_items, q_len, kv_len, tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N,
+                                         BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 0)),
+            (_persistent_dkdv_consumer, (k_halves.index(1), k2_halves.index(1), v_halves.index(1), q_ring, q2_ring,
+                                         do_ring, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, DK, DV, DK2,
+                                         LAM, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, BHK,
+                                         n_items, q_len, kv_len, tau_scale, power, VIEWS, POWER_MODE, CAUSAL, HALF_N,
+                                         BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, 1)),
+            (_persistent_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves,
+                                             v_halves, q_ring, q2_ring, do_ring, kv_bar, kv_empty, q_ready, do_ready,
+                                             q_empty, do_empty, H_KV, GROUP, BHK, n_items, q_len, kv_len, HALF_N,
+                                             HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(kv_empty)
 
 
 # ------------------------------------------------------------------------- dQ, dQ2 (query blocks)
@@ -903,19 +1043,21 @@ def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkd
 
 _DKDV = DirectLauncher(_dkdv_kernel, "gluon_diff_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
+_PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_diff_bwd_dkdv_persistent")
 _PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_diff_bwd_dq_persistent")
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
-                                   dkdv_form: str = "key_halves", persistent_dq: bool = False,
+                                   dkdv_form: str = "key_halves", persistent: bool = False,
                                    fused_query_rows: int | None = None):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
     k2 in their dtype, dlam (H,) in lam's dtype. Launches: the key-block kernel per form of
     `dkdv_forms(D)` ("key_halves"), or the one launch of the "view_warpgroups" or "view_exchange" form
-    (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel (`persistent_dq`: its persistent form, a program
-    per SM running work items in turn), and torch's fixed-order sum of the d-lambda partials.
+    (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel, and torch's fixed-order sum of the d-lambda
+    partials. `persistent`: the query-block kernel and the key halves' launches on their persistent grids (a
+    program per SM running work items in turn; the view forms run per item).
     `fused_query_rows`: the fused form's query rows per ring slot (default FUSED_QUERY_ROWS)."""
     import torch
 
@@ -936,19 +1078,22 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
     lam_stride = lam.stride(0)
 
     for cfg, half_keys, query_block, constexprs in forms:
-        _DKDV.run((cdiv(kv_len, cfg["BLOCK_N"]), bsz * h_kv),
-                  (*(descriptor(t, half_keys) for t in (k_view, k2_view, v_view)),
-                   *(descriptor(t, query_block) for t in (q_view, q2_view, do_view))),
-                  (dk, dv, dk2, lam),
-                  (kv_len * h_kv * d, h_kv * d, d, lam_stride,  # dk's, dv's and dk2's strides (contiguous), lam's
-                   h_kv, h // h_kv, n, kv_len, tau_scale, power),
-                  constexprs, GLUON_OPTIONS)
+        descriptors = (*(descriptor(t, half_keys) for t in (k_view, k2_view, v_view)),
+                       *(descriptor(t, query_block) for t in (q_view, q2_view, do_view)))
+        scalars = (kv_len * h_kv * d, h_kv * d, d, lam_stride,  # dk's, dv's and dk2's strides (contiguous), lam's
+                   h_kv, h // h_kv, n, kv_len, tau_scale, power)
+        blocks = cdiv(kv_len, cfg["BLOCK_N"])
+        if persistent and constexprs["VIEWS"] <= SECOND_VIEW:
+            _PERSISTENT_DKDV.run((persistent_programs(blocks * bsz * h_kv, q.device),), descriptors,
+                                 (dk, dv, dk2, lam), (*scalars, bsz * h_kv), constexprs, GLUON_OPTIONS)
+        else:
+            _DKDV.run((blocks, bsz * h_kv), descriptors, (dk, dv, dk2, lam), scalars, constexprs, GLUON_OPTIONS)
     # the query-block kernel takes Q, Q2, dO in 64-row tiles (one consumer's rows)
     dq_descriptors = (*(descriptor(t, rows_tile) for t in (q_view, q2_view, do_view)),
                       *(descriptor(t, key_tile) for t in (k_view, k2_view, v_view)))
     dq_scalars = (n * h * d, h * d, d, lam_stride,  # dq's and dq2's strides (contiguous), lam's
                   h, h // h_kv, n, kv_len, tau_scale, power)
-    if persistent_dq:
+    if persistent:
         _PERSISTENT_DQ.run((persistent_programs(cdiv(n, q_cfg["BLOCK_M"]) * bsz * h, q.device),), dq_descriptors,
                            (dq, dq2, lam, dlam_part), (*dq_scalars, bsz * h), dq_constexprs, GLUON_OPTIONS)
     else:
@@ -960,7 +1105,7 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
 
 
 def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
-                                  dkdv_form: str = "key_halves", persistent_dq: bool = False,
+                                  dkdv_form: str = "key_halves", persistent: bool = False,
                                   fused_query_rows: int | None = None):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
@@ -990,15 +1135,16 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
     if fused_query_rows not in (None, 32, 64):
         raise ValueError(f"{what}: fused_query_rows must be None, 32 or 64, got {fused_query_rows!r}")
     return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form,
-                                          bool(persistent_dq), fused_query_rows)
+                                          bool(persistent), fused_query_rows)
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent")
+KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dkdv_persistent",
+           "dkdv_second_persistent", "dq", "dq_persistent")
 _DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS,
-               "dkdv_exchange": VIEW_EXCHANGE}
+               "dkdv_exchange": VIEW_EXCHANGE, "dkdv_second_persistent": SECOND_VIEW}
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
@@ -1008,8 +1154,8 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     """One of the backward's kernels compiled for sm_<arch> without a GPU
     (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
-    "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4), "dq_persistent"
-    (the query-block kernel's persistent form)."""
+    "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4); "dq_persistent",
+    "dkdv_persistent" and "dkdv_second_persistent" the persistent forms."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
@@ -1032,7 +1178,7 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                                       ("DQ", "DQ2", "DLAM_PART"), arch)
         return compile_gluon_sm90(_dq_kernel, signature, {**constexprs, **cfg}, ("DQ", "DQ2", "DLAM_PART"), arch)
     if views is None:
-        views = _DKDV_VIEWS[kernel] if kernel != "dkdv" else dkdv_forms(head_dim)[0]
+        views = _DKDV_VIEWS[kernel] if kernel not in ("dkdv", "dkdv_persistent") else dkdv_forms(head_dim)[0]
     cfg = dkdv_tile_config(head_dim, views)
     if block_m is not None:
         cfg["BLOCK_M"] = block_m
@@ -1046,5 +1192,12 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}",
                  "stride_kvb": "i32", "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32",
                  "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail, "XCHG_SLOTS": "constexpr"}
+    if kernel.endswith("_persistent"):
+        signature = {name: kind for name, kind in signature.items() if name != "XCHG_SLOTS"}
+        signature = {**{k: v for k, v in signature.items() if v != "constexpr"}, "BHK": "i32",
+                     **{k: v for k, v in signature.items() if v == "constexpr"}}
+        cfg = {k: v for k, v in cfg.items() if k != "XCHG_SLOTS"}
+        return compile_gluon_sm90(_persistent_dkdv_kernel, signature, {**constexprs, "VIEWS": views, **cfg},
+                                  ("DK", "DV", "DK2"), arch)
     return compile_gluon_sm90(_dkdv_kernel, signature, {**constexprs, "VIEWS": views, "XCHG_SLOTS": 1, **cfg},
                               ("DK", "DV", "DK2"), arch)

@@ -878,7 +878,7 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
                 def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
                     *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
                         q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form,
-                        persistent_dq=persistent)
+                        persistent=persistent)
                     return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
                 return gluon_diff_backward
             return choose_gluon_backward_grid(_GLUON_DIFF_BWD_GRIDS, (*work_key, dkdv_form), grid, "diff_threshold")
@@ -910,7 +910,7 @@ _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 # the differential threshold's Gluon key-block form per tuning key, among tiers.DIFF_DKDV_FORMS_OFFERED
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
-# and its query-block kernel's grid per tuning key and key-block form, once offered
+# and its grids (per item, persistent) per tuning key and key-block form, once offered
 # (tiers.PERSISTENT_BACKWARDS_OFFERED holding "diff_threshold")
 _GLUON_DIFF_BWD_GRIDS = TimedChoice("gluon diff_threshold backward dq grid")
 

@@ -228,8 +228,8 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 # The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
 # the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py and tests/test_gluon_bwd_gpu.py
-# -k persistent: softmax, threshold, sigmoid; docs/gluon.md). The differential threshold's persistent dQ kernel
-# (tests/test_gluon_diff_bwd_gpu.py -k persistent) has not run on a GPU yet
+# -k persistent: softmax, threshold, sigmoid; docs/gluon.md). The differential threshold's persistent grids
+# (tests/test_gluon_diff_bwd_gpu.py -k persistent) have not run on a GPU yet
 PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid"})
 
 

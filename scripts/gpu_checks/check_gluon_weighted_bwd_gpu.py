@@ -16,7 +16,7 @@ then times.
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
    correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
    per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
-   with dP^T and dV computed once), the key halves with the persistent dQ kernel (`persistent_dq`), and at D = 64
+   with dP^T and dV computed once), the key halves on the persistent grids (`persistent=True`), and at D = 64
    the fused form on 64-row query blocks (`fused_query_rows=64`).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
@@ -60,10 +60,10 @@ SHAPES = [(4, 16, 4096, 128, True)]
 # p = 2 and the -ln n_i bias: the families' defaults
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 # the differential backward's key-block forms: key halves per warpgroup (the default), a warpgroup per view, a
-# warpgroup per view with dP^T and dV computed once; the key halves with the persistent dQ kernel, and (D = 64)
+# warpgroup per view with dP^T and dV computed once; the key halves on the persistent grids, and (D = 64)
 # with the fused form on 64-row query blocks
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
-           + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent dq",
+           + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent",
               "diff_threshold gluon fused 64 rows"])
 
 
@@ -149,8 +149,8 @@ def time_shapes(results, shapes=SHAPES):
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups"))
                 impls["diff_threshold gluon exchange"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_exchange"))
-                impls["diff_threshold gluon persistent dq"] = (lambda: launch_diff_threshold_backward(
-                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, persistent_dq=True))
+                impls["diff_threshold gluon persistent"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, persistent=True))
                 if d == 64:  # the fused key-block form (D = 64 only) on 64-row query blocks
                     impls["diff_threshold gluon fused 64 rows"] = (lambda: launch_diff_threshold_backward(
                         qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=64))
@@ -174,7 +174,7 @@ def time_shapes(results, shapes=SHAPES):
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
-        for form in ("views", "exchange", "persistent dq", "fused 64 rows"):
+        for form in ("views", "exchange", "persistent", "fused 64 rows"):
             if "ms" in row["diff_threshold gluon"] and "ms" in row.get(f"diff_threshold gluon {form}", {}):
                 speedups += (f"  diff_threshold {form} vs key halves "
                              f"{row['diff_threshold gluon']['ms'] / row[f'diff_threshold gluon {form}']['ms']:.2f}x")
