@@ -754,9 +754,9 @@ def _persistent_dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
         b, hk, n0, i_lo, i_full, i_hi = key_block_item(t, H_KV, BHK, q_len, kv_len, CAUSAL, BLOCK_M, 2 * HALF_N)
         kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
         _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
-                       do_empty, DK, DV, DK2, LAM, stride_lam, kv_base, stride_kvn, hk, n0 + WARPGROUP * HALF_N, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
-                       power, ring, it & 1, kv_empty, VIEWS, POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES,
-                       NUM_WARPS_C, True)
+                       do_empty, DK, DV, DK2, LAM, stride_lam, kv_base, stride_kvn, hk, n0 + WARPGROUP * HALF_N,
+                       GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, ring, it & 1, kv_empty, VIEWS,
+                       POWER_MODE, CAUSAL, HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, True)
         ring += GROUP * (i_hi - i_lo)
         it += 1
 
