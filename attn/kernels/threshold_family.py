@@ -912,7 +912,7 @@ _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
 # and its grids (per item, persistent) per tuning key and key-block form, once offered
 # (tiers.PERSISTENT_BACKWARDS_OFFERED holding "diff_threshold")
-_GLUON_DIFF_BWD_GRIDS = TimedChoice("gluon diff_threshold backward dq grid")
+_GLUON_DIFF_BWD_GRIDS = TimedChoice("gluon diff_threshold backward grid")
 
 
 # ----------------------------------------------------------------------------------------
