@@ -550,39 +550,20 @@ def _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_b
 
 
 @gluon.jit
-def _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
-                             do_empty, row, col, first, count, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Query blocks i = 0 .. count-1 from row row + i BLOCK_M as the ring's tiles j = first + i: Q and Q2
-    (one ready barrier) and dO into slot j % STAGES, each once both consumers released the slot's previous
-    use (empty phase parity starts at 1: the first round does not wait)."""
-    for i in range(count):
-        j = first + i
-        s = j % STAGES
-        empty_phase = ((j // STAGES) & 1) ^ 1
-        r = row + i * BLOCK_M
-        mbarrier.wait(q_empty.index(s), empty_phase)
-        mbarrier.expect(q_ready.index(s), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [r, col], q_ready.index(s), q_ring.index(s))
-        tma.async_copy_global_to_shared(q2_desc, [r, col], q_ready.index(s), q2_ring.index(s))
-        mbarrier.wait(do_empty.index(s), empty_phase)
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [r, col], do_ready.index(s), do_ring.index(s))
-
-
-@gluon.jit
 def _two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_halves, k2_halves, v_halves, q_ring,
                        q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, k_row, kv_col, q_row, hk,
                        GROUP, i_lo, i_hi, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        STAGES: gl.constexpr, KV_TILES: gl.constexpr = 2):
     """One warp: the program's K, K2 and V (KV_TILES HALF_N-row tiles each: two halves, or the view
     warpgroups' one) once, then Q and Q2 (one ready barrier) and dO of query blocks i_lo .. i_hi - 1 of
-    each query head of kv head hk's group, in that order (`_stream_two_view_queries`)."""
+    each query head of kv head hk's group, in that order (`gluon_diff_fwd._stream_keys`'s ring: two tiles on
+    one ready barrier, a third on another)."""
     _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_bar, k_row, kv_col, HALF_N, KV_TILES)
     count = i_hi - i_lo
     for gi in range(GROUP):
-        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
-                                 do_empty, q_row + i_lo * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM, gi * count, count,
-                                 BLOCK_M, STAGES)
+        _stream_keys(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                     do_empty, q_row + i_lo * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM, gi * count, count,
+                     BLOCK_M, STAGES)
 
 
 @gluon.jit
@@ -601,18 +582,18 @@ def _persistent_two_view_producer(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_d
         count = i_hi - i_lo
         q_row = b * q_len + i_lo * BLOCK_M
         first = gl.minimum(count, 1)
-        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
-                                 do_empty, q_row, hk * GROUP * HEAD_DIM, ring, first, BLOCK_M, STAGES)
+        _stream_keys(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                     do_empty, q_row, hk * GROUP * HEAD_DIM, ring, first, BLOCK_M, STAGES)
         mbarrier.wait(kv_empty, (it & 1) ^ 1)
         _load_key_tiles(k_desc, k2_desc, v_desc, k_halves, k2_halves, v_halves, kv_bar, b * kv_len + n0,
                         hk * HEAD_DIM, HALF_N, 2)
-        _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
-                                 do_empty, q_row + first * BLOCK_M, hk * GROUP * HEAD_DIM, ring + first,
-                                 count - first, BLOCK_M, STAGES)
+        _stream_keys(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                     do_empty, q_row + first * BLOCK_M, hk * GROUP * HEAD_DIM, ring + first,
+                     count - first, BLOCK_M, STAGES)
         for gi in range(1, GROUP):
-            _stream_two_view_queries(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
-                                     do_empty, q_row, (hk * GROUP + gi) * HEAD_DIM, ring + gi * count, count,
-                                     BLOCK_M, STAGES)
+            _stream_keys(q_desc, q2_desc, do_desc, q_ring, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                         do_empty, q_row, (hk * GROUP + gi) * HEAD_DIM, ring + gi * count, count,
+                         BLOCK_M, STAGES)
         ring += GROUP * count
         it += 1
 

@@ -245,7 +245,8 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     config = f"{variant} D={head_dim} {'causal' if causal else 'full'} {dtype}"
     rows = []
     kinds = (("unmasked", False), ("masked", True))
-    if VARIANTS[variant].get("kernel", "").startswith("dkdv") and not causal:
+    if VARIANTS[variant].get("kernel", "") in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dkdv_persistent",
+                                               "dkdv_second_persistent") and not causal:
         kinds = kinds[:1]  # without the causal mask every query block runs unmasked
     # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
     # of a program whose keys run past the key length, whose keys must not reach dq)
