@@ -1172,13 +1172,9 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     signature = {"k_desc": keys, "k2_desc": keys, "v_desc": keys, "q_desc": rows, "q2_desc": rows, "do_desc": rows,
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}",
                  "stride_kvb": "i32", "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32",
-                 "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail, "XCHG_SLOTS": "constexpr"}
-    if kernel.endswith("_persistent"):
-        signature = {name: kind for name, kind in signature.items() if name != "XCHG_SLOTS"}
-        signature = {**{k: v for k, v in signature.items() if v != "constexpr"}, "BHK": "i32",
-                     **{k: v for k, v in signature.items() if v == "constexpr"}}
-        cfg = {k: v for k, v in cfg.items() if k != "XCHG_SLOTS"}
-        return compile_gluon_sm90(_persistent_dkdv_kernel, signature, {**constexprs, "VIEWS": views, **cfg},
-                                  ("DK", "DV", "DK2"), arch)
-    return compile_gluon_sm90(_dkdv_kernel, signature, {**constexprs, "VIEWS": views, "XCHG_SLOTS": 1, **cfg},
-                              ("DK", "DV", "DK2"), arch)
+                 "GROUP": "i32", **scalars, "VIEWS": "constexpr", **tail}
+    if kernel.endswith("_persistent"):  # compile_gluon_sm90 takes the signature in the kernel's argument order
+        return compile_gluon_sm90(_persistent_dkdv_kernel, {**signature, "BHK": "i32"},
+                                  {**constexprs, "VIEWS": views, **cfg}, ("DK", "DV", "DK2"), arch)
+    return compile_gluon_sm90(_dkdv_kernel, {**signature, "XCHG_SLOTS": "constexpr"},
+                              {**constexprs, "VIEWS": views, "XCHG_SLOTS": 1, **cfg}, ("DK", "DV", "DK2"), arch)
