@@ -423,8 +423,7 @@ def _exchange_first_block(j, m, dk, k_tile, v_tile, q_ring, do_ring, q_ready, do
     s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S1^T retired
     visible = 0
     if MASKED:
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+        visible = _visible_columns(m, first_col, st_layout, BLOCK_M)
     w_t, g_t = _weight_and_grad(s_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
     dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, v_tile, do_tile))  # dP^T retired
     release(j, do_empty, STAGES)
@@ -456,8 +455,7 @@ def _exchange_second_block(j, m, dk2, dv, k2_tile, q2_ring, do_ring, q_ready, do
     s_t, k2_tile, q2_tile = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, k2_tile, q2_tile))  # S2^T retired
     visible = 0
     if MASKED:
-        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        visible = gl.expand_dims(cols, 0) >= gl.expand_dims(first_col - m, 1)
+        visible = _visible_columns(m, first_col, st_layout, BLOCK_M)
     w_t, g_t = _weight_and_grad(s_t, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
     slot = j % XCHG_SLOTS
     mbarrier.wait(xchg_full.index(slot), (j // XCHG_SLOTS) & 1)
