@@ -167,12 +167,12 @@ DIFFERENTIAL_BACKWARD = [
                                    ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
                                    ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
                                    ("_p1.5", 1.5, 64, False, "bf16"))]
-# the fused form (D = 64) on 64-row query blocks (gluon_diff_bwd's fused_query_rows=64)
-DIFFERENTIAL_BACKWARD += [("diff_bwd_dkdv_fused64", "dkdv", 2.0, 64, True, "bf16"),
-                          ("diff_bwd_dkdv_fused64_p1", "dkdv", 1.0, 64, False, "fp16"),
-                          ("diff_bwd_dkdv_fused64_p1.5", "dkdv", 1.5, 64, True, "bf16")]
+# the fused form (D = 64) on 32-row query blocks (gluon_diff_bwd's fused_query_rows=32; FUSED_QUERY_ROWS is 64)
+DIFFERENTIAL_BACKWARD += [("diff_bwd_dkdv_fused32", "dkdv", 2.0, 64, True, "bf16"),
+                          ("diff_bwd_dkdv_fused32_p1", "dkdv", 1.0, 64, False, "fp16"),
+                          ("diff_bwd_dkdv_fused32_p1.5", "dkdv", 1.5, 64, True, "bf16")]
 REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_diff_bwd", dict(head_dim=d, dtype=t, causal=c, kernel=kernel,
-                                                                   power=power, **({"block_m": 64} if "fused64" in
+                                                                   power=power, **({"block_m": 32} if "fused32" in
                                                                                     variant else {})), variant)
                  for variant, kernel, power, d, c, t in DIFFERENTIAL_BACKWARD})
 

@@ -184,13 +184,15 @@ def test_the_view_warpgroup_forms_are_repeatable_and_close_to_the_key_halves_for
         assert (a.float() - h.float()).abs().max().item() <= 2e-2 * scale, name
 
 
-@pytest.mark.parametrize("power,form", [(2.0, "key_halves"), (1.5, "key_halves"), (2.0, "view_warpgroups")])
-def test_the_persistent_grids_give_the_per_item_grids_bits(power, form, nan_poison):
+@pytest.mark.parametrize("power,form,rows", [(2.0, "key_halves", None), (1.5, "key_halves", None),
+                                            (2.0, "key_halves", 32), (2.0, "view_warpgroups", None)])
+def test_the_persistent_grids_give_the_per_item_grids_bits(power, form, rows, nan_poison):
     """`persistent=True` (the query-block kernel and the key halves' key-block launches on persistent grids, one
     program per SM running work items in turn; the view warpgroups' key-block launch stays per item) computes
     each item as the per-item grids do: all six gradients equal bit for bit, every element written (NaN-poisoned
     allocations), on `PERSISTENT_SHAPES` (more work items than SMs, a ragged last group, rows that see no key;
-    D 64 runs the fused key-block form, D 128 the first and second views' launches)."""
+    D 64 runs the fused key-block form on `rows` query rows per ring slot, D 128 the first and second views'
+    launches)."""
     from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
 
     for index, shape in enumerate(PERSISTENT_SHAPES):
@@ -198,8 +200,8 @@ def test_the_persistent_grids_give_the_per_item_grids_bits(power, form, nan_pois
         tensors, do = _inputs(shape, seed=300 + index)
         t = {name: x.to(torch.float32 if name == "lam" else dtype) for name, x in tensors.items()}
         args = (t["q"], t["k"], t["v"], t["q2"], t["k2"], t["lam"], do.to(dtype), causal, 1.0, power)
-        per_item = launch_diff_threshold_backward(*args, dkdv_form=form)
-        persistent = launch_diff_threshold_backward(*args, dkdv_form=form, persistent=True)
+        per_item = launch_diff_threshold_backward(*args, dkdv_form=form, fused_query_rows=rows)
+        persistent = launch_diff_threshold_backward(*args, dkdv_form=form, persistent=True, fused_query_rows=rows)
         torch.cuda.synchronize()
         for name, ref, got in zip(GRADIENTS, per_item, persistent):
             assert not got.isnan().any(), f"{shape} {name}: an element unwritten (NaN)"
@@ -210,24 +212,25 @@ D64_CASES = [case for case in CASES if case[1][5] == 64]
 
 
 @pytest.mark.parametrize("case", D64_CASES, ids=[case_id(c) for c in D64_CASES])
-def test_fused_64_rows_is_within_the_rule(case, nan_poison):
-    """fused_64_rows: the fused key-block form (D = 64) with 64 query rows per ring slot instead of
-    FUSED_QUERY_ROWS's 32 (`fused_query_rows=64`) on the D = 64 cases: all six gradients within the rule."""
-    _check(case, "portable", seed=400 + CASES.index(case), fused_query_rows=64)
+def test_fused_32_rows_is_within_the_rule(case, nan_poison):
+    """fused_32_rows: the fused key-block form (D = 64) with 32 query rows per ring slot instead of
+    FUSED_QUERY_ROWS's 64 (`fused_query_rows=32`) on the D = 64 cases: all six gradients within the rule."""
+    _check(case, "portable", seed=400 + CASES.index(case), fused_query_rows=32)
 
 
 @pytest.mark.parametrize("power,causal", [(2.0, True), (1.5, False)])
-def test_fused_64_rows_is_repeatable_and_close_to_32_rows(power, causal):
-    """fused_64_rows: the same bits twice; dq, dq2 and d-lambda (the query-block kernel) the 32-row form's bits;
-    dk, dk2, dv within a rounding or two of it (the same products, summed over query rows in other chunks)."""
+def test_fused_rows_are_repeatable_and_close_to_each_other(power, causal):
+    """fused_32_rows: the same bits twice for 32 and for 64 query rows per ring slot; dq, dq2 and d-lambda (the
+    query-block kernel) the same bits for both; dk, dk2, dv within a rounding or two (the same products, summed
+    over query rows in other chunks)."""
     from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
 
     q, k, v, q2, k2, lam, do = _packed(seed=13, d=64)
-    first = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=64)
-    second = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=64)
-    rows32 = launch_diff_threshold_backward(q, k, v, q2, k2, lam, do, causal, 1.0, power, fused_query_rows=32)
-    for name, a, b, r in zip(GRADIENTS, first, second, rows32):
-        assert torch.equal(a, b), name
+    args = (q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    rows64, rows32 = (launch_diff_threshold_backward(*args, fused_query_rows=rows) for rows in (64, 32))
+    again64, again32 = (launch_diff_threshold_backward(*args, fused_query_rows=rows) for rows in (64, 32))
+    for name, a, b, r, r2 in zip(GRADIENTS, rows64, again64, rows32, again32):
+        assert torch.equal(a, b) and torch.equal(r, r2), name
         if name in ("dq", "dq2", "dlam"):
             assert torch.equal(a, r), name
             continue

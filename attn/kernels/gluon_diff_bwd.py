@@ -54,8 +54,8 @@ accumulators started at -tau_i so the scores are x itself):
    running the same work items in turn (the forwards' query-block order, `key_block_item`'s key-block order),
    the producer loading the next item's first streamed tiles and then, once both consumers arrived on the
    item-empty barrier, its stationary ones, while the consumers store this item's gradients: the same bits
-   per item. The backward plan offers it once `tiers.PERSISTENT_BACKWARDS_OFFERED` holds "diff_threshold"
-   (tests/test_gluon_diff_bwd_gpu.py -k persistent, not yet run on a GPU).
+   per item. The backward plan times it against the per-item grids per tuning key
+   (`tiers.PERSISTENT_BACKWARDS_OFFERED`).
 
 Masks: as `gluon_weighted_bwd`: the causal diagonal's blocks compare per score (both views' scores
 select -inf where a key is not seen, so w and g vanish there), the rest run without mask arithmetic;
@@ -119,10 +119,10 @@ FIRST_VIEW = 1  # dK and dV
 SECOND_VIEW = 2  # dK2
 VIEW_WARPGROUPS = 3  # one warpgroup per view on the same keys: dK and dV, dK2, in one launch
 VIEW_EXCHANGE = 4  # as VIEW_WARPGROUPS, dP^T and dV computed once: view 1 hands dP^T and W1^T to view 2
-# Query rows per ring slot of the fused form (D = 64). 64 rows compile without local memory in the loops and with
-# 21 % fewer instructions per position than 32 (15.6 against 19.7 at p = 2), but have not run on a GPU yet
-# (tests/test_gluon_diff_bwd_gpu.py -k fused_64_rows; docs/gluon.md)
-FUSED_QUERY_ROWS = 32
+# Query rows per ring slot of the fused form (D = 64): 64 rows compile without local memory in the loops, with 21 %
+# fewer instructions per position than 32 (15.6 against 19.7 at p = 2), and the backward at (16,12,1024,64) takes
+# 0.424 against 0.445 ms on an H100 (docs/results/gluon/diff_bwd_persistent_fused64_h100.md)
+FUSED_QUERY_ROWS = 64
 # the key-block forms a backward launch takes (`launch_diff_threshold_backward`'s dkdv_form): the key halves
 # (`dkdv_forms`: FUSED at D = 64, FIRST_VIEW and SECOND_VIEW at D = 128), VIEW_WARPGROUPS, VIEW_EXCHANGE
 DKDV_FORMS = {"key_halves": None, "view_warpgroups": VIEW_WARPGROUPS, "view_exchange": VIEW_EXCHANGE}

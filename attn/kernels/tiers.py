@@ -85,7 +85,7 @@ GLUON_PERSISTENT_MODES = ("auto", "0", "1")
 
 def gluon_persistent_mode() -> str:
     """Which grid the Gluon forwards (softmax family, threshold, sigmoid, differential threshold) and the
-    backwards of the families in PERSISTENT_BACKWARDS_OFFERED (softmax, threshold, sigmoid) launch, by
+    backwards of the families in PERSISTENT_BACKWARDS_OFFERED (all four) launch, by
     ATTNLAB_GLUON_PERSISTENT: "0" a program per work item (query block or key block, batch x head), "1" the
     persistent kernels (a program per SM running work items in turn, the next item's tiles loading while
     this one finishes: attn/kernels/gluon_pipeline.py), "auto" (default: the plans time both per tuning key
@@ -228,9 +228,8 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 # The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
 # the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py and tests/test_gluon_bwd_gpu.py
-# -k persistent: softmax, threshold, sigmoid; docs/gluon.md). The differential threshold's persistent grids
-# (tests/test_gluon_diff_bwd_gpu.py -k persistent) have not run on a GPU yet
-PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid"})
+# and tests/test_gluon_diff_bwd_gpu.py -k persistent: all four; docs/gluon.md)
+PERSISTENT_BACKWARDS_OFFERED = frozenset({"softmax", "threshold", "sigmoid", "diff_threshold"})
 
 
 def choose_gluon_backward_grid(choice: TimedChoice, key: tuple, grid: Callable[[bool], Callable],

@@ -44,7 +44,7 @@ form's launch (a warpgroup per view on the same 64 keys: its row is one warpgrou
 both warpgroups together run about twice its count per position), diff_bwd_dkdv_exchange the view-exchange form's (the
 same, dP^T and dV once: view 1's loop has three products, view 2's three; its row is the shorter loop), diff_bwd_dq
 the query-block dQ / dQ2 / d-lambda kernel (diff_bwd_dq_persistent, diff_bwd_dkdv_persistent and
-diff_bwd_dkdv_second_persistent the persistent forms, diff_bwd_dkdv_fused64 the fused form on 64-row query blocks);
+diff_bwd_dkdv_second_persistent the persistent forms, diff_bwd_dkdv_fused32 the fused form on 32-row query blocks);
 their per_score counts per (query, key) position as well. The forwards' <form>_pingpong variants compile the two
 consumer warpgroups in
 ping-pong (gluon_pipeline's turn barriers: each loop holds one BAR.SYNC and one BAR.ARV more, counted as sync).
@@ -191,8 +191,8 @@ DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kern
                                   for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq",
                                                  "dq_persistent", "dkdv_persistent", "dkdv_second_persistent")
                                   for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
-# the fused key-block form (D = 64) on 64-row query blocks (gluon_diff_bwd's fused_query_rows)
-DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_fused64{suffix}": dict(kernel="dkdv", power=power, block_m=64)
+# the fused key-block form (D = 64) on 32-row query blocks (gluon_diff_bwd's fused_query_rows; FUSED_QUERY_ROWS is 64)
+DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_fused32{suffix}": dict(kernel="dkdv", power=power, block_m=32)
                                        for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))})
 VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
 DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"

@@ -17,7 +17,7 @@ then times.
    correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
    per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
    with dP^T and dV computed once), the key halves on the persistent grids (`persistent=True`), and at D = 64
-   the fused form on 64-row query blocks (`fused_query_rows=64`).
+   the fused form on 32-row query blocks (`fused_query_rows=32`; FUSED_QUERY_ROWS is 64).
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -64,7 +64,7 @@ TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 # with the fused form on 64-row query blocks
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
            + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent",
-              "diff_threshold gluon fused 64 rows"])
+              "diff_threshold gluon fused 32 rows"])
 
 
 def _spec(variant, params):
@@ -151,9 +151,9 @@ def time_shapes(results, shapes=SHAPES):
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_exchange"))
                 impls["diff_threshold gluon persistent"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, persistent=True))
-                if d == 64:  # the fused key-block form (D = 64 only) on 64-row query blocks
-                    impls["diff_threshold gluon fused 64 rows"] = (lambda: launch_diff_threshold_backward(
-                        qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=64))
+                if d == 64:  # the fused key-block form (D = 64 only) on 32-row query blocks
+                    impls["diff_threshold gluon fused 32 rows"] = (lambda: launch_diff_threshold_backward(
+                        qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=32))
             else:
                 sm_scale, bias = float(spec.scale(d)), spec.bias
                 impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
@@ -174,7 +174,7 @@ def time_shapes(results, shapes=SHAPES):
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
-        for form in ("views", "exchange", "persistent", "fused 64 rows"):
+        for form in ("views", "exchange", "persistent", "fused 32 rows"):
             if "ms" in row["diff_threshold gluon"] and "ms" in row.get(f"diff_threshold gluon {form}", {}):
                 speedups += (f"  diff_threshold {form} vs key halves "
                              f"{row['diff_threshold gluon']['ms'] / row[f'diff_threshold gluon {form}']['ms']:.2f}x")
