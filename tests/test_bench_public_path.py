@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_public_path as bp  # noqa: E402
@@ -119,24 +120,24 @@ def test_host_pairs_name_the_suite_rows_and_their_yardsticks():
         assert bp.yardstick(f"decode {variant}") == "decode sdpa"
 
 
+def cpu_tensors(variant, b, n, h, d, grad, kv=None):
+    """bench_public_path.tensors on the CPU in fp32: the suites' inputs at a stand-in size."""
+    kv = n if kv is None else kv
+
+    def rand(length):
+        x = torch.randn(b, length, h, d)
+        return (F.normalize(x, dim=-1) if variant in ("threshold", "diff_threshold") else x).requires_grad_(grad)
+
+    x = {"q": rand(n), "k": rand(kv), "v": rand(kv), "extra": None}
+    if variant == "diff_threshold":
+        x["extra"] = {"q2": rand(n), "k2": rand(kv), "lam": torch.full((h,), 0.5, requires_grad=grad)}
+    return x
+
+
 def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(monkeypatch):
     """call_rows, decode_rows and recheck build and run every row's step (eager and compiled calls through
     attn.attention, SDPA's yardsticks) on small CPU tensors, the timer replaced by a counter: the suites' plumbing
     works without a GPU, and each row times the callable built for it."""
-    import torch.nn.functional as F
-
-    def cpu_tensors(variant, b, n, h, d, grad, kv=None):
-        kv = n if kv is None else kv
-
-        def rand(length):
-            x = torch.randn(b, length, h, d)
-            return (F.normalize(x, dim=-1) if variant in ("threshold", "diff_threshold") else x).requires_grad_(grad)
-
-        x = {"q": rand(n), "k": rand(kv), "v": rand(kv), "extra": None}
-        if variant == "diff_threshold":
-            x["extra"] = {"q2": rand(n), "k2": rand(kv), "lam": torch.full((h,), 0.5, requires_grad=grad)}
-        return x
-
     timed = []
 
     def count_calls(step):
@@ -160,3 +161,30 @@ def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(m
     assert {name: len(p) for name, p in pairs.items()} == {"decode threshold": 2,
                                                            "call diff_threshold compiled fwd+bwd": 2}
     assert all(row > 0 and yard > 0 for p in pairs.values() for row, yard in p)
+
+
+def test_the_kernels_suite_times_every_variant_of_the_target_table_on_cpu_stand_ins(monkeypatch):
+    """kernel_rows builds and times fwd and fwd+bwd of SDPA and of every variant in KERNEL_VARIANTS (the caps
+    soft_sign and ALSC included) through attn.attention on small CPU tensors, the timer replaced by a counter,
+    and `ratios` puts each against SDPA (the differential threshold against threshold too)."""
+    timed = []
+
+    def count_calls(step):
+        step()
+        timed.append(step)
+        return float(len(timed))
+
+    monkeypatch.setattr(bp, "tensors", cpu_tensors)
+    monkeypatch.setattr(bp, "median_ms", count_calls)
+    monkeypatch.setattr(bp, "KERNEL_SHAPE", (1, 2, 16, 8))
+    rows = bp.kernel_rows()
+    assert list(rows) == [f"kernels {v} {d}" for v in ("sdpa", *bp.KERNEL_VARIANTS) for d in ("fwd", "fwd+bwd")]
+    assert {"softcap_softsign", "alsc"} <= set(bp.KERNEL_VARIANTS)
+    assert len(set(map(id, timed))) == len(timed) == len(rows)
+    ratios = bp.ratios(rows)
+    for variant in bp.KERNEL_VARIANTS:
+        for direction in ("fwd", "fwd+bwd"):
+            name = f"kernels {variant} {direction}"
+            assert ratios[f"{name}: SDPA / ours"] == rows[f"kernels sdpa {direction}"] / rows[name]
+    assert ratios["kernels diff_threshold fwd+bwd / threshold"] == (rows["kernels diff_threshold fwd+bwd"]
+                                                                     / rows["kernels threshold fwd+bwd"])
