@@ -23,7 +23,8 @@ MUFU lg2 and ex2 per view's score for any other p) and no local memory inside a 
 
 The differential threshold backward (attn/kernels/gluon_diff_bwd.py): the same PTX checks, per loop iteration
 the products of its kernel (key-block forms: S1^T, S2^T, dP^T, dV, dK and, fused, dK2; the second view's S2^T,
-dP^T, dK2; the view warpgroups' S^T, dP^T, dV, dK each; the query-block kernel S1, S2, dP, dQ, dQ2), the
+dP^T, dK2; the view warpgroups' S^T, dP^T, dV, dK each; the query-block kernel S1, S2, dP, dQ, dQ2, its view
+warpgroups S, dP, dQ each), the
 power's MUFU ops and no local memory inside a loop (a bounded few for the view warpgroups at D = 128 with a
 general power).
 
@@ -161,8 +162,8 @@ REQUESTS.update({f"diff_threshold_persistent-{p}-{d}-{c}-{t}": ("gluon_diff_fwd"
 # the differential threshold backward: (gluon_sass_counts variant, its kernel, power, D, causal, dtype)
 DIFFERENTIAL_BACKWARD = [
     (f"diff_bwd_{kernel}{suffix}", kernel, power, d, c, t)
-    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent", "dkdv_persistent",
-                   "dkdv_second_persistent")
+    for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq", "dq_persistent", "dq_views",
+                   "dkdv_persistent", "dkdv_second_persistent")
     for suffix, power, d, c, t in (("", 2.0, 128, True, "bf16"), ("", 2.0, 64, True, "bf16"),
                                    ("", 2.0, 128, False, "fp16"), ("_p1", 1.0, 64, False, "bf16"),
                                    ("_p1", 1.0, 128, True, "fp16"), ("_p1.5", 1.5, 128, True, "bf16"),
@@ -531,9 +532,10 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     (per item, persistent); the view-warpgroup form's loops (one per view's warpgroup) S^T,
     dP^T (k = D) and dV, dK (k = its query block); the view-exchange form's loops six products between them,
     view 1 S1^T, dP^T (k = D) and dK (k = its query block), view 2 S2^T (k = D) and dV, dK2 (k = its query
-    block) (the row counted is the shorter loop, either view's). The weights and gradients of both views need
-    no MUFU op per score at p = 1 and 2 (a handful per loop for the row thresholds) and a lg2 and an ex2 per
-    view's score otherwise (width / 2 scores per thread). Every score tile and accumulator stays in registers:
+    block) (the row counted is the shorter loop, either view's); the query-block kernel's view-warpgroup form
+    (one loop per view's warpgroup) S, dP (k = D) and dQ (k = its key block). The weights and gradients of both
+    views need no MUFU op per score at p = 1 and 2 (a handful per loop for the row thresholds) and a lg2 and an
+    ex2 per view's score otherwise (width / 2 scores per thread). Every score tile and accumulator stays in registers:
     no local memory in a loop, but for the view-warpgroup form at D = 128 with a general power (its lg2 / ex2
     temporaries beside two 64 x 128 accumulators and the view's lambda): at most 4 local-memory instructions
     per iteration (measured: 4 in the causal diagonal's loops, 2 in the second view's unmasked loop)."""
@@ -544,9 +546,11 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
     width = result["tile_width"]
     assert set(rows) == ({"unmasked"} if (kernel.startswith("dkdv") and not causal) else {"unmasked", "masked"})
     products = {"dkdv": [(3, 3 if head_dim == 64 else 2)], "dkdv_second": [(2, 1)], "dkdv_views": [(2, 2)],
-                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)]}[kernel.removesuffix("_persistent")]
+                "dkdv_exchange": [(2, 1), (1, 2)], "dq": [(3, 2)],
+                "dq_views": [(2, 1)]}[kernel.removesuffix("_persistent")]
     # (products of k = D, products of k = width) per loop
-    views = 1 if kernel.removesuffix("_persistent") in ("dkdv_second", "dkdv_views", "dkdv_exchange") else 2
+    one_view = ("dkdv_second", "dkdv_views", "dkdv_exchange", "dq_views")
+    views = 1 if kernel.removesuffix("_persistent") in one_view else 2
     spills_allowed = 4 if (kernel == "dkdv_views" and head_dim == 128 and power not in (1.0, 2.0)) else 0
     for row in rows.values():
         assert row["hgmma"] in [score * (head_dim // 16) + other * (width // 16) for score, other in products], row

@@ -42,7 +42,8 @@ class _GluonDiffBackward(torch.autograd.Function):
     the Gluon backward (as the family's backward plan calls it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves", fused_query_rows=None):
+    def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves", fused_query_rows=None,
+                dq_form="rows"):
         from attn.kernels import gluon_diff_fwd, threshold_family
 
         beta, power = float(spec.beta), float(spec.power)
@@ -52,6 +53,7 @@ class _GluonDiffBackward(torch.autograd.Function):
             out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
         ctx.save_for_backward(q, k, v, q2, k2, lam)
         ctx.spec, ctx.causal, ctx.dkdv_form, ctx.fused_query_rows = spec, causal, dkdv_form, fused_query_rows
+        ctx.dq_form = dq_form
         return out
 
     @staticmethod
@@ -62,8 +64,8 @@ class _GluonDiffBackward(torch.autograd.Function):
         spec = ctx.spec
         dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(
             q, k, v, q2, k2, lam, dout.contiguous(), ctx.causal, float(spec.beta), float(spec.power),
-            dkdv_form=ctx.dkdv_form, fused_query_rows=ctx.fused_query_rows)
-        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None
+            dkdv_form=ctx.dkdv_form, fused_query_rows=ctx.fused_query_rows, dq_form=ctx.dq_form)
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None, None
 
 
 def _inputs(shape, seed):
@@ -80,7 +82,7 @@ def _leaves(tensors, dtype):
             for name, t in tensors.items()}
 
 
-def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=None):
+def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=None, dq_form="rows"):
     params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant("diff_threshold").make_spec(**params)
@@ -94,7 +96,7 @@ def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=No
     same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
     fused = outputs_and_grads(
         lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier,
-                                                              dkdv_form, fused_query_rows),
+                                                              dkdv_form, fused_query_rows, dq_form),
         _leaves(tensors, dtype), do)
     sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
     for name in ("out", *GRADIENTS):
@@ -238,6 +240,35 @@ def test_fused_rows_are_repeatable_and_close_to_each_other(power, causal):
         assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_dq_view_warpgroups_is_within_the_rule(case, nan_poison):
+    """dq_view_warpgroups: the query-block kernel's view-warpgroup form (`dq_form="view_warpgroups"`: a warpgroup
+    per score view on the same 64 rows, each computing dP) on the whole case matrix: all six gradients within the
+    rule."""
+    _check(case, "portable", seed=500 + CASES.index(case), dq_form="view_warpgroups")
+
+
+@pytest.mark.parametrize("power,causal,d", [(2.0, True, 128), (1.5, True, 64), (1.0, False, 128), (3.0, True, 128)])
+def test_dq_view_warpgroups_is_repeatable_and_close_to_the_rows_form(power, causal, d, nan_poison):
+    """dq_view_warpgroups: the same bits twice; dk, dv, dk2 (the same key-block kernels) the rows form's bits; dq,
+    dq2 within a rounding or two of it (the same products summed over other key chunks at D = 128), d-lambda
+    within a few of its fp32 sum's magnitude (its terms summed in another order)."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, lam, do = _packed(seed=17, d=d)
+    args = (q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    first, second = (launch_diff_threshold_backward(*args, dq_form="view_warpgroups") for _ in range(2))
+    rows = launch_diff_threshold_backward(*args)
+    for name, a, b, r in zip(GRADIENTS, first, second, rows):
+        assert torch.equal(a, b), name
+        assert not a.isnan().any(), name
+        if name in ("dk", "dv", "dk2"):
+            assert torch.equal(a, r), name
+            continue
+        scale = r.float().abs().max().item()
+        assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
+
+
 def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):
     """lambda is read per head through its stride and converted to fp32 in the kernels: a bf16 or fp16 lambda, or a
     strided one, gives the gradients of q, k, v, q2, k2 of its contiguous fp32 copy, and d-lambda in its own dtype
@@ -282,6 +313,8 @@ def test_checked_entry_names_what_a_call_misses():
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, dkdv_form="views")
     with pytest.raises(ValueError, match="fused_query_rows"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, fused_query_rows=48)
+    with pytest.raises(ValueError, match="dq_form"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, dq_form="views")
     with pytest.raises(ValueError, match="causal"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, 1)
     with pytest.raises(ValueError, match="head dim"):

@@ -334,6 +334,9 @@ def _entries():
         **{f"diff_bwd_{form}": (lambda x, form=form: dbw.launch_diff_threshold_backward(
             x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], x["do"], False, 0.8, 1.5, dkdv_form=form))
            for form in ("view_warpgroups", "view_exchange")},
+        "diff_bwd_dq_views": lambda x: dbw.launch_diff_threshold_backward(
+            x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], x["do"], True, 0.8, 2.0, dkdv_form="view_warpgroups",
+            dq_form="view_warpgroups"),
     }
 
 

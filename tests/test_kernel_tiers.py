@@ -227,8 +227,9 @@ def _fake_gluon(monkeypatch, module, name, log, result):
 @pytest.fixture
 def gluon_offered(monkeypatch):
     """Every family's plans offer the Gluon tier on the CPU (ATTNLAB_GLUON=1; the softmax backward's dq form,
-    the grids and the differential backward's key-block form fixed, untimed: ATTNLAB_GLUON_DQ=separate,
-    ATTNLAB_GLUON_PERSISTENT=0, ATTNLAB_GLUON_DIFF_DKDV=key_halves), its launchers logged."""
+    the grids and the differential backward's forms fixed, untimed: ATTNLAB_GLUON_DQ=separate,
+    ATTNLAB_GLUON_PERSISTENT=0, ATTNLAB_GLUON_DIFF_DKDV=key_halves, ATTNLAB_GLUON_DIFF_DQ=rows), its launchers
+    logged."""
     from attn.kernels import (gluon_diff_fwd, gluon_softmax_fwd, gluon_weighted_fwd, sigmoid_family, softmax_family,
                               threshold_family)
 
@@ -236,6 +237,7 @@ def gluon_offered(monkeypatch):
     monkeypatch.setenv(tiers.GLUON_DQ_ENV, "separate")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "0")
     monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "key_halves")
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "rows")
     for family in (softmax_family, threshold_family, sigmoid_family):
         monkeypatch.setattr(family, "gluon_candidate", lambda device: True)
     log = []
@@ -320,7 +322,8 @@ def test_plans_offer_the_gluon_tier_to_the_calls_it_serves(variant, params, opti
 # (variable, its values, its reader, a value it refuses): the persistent grid's and the differential backward's
 # key-block form's switches, "auto" when unset
 TIMED_SWITCHES = [(tiers.GLUON_PERSISTENT_ENV, tiers.GLUON_PERSISTENT_MODES, tiers.gluon_persistent_mode, "yes"),
-                  (tiers.GLUON_DIFF_DKDV_ENV, tiers.GLUON_DIFF_DKDV_FORMS, tiers.gluon_diff_dkdv_form, "views")]
+                  (tiers.GLUON_DIFF_DKDV_ENV, tiers.GLUON_DIFF_DKDV_FORMS, tiers.gluon_diff_dkdv_form, "views"),
+                  (tiers.GLUON_DIFF_DQ_ENV, tiers.GLUON_DIFF_DQ_FORMS, tiers.gluon_diff_dq_form, "views")]
 
 
 @pytest.mark.parametrize("env,values,read,refused", TIMED_SWITCHES, ids=[s[0] for s in TIMED_SWITCHES])
@@ -522,6 +525,7 @@ def test_the_backward_plans_read_the_switch():
     for family in (threshold_family, sigmoid_family):
         assert tiers.GLUON_PERSISTENT_ENV in family._BWD_PLANS.settings
     assert tiers.GLUON_DIFF_DKDV_ENV in threshold_family._BWD_PLANS.settings
+    assert tiers.GLUON_DIFF_DQ_ENV in threshold_family._BWD_PLANS.settings
 
 
 BACKWARD_GRID_FAMILIES = [("threshold", {"power": 1.5}, "threshold_family", "gluon_weighted_bwd",
@@ -609,7 +613,7 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent):
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
         log.append(dkdv_form)
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
@@ -648,6 +652,63 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     assert backward(batch=3) == ["key_halves"]
 
 
+@pytest.mark.parametrize("times,winner", [({"rows": 2.0, "view_warpgroups": 1.0}, "view_warpgroups"),
+                                          ({"rows": 1.0, "view_warpgroups": 1.5}, "rows")])
+def test_the_differential_query_block_form_is_timed_per_key_and_key_block_form(times, winner, gluon_offered,
+                                                                             monkeypatch):
+    """The differential threshold's Gluon backward times the query-block forms tiers.DIFF_DQ_FORMS_OFFERED holds
+    (ATTNLAB_GLUON_DIFF_DQ=auto) for the key-block form in use at a key's first backward and keeps the faster,
+    for each key-block form on its own; a form's name pins it; with one form offered nothing is timed."""
+    import attn
+    from attn.kernels import gluon_diff_bwd, threshold_family
+
+    assert set(gluon_diff_bwd.DQ_FORMS) == set(times)
+    monkeypatch.setattr(tiers, "DIFF_DQ_FORMS_OFFERED", gluon_diff_bwd.DQ_FORMS)
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "auto")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DQ_FORMS", tiers.TimedChoice("dq form"))
+    log = []
+
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
+        log.append((dkdv_form, dq_form))
+        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
+
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+
+    def median_ms(fn):
+        fn()
+        return times[log[-1][1]]
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant("diff_threshold").make_spec()
+
+    def backward():
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        extra = _second_view(q, k, 2, requires_grad=True)
+        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        launched = list(log)
+        del log[:]
+        return launched
+
+    timed = [("key_halves", form) for form in gluon_diff_bwd.DQ_FORMS for _ in range(2)]
+    assert backward() == timed + [("key_halves", winner)]
+    assert list(threshold_family._GLUON_DIFF_DQ_FORMS.chosen.values()) == [winner]
+    assert backward() == [("key_halves", winner)]  # remembered
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "view_warpgroups")  # another key-block form: timed on its own
+    monkeypatch.setattr(tiers, "DIFF_DKDV_FORMS_OFFERED", ("key_halves", "view_warpgroups"))
+    assert backward() == [("view_warpgroups", form) for _, form in timed] + [("view_warpgroups", winner)]
+    for form in gluon_diff_bwd.DQ_FORMS:
+        monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, form)
+        assert backward() == [("view_warpgroups", form)]
+    monkeypatch.setattr(tiers, "DIFF_DQ_FORMS_OFFERED", ("rows",))
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "view_warpgroups")  # not offered: the rows form
+    runtime.clear_launch_plans()
+    assert backward() == [("view_warpgroups", "rows")]
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "auto")  # one form offered: launched untimed
+    runtime.clear_launch_plans()
+    assert backward() == [("view_warpgroups", "rows")]
+
+
 @pytest.mark.parametrize("per_item_ms,persistent_ms,winner", [(2.0, 1.0, True), (1.0, 1.5, False)])
 def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_ms, persistent_ms, winner,
                                                                       gluon_offered, monkeypatch):
@@ -664,7 +725,7 @@ def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_m
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_BWD_GRIDS", tiers.TimedChoice("grid"))
     log = []
 
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent):
+    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
         log.append((dkdv_form, persistent))
         return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
 
@@ -736,7 +797,8 @@ def test_the_gluon_differential_kernels_take_lambda_of_any_float_dtype(lam_dtype
 
     seen = []
 
-    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves", persistent=False):
+    def backward(q, k, v, q2, k2, lam, dout, causal, beta, power, dkdv_form="key_halves", persistent=False,
+                 dq_form="rows"):
         seen.append(lam)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(q2),
                 torch.zeros_like(k2), torch.full_like(lam, 0.25))
@@ -770,6 +832,7 @@ def test_the_differential_threshold_has_tier_choices_of_its_own_keyed_by_power(m
 
     monkeypatch.setenv(tiers.GLUON_ENV, "auto")
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "0")
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "rows")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "gluon_candidate", lambda device: True)
     for name in ("_TIERS", "_BWD_TIERS", "_DIFF_TIERS", "_DIFF_BWD_TIERS"):

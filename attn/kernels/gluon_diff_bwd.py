@@ -48,7 +48,11 @@ accumulators started at -tau_i so the scores are x itself):
 2. `_dq_kernel`, one program per 128 query rows of one (batch, head), Q, Q2 and dO loaded once, K and
    K2 (one ring slot, one ready barrier) and V streamed; per key block S1 = Q K^T, S2 = Q2 K2^T,
    dP = dO V^T, then dQ += (dP G1) K, dQ2 += (dP G2) K2 and the rows' d-lambda sums of dP relu(S2)^p.
-   dq, dq2 and the sums are written once (no atomics).
+   dq, dq2 and the sums are written once (no atomics). Its view-warpgroup form (`_dq_views_kernel`,
+   `dq_form="view_warpgroups"`): one program per 64 query rows, a warpgroup per score view on them (view 1 the
+   one-map threshold's dQ consumer: S1, dP, dQ; view 2 S2, dP, dQ2 and the d-lambda terms), 6 products per block
+   instead of 5 but 64-key blocks at D = 128 and 15.9 instead of 18.7 SASS per position there. The backward plan
+   times both forms per tuning key and key-block form (`tiers.DIFF_DQ_FORMS_OFFERED`; ATTNLAB_GLUON_DIFF_DQ).
 3. `persistent=True`: the query-block kernel and the key halves' key-block launches (forms 0, 1, 2) on
    persistent grids (`_persistent_dq_kernel`, `_persistent_dkdv_kernel`): at most one program per SM
    running the same work items in turn (the forwards' query-block order, `key_block_item`'s key-block order),
@@ -111,6 +115,7 @@ from attn.kernels.gluon_pipeline import (
 from attn.kernels.gluon_softmax_bwd import (_dkdv_producer, _issue_with_columns, key_block_item, key_block_program,
                                            persistent_dkdv_producer)
 from attn.kernels.gluon_weighted_bwd import _dkdv_block, _query_starts, _score_grad, _weight_and_grad
+from attn.kernels.gluon_weighted_bwd import _dq_consumer as _weighted_dq_consumer
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
 
@@ -126,6 +131,10 @@ FUSED_QUERY_ROWS = 64
 # the key-block forms a backward launch takes (`launch_diff_threshold_backward`'s dkdv_form): the key halves
 # (`dkdv_forms`: FUSED at D = 64, FIRST_VIEW and SECOND_VIEW at D = 128), VIEW_WARPGROUPS, VIEW_EXCHANGE
 DKDV_FORMS = {"key_halves": None, "view_warpgroups": VIEW_WARPGROUPS, "view_exchange": VIEW_EXCHANGE}
+# the query-block kernel's forms (`launch_diff_threshold_backward`'s dq_form): "rows", each consumer warpgroup its
+# own 64 query rows and both views (`_dq_kernel`); "view_warpgroups", a warpgroup per view on the same 64 rows
+# (`_dq_views_kernel`)
+DQ_FORMS = ("rows", "view_warpgroups")
 
 
 def dkdv_tile_config(head_dim: int, views: int, fused_query_rows: int | None = None) -> dict:
@@ -166,13 +175,18 @@ def dkdv_forms(head_dim: int) -> tuple[int, ...]:
     return (FUSED,) if head_dim == 64 else (FIRST_VIEW, SECOND_VIEW)
 
 
-def dq_tile_config(head_dim: int) -> dict:
-    """The query-block kernel's constexprs: BLOCK_M rows per program (64 per consumer warpgroup),
-    BLOCK_N keys per ring slot (K, K2 and V), STAGES slots. Registers per consumer thread: dQ and dQ2
-    D / 2 fp32 each, S1, S2, dP BLOCK_N / 2 each: BLOCK_N is 32 at D = 128 (64 spilled inside the
-    loops)."""
+def dq_tile_config(head_dim: int, dq_form: str = "rows") -> dict:
+    """The query-block kernel's constexprs: BLOCK_M rows per program, BLOCK_N keys per ring slot (K, K2 and
+    V), STAGES slots. "rows" (`_dq_kernel`): 64 rows per consumer warpgroup, each holding dQ and dQ2 (D / 2
+    fp32 registers each per thread) beside S1, S2, dP (BLOCK_N / 2 each): BLOCK_N is 32 at D = 128 (64 spilled
+    inside the loops). "view_warpgroups" (`_dq_views_kernel`): 64 rows both warpgroups share, one
+    accumulator each, 64-key blocks."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if dq_form not in DQ_FORMS:
+        raise ValueError(f"dq_form must be one of {DQ_FORMS}, got {dq_form!r}")
+    if dq_form == "view_warpgroups":  # Q, Q2, dO 48 / 24 KiB + 3 x 48 / 24 KiB
+        return dict(BLOCK_M=64, BLOCK_N=64, STAGES=3)
     if head_dim == 128:
         return dict(BLOCK_M=128, BLOCK_N=32, STAGES=3)  # Q, Q2, dO 96 KiB + 3 x 24 KiB
     return dict(BLOCK_M=128, BLOCK_N=64, STAGES=3)  # 48 KiB + 3 x 24 KiB
@@ -997,16 +1011,136 @@ def _persistent_dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ,
     mbarrier.invalidate(q_empty)
 
 
+# --------------------------------------------------------- dQ, dQ2 (query blocks, a warpgroup per view)
+
+
+@gluon.jit
+def _dq_second_view_block(j, dq2, dlam_acc, q2_tile, do_tile, k2_ring, v_ring, k_ready, v_ready, k_empty, v_empty,
+                          tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
+                          POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Key block j for the second view's warpgroup: S2 = Q2 K2^T and dP = dO V^T back to back, W2 and G2 once
+    S2 is in, V's slot back once dP retired, dlam_acc += dP W2 per score (summed over keys once, after the last
+    block), dQ2 += (dP G2) K2, the K / K2 slot back once that retired (the one-map `gluon_weighted_bwd._dq_block`
+    with the d-lambda terms)."""
+    s2, k2_tile = issue_qk(j, q2_tile, k2_ring, k_ready, s_layout, ROWS, BLOCK_N, STAGES)
+    dp, v_tile = issue_qk(j, do_tile, v_ring, v_ready, s_layout, ROWS, BLOCK_N, STAGES)
+    s2, q2_tile, k2_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s2, q2_tile, k2_tile))  # S2 retired
+    x2 = s2 - gl.expand_dims(tau, 1)
+    visible = 0
+    if MASKED:
+        visible = visible_key(j, last_key, kv_len, s_layout, CAUSAL, BLOCK_N)
+    w2, g2 = _weight_and_grad(x2, visible, power, THRESHOLD, POWER_MODE, 0, MASKED)
+    dp, do_tile, v_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dp, do_tile, v_tile))  # dP retired
+    release(j, v_empty, STAGES)
+    dlam_acc = dlam_acc + dp * w2
+    ds16 = gl.convert_layout(_score_grad(dp, g2, THRESHOLD, POWER_MODE).to(k2_ring.dtype), a_layout)
+    dq2 = warpgroup_mma(ds16, k2_tile, dq2, is_async=True)
+    dq2, k2_tile, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq2, k2_tile, ds16))
+    release(j, k_empty, STAGES)
+    return dq2, dlam_acc
+
+
+@gluon.jit
+def _dq_second_view_consumer(q2_tile, do_tile, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, DQ2,
+                             dq_base, stride_dqn, LAM, lam_offset, DLAM_PART, dlam_base, m0, q_len, kv_len, n_full,
+                             n_tiles, tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr):
+    """The second view's warpgroup: rows [m0, m0 + ROWS) against the program's key blocks ([0, n_full)
+    unmasked, [n_full, n_tiles) masked); stores dq2 (times -lam p) and the rows' d-lambda sums."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    tau = _row_value(rows, kv_len, q_len, tau_scale, THRESHOLD, False, CAUSAL)
+    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
+    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    dq2 = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
+    dlam_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # per-score d-lambda terms, summed after the loops
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(0, n_full):
+        dq2, dlam_acc = _dq_second_view_block(j, dq2, dlam_acc, q2_tile, do_tile, k2_ring, v_ring, k_ready, v_ready,
+                                               k_empty, v_empty, tau, last_key, kv_len, power, s_layout, a_layout,
+                                               POWER_MODE, False, CAUSAL, ROWS, BLOCK_N, STAGES)
+    for j in range(n_full, n_tiles):
+        dq2, dlam_acc = _dq_second_view_block(j, dq2, dlam_acc, q2_tile, do_tile, k2_ring, v_ring, k_ready, v_ready,
+                                               k_empty, v_empty, tau, last_key, kv_len, power, s_layout, a_layout,
+                                               POWER_MODE, True, CAUSAL, ROWS, BLOCK_N, STAGES)
+
+    dlam_rows = gl.sum(dlam_acc, axis=1)
+    lam = gl.load(LAM + lam_offset).to(gl.float32)
+    offs_m = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, dq_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    offs = dq_base + gl.expand_dims(offs_m.to(gl.int64) * stride_dqn, 1) + gl.expand_dims(offs_d, 0)
+    gl.store(DQ2 + offs, (dq2 * (-lam * power)).to(DQ2.dtype.element_ty), mask=gl.expand_dims(offs_m < q_len, 1))
+    # this head's d-lambda sums over its keys, one per query row: DLAM_PART[b, h, row]
+    gl.store(DLAM_PART + dlam_base + rows, dlam_rows, mask=rows < q_len)
+
+
+@gluon.jit
+def _dq_views_producer(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem, q2_smem, do_smem, k_ring, k2_ring,
+                       v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, q_row, q_col, k_row, kv_col, n_tiles,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's Q, Q2 and dO rows once (one tile each, both warpgroups read dO), then per key
+    block K and K2 (one ready barrier) and V into the ring (`gluon_diff_fwd._stream_keys`)."""
+    mbarrier.expect(q_bar, 3 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+    tma.async_copy_global_to_shared(q2_desc, [q_row, q_col], q_bar, q2_smem)
+    tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
+    _stream_keys(k_desc, k2_desc, v_desc, k_ring, k2_ring, v_ring, k_ready, v_ready, k_empty, v_empty, k_row, kv_col,
+                 0, n_tiles, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _dq_views_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, DLAM_PART, stride_dqb,
+                     stride_dqn, stride_dqh, stride_lam, H, GROUP, q_len, kv_len, tau_scale, power,
+                     POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The query-block kernel's view-warpgroup form (`dq_form="view_warpgroups"`): program (query block of
+    BLOCK_M rows, batch x head), a warpgroup per score view on the same rows and a 1-warp TMA producer; the
+    first view's warpgroup is the one-map threshold's dQ consumer (`gluon_weighted_bwd._dq_consumer`: S1, dP,
+    dQ += (dP G1) K), the second view's `_dq_second_view_consumer` (S2, dP, dQ2, the d-lambda sums). Both
+    compute dP: 6 products per block instead of 5, each warpgroup holding one D-wide accumulator, so the key
+    blocks are 64 keys at D = 128 too. The ring's empty barriers count one arrival per warpgroup: the first
+    view releases a K / K2 slot once dQ's product on K retired, the second once dQ2's on K2 did."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    b, h, hk, bh, m0 = program_rows(q_len, H, GROUP, BLOCK_M, CAUSAL)
+    n_full, n_tiles = key_blocks(m0, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    q_smem, q2_smem, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty = _allocate_ring(
+        q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    dq_base = b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+    gl.warp_specialize([
+        (_weighted_dq_consumer, (q_smem.index(0), do_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                                 DQ, dq_base, stride_dqn, m0, q_len, kv_len, n_full, n_tiles, 1.0, tau_scale, power,
+                                 power, 0, 0, q_bar, THRESHOLD, POWER_MODE, False, 0, CAUSAL, BLOCK_M, BLOCK_N,
+                                 HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_second_view_consumer, (q2_smem.index(0), do_smem, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty,
+                                    v_empty, DQ2, dq_base, stride_dqn, LAM, h.to(gl.int64) * stride_lam, DLAM_PART,
+                                    bh.to(gl.int64) * q_len, m0, q_len, kv_len, n_full, n_tiles, tau_scale, power,
+                                    POWER_MODE, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, NUM_WARPS_C)),
+        (_dq_views_producer, (q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, q_smem.index(0), q2_smem.index(0),
+                              do_smem, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                              b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 
 
 @functools.cache
 def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkdv_form: str,
-                   fused_query_rows: int | None):
+                   fused_query_rows: int | None, dq_form: str = "rows"):
     """What every launch of one backward form shares: per key-block launch of `dkdv_form` (DKDV_FORMS) its
     config, its key tile (`key_tile_rows`), its query-block tile and its constexprs; then the query-block
-    kernel's config, its 64-row tile, its key-block tile and its constexprs."""
+    kernel's (`dq_form`, DQ_FORMS) config, its 64-row tile, its key-block tile and its constexprs."""
     forms = []
     views = DKDV_FORMS[dkdv_form]
     for form in ((views,) if views is not None else dkdv_forms(head_dim)):
@@ -1014,7 +1148,7 @@ def _backward_plan(dtype, head_dim: int, causal: bool, power_constexpr: int, dkd
         forms.append((cfg, tma_tile(dtype, key_tile_rows(form, cfg), head_dim),
                       tma_tile(dtype, cfg["BLOCK_M"], head_dim),
                       dict(VIEWS=form, POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg)))
-    q_cfg = dq_tile_config(head_dim)
+    q_cfg = dq_tile_config(head_dim, dq_form)
     dq_constexprs = dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **q_cfg)
     return (tuple(forms), q_cfg, tma_tile(dtype, 64, head_dim), tma_tile(dtype, q_cfg["BLOCK_N"], head_dim),
             dq_constexprs)
@@ -1024,11 +1158,12 @@ _DKDV = DirectLauncher(_dkdv_kernel, "gluon_diff_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
 _PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_diff_bwd_dkdv_persistent")
 _PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_diff_bwd_dq_persistent")
+_DQ_VIEWS = DirectLauncher(_dq_views_kernel, "gluon_diff_bwd_dq_views")
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
                                    dkdv_form: str = "key_halves", persistent: bool = False,
-                                   fused_query_rows: int | None = None):
+                                   fused_query_rows: int | None = None, dq_form: str = "rows"):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
@@ -1037,13 +1172,14 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
     (`dkdv_form`, a key of DKDV_FORMS), the query-block kernel, and torch's fixed-order sum of the d-lambda
     partials. `persistent`: the query-block kernel and the key halves' launches on their persistent grids (a
     program per SM running work items in turn; the view forms run per item).
-    `fused_query_rows`: the fused form's query rows per ring slot (default FUSED_QUERY_ROWS)."""
+    `fused_query_rows`: the fused form's query rows per ring slot (default FUSED_QUERY_ROWS).
+    `dq_form`: the query-block kernel's form (DQ_FORMS; "view_warpgroups" runs per item, `persistent` or not)."""
     import torch
 
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power),
-                                                                      dkdv_form, fused_query_rows)
+                                                                      dkdv_form, fused_query_rows, dq_form)
     tau_scale, power = float(beta * math.sqrt(2.0 / d)), float(power)
     q_view, q2_view, do_view = tma_view(q), tma_view(q2), tma_view(dout)
     k_view, k2_view, v_view = tma_view(k), tma_view(k2), tma_view(v)
@@ -1072,7 +1208,10 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
                       *(descriptor(t, key_tile) for t in (k_view, k2_view, v_view)))
     dq_scalars = (n * h * d, h * d, d, lam_stride,  # dq's and dq2's strides (contiguous), lam's
                   h, h // h_kv, n, kv_len, tau_scale, power)
-    if persistent:
+    if dq_form == "view_warpgroups":
+        _DQ_VIEWS.run((cdiv(n, q_cfg["BLOCK_M"]), bsz * h), dq_descriptors, (dq, dq2, lam, dlam_part), dq_scalars,
+                      dq_constexprs, GLUON_OPTIONS)
+    elif persistent:
         _PERSISTENT_DQ.run((persistent_programs(cdiv(n, q_cfg["BLOCK_M"]) * bsz * h, q.device),), dq_descriptors,
                            (dq, dq2, lam, dlam_part), (*dq_scalars, bsz * h), dq_constexprs, GLUON_OPTIONS)
     else:
@@ -1085,7 +1224,7 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
 
 def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
                                   dkdv_form: str = "key_halves", persistent: bool = False,
-                                  fused_query_rows: int | None = None):
+                                  fused_query_rows: int | None = None, dq_form: str = "rows"):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
 
@@ -1113,15 +1252,17 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
         raise ValueError(f"{what}: dkdv_form must be one of {tuple(DKDV_FORMS)}, got {dkdv_form!r}")
     if fused_query_rows not in (None, 32, 64):
         raise ValueError(f"{what}: fused_query_rows must be None, 32 or 64, got {fused_query_rows!r}")
+    if dq_form not in DQ_FORMS:
+        raise ValueError(f"{what}: dq_form must be one of {DQ_FORMS}, got {dq_form!r}")
     return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form,
-                                          bool(persistent), fused_query_rows)
+                                          bool(persistent), fused_query_rows, dq_form)
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
 KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dkdv_persistent",
-           "dkdv_second_persistent", "dq", "dq_persistent")
+           "dkdv_second_persistent", "dq", "dq_persistent", "dq_views")
 _DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS,
                "dkdv_exchange": VIEW_EXCHANGE, "dkdv_second_persistent": SECOND_VIEW}
 
@@ -1134,15 +1275,16 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     (`gluon_pipeline.compile_gluon_sm90`). `kernel`: "dq", or "dkdv" (the key-block launches this head
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
     "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4); "dq_persistent",
-    "dkdv_persistent" and "dkdv_second_persistent" the persistent forms."""
+    "dkdv_persistent" and "dkdv_second_persistent" the persistent forms; "dq_views" the query-block kernel's
+    view-warpgroup form."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
     scalars = {"q_len": "i32", "kv_len": "i32", "tau_scale": "fp32", "power": "fp32"}
     tail = {name: "constexpr" for name in ("POWER_MODE", "CAUSAL", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES")}
     constexprs = {"POWER_MODE": power_mode(power), "CAUSAL": causal, "HEAD_DIM": head_dim}
-    if kernel in ("dq", "dq_persistent"):
-        cfg = dq_tile_config(head_dim)
+    if kernel in ("dq", "dq_persistent", "dq_views"):
+        cfg = dq_tile_config(head_dim, "view_warpgroups" if kernel == "dq_views" else "rows")
         if block_n is not None:
             cfg["BLOCK_N"] = block_n
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
@@ -1155,7 +1297,8 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
             signature = {**signature, "BH": "i32"}
             return compile_gluon_sm90(_persistent_dq_kernel, signature, {**constexprs, **cfg},
                                       ("DQ", "DQ2", "DLAM_PART"), arch)
-        return compile_gluon_sm90(_dq_kernel, signature, {**constexprs, **cfg}, ("DQ", "DQ2", "DLAM_PART"), arch)
+        kernel_fn = _dq_views_kernel if kernel == "dq_views" else _dq_kernel
+        return compile_gluon_sm90(kernel_fn, signature, {**constexprs, **cfg}, ("DQ", "DQ2", "DLAM_PART"), arch)
     if views is None:
         views = _DKDV_VIEWS[kernel] if kernel not in ("dkdv", "dkdv_persistent") else dkdv_forms(head_dim)[0]
     cfg = dkdv_tile_config(head_dim, views)

@@ -58,8 +58,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice,
-                                TimedChoice, choose_gluon_backward_grid, choose_gluon_diff_dkdv_form,
+from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DQ_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV,
+                                GLUON_SCHEDULE_ENV, TierChoice, TimedChoice, choose_gluon_backward_grid,
+                                choose_gluon_diff_dkdv_form, choose_gluon_diff_dq_form,
                                 choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
@@ -592,7 +593,7 @@ def tuned_configs() -> dict[str, str]:
     out = _tuned_configs(_KERNELS.values())
     out.update({f"dk/dv differential form, {key}": form for key, form in _dkdv_diff_form.items()})
     for choice in (_TIERS, _BWD_TIERS, _DIFF_TIERS, _DIFF_BWD_TIERS, _GLUON_GRIDS, _DIFF_GLUON_GRIDS,
-                   _GLUON_BWD_GRIDS, _GLUON_DIFF_DKDV_FORMS):
+                   _GLUON_BWD_GRIDS, _GLUON_DIFF_DKDV_FORMS, _GLUON_DIFF_DQ_FORMS, _GLUON_DIFF_BWD_GRIDS):
         out.update(choice.report())
     return out
 
@@ -874,14 +875,17 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
         work_key = (*tier_key, n_bucket(bsz * heads))
 
         def diff_form(dkdv_form):
-            def grid(persistent):
-                def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
-                    *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
-                        q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form,
-                        persistent=persistent)
-                    return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
-                return gluon_diff_backward
-            return choose_gluon_backward_grid(_GLUON_DIFF_BWD_GRIDS, (*work_key, dkdv_form), grid, "diff_threshold")
+            def query_block_form(dq_form):
+                def grid(persistent):
+                    def gluon_diff_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
+                        *grads, dlam = gluon_diff_bwd.launch_diff_threshold_backward(
+                            q, k, v, q2, k2, _gluon_lambda(lam), dout, causal, beta, power, dkdv_form=dkdv_form,
+                            persistent=persistent, dq_form=dq_form)
+                        return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
+                    return gluon_diff_backward
+                return choose_gluon_backward_grid(_GLUON_DIFF_BWD_GRIDS, (*work_key, dkdv_form, dq_form), grid,
+                                                  "diff_threshold")
+            return choose_gluon_diff_dq_form(_GLUON_DIFF_DQ_FORMS, (*work_key, dkdv_form), query_block_form)
 
         gluon_diff_backward = choose_gluon_diff_dkdv_form(_GLUON_DIFF_DKDV_FORMS, work_key, diff_form)
         return tiered(_DIFF_BWD_TIERS, tier_key, backward, gluon_diff_backward)
@@ -901,7 +905,8 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_DIFF_DKDV_ENV))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_DIFF_DKDV_ENV,
+                                                           GLUON_DIFF_DQ_ENV))
 # backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones, chosen per tuning
 # key for the one-map threshold and for the differential threshold
 _BWD_TIERS = TierChoice("threshold_family_bwd")
@@ -910,7 +915,9 @@ _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 # the differential threshold's Gluon key-block form per tuning key, among tiers.DIFF_DKDV_FORMS_OFFERED
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")
-# and its grids (per item, persistent) per tuning key and key-block form, once offered
+# its query-block form per tuning key and key-block form, among tiers.DIFF_DQ_FORMS_OFFERED
+_GLUON_DIFF_DQ_FORMS = TimedChoice("gluon diff_threshold backward query-block form")
+# and its grids (per item, persistent) per tuning key and both forms, once offered
 # (tiers.PERSISTENT_BACKWARDS_OFFERED holding "diff_threshold")
 _GLUON_DIFF_BWD_GRIDS = TimedChoice("gluon diff_threshold backward grid")
 

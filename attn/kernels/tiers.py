@@ -107,9 +107,27 @@ def gluon_diff_dkdv_form() -> str:
     "view_exchange" (as view_warpgroups, dP^T and dV computed once: gluon_diff_bwd.VIEW_EXCHANGE), "auto" (default:
     the plan times the offered forms per tuning key and keeps the fastest, the key halves where nothing is timed;
     `choose_gluon_diff_dkdv_form`). A ValueError naming the variable for anything else."""
-    raw = setting(GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DKDV_FORMS[0])
-    if raw not in GLUON_DIFF_DKDV_FORMS:
-        raise ValueError(f"{GLUON_DIFF_DKDV_ENV} must be one of {GLUON_DIFF_DKDV_FORMS}, got {raw!r}")
+    return _switch(GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DKDV_FORMS)
+
+
+GLUON_DIFF_DQ_ENV = "ATTNLAB_GLUON_DIFF_DQ"
+GLUON_DIFF_DQ_FORMS = ("auto", "rows", "view_warpgroups")
+
+
+def gluon_diff_dq_form() -> str:
+    """The differential threshold's Gluon query-block form by ATTNLAB_GLUON_DIFF_DQ: "rows" (each consumer
+    warpgroup its own 64 query rows, both views), "view_warpgroups" (a warpgroup per score view on the same rows),
+    "auto" (default: the plan times the offered forms per tuning key and key-block form and keeps the faster,
+    the rows form where nothing is timed; `choose_gluon_diff_dq_form`). A ValueError naming the variable for
+    anything else."""
+    return _switch(GLUON_DIFF_DQ_ENV, GLUON_DIFF_DQ_FORMS)
+
+
+def _switch(env: str, values: tuple[str, ...]) -> str:
+    """The variable's value among `values` (the first when unset); a ValueError naming it for anything else."""
+    raw = setting(env, values[0])
+    if raw not in values:
+        raise ValueError(f"{env} must be one of {values}, got {raw!r}")
     return raw
 
 
@@ -253,12 +271,31 @@ def choose_gluon_diff_dkdv_form(choice: TimedChoice, key: tuple, form: Callable[
     with the key-block form `name` (gluon_diff_bwd.DKDV_FORMS). The form `gluon_diff_dkdv_form` names where
     DIFF_DKDV_FORMS_OFFERED holds it (else the key halves), or under "auto" the fastest offered form as `choice`
     times them per tuning key ("key_halves" while timing is not allowed, or when it is the only one offered)."""
-    mode = gluon_diff_dkdv_form()
+    return _choose_offered(choice, key, form, gluon_diff_dkdv_form(), DIFF_DKDV_FORMS_OFFERED, "key_halves")
+
+
+# The differential threshold's query-block forms (gluon_diff_bwd.DQ_FORMS) its backward plan offers, timing them
+# per key and key-block form: both pass tests/test_gluon_diff_bwd_gpu.py; the view warpgroups are faster after
+# the key-block view warpgroups at D = 128, slower after the key halves (docs/gluon.md)
+DIFF_DQ_FORMS_OFFERED = ("rows", "view_warpgroups")
+
+
+def choose_gluon_diff_dq_form(choice: TimedChoice, key: tuple, form: Callable[[str], Callable]) -> Callable:
+    """`choose_gluon_diff_dkdv_form` for the query-block form (gluon_diff_bwd.DQ_FORMS): the form
+    `gluon_diff_dq_form` names where DIFF_DQ_FORMS_OFFERED holds it (else "rows"), or under "auto" the faster
+    offered form as `choice` times them per key ("rows" while timing is not allowed)."""
+    return _choose_offered(choice, key, form, gluon_diff_dq_form(), DIFF_DQ_FORMS_OFFERED, "rows")
+
+
+def _choose_offered(choice: TimedChoice, key: tuple, form: Callable[[str], Callable], mode: str,
+                    offered: tuple[str, ...], default: str) -> Callable:
+    """The launch of form `mode` where `offered` holds it (else `default`), or under "auto" the fastest offered
+    form as `choice` times them per key (`default` while timing is not allowed; one form offered: untimed)."""
     if mode != "auto":
-        return form(mode if mode in DIFF_DKDV_FORMS_OFFERED else "key_halves")
-    if len(DIFF_DKDV_FORMS_OFFERED) == 1:
-        return form(DIFF_DKDV_FORMS_OFFERED[0])
-    return timed_launch(choice, key, {name: form(name) for name in DIFF_DKDV_FORMS_OFFERED}, "key_halves")
+        return form(mode if mode in offered else default)
+    if len(offered) == 1:
+        return form(offered[0])
+    return timed_launch(choice, key, {name: form(name) for name in offered}, default)
 
 
 def timed_launch(choice: TimedChoice, key: tuple, impls: dict[str, Callable], untimed: str) -> Callable:

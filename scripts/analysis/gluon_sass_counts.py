@@ -43,7 +43,8 @@ on 32-row query blocks), diff_bwd_dkdv_second the second view's dK2 launch, diff
 form's launch (a warpgroup per view on the same 64 keys: its row is one warpgroup's loop, the smaller of the two, so
 both warpgroups together run about twice its count per position), diff_bwd_dkdv_exchange the view-exchange form's (the
 same, dP^T and dV once: view 1's loop has three products, view 2's three; its row is the shorter loop), diff_bwd_dq
-the query-block dQ / dQ2 / d-lambda kernel (diff_bwd_dq_persistent, diff_bwd_dkdv_persistent and
+the query-block dQ / dQ2 / d-lambda kernel (diff_bwd_dq_views its view-warpgroup form: a warpgroup per view on the
+same 64 rows, its row the first view's loop, the shorter; diff_bwd_dq_persistent, diff_bwd_dkdv_persistent and
 diff_bwd_dkdv_second_persistent the persistent forms, diff_bwd_dkdv_fused32 the fused form on 32-row query blocks);
 their per_score counts per (query, key) position as well. The forwards' <form>_pingpong variants compile the two
 consumer warpgroups in
@@ -189,7 +190,8 @@ DIFFERENTIAL = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon
 # the differential threshold backward's kernels (gluon_diff_bwd.compile_sm90's kernel, power)
 DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kernel, power=power)
                                   for kernel in ("dkdv", "dkdv_second", "dkdv_views", "dkdv_exchange", "dq",
-                                                 "dq_persistent", "dkdv_persistent", "dkdv_second_persistent")
+                                                 "dq_persistent", "dq_views", "dkdv_persistent",
+                                                 "dkdv_second_persistent")
                                   for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))}
 # the fused key-block form (D = 64) on 32-row query blocks (gluon_diff_bwd's fused_query_rows; FUSED_QUERY_ROWS is 64)
 DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_fused32{suffix}": dict(kernel="dkdv", power=power, block_m=32)
@@ -220,6 +222,8 @@ def tile_width(module, variant: str, head_dim: int) -> int:
     if variant in DIFFERENTIAL_BACKWARD_VARIANTS:  # its key-block kernels' forms differ in BLOCK_M
         if kernel in ("dq", "dq_persistent"):
             return module.dq_tile_config(head_dim)["BLOCK_N"]
+        if kernel == "dq_views":
+            return module.dq_tile_config(head_dim, "view_warpgroups")["BLOCK_N"]
         views = {"dkdv_second": module.SECOND_VIEW, "dkdv_second_persistent": module.SECOND_VIEW,
                  "dkdv_views": module.VIEW_WARPGROUPS, "dkdv_exchange": module.VIEW_EXCHANGE}.get(
             kernel, module.dkdv_forms(head_dim)[0])

@@ -16,8 +16,9 @@ then times.
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
    correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
    per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
-   with dP^T and dV computed once), the key halves on the persistent grids (`persistent=True`), and at D = 64
-   the fused form on 32-row query blocks (`fused_query_rows=32`; FUSED_QUERY_ROWS is 64).
+   with dP^T and dV computed once), the key halves on the persistent grids (`persistent=True`), at D = 64
+   the fused form on 32-row query blocks (`fused_query_rows=32`; FUSED_QUERY_ROWS is 64), and the query-block
+   kernel's view-warpgroup form (`dq_form="view_warpgroups"`) after the key halves and after the view warpgroups.
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -61,10 +62,15 @@ SHAPES = [(4, 16, 4096, 128, True)]
 TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 # the differential backward's key-block forms: key halves per warpgroup (the default), a warpgroup per view, a
 # warpgroup per view with dP^T and dV computed once; the key halves on the persistent grids, and (D = 64)
-# with the fused form on 64-row query blocks
+# with the fused form on 32-row query blocks; the query-block kernel's view-warpgroup form after the key halves
+# and after the view warpgroups
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
            + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent",
-              "diff_threshold gluon fused 32 rows"])
+              "diff_threshold gluon fused 32 rows", "diff_threshold gluon dq views",
+              "diff_threshold gluon views + dq views"])
+# each differential column against the one it changes one thing of
+DIFF_BASES = {"views": "", "exchange": "", "persistent": "", "fused 32 rows": "", "dq views": "",
+              "views + dq views": " views"}
 
 
 def _spec(variant, params):
@@ -151,6 +157,11 @@ def time_shapes(results, shapes=SHAPES):
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_exchange"))
                 impls["diff_threshold gluon persistent"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, persistent=True))
+                impls["diff_threshold gluon dq views"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dq_form="view_warpgroups"))
+                impls["diff_threshold gluon views + dq views"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups",
+                    dq_form="view_warpgroups"))
                 if d == 64:  # the fused key-block form (D = 64 only) on 32-row query blocks
                     impls["diff_threshold gluon fused 32 rows"] = (lambda: launch_diff_threshold_backward(
                         qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=32))
@@ -174,10 +185,12 @@ def time_shapes(results, shapes=SHAPES):
         speedups = "  ".join(
             f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
             for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
-        for form in ("views", "exchange", "persistent", "fused 32 rows"):
-            if "ms" in row["diff_threshold gluon"] and "ms" in row.get(f"diff_threshold gluon {form}", {}):
-                speedups += (f"  diff_threshold {form} vs key halves "
-                             f"{row['diff_threshold gluon']['ms'] / row[f'diff_threshold gluon {form}']['ms']:.2f}x")
+        for form, base in DIFF_BASES.items():
+            base_cell = row.get(f"diff_threshold gluon{base}", {})
+            form_cell = row.get(f"diff_threshold gluon {form}", {})
+            if "ms" in base_cell and "ms" in form_cell:
+                speedups += (f"  diff_threshold {form} vs {base.strip() or 'key halves'} "
+                             f"{base_cell['ms'] / form_cell['ms']:.2f}x")
         print(f"{str((b, h, n, d, 'causal' if causal else 'full')):<28}{cells}   {speedups}")
         for name, cell in row.items():
             if isinstance(cell, dict) and "error" in cell:
