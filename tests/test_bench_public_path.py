@@ -134,10 +134,9 @@ def cpu_tensors(variant, b, n, h, d, grad, kv=None):
     return x
 
 
-def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(monkeypatch):
-    """call_rows, decode_rows and recheck build and run every row's step (eager and compiled calls through
-    attn.attention, SDPA's yardsticks) on small CPU tensors, the timer replaced by a counter: the suites' plumbing
-    works without a GPU, and each row times the callable built for it."""
+def counting_timer():
+    """(the steps timed, a timer that runs a step once and returns how many steps it has timed): the suites'
+    timers replaced, so a test sees which callable each row timed."""
     timed = []
 
     def count_calls(step):
@@ -145,6 +144,14 @@ def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(m
         timed.append(step)
         return float(len(timed))
 
+    return timed, count_calls
+
+
+def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(monkeypatch):
+    """call_rows, decode_rows and recheck build and run every row's step (eager and compiled calls through
+    attn.attention, SDPA's yardsticks) on small CPU tensors, the timer replaced by a counter: the suites' plumbing
+    works without a GPU, and each row times the callable built for it."""
+    timed, count_calls = counting_timer()
     monkeypatch.setattr(bp, "tensors", cpu_tensors)
     monkeypatch.setattr(bp, "back_to_back_ms", count_calls)
     monkeypatch.setattr(bp, "CALL_SHAPE", (1, 2, 16, 8))
@@ -167,13 +174,7 @@ def test_the_kernels_suite_times_every_variant_of_the_target_table_on_cpu_stand_
     """kernel_rows builds and times fwd and fwd+bwd of SDPA and of every variant in KERNEL_VARIANTS (the caps
     soft_sign and ALSC included) through attn.attention on small CPU tensors, the timer replaced by a counter,
     and `ratios` puts each against SDPA (the differential threshold against threshold too)."""
-    timed = []
-
-    def count_calls(step):
-        step()
-        timed.append(step)
-        return float(len(timed))
-
+    timed, count_calls = counting_timer()
     monkeypatch.setattr(bp, "tensors", cpu_tensors)
     monkeypatch.setattr(bp, "median_ms", count_calls)
     monkeypatch.setattr(bp, "KERNEL_SHAPE", (1, 2, 16, 8))

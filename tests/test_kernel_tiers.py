@@ -590,6 +590,30 @@ def test_the_gluon_backward_grid_is_timed_per_key_under_auto(per_item_ms, persis
     assert backward() == [False]
 
 
+def _differential_backward(spec, batch: int = 1):
+    """One differential threshold fwd+bwd through attn.attention (the kernel backend) at (batch, 24, 2, 64) fp16."""
+    import attn
+
+    q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    extra = _second_view(q, k, 2, requires_grad=True)
+    attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+
+
+def _log_diff_backward_launches(monkeypatch, record) -> list:
+    """gluon_diff_bwd.launch_diff_threshold_backward replaced by a stand-in that returns zero gradients and logs
+    record(its keyword arguments: dkdv_form, persistent, dq_form) per launch; the log."""
+    from attn.kernels import gluon_diff_bwd
+
+    log = []
+
+    def launch(q, k, v, q2, k2, lam, *args, **named):
+        log.append(record(named))
+        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
+
+    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+    return log
+
+
 @pytest.mark.parametrize("times,winner", [({"key_halves": 2.0, "view_warpgroups": 1.0, "view_exchange": 1.5},
                                               "view_warpgroups"),
                                              ({"key_halves": 1.0, "view_warpgroups": 1.5, "view_exchange": 2.0},
@@ -611,13 +635,7 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DKDV_FORMS", tiers.TimedChoice("form"))
-    log = []
-
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
-        log.append(dkdv_form)
-        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
-
-    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+    log = _log_diff_backward_launches(monkeypatch, lambda named: named["dkdv_form"])
 
     def median_ms(fn):
         fn()
@@ -627,9 +645,7 @@ def test_the_differential_backward_form_is_timed_per_key_among_those_offered(tim
     spec = attn.get_variant("diff_threshold").make_spec()
 
     def backward(batch=1):
-        q, k, v = (torch.randn(batch, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        extra = _second_view(q, k, 2, requires_grad=True)
-        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        _differential_backward(spec, batch)
         launched = list(log)
         del log[:]
         return launched
@@ -667,13 +683,7 @@ def test_the_differential_query_block_form_is_timed_per_key_and_key_block_form(t
     monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_DQ_FORMS", tiers.TimedChoice("dq form"))
-    log = []
-
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
-        log.append((dkdv_form, dq_form))
-        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
-
-    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+    log = _log_diff_backward_launches(monkeypatch, lambda named: (named["dkdv_form"], named["dq_form"]))
 
     def median_ms(fn):
         fn()
@@ -683,9 +693,7 @@ def test_the_differential_query_block_form_is_timed_per_key_and_key_block_form(t
     spec = attn.get_variant("diff_threshold").make_spec()
 
     def backward():
-        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        extra = _second_view(q, k, 2, requires_grad=True)
-        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        _differential_backward(spec)
         launched = list(log)
         del log[:]
         return launched
@@ -716,20 +724,14 @@ def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_m
     differential backward times its per-item and persistent grids (for the key-block form in use) at a key's
     first backward and keeps the faster; "0" / "1" pin one; not offered: per item."""
     import attn
-    from attn.kernels import gluon_diff_bwd, threshold_family
+    from attn.kernels import threshold_family
 
     monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED",
                         frozenset({"softmax", "threshold", "sigmoid", "diff_threshold"}))
     monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
     monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
     monkeypatch.setattr(threshold_family, "_GLUON_DIFF_BWD_GRIDS", tiers.TimedChoice("grid"))
-    log = []
-
-    def launch(q, k, v, q2, k2, lam, *args, dkdv_form, persistent, dq_form):
-        log.append((dkdv_form, persistent))
-        return (*(torch.zeros_like(t) for t in (q, k, v, q2, k2)), torch.zeros_like(lam))
-
-    monkeypatch.setattr(gluon_diff_bwd, "launch_diff_threshold_backward", launch)
+    log = _log_diff_backward_launches(monkeypatch, lambda named: (named["dkdv_form"], named["persistent"]))
     def median_ms(fn):  # the forward's grid is timed too under auto: its launches log in the fixture's list
         forward_before, backward_before = len(gluon_offered), len(log)
         fn()
@@ -740,9 +742,7 @@ def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_m
     spec = attn.get_variant("diff_threshold").make_spec()
 
     def backward():
-        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        extra = _second_view(q, k, 2, requires_grad=True)
-        attn.attention(q, k, v, spec, causal=True, backend="triton", extra=extra).sum().backward()
+        _differential_backward(spec)
         grids = [persistent for form, persistent in log if form == "key_halves"]
         assert len(grids) == len(log)  # the fixture pins the key halves
         del log[:]

@@ -818,6 +818,15 @@ def _persistent_dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, D
 
 
 @gluon.jit
+def _dq_rows(m0, q_len, kv_len, tau_scale, s_layout: gl.constexpr, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """A query-block consumer's rows [m0, m0 + ROWS) in the score layout, their thresholds tau and, causal, the
+    last key each sees (min(row position, kv_len - 1); negative: none)."""
+    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    tau = _row_value(rows, kv_len, q_len, tau_scale, THRESHOLD, False, CAUSAL)
+    return rows, tau, gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+
+
+@gluon.jit
 def _dq_block(j, ring, dq, dq2, dlam_rows, q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, k_ready, v_ready,
               k_empty, v_empty, tau, last_key, kv_len, power, s_layout: gl.constexpr, a_layout: gl.constexpr,
               POWER_MODE: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, HALF_M: gl.constexpr,
@@ -874,10 +883,7 @@ def _dq_consumer(q_tile, q2_tile, do_tile, k_ring, k2_ring, v_ring, q_bar, k_rea
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-    rows = m0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
-    tau = _row_value(rows, kv_len, q_len, tau_scale, THRESHOLD, False, CAUSAL)
-    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
-    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    rows, tau, last_key = _dq_rows(m0, q_len, kv_len, tau_scale, s_layout, HALF_M, CAUSAL)
     dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
     dq2 = gl.zeros([HALF_M, HEAD_DIM], gl.float32, dq_layout)
     dlam_rows = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
@@ -1054,10 +1060,7 @@ def _dq_second_view_consumer(q2_tile, do_tile, k2_ring, v_ring, q_bar, k_ready, 
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    tau = _row_value(rows, kv_len, q_len, tau_scale, THRESHOLD, False, CAUSAL)
-    # causal: the last key each row sees, min(row position, kv_len - 1) (negative: none)
-    last_key = gl.minimum(rows + (kv_len - q_len), kv_len - 1)
+    rows, tau, last_key = _dq_rows(m0, q_len, kv_len, tau_scale, s_layout, ROWS, CAUSAL)
     dq2 = gl.zeros([ROWS, HEAD_DIM], gl.float32, dq_layout)
     dlam_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)  # per-score d-lambda terms, summed after the loops
 
