@@ -722,7 +722,8 @@ def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_m
                                                                       gluon_offered, monkeypatch):
     """With "diff_threshold" in tiers.PERSISTENT_BACKWARDS_OFFERED and ATTNLAB_GLUON_PERSISTENT=auto, the
     differential backward times its per-item and persistent grids (for the key-block form in use) at a key's
-    first backward and keeps the faster; "0" / "1" pin one; not offered: per item."""
+    first backward and keeps the faster; "0" / "1" pin one; not offered: per item; with both view forms (no
+    persistent launch among them) per item, untimed."""
     import attn
     from attn.kernels import threshold_family
 
@@ -757,6 +758,18 @@ def test_the_differential_backward_grid_is_timed_per_key_once_offered(per_item_m
     monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED", frozenset({"softmax", "threshold", "sigmoid"}))
     runtime.clear_launch_plans()
     assert backward() == [False]
+    # both view forms: no launch of theirs has a persistent grid, so nothing is timed and the per-item one runs
+    monkeypatch.setattr(tiers, "PERSISTENT_BACKWARDS_OFFERED",
+                        frozenset({"softmax", "threshold", "sigmoid", "diff_threshold"}))
+    monkeypatch.setattr(tiers, "DIFF_DKDV_FORMS_OFFERED", ("key_halves", "view_warpgroups"))
+    monkeypatch.setenv(tiers.GLUON_PERSISTENT_ENV, "auto")
+    monkeypatch.setenv(tiers.GLUON_DIFF_DKDV_ENV, "view_warpgroups")
+    monkeypatch.setenv(tiers.GLUON_DIFF_DQ_ENV, "view_warpgroups")
+    runtime.clear_launch_plans()
+    grid_keys = len(threshold_family._GLUON_DIFF_BWD_GRIDS.chosen)
+    _differential_backward(spec)
+    assert log == [("view_warpgroups", False)]
+    assert len(threshold_family._GLUON_DIFF_BWD_GRIDS.chosen) == grid_keys
 
 
 def test_the_softmax_backward_tier_is_timed_per_gluon_dq_form(gluon_offered, monkeypatch):

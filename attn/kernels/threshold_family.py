@@ -883,6 +883,8 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
                             persistent=persistent, dq_form=dq_form)
                         return (*grads, dlam.to(lam.dtype))  # d-lambda in lambda's dtype, as the portable backward's
                     return gluon_diff_backward
+                if dkdv_form != "key_halves" and dq_form != "rows":  # no launch of these forms has a persistent grid
+                    return grid(False)
                 return choose_gluon_backward_grid(_GLUON_DIFF_BWD_GRIDS, (*work_key, dkdv_form, dq_form), grid,
                                                   "diff_threshold")
             return choose_gluon_diff_dq_form(_GLUON_DIFF_DQ_FORMS, (*work_key, dkdv_form), query_block_form)
