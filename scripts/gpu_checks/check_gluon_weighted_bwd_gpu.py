@@ -24,6 +24,7 @@ Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correc
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
 
     python scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py --out $OUT [--no-checks] [--shapes 4,16,4096,128,1]
+        [--columns sdpa "diff_threshold gluon views" "diff_threshold gluon views + dq views"]   # only these timed
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def check_case(case, error_ratio):
     return row
 
 
-def time_shapes(results, shapes=SHAPES):
+def time_shapes(results, shapes=SHAPES, columns=COLUMNS):
     import torch.nn.functional as F
 
     from attn.kernels import sigmoid_family, threshold_family
@@ -172,7 +173,7 @@ def time_shapes(results, shapes=SHAPES):
                 impls["sigmoid gluon"] = lambda: launch_sigmoid_backward(q, k, v, do, causal, sm_scale, bias)
         flops = 2.5 * attention_flops(b, h, n, d, causal)
         row = {"shape": [b, h, n, d, causal]}
-        for name, fn in impls.items():
+        for name, fn in [(name, fn) for name, fn in impls.items() if name in columns]:
             try:
                 fn()  # compiles and tunes outside the timing
                 ms = median_ms(fn, warmup=10, rep=50)
@@ -181,10 +182,11 @@ def time_shapes(results, shapes=SHAPES):
                 row[name] = {"error": traceback.format_exc(limit=3)}
         rows.append(row)
         cells = "".join(f"{row[k]['ms']:>22.3f}{row[k]['tflops']:>6.0f}" if "ms" in row.get(k, {})
-                        else f"{'error' if k in row else '-':>28}" for k in COLUMNS)
+                        else f"{'error' if k in row else '-':>28}" for k in columns)
+        timed = {name: cell["ms"] for name, cell in row.items() if isinstance(cell, dict) and "ms" in cell}
         speedups = "  ".join(
-            f"{variant} gluon vs portable {row[f'{variant} portable']['ms'] / row[f'{variant} gluon']['ms']:.2f}x"
-            for variant, _ in TIMED if "ms" in row[f"{variant} portable"] and "ms" in row[f"{variant} gluon"])
+            f"{variant} gluon vs portable {timed[f'{variant} portable'] / timed[f'{variant} gluon']:.2f}x"
+            for variant, _ in TIMED if f"{variant} portable" in timed and f"{variant} gluon" in timed)
         for form, base in DIFF_BASES.items():
             base_cell = row.get(f"diff_threshold gluon{base}", {})
             form_cell = row.get(f"diff_threshold gluon {form}", {})
@@ -206,7 +208,12 @@ def main() -> int:
     ap.add_argument("--no-checks", action="store_true", help="time only (the tests hold the correctness cases)")
     ap.add_argument("--shapes", nargs="+", default=None,
                     help="B,H,N,D[,causal] per shape, bf16 (default: (4,16,4096,128) causal)")
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), metavar="COLUMN",
+                    help="time only these columns (each compiles and tunes its kernels; default all of COLUMNS)")
     args = ap.parse_args()
+    unknown = sorted(set(args.columns) - set(COLUMNS))
+    if unknown:
+        ap.error(f"--columns: unknown {unknown}; the columns are {list(COLUMNS)}")
     shapes = SHAPES if args.shapes is None else [
         (*map(int, x.split(",")[:4]), bool(int(x.split(",")[4])) if len(x.split(",")) > 4 else True)
         for x in args.shapes]
@@ -236,8 +243,9 @@ def main() -> int:
             print(row["error"])
     dump()
     if not args.no_timing:
-        print(f"\n{'(B,H,N,D,mask) bf16, bwd':<28}" + "".join(f"{name + ' ms':>22}{'TF/s':>6}" for name in COLUMNS))
-        time_shapes(results, shapes)
+        columns = [name for name in COLUMNS if name in args.columns]
+        print(f"\n{'(B,H,N,D,mask) bf16, bwd':<28}" + "".join(f"{name + ' ms':>22}{'TF/s':>6}" for name in columns))
+        time_shapes(results, shapes, columns)
         dump()
     return 1 if failed else 0
 
