@@ -38,6 +38,7 @@ def test_census_counts_a_steps_aten_ops_and_the_differences_name_what_a_case_add
 
     base, case = rounds.census(plain, steps=2), rounds.census(normed, steps=2)
     assert base["aten_ops"]["aten::mul"] >= 1 and base["launches"] == 0  # no GPU: no launches
+    assert base["host_ms"] > 0
     diff = dict(rounds.op_differences(case, base))
     assert diff.get("aten::linalg_vector_norm", 0) >= 1
     assert "aten::mul" not in diff or diff["aten::mul"] != 0

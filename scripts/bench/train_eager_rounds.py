@@ -88,8 +88,26 @@ def paired_rows(times: dict[str, list[float]], base: str = BASE) -> list[dict]:
     return rows
 
 
+def host_ms(step, reps: int = 5, sleep_cycles: int = 200_000_000) -> float:
+    """The host's time to run one step while the GPU is still busy with a sleep kernel queued before it
+    (about 0.1 s at H100 clocks): the step's Python and launch work alone, never waiting on the GPU; the
+    median over `reps`. A step that synchronizes waits for the sleep and shows it here. Without a GPU: the
+    step's time."""
+    times = []
+    for _ in range(reps):
+        sync()
+        if torch.cuda.is_available():
+            torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        sync()
+    return statistics.median(times)
+
+
 def census(step, steps: int = 5) -> dict:
-    """Per step: CUDA launches, and how many times each aten op ran."""
+    """Per step: CUDA launches, how many times each aten op ran, GPU time per kernel, and the host time
+    (`host_ms`)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
@@ -101,7 +119,7 @@ def census(step, steps: int = 5) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name] += e.device_time_total
-    return {"launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()},
+    return {"host_ms": host_ms(step), "launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()},
             "gpu_ms": sum(kernels.values()) / steps / 1e3,
             "top_kernels_us": {name: us / steps for name, us in kernels.most_common(12)}}
 
@@ -161,7 +179,8 @@ def main() -> int:
     counts = {name: census(step) for name, step in steps.items()}
     for name, c in counts.items():
         print(f"\n## {name}: {c['launches']:.0f} launches per step (SDPA {counts[BASE]['launches']:.0f}), "
-              f"GPU busy {c['gpu_ms']:.2f} ms per step (SDPA {counts[BASE]['gpu_ms']:.2f})")
+              f"GPU busy {c['gpu_ms']:.2f} ms per step (SDPA {counts[BASE]['gpu_ms']:.2f}), host "
+              f"{c['host_ms']:.2f} ms per step with the GPU busy (SDPA {counts[BASE]['host_ms']:.2f})")
         for kernel, us in c["top_kernels_us"].items():
             print(f"  {us:8.1f} us  {kernel[:110]}")
         for op, d in op_differences(c, counts[BASE]):
