@@ -114,7 +114,8 @@ from attn.kernels.gluon_pipeline import (
 )
 from attn.kernels.gluon_softmax_bwd import (_dkdv_producer, _issue_with_columns, key_block_item, key_block_program,
                                            persistent_dkdv_producer)
-from attn.kernels.gluon_weighted_bwd import _dkdv_block, _query_starts, _score_grad, _weight_and_grad
+from attn.kernels.gluon_weighted_bwd import (ROW_VALUES_AHEAD, _dkdv_block, _next_block_row, _query_starts,
+                                             _score_grad, _weight_and_grad)
 from attn.kernels.gluon_weighted_bwd import _dq_consumer as _weighted_dq_consumer
 from attn.kernels.gluon_weighted_fwd import THRESHOLD, _row_value, power_mode
 from attn.kernels.runtime import DirectLauncher, cdiv
@@ -220,7 +221,7 @@ def _visible_columns(m, first_col, st_layout: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
-def _two_view_block(j, m, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, q_ready,
+def _two_view_block(j, m, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, q_ready,
                     do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale, power,
                     st_layout: gl.constexpr, a_layout: gl.constexpr, VIEWS: gl.constexpr, POWER_MODE: gl.constexpr,
                     CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -228,11 +229,21 @@ def _two_view_block(j, m, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
     """Forms 0 and 1: one warpgroup's keys against the query block from row m (ring tile j). S1^T, S2^T
     and dP^T issued back to back; W^T = relu(S1^T)^p - lam relu(S2^T)^p and G1^T (form 0: G2^T) once the
     scores are in, dV += W^T dO issued at once; then dK += (dP^T G1^T) Q (form 0: dK2 += dk2_scale
-    (dP^T G2^T) Q2). dO's slot goes back when dV retired, the Q / Q2 slot when the last product did."""
-    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    (dP^T G2^T) Q2). dO's slot goes back when dV retired, the Q / Q2 slot when the last product did. `start`:
+    this block's `_query_starts`; the block from row m_next's are computed while the scores' products run
+    (as `gluon_weighted_bwd._dkdv_block`), but in form 0 at a general power (its loop, three accumulators
+    beside the power's temporaries, spills with one more live value), where each block computes its own
+    and `start` passes through. Returns (dk, dv, dk2, the next block's starts)."""
+    AHEAD: gl.constexpr = ROW_VALUES_AHEAD and (VIEWS != 0 or POWER_MODE != 0)
+    if not AHEAD:
+        start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
     s1_t, s2_t, q_tile, q2_tile = _issue_two_views(j, k_tile, k2_tile, q_ring, q2_ring, q_ready, start, st_layout,
                                                    HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    if AHEAD:
+        start_next = _query_starts(m_next, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    else:
+        start_next = start
     s1_t, s2_t, k_tile, k2_tile, q_tile, q2_tile = warpgroup_mma_wait(
         num_outstanding=1, deps=(s1_t, s2_t, k_tile, k2_tile, q_tile, q2_tile))  # S1^T, S2^T retired
     if MASKED:  # relu(-inf) = 0: the select rides on the scores, before either function
@@ -262,20 +273,21 @@ def _two_view_block(j, m, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
         release(j, do_empty, STAGES)
         dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
     release(j, q_empty, STAGES)
-    return dk, dv, dk2
+    return dk, dv, dk2, start_next
 
 
 @gluon.jit
-def _second_view_block(j, m, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
+def _second_view_block(j, m, m_next, start, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
                        q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout: gl.constexpr,
                        a_layout: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                        HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Form 2: one warpgroup's keys against the query block from row m (ring tile j): S2^T and dP^T
     issued back to back, G2^T once S2^T is in, dO's slot back once dP^T retired, then
-    dK2 += dk2_scale (dP^T G2^T) Q2 and the Q2 slot back once it retired."""
-    start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    dK2 += dk2_scale (dP^T G2^T) Q2 and the Q2 slot back once it retired. `start`, m_next and the returned
+    (dk2, the next block's starts) as `_two_view_block`'s."""
     s2_t, q2_tile = _issue_with_columns(j, k2_tile, q2_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    start_next = _query_starts(m_next, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
     s2_t, k2_tile, q2_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s2_t, k2_tile, q2_tile))  # S2^T retired
     visible = 0
     if MASKED:
@@ -288,7 +300,7 @@ def _second_view_block(j, m, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do
     dk2 = warpgroup_mma(ds2_16, q2_tile, dk2, is_async=True)
     dk2, ds2_16, q2_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk2, ds2_16, q2_tile))
     release(j, q_empty, STAGES)
-    return dk2
+    return dk2, start_next
 
 
 @gluon.jit
@@ -324,6 +336,7 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dk2 = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
+    start = _query_starts(i_lo * BLOCK_M, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
 
     mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
@@ -333,26 +346,28 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
         j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
         if CAUSAL:
             for i in range(i_lo, i_full):
+                m_next = _next_block_row(i, i_lo, i_hi, BLOCK_M)
                 if VIEWS == 2:
-                    dk2 = _second_view_block(
-                        j0 + i, i * BLOCK_M, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
+                    dk2, start = _second_view_block(
+                        j0 + i, i * BLOCK_M, m_next, start, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
                         q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout,
                         a_layout, POWER_MODE, CAUSAL, True, HALF_N, BLOCK_M, STAGES)
                 else:
-                    dk, dv, dk2 = _two_view_block(
-                        j0 + i, i * BLOCK_M, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                    dk, dv, dk2, start = _two_view_block(
+                        j0 + i, i * BLOCK_M, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
                         do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam,
                         dk2_scale, power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, True, HALF_N,
                         BLOCK_M, STAGES)
         for i in range(i_full, i_hi):
+            m_next = _next_block_row(i, i_lo, i_hi, BLOCK_M)
             if VIEWS == 2:
-                dk2 = _second_view_block(
-                    j0 + i, i * BLOCK_M, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
+                dk2, start = _second_view_block(
+                    j0 + i, i * BLOCK_M, m_next, start, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
                     q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout, a_layout,
                     POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
             else:
-                dk, dv, dk2 = _two_view_block(
-                    j0 + i, i * BLOCK_M, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
+                dk, dv, dk2, start = _two_view_block(
+                    j0 + i, i * BLOCK_M, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
                     q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale,
                     power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
     if PERSISTENT:  # every product of the item has retired: the key tiles are free
@@ -386,10 +401,13 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     SCALED: gl.constexpr = VIEW == 2
+    # the next block's starts computed during this one, but at p = 1, whose causal diagonal's loop spills so
+    AHEAD: gl.constexpr = ROW_VALUES_AHEAD and POWER_MODE != 1
     first_col = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
+    start = _query_starts(i_lo * BLOCK_M, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
 
     mbarrier.wait(kv_bar, 0)
     for gi in range(GROUP):  # the row thresholds do not depend on the head: only the ring tiles move on
@@ -399,15 +417,17 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
         if CAUSAL:
             for i in range(i_lo, i_full):
-                dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                     q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power,
-                                     st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
-                                     BLOCK_M, STAGES, lam, SCALED)
+                dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start,
+                                            dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
+                                            do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power,
+                                            st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
+                                            BLOCK_M, STAGES, lam, SCALED, AHEAD)
         for i in range(i_full, i_hi):
-            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout,
-                                 a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS, BLOCK_M, STAGES, lam,
-                                 SCALED)
+            dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv,
+                                        k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len,
+                                        kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout, a_layout, THRESHOLD,
+                                        POWER_MODE, False, 0, CAUSAL, False, KEYS, BLOCK_M, STAGES, lam, SCALED,
+                                        AHEAD)
 
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     if VIEW == 2:

@@ -167,6 +167,11 @@ def dkdv_tile_config(head_dim: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, STAGES=3)
 
 
+# True: the key-block loops load each query block's lse2, delta and temperature during the block before
+# (`_rows_of_block`'s AHEAD; the one-pass form loads them in their block), so that no load's latency sits
+# before a block's first product. Off until a GPU run of scripts/gpu_checks/ab_gluon_backward.py shows the
+# same bits and the time.
+ROW_VALUES_AHEAD = gl.constexpr(False)
 DQ_REDUCE_COLS = 32  # fp32 columns of a 128-byte swizzle row: the widest box one reduce message carries
 
 
@@ -379,6 +384,36 @@ def _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _block_rows(lse_rows, delta_rows, temp_rows, stride_tn, m, q_len, HAS_TEMP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The per-row values query block m's S^T and dP^T start from: (lse2, delta, temperature) in
+    `_query_rows`' layout, the temperature delta's placeholder without HAS_TEMP. The key-block loop loads
+    them a block ahead of their use, so that their latency overlaps the block before instead of holding
+    up its first product."""
+    lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
+    delta = _query_rows(delta_rows, m, q_len, 0.0, BLOCK_M)
+    if HAS_TEMP:
+        t = _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M)
+    else:
+        t = delta
+    return lse, delta, t
+
+
+@gluon.jit
+def _rows_of_block(i, next_rows, lse_rows, delta_rows, temp_rows, stride_tn, q_len, AHEAD: gl.constexpr,
+                   HAS_TEMP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query block i's `_block_rows`, the rows carried to the next block). AHEAD: block i's are
+    next_rows, loaded during block i - 1, and block i + 1's load now (the last load of a head goes unused);
+    else block i's load now (the one-pass form, whose D = 128 masked loop spills with the loads ahead)."""
+    if AHEAD:
+        rows = next_rows
+        next_rows = _block_rows(lse_rows, delta_rows, temp_rows, stride_tn, (i + 1) * BLOCK_M, q_len, HAS_TEMP,
+                                BLOCK_M)
+    else:
+        rows = _block_rows(lse_rows, delta_rows, temp_rows, stride_tn, i * BLOCK_M, q_len, HAS_TEMP, BLOCK_M)
+    return rows, next_rows
+
+
+@gluon.jit
 def _capped_with_slope(x, cap_scale, alsc_knee, CAP: gl.constexpr):
     """Raw scores x = q.k -> (g, F'(y)): g the capped score in `gluon_softmax_fwd._cap`'s units (the same
     formulas, so the same values as the forward's), F' the cap's slope from the same intermediates, as
@@ -439,13 +474,14 @@ def _issue_from_zero(j, a_tile, ring, ready, st_layout: gl.constexpr, ROWS: gl.c
 
 
 @gluon.jit
-def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse_rows,
-                delta_rows, temp_rows, stride_tn, q_len, first_col, qk_scale, cap_scale, alsc_knee,
+def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse, delta, t,
+                first_col, qk_scale, cap_scale, alsc_knee,
                 ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_row, dq_col,
                 st_layout: gl.constexpr, a_layout: gl.constexpr, dq_layout: gl.constexpr, CAP: gl.constexpr,
                 HAS_TEMP: gl.constexpr, MASKED: gl.constexpr, ONE_PASS_DQ: gl.constexpr, HALF_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's keys against the query block from row m (ring tile j). Plain softmax: S^T =
+    """One warpgroup's keys against the query block from row m (ring tile j), whose rows' lse2, delta and
+    temperature t (HAS_TEMP) are given (`_block_rows`, loaded a block ahead). Plain softmax: S^T =
     K Q^T - lse2 / c (c = qk_scale = s log2 e) and dP^T = V dO^T - delta issued back to back, the
     per-query terms as the accumulators' starting values; P^T = exp2(c S^T) as soon as S^T is in
     (while dP^T runs), dS^T = P^T dP^T once dP^T is; then dV += P^T dO and dK += dS^T Q issued back
@@ -469,8 +505,6 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     DQ_COLS: gl.constexpr = dk.shape[1] // 2
     column: gl.constexpr = gl.SliceLayout(0, st_layout)
     cols = gl.arange(0, BLOCK_M, layout=column)
-    lse = _query_rows(lse_rows, m, q_len, float("inf"), BLOCK_M)
-    delta = _query_rows(delta_rows, m, q_len, 0.0, BLOCK_M)
     if PLAIN:
         # rows past q_len, and rows that see no key (lse2 = +inf): a start of -1e30, so p = exp2(-huge) = 0
         # (finite, as the tensor cores' accumulator takes it); delta 0
@@ -478,8 +512,6 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, s_start, st_layout, HALF_N, BLOCK_M, STAGES)
     else:
         s_t, q_tile = _issue_from_zero(j, k_tile, q_ring, q_ready, st_layout, HALF_N, BLOCK_M, STAGES)
-        if HAS_TEMP:
-            t = _temperature_rows(temp_rows, stride_tn, m, q_len, BLOCK_M)
     dp_t, do_tile = _issue_with_columns(j, v_tile, do_ring, do_ready, -delta, st_layout, HALF_N, BLOCK_M, STAGES)
     if PLAIN or not WAIT_DP_WITH_S:
         s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
@@ -611,18 +643,25 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         delta_rows = DELTA + bh.to(gl.int64) * q_len
         dq_col = h * HEAD_DIM + dq_col0  # ONE_PASS_DQ: this warpgroup's first column of dq
         j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
+        next_rows = _block_rows(lse_rows, delta_rows, temp_rows, stride_tn, i_lo * BLOCK_M, q_len, HAS_TEMP, BLOCK_M)
         for i in range(i_lo, i_full):
+            rows, next_rows = _rows_of_block(i, next_rows, lse_rows, delta_rows, temp_rows, stride_tn, q_len,
+                                             ROW_VALUES_AHEAD and not ONE_PASS_DQ, HAS_TEMP, BLOCK_M)
+            lse, delta, t = rows
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
-                                 qk_scale, cap_scale, alsc_knee, ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
-                                 ds_ready, ds_free, b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout,
-                                 CAP, HAS_TEMP, True, ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
+                                 q_empty, do_empty, lse, delta, t, first_col, qk_scale, cap_scale, alsc_knee,
+                                 ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
+                                 b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout, CAP, HAS_TEMP, True,
+                                 ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
         for i in range(i_full, i_hi):
+            rows, next_rows = _rows_of_block(i, next_rows, lse_rows, delta_rows, temp_rows, stride_tn, q_len,
+                                             ROW_VALUES_AHEAD and not ONE_PASS_DQ, HAS_TEMP, BLOCK_M)
+            lse, delta, t = rows
             dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, lse_rows, delta_rows, temp_rows, stride_tn, q_len, first_col,
-                                 qk_scale, cap_scale, alsc_knee, ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
-                                 ds_ready, ds_free, b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout,
-                                 CAP, HAS_TEMP, False, ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
+                                 q_empty, do_empty, lse, delta, t, first_col, qk_scale, cap_scale, alsc_knee,
+                                 ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
+                                 b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout, CAP, HAS_TEMP, False,
+                                 ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
     if ONE_PASS_DQ:
         tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
     if PERSISTENT:  # every product of the item has retired: K and V are free

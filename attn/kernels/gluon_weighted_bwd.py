@@ -113,6 +113,10 @@ from attn.kernels.gluon_weighted_fwd import (
 )
 from attn.kernels.runtime import DirectLauncher, cdiv
 
+# True: the key-block loops compute each query block's starts during the block before (`_dkdv_block`'s
+# AHEAD; in the SASS a block's first product issues 34 instructions earlier at D = 128). Off until a GPU
+# run of scripts/gpu_checks/ab_gluon_backward.py shows the same bits and the time.
+ROW_VALUES_AHEAD = gl.constexpr(False)
 DEAD_ROW_START = gl.constexpr(-1.0e30)  # S^T's start for query rows past N: w = g = 0 (module docstring)
 # the sigmoid's reciprocal in the backward: MUFU.RCP (0), as the portable backward's default path
 SIGMOID_BWD_NEWTON_STEPS = 0
@@ -176,19 +180,29 @@ def _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT: gl.constexpr
 
 
 @gluon.jit
-def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len,
-                first_col, score_scale, start_scale, row_param, power, st_layout: gl.constexpr,
+def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
+                q_len, kv_len, first_col, score_scale, start_scale, row_param, power, st_layout: gl.constexpr,
                 a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False):
-    """One warpgroup's keys against the query block from row m (ring tile j): S^T (from its start) and
-    dP^T issued back to back; W^T, G^T once S^T is in and dV += W^T dO issued at once; dS^T = dP^T G^T
+                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False,
+                AHEAD: gl.constexpr = True):
+    """One warpgroup's keys against the query block from row m (ring tile j): S^T (from `start`, this
+    block's `_query_starts`) and dP^T issued back to back; then, while they run, the starts of the block
+    from row m_next (the next block's: computed here, their logf and sqrt stay off the next block's path to
+    its first product); W^T, G^T once S^T is in and dV += W^T dO issued at once; dS^T = dP^T G^T
     once dP^T is in and dK += dS^T Q; dO's slot handed back when dV retired, Q's when dK did. MASKED: the
     causal compare, key row r visible to query column c when c >= first_col[r] - m. SCALED (the
-    differential threshold's second view): W^T times lam and dS^T times -lam p per score."""
-    start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
+    differential threshold's second view): W^T times lam and dS^T times -lam p per score. Not AHEAD (for
+    a caller whose loop spills with the next starts live): the block computes its own starts from m and
+    `start` passes through. Returns (dk, dv, the next block's starts)."""
+    if not AHEAD:
+        start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
     s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
+    if AHEAD:
+        start_next = _query_starts(m_next, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
+    else:
+        start_next = start
     s_t, k_tile, q_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, k_tile, q_tile))  # S^T retired
     if WEIGHT == THRESHOLD:
         x = s_t
@@ -213,7 +227,15 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     release(j, do_empty, STAGES)
     dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
     release(j, q_empty, STAGES)
-    return dk, dv
+    return dk, dv, start_next
+
+
+@gluon.jit
+def _next_block_row(i, i_lo, i_hi, BLOCK_M: gl.constexpr):
+    """The first row of the query block after block i in a key-block loop over blocks [i_lo, i_hi) per
+    head: block i + 1's, or block i_lo's after the last (the next head's first block: the starts do not
+    depend on the head)."""
+    return gl.where(i + 1 == i_hi, i_lo, i + 1) * BLOCK_M
 
 
 @gluon.jit
@@ -238,21 +260,24 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
+    start = _query_starts(i_lo * BLOCK_M, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
 
     mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):  # the row values do not depend on the head: only the ring tiles move on
         j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
         if CAUSAL:
             for i in range(i_lo, i_full):
-                dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                     q_empty, do_empty, q_len, kv_len, first_col, score_scale, start_scale,
-                                     row_param, power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON,
-                                     CAUSAL, True, HALF_N, BLOCK_M, STAGES)
+                dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start,
+                                            dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
+                                            do_empty, q_len, kv_len, first_col, score_scale, start_scale, row_param,
+                                            power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
+                                            True, HALF_N, BLOCK_M, STAGES, AHEAD=ROW_VALUES_AHEAD)
         for i in range(i_full, i_hi):
-            dk, dv = _dkdv_block(j0 + i, i * BLOCK_M, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
-                                 q_empty, do_empty, q_len, kv_len, first_col, score_scale, start_scale, row_param,
-                                 power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False,
-                                 HALF_N, BLOCK_M, STAGES)
+            dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv,
+                                        k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len,
+                                        kv_len, first_col, score_scale, start_scale, row_param, power, st_layout,
+                                        a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False, HALF_N, BLOCK_M,
+                                        STAGES, AHEAD=ROW_VALUES_AHEAD)
     if PERSISTENT:  # every product of the item has retired: K and V are free
         gl.thread_barrier()
         mbarrier.arrive(kv_empty)
