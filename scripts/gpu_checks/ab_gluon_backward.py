@@ -163,6 +163,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     versions = load_versions(args.old)
     results = {**result_header(), "old": str(args.old), "bits": [], "timing": []}
+    dump = lambda: (args.out / "ab_gluon_backward.json").write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
     failed = 0
     print(f"{'case':<100} bits")
     for index, (variant, shape, causal, options) in enumerate(CASES):
@@ -179,6 +180,7 @@ def main() -> int:
         ok = row.get("equal", False)
         failed += not ok
         results["bits"].append(row)
+        dump()  # each row as it comes: a run cut short keeps what it measured
         print(f"{row['case']:<100} {'equal' if ok else 'DIFFER ' + str(row.get('max_abs_diff', 'error'))}")
         if "error" in row:
             print(row["error"])
@@ -204,7 +206,8 @@ def main() -> int:
                 failed += 1
                 print(f"{row['case']:<84} error\n{row['error']}")
             results["timing"].append(row)
-    (args.out / "ab_gluon_backward.json").write_text(json.dumps(results, indent=1, default=str))
+            dump()
+    dump()
     return 1 if failed else 0
 
 
