@@ -13,6 +13,7 @@ compared with torch.equal; per timed case, backward launches only (triton.testin
 versions alternating over --rounds), old / new ms. Exits 1 when a case's bits differ or a launch fails.
 
     python scripts/gpu_checks/ab_gluon_backward.py --old /tmp/old_kernels --out $OUT [--rounds 3] [--no-timing]
+        [--variants softmax threshold] [--head-dims 128]
 """
 
 from __future__ import annotations
@@ -159,7 +160,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=None, help="only these variants' cases (default: all)")
+    ap.add_argument("--head-dims", nargs="*", type=int, default=None, help="only cases of these head dims")
     args = ap.parse_args()
+    wanted = lambda case: ((args.variants is None or case[0] in args.variants)  # noqa: E731
+                           and (args.head_dims is None or case[1][-1] in args.head_dims))
     args.out.mkdir(parents=True, exist_ok=True)
     versions = load_versions(args.old)
     results = {**result_header(), "old": str(args.old), "bits": [], "timing": []}
@@ -167,6 +172,8 @@ def main() -> int:
     failed = 0
     print(f"{'case':<100} bits")
     for index, (variant, shape, causal, options) in enumerate(CASES):
+        if not wanted((variant, shape)):
+            continue
         row = {"case": label(variant, shape, causal, options)}
         try:
             x = make_inputs(variant, shape, causal, options, seed=3000 + index)
@@ -187,6 +194,8 @@ def main() -> int:
     if not args.no_timing:
         print(f"\n{'case':<84}{'old ms':>10}{'new ms':>10}{'old/new':>9}")
         for index, (variant, shape, causal, options) in enumerate(TIMED):
+            if not wanted((variant, shape)):
+                continue
             row = {"case": label(variant, shape, causal, options)}
             try:
                 x = make_inputs(variant, shape, causal, options, seed=4000 + index)
