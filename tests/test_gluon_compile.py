@@ -28,6 +28,10 @@ warpgroups S, dP, dQ each), the
 power's MUFU ops and no local memory inside a loop (a bounded few for the view warpgroups at D = 128 with a
 general power).
 
+The backwards' key-block kernels compiled again with ROW_VALUES_AHEAD on (each query block's row values
+loaded or computed during the block before, off by default): the same products and MUFU ops per loop and
+no more local memory in them.
+
 The forwards' ping-pong form (PINGPONG: the two consumer warpgroups take turns at issuing their wgmmas,
 attn/kernels/gluon_pipeline.py), softmax family (every cap, a temperature) and threshold / sigmoid: the same
 PTX checks, the loops' wgmma counts and MUFU ops, no local memory anywhere, and the turn protocol as the SASS
@@ -206,6 +210,10 @@ import gluon_sass_counts as counts
 from sass_listing import cuobjdump, parse_sass
 from attn.kernels import (gluon_diff_bwd, gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd,
                           gluon_weighted_fwd)
+if sys.argv[2:] == ["ahead"]:  # the key-block loops' row values a block ahead, whatever the modules' setting
+    from triton.experimental.gluon import language as gl
+    for module in (gluon_softmax_bwd, gluon_weighted_bwd, gluon_diff_bwd):
+        module.ROW_VALUES_AHEAD = gl.constexpr(True)
 modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
            "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd,
            "gluon_diff_bwd": gluon_diff_bwd, "gluon_weighted_fwd": gluon_weighted_fwd}
@@ -230,14 +238,30 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """name -> {"ptx", "shared", "loops" (gluon_sass_counts rows), "tile_width"} of every REQUESTS entry."""
+def _compile(requests: dict, *flags: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(REQUESTS), env=env,
+    done = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), *flags], input=json.dumps(requests), env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """name -> {"ptx", "shared", "loops" (gluon_sass_counts rows), "tile_width"} of every REQUESTS entry."""
+    return _compile(REQUESTS)
+
+
+# the key-block kernels whose loops take ROW_VALUES_AHEAD (gluon_softmax_bwd, gluon_weighted_bwd, used by
+# gluon_diff_bwd), compiled again with it on
+AHEAD_REQUESTS = {name: request for name, request in REQUESTS.items()
+                  if request[1].get("kernel", "").startswith("dkdv") and request[2] is not None}
+
+
+@pytest.fixture(scope="module")
+def compiled_ahead():
+    """`compiled`'s entries of AHEAD_REQUESTS with the row values a block ahead."""
+    return _compile(AHEAD_REQUESTS, "ahead")
 
 
 def _assert_hopper_schedule(ptx: str, dtype: str):
@@ -606,3 +630,19 @@ def test_pingpong_turns_sit_around_the_wgmma_issue_groups(compiled, variant, mod
             assert events[end] == passed or (event == "wait15" and events[end] == "retire"), events[i:end + 1]
         elif event.startswith("pass"):  # right after an issue, and the turn's next event is the wgmma wait
             assert events[i - 1] == "issue" and events[i + 1] == "retire", events[max(0, i - 3):i + 2]
+
+
+@pytest.mark.parametrize("name", sorted(AHEAD_REQUESTS))
+def test_row_values_ahead_keep_the_products_and_the_loops_free_of_local_memory(compiled, compiled_ahead, name):
+    """With ROW_VALUES_AHEAD on, each key-block loop runs the products it runs with it off and no more
+    local memory (none, but the view warpgroups' bounded few at D = 128 with a general power, as above)."""
+    on, off = compiled_ahead[name], compiled[name]
+    _assert_hopper_schedule(on["ptx"], "f16" if name.endswith("fp16") else "bf16")
+    rows_on = {row["loop"]: row for row in on["loops"]}
+    rows_off = {row["loop"]: row for row in off["loops"]}
+    assert set(rows_on) == set(rows_off)
+    for loop, row in rows_on.items():
+        assert row["hgmma"] == rows_off[loop]["hgmma"], (loop, row)
+        assert row["mufu"] == rows_off[loop]["mufu"], (loop, row)
+        allowed = 4 if ("dkdv_views_p1.5" in name and "-128-" in name) else 0
+        assert row["loop_spills"] <= max(allowed, rows_off[loop]["loop_spills"]), (loop, row)

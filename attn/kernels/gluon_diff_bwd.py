@@ -277,17 +277,22 @@ def _two_view_block(j, m, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q
 
 
 @gluon.jit
-def _second_view_block(j, m, m_next, start, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do_ready, q_empty, do_empty,
-                       q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout: gl.constexpr,
+def _second_view_block(j, m, m_next, start, dk2, k2_tile, v_tile, q2_ring, do_ring, q_ready, do_ready, q_empty,
+                       do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout: gl.constexpr,
                        a_layout: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                        HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """Form 2: one warpgroup's keys against the query block from row m (ring tile j): S2^T and dP^T
     issued back to back, G2^T once S2^T is in, dO's slot back once dP^T retired, then
     dK2 += dk2_scale (dP^T G2^T) Q2 and the Q2 slot back once it retired. `start`, m_next and the returned
-    (dk2, the next block's starts) as `_two_view_block`'s."""
+    (dk2, the next block's starts) as `_two_view_block`'s (its loop does not spill either way)."""
+    if not ROW_VALUES_AHEAD:
+        start = _query_starts(m, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
     s2_t, q2_tile = _issue_with_columns(j, k2_tile, q2_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
     dp_t, do_tile = issue_qk(j, v_tile, do_ring, do_ready, st_layout, HALF_N, BLOCK_M, STAGES)
-    start_next = _query_starts(m_next, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    if ROW_VALUES_AHEAD:
+        start_next = _query_starts(m_next, q_len, kv_len, -1.0, tau_scale, THRESHOLD, False, CAUSAL, BLOCK_M)
+    else:
+        start_next = start
     s2_t, k2_tile, q2_tile = warpgroup_mma_wait(num_outstanding=1, deps=(s2_t, k2_tile, q2_tile))  # S2^T retired
     visible = 0
     if MASKED:
@@ -349,8 +354,8 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
                 m_next = _next_block_row(i, i_lo, i_hi, BLOCK_M)
                 if VIEWS == 2:
                     dk2, start = _second_view_block(
-                        j0 + i, i * BLOCK_M, m_next, start, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready, do_ready,
-                        q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout,
+                        j0 + i, i * BLOCK_M, m_next, start, dk2, k_tile, v_tile, q2_ring, do_ring, q_ready,
+                        do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, dk2_scale, power, st_layout,
                         a_layout, POWER_MODE, CAUSAL, True, HALF_N, BLOCK_M, STAGES)
                 else:
                     dk, dv, dk2, start = _two_view_block(
@@ -367,8 +372,8 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
                     POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
             else:
                 dk, dv, dk2, start = _two_view_block(
-                    j0 + i, i * BLOCK_M, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring,
-                    q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale,
+                    j0 + i, i * BLOCK_M, m_next, start, dk, dv, dk2, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                    do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, tau_scale, lam, dk2_scale,
                     power, st_layout, a_layout, VIEWS, POWER_MODE, CAUSAL, False, HALF_N, BLOCK_M, STAGES)
     if PERSISTENT:  # every product of the item has retired: the key tiles are free
         gl.thread_barrier()

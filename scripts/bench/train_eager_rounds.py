@@ -119,7 +119,8 @@ def census(step, steps: int = 5) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name] += e.device_time_total
-    return {"host_ms": host_ms(step), "launches": launches / steps, "aten_ops": {name: n / steps for name, n in ops.items()},
+    return {"host_ms": host_ms(step), "launches": launches / steps,
+            "aten_ops": {name: n / steps for name, n in ops.items()},
             "gpu_ms": sum(kernels.values()) / steps / 1e3,
             "top_kernels_us": {name: us / steps for name, us in kernels.most_common(12)}}
 

@@ -168,7 +168,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     versions = load_versions(args.old)
     results = {**result_header(), "old": str(args.old), "bits": [], "timing": []}
-    dump = lambda: (args.out / "ab_gluon_backward.json").write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
+    json_path = args.out / "ab_gluon_backward.json"
+    dump = lambda: json_path.write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
     failed = 0
     print(f"{'case':<100} bits")
     for index, (variant, shape, causal, options) in enumerate(CASES):
