@@ -185,7 +185,7 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
                 a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False,
-                AHEAD: gl.constexpr = True):
+                AHEAD: gl.constexpr = False):
     """One warpgroup's keys against the query block from row m (ring tile j): S^T (from `start`, this
     block's `_query_starts`) and dP^T issued back to back; then, while they run, the starts of the block
     from row m_next (the next block's: computed here, their logf and sqrt stay off the next block's path to
