@@ -60,6 +60,32 @@ def test_host_bound_rows_are_gated_on_their_ratio_to_the_yardstick_of_the_same_r
     assert bp.compare(ours_slower, {}, baseline, 0.08, 0.30, rounds) == []
 
 
+def test_a_slower_host_that_its_probe_shows_passes_and_a_slower_row_on_a_steady_host_fails():
+    """Where SDPA's row is GPU-bound and ours host-bound, a slower host moves ours alone: the ratio to the yardstick
+    is over its allowance, but the row's time scaled by the host probe (this run's over the baseline's) is within
+    it, and the row passes; the same row slower with the probe unchanged fails, and the report names the scaled
+    time; probe rows are neither gated nor given ratios."""
+    rows = {**ROWS, "decode host probe": 0.010}
+    baseline = {"best": dict(rows), "meta": {"host_timing": bp.HOST_TIMING}}
+    slow_host = {**rows, "decode host probe": 0.016, "decode threshold": 0.10 * 1.55}
+    assert bp.compare(slow_host, {}, baseline, 0.08, 0.30) == []
+    slow_row = {**rows, "decode threshold": 0.10 * 1.55}
+    failures = bp.compare(slow_row, {}, baseline, 0.08, 0.30)
+    assert bp.regressed_rows(failures) == ["decode threshold"] and "scaled by this host's probe (1.00x" in failures[0]
+    # a host faster than the baseline's: the scaled time is stricter, the ratio to the yardstick still rules
+    fast_host = {**rows, "decode host probe": 0.005, "decode threshold": 0.10 * 1.2}
+    assert bp.compare(fast_host, {}, baseline, 0.08, 0.30) == []
+    assert bp.compare({**rows, "decode host probe": 0.05}, {}, baseline, 0.08, 0.30) == []
+    assert not any("probe" in name for name in bp.ratios(slow_host))
+    assert bp.yardstick("decode host probe") is None and bp.yardstick("call host probe") is None
+
+
+def test_the_host_probe_step_runs_and_builds_an_autograd_node():
+    step = bp.host_probe_step()
+    out = step()
+    assert out.grad_fn is not None and out.shape == (1,)
+
+
 def test_host_bound_rows_timed_another_way_are_not_compared():
     baseline = {"best": dict(ROWS), "meta": {"host_timing": "do_bench"}}
     slower = {name: ms * 2 for name, ms in ROWS.items()}
@@ -158,12 +184,12 @@ def test_the_host_bound_suites_and_the_recheck_run_end_to_end_on_cpu_stand_ins(m
     monkeypatch.setattr(bp, "DECODE_SHAPE", (1, 2, 8, 32))
     monkeypatch.setattr(bp, "VARIANTS", ["threshold", "diff_threshold"])
     decode = bp.decode_rows()
-    assert list(decode) == ["decode sdpa", "decode threshold", "decode diff_threshold"]
+    assert list(decode) == ["decode host probe", "decode sdpa", "decode threshold", "decode diff_threshold"]
     call = bp.call_rows()
-    assert list(call) == ["call sdpa fwd+bwd", "call sdpa compiled fwd+bwd", "call threshold eager fwd+bwd",
-                          "call threshold compiled fwd+bwd", "call diff_threshold eager fwd+bwd",
-                          "call diff_threshold compiled fwd+bwd"]
-    assert len(set(map(id, timed))) == len(timed) == 9  # a callable of its own per row
+    assert list(call) == ["call host probe", "call sdpa fwd+bwd", "call sdpa compiled fwd+bwd",
+                          "call threshold eager fwd+bwd", "call threshold compiled fwd+bwd",
+                          "call diff_threshold eager fwd+bwd", "call diff_threshold compiled fwd+bwd"]
+    assert len(set(map(id, timed))) == len(timed) == 11  # a callable of its own per row
     pairs = bp.recheck(["decode threshold", "call diff_threshold compiled fwd+bwd"], 2)
     assert {name: len(p) for name, p in pairs.items()} == {"decode threshold": 2,
                                                            "call diff_threshold compiled fwd+bwd": 2}

@@ -29,8 +29,8 @@ power's MUFU ops and no local memory inside a loop (a bounded few for the view w
 general power).
 
 The backwards' key-block kernels compiled again with ROW_VALUES_AHEAD on (each query block's row values
-loaded or computed during the block before, off by default): the same products and MUFU ops per loop and
-no more local memory in them.
+loaded or computed during the block before; on by default in the softmax family's) against the same kernels
+with it off: the same products and MUFU ops per loop and no more local memory in them.
 
 The forwards' ping-pong form (PINGPONG: the two consumer warpgroups take turns at issuing their wgmmas,
 attn/kernels/gluon_pipeline.py), softmax family (every cap, a temperature) and threshold / sigmoid: the same
@@ -210,10 +210,10 @@ import gluon_sass_counts as counts
 from sass_listing import cuobjdump, parse_sass
 from attn.kernels import (gluon_diff_bwd, gluon_diff_fwd, gluon_softmax_bwd, gluon_softmax_fwd, gluon_weighted_bwd,
                           gluon_weighted_fwd)
-if sys.argv[2:] == ["ahead"]:  # the key-block loops' row values a block ahead, whatever the modules' setting
+if sys.argv[2:] in (["ahead"], ["in_block"]):  # the key-block loops' row values, whatever the modules' setting
     from triton.experimental.gluon import language as gl
     for module in (gluon_softmax_bwd, gluon_weighted_bwd, gluon_diff_bwd):
-        module.ROW_VALUES_AHEAD = gl.constexpr(True)
+        module.ROW_VALUES_AHEAD = gl.constexpr(sys.argv[2] == "ahead")
 modules = {"gluon_softmax_fwd": gluon_softmax_fwd, "gluon_softmax_bwd": gluon_softmax_bwd,
            "gluon_weighted_bwd": gluon_weighted_bwd, "gluon_diff_fwd": gluon_diff_fwd,
            "gluon_diff_bwd": gluon_diff_bwd, "gluon_weighted_fwd": gluon_weighted_fwd}
@@ -262,6 +262,12 @@ AHEAD_REQUESTS = {name: request for name, request in REQUESTS.items()
 def compiled_ahead():
     """`compiled`'s entries of AHEAD_REQUESTS with the row values a block ahead."""
     return _compile(AHEAD_REQUESTS, "ahead")
+
+
+@pytest.fixture(scope="module")
+def compiled_in_block():
+    """`compiled`'s entries of AHEAD_REQUESTS with each block computing or loading its own row values."""
+    return _compile(AHEAD_REQUESTS, "in_block")
 
 
 def _assert_hopper_schedule(ptx: str, dtype: str):
@@ -633,10 +639,11 @@ def test_pingpong_turns_sit_around_the_wgmma_issue_groups(compiled, variant, mod
 
 
 @pytest.mark.parametrize("name", sorted(AHEAD_REQUESTS))
-def test_row_values_ahead_keep_the_products_and_the_loops_free_of_local_memory(compiled, compiled_ahead, name):
+def test_row_values_ahead_keep_the_products_and_the_loops_free_of_local_memory(compiled_in_block, compiled_ahead,
+                                                                                name):
     """With ROW_VALUES_AHEAD on, each key-block loop runs the products it runs with it off and no more
     local memory (none, but the view warpgroups' bounded few at D = 128 with a general power, as above)."""
-    on, off = compiled_ahead[name], compiled[name]
+    on, off = compiled_ahead[name], compiled_in_block[name]
     _assert_hopper_schedule(on["ptx"], "f16" if name.endswith("fp16") else "bf16")
     rows_on = {row["loop"]: row for row in on["loops"]}
     rows_off = {row["loop"]: row for row in off["loops"]}

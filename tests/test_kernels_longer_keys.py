@@ -128,15 +128,8 @@ class _SplitCounter:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        original = sf._split_kv_forward
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(sf, "_split_kv_forward", counted)
-        for module in (tf, sg):  # the elementwise families' forwards take SPLIT_KV
-            self._count_split_launches(monkeypatch, module._KERNELS["fwd"])
+        for kernel in (sf._FWD, tf._KERNELS["fwd"], sg._KERNELS["fwd"]):  # every family's forward takes SPLIT_KV
+            self._count_split_launches(monkeypatch, kernel)
 
     def _count_split_launches(self, monkeypatch, kernel):
         original_launch = kernel.launch

@@ -169,9 +169,9 @@ def dkdv_tile_config(head_dim: int) -> dict:
 
 # True: the key-block loops load each query block's lse2, delta and temperature during the block before
 # (`_rows_of_block`'s AHEAD; the one-pass form loads them in their block), so that no load's latency sits
-# before a block's first product. Off until a GPU run of scripts/gpu_checks/ab_gluon_backward.py shows the
-# same bits and the time.
-ROW_VALUES_AHEAD = gl.constexpr(False)
+# before a block's first product. The same bits as loading them in their block, 1.02-1.08x faster on an H100
+# (scripts/gpu_checks/ab_gluon_backward.py; docs/gluon.md).
+ROW_VALUES_AHEAD = gl.constexpr(True)
 DQ_REDUCE_COLS = 32  # fp32 columns of a 128-byte swizzle row: the widest box one reduce message carries
 
 

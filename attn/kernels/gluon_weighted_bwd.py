@@ -114,8 +114,8 @@ from attn.kernels.gluon_weighted_fwd import (
 from attn.kernels.runtime import DirectLauncher, cdiv
 
 # True: the key-block loops compute each query block's starts during the block before (`_dkdv_block`'s
-# AHEAD; in the SASS a block's first product issues 34 instructions earlier at D = 128). Off until a GPU
-# run of scripts/gpu_checks/ab_gluon_backward.py shows the same bits and the time.
+# AHEAD; in the SASS a block's first product issues 34 instructions earlier at D = 128). Off: the same bits,
+# no faster on an H100 (0.98-1.00x, scripts/gpu_checks/ab_gluon_backward.py; docs/gluon.md).
 ROW_VALUES_AHEAD = gl.constexpr(False)
 DEAD_ROW_START = gl.constexpr(-1.0e30)  # S^T's start for query rows past N: w = g = 0 (module docstring)
 # the sigmoid's reciprocal in the backward: MUFU.RCP (0), as the portable backward's default path

@@ -44,7 +44,7 @@ import triton.language as tl
 from attn.kernels.dropout import dropout_keep, load_seed, seed_operand
 from attn.kernels.env import interpreting, setting
 from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, ConfigTable, Kernel, LaunchPlans,
-                                  TileConfig, cdiv, decode_config, decode_splits, dot_precision,
+                                  TileConfig, cdiv, contiguous_strides, decode_config, decode_splits, dot_precision,
                                   ensure_descriptor_scratch, kernel_op, n_bucket, pinned_index, tma_alignment,
                                   use_tma)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
@@ -738,15 +738,10 @@ def _fwd_plan(q, k, v, temperature, has_bounds, has_lens, cap, cap_value, knee, 
                 DROPOUT=dropout_p > 0.0, HAS_LENS=has_lens)
     tma = splits == 1 and not has_lens and n >= TMA_MIN_ROWS and use_tma("fwd", k, v)
     meta["TMA"] = tma
-    lse_shape = (bsz, h, n)
     if splits > 1:
-        def split_forward(q, k, v, bounds, temperature, seed, key_lengths):
-            out = torch.empty_like(q)
-            lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
-            _split_kv_forward(q, k, v, out, lse, temperature if has_temp else lse, st, splits, meta, qk_scale,
-                              out_scale, cap_value, alsc_a, alsc_g, window, key_lengths if has_lens else lse)
-            return out, lse
-        return split_forward
+        return _split_kv_plan(q, k, v, splits, meta, st, has_temp, has_lens, qk_scale, out_scale, cap_value, alsc_a,
+                              alsc_g, window)
+    lse_shape = (bsz, h, n)
 
     out_strides = torch.empty_like(q).stride()  # what every call's torch.empty_like(q) gives
     scalars = (*q.stride(), *k.stride(), *v.stride(), *out_strides, 0, *st,
@@ -805,30 +800,42 @@ _TIERS = TierChoice("softmax_family_fwd")
 _GLUON_GRIDS = TimedChoice("gluon softmax forward grid")
 
 
-def _split_kv_forward(q, k, v, out, lse, temp, st, splits, meta, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
-                      window, lens):
-    """Flash-decoding: `splits` programs per query block, each over one contiguous key range
-    (whole key tiles), writing a normalized partial output and its lse2 (fp32); then one merge
-    kernel weighs the partials by 2^(lse_s - max lse) into `out` and `lse`, the same (out, lse)
-    the one-pass forward gives (the backward reads them as usual). With per-row key lengths
-    (meta HAS_LENS) the ranges cover the capacity; a range wholly past a row's length sees no key,
-    writes lse2 = +inf, and the merge weighs it 0."""
+def _split_kv_plan(q, k, v, splits, meta, st, has_temp, has_lens, qk_scale, out_scale, cap_value, alsc_a, alsc_g,
+                   window):
+    """Flash-decoding for one signature: `splits` programs per query block, each over one contiguous
+    key range (whole key tiles), writing a normalized partial output and its lse2 (fp32); then one
+    merge kernel weighs the partials by 2^(lse_s - max lse) into `out` and `lse`, the same (out, lse)
+    the one-pass forward gives (the backward reads them as usual). With per-row key lengths (meta
+    HAS_LENS) the ranges cover the capacity; a range wholly past a row's length sees no key, writes
+    lse2 = +inf, and the merge weighs it 0. Shapes, strides, scalars and grids are the signature's, so
+    a call (a decode step: host-bound) only allocates and launches."""
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     cfg = decode_config()
     split_len = cdiv(cdiv(kv_len, splits), cfg.block_n) * cfg.block_n
     splits = cdiv(kv_len, split_len)
-    part_out = torch.empty((splits, bsz, n, h, d), device=q.device, dtype=torch.float32)
-    part_lse = torch.empty((splits, bsz, h, n), device=q.device, dtype=torch.float32)
-    po_strides = part_out.stride()[1:]  # one split's (B, N, H, D) strides, without a view's host cost
-    scalars = (*q.stride(), *k.stride(), *v.stride(), *po_strides, part_out.stride(0), *st,
-               h, h // h_kv, n, kv_len, window, split_len,
-               qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
-    _FWD.launch(lambda c: (cdiv(n, c.block_m), bsz * h, splits), (q, k, v, part_out, part_lse, temp, lse, lse, lens),
-                scalars, {**meta, "SPLIT_KV": True}, [cfg], ())
-    _COMBINE.launch(lambda c: (cdiv(n, c.block_m), bsz * h), (part_out, part_lse, out, lse),
-                    (*po_strides, part_out.stride(0), *out.stride(), h, n, splits), {"HEAD_DIM": d},
-                    [TileConfig(16, 16, 4, 1)], ())
+    part_shape, part_lse_shape, lse_shape = (splits, bsz, n, h, d), (splits, bsz, h, n), (bsz, h, n)
+    part_strides = contiguous_strides(part_shape)
+    out_strides = torch.empty_like(q).stride()  # what every call's torch.empty_like(q) gives
+    split_scalars = (*q.stride(), *k.stride(), *v.stride(), *part_strides[1:], part_strides[0], *st,
+                     h, h // h_kv, n, kv_len, window, split_len,
+                     qk_scale, out_scale, float(cap_value), alsc_a, alsc_g, 0.0, 0.0)
+    split_meta = {**meta, "SPLIT_KV": True}
+    split_grid = (lambda c: (cdiv(n, c.block_m), bsz * h, splits))
+    combine_scalars = (*part_strides[1:], part_strides[0], *out_strides, h, n, splits)
+    combine_meta, combine_config = {"HEAD_DIM": d}, [TileConfig(16, 16, 4, 1)]
+    combine_grid = (lambda c: (cdiv(n, c.block_m), bsz * h))
+
+    def split_forward(q, k, v, bounds, temperature, seed, key_lengths):
+        out = torch.empty_like(q)
+        lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+        part_out = torch.empty(part_shape, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(part_lse_shape, device=q.device, dtype=torch.float32)
+        _FWD.launch(split_grid, (q, k, v, part_out, part_lse, temperature if has_temp else lse, lse, lse,
+                                 key_lengths if has_lens else lse), split_scalars, split_meta, [cfg], ())
+        _COMBINE.launch(combine_grid, (part_out, part_lse, out, lse), combine_scalars, combine_meta, combine_config, ())
+        return out, lse
+    return split_forward
 
 
 def _bwd_impl(do, q, k, v, out, lse, bounds, temperature, need_dt, cap, cap_value, knee, sm_scale, causal, window,
@@ -1116,7 +1123,7 @@ def fused_attention(q, k, v, spec, mask: MaskSpec, segment_ids=None, temperature
 
     KV >= N keys, aligned bottom-right (query i at key position i + KV - N, attn/masks.py); a call
     with at most `runtime.DECODE_MAX_QUERIES` queries against a long key sequence splits the keys
-    across programs (flash-decoding, `_split_kv_forward`). Segment ids need KV == N.
+    across programs (flash-decoding, `_split_kv_plan`). Segment ids need KV == N.
     `bounds`: `attn.segment_bounds(segment_ids)` computed once per batch by the caller (a model
     with many layers); computed here from segment_ids when not given. `dropout_p` > 0 drops the
     probabilities with the mask of `dropout_seed` (int64 tensor (1,), attn/dropout.py).

@@ -28,7 +28,12 @@ follow the host's load and vary far more (the measured spreads: docs/results/pub
 row's time over its yardstick's in the same round (SDPA's eager call, SDPA compiled, SDPA's decode
 step; the best round's ratio): machines of one GPU kind differ in host speed (SDPA's compiled call
 moved 30% between two H100 machines), which a ratio to torch's own call on the same host cancels
-in part. A host-bound row over its allowance after the rounds is timed again --recheck times (default 5)
+in part only: where SDPA's row is GPU-bound and ours host-bound (the decode step, the eager call), a slower host
+moves ours alone. So each host-bound suite also times a host probe (`host_probe_step`: a Python-defined no-op
+autograd.Function and one tiny launch, the host work every such row pays; no GPU time to speak of), and a
+host-bound row regresses only when it is over its allowance both as a ratio to its yardstick and as its time
+scaled by the host's speed (this run's probe over the baseline's; baselines without a probe: the ratio
+alone). A host-bound row over its allowance after the rounds is timed again --recheck times (default 5)
 right beside its yardstick (the row, then the yardstick, on fresh inputs), and the best of those ratios joins
 the rounds' before the gate reports it: the host's load moves these rows by 20-50 % between rounds, and a
 slowdown that holds through the pairs is the code's. The yardstick rows themselves are torch's and are
@@ -137,9 +142,38 @@ def decode_step(variant: str):
     return step
 
 
+class _NoOpFunction(torch.autograd.Function):
+    """A Python-defined differentiable op that allocates its output and computes nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad, grad
+
+
+def host_probe_step():
+    """The host probe as a callable: what every host-bound row pays on the host and nothing else (a Python
+    function call, an autograd node over tensors that require grad, an allocation, one launch of a
+    one-element kernel), so its time per call measures the host's speed at that moment."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.zeros(1, device=device, requires_grad=True) for _ in range(3))
+    counter = torch.zeros(1, device=device)
+
+    def step():
+        counter.add_(1.0)
+        return _NoOpFunction.apply(q, k, v)
+
+    step()
+    return step
+
+
 def call_rows() -> dict[str, float]:
     torch._dynamo.reset()
-    rows = {"call sdpa fwd+bwd": back_to_back_ms(call_step("sdpa", False)),
+    rows = {"call host probe": back_to_back_ms(host_probe_step()),
+            "call sdpa fwd+bwd": back_to_back_ms(call_step("sdpa", False)),
             "call sdpa compiled fwd+bwd": back_to_back_ms(call_step("sdpa", True))}
     for variant in VARIANTS:
         torch._dynamo.reset()  # each variant's closure is the same code object: its own cache, no recompiles
@@ -150,7 +184,8 @@ def call_rows() -> dict[str, float]:
 
 
 def decode_rows() -> dict[str, float]:
-    steps = {"decode sdpa": decode_step("sdpa"), **{f"decode {variant}": decode_step(variant) for variant in VARIANTS}}
+    steps = {"decode host probe": host_probe_step(), "decode sdpa": decode_step("sdpa"),
+             **{f"decode {variant}": decode_step(variant) for variant in VARIANTS}}
     with torch.no_grad():
         return {name: back_to_back_ms(step) for name, step in steps.items()}
 
@@ -261,6 +296,8 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
     out = {}
     for name, ms in rows.items():
         suite, *rest = name.split(" ")
+        if name.endswith(HOST_PROBE):
+            continue
         if suite == "call" and "sdpa" not in name:
             out[f"{name} / SDPA"] = ms / rows["call sdpa fwd+bwd"]
             if "compiled" in name:
@@ -281,6 +318,7 @@ def ratios(rows: dict[str, float]) -> dict[str, float]:
 
 
 HOST_BOUND_SUITES = ("call", "decode")
+HOST_PROBE = "host probe"  # each host-bound suite's row "<suite> host probe" (host_probe_step)
 
 
 HOST_TIMING = "back-to-back"  # how the host-bound suites are timed (timing.back_to_back_ms)
@@ -290,7 +328,7 @@ def yardstick(name: str) -> str | None:
     """The row a host-bound row is measured against in the gate (torch's own call of the suite, same host,
     same round); None for GPU-bound rows and for the yardsticks themselves."""
     suite = name.split(" ")[0]
-    if suite not in HOST_BOUND_SUITES or "sdpa" in name:
+    if suite not in HOST_BOUND_SUITES or "sdpa" in name or name.endswith(HOST_PROBE):
         return None
     if suite == "call":
         return "call sdpa compiled fwd+bwd" if "compiled" in name else "call sdpa fwd+bwd"
@@ -304,8 +342,10 @@ def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, no
     a GPU-bound row's best round against the baseline's best by `noise`; a host-bound row (HOST_BOUND_SUITES)
     as its time over its `yardstick`'s, the best over `rounds` of the same round's ratio (without rounds:
     the best rounds') and over its `rechecks` pairs (`recheck`), against the baseline's best rows' ratio, by
-    `host_noise`. Yardstick rows, rows the baseline lacks, and host-bound rows of a baseline timed another way
-    (its meta's host_timing) are not compared."""
+    `host_noise`; where the baseline has the suite's host probe, such a row fails only if its time scaled by the
+    host's speed (this run's best probe over the baseline's) is over the baseline's by `host_noise` as well.
+    Yardstick and probe rows, rows the baseline lacks, and host-bound rows of a baseline timed another way (its
+    meta's host_timing) are not compared."""
     same_host_timing = baseline.get("meta", {}).get("host_timing") == HOST_TIMING
     base_best = baseline["best"]
     failures = []
@@ -329,10 +369,18 @@ def compare(best: dict[str, float], spread: dict[str, float], baseline: dict, no
         if rechecks and name in rechecks:
             ratio = min([ratio] + [t / y for t, y in rechecks[name]])
         base_ratio = base / base_best[yard]
-        if ratio > base_ratio * (1.0 + host_noise):
-            failures.append(f"REGRESSION {name}: {ratio:.3f}x {yard} vs baseline {base_ratio:.3f}x "
-                            f"(+{ratio / base_ratio - 1:.1%}, allowed +{host_noise:.0%}; {ms:.4f} ms vs baseline "
-                            f"{base:.4f} ms)")
+        if ratio <= base_ratio * (1.0 + host_noise):
+            continue
+        probe = f"{name.split(' ')[0]} {HOST_PROBE}"
+        host_note = ""
+        if probe in best and probe in base_best:
+            host_speed = best[probe] / base_best[probe]  # > 1: this host is slower than the baseline's
+            if ms / host_speed <= base * (1.0 + host_noise):
+                continue
+            host_note = f"; scaled by this host's probe ({host_speed:.2f}x the baseline's) {ms / host_speed:.4f} ms"
+        failures.append(f"REGRESSION {name}: {ratio:.3f}x {yard} vs baseline {base_ratio:.3f}x "
+                        f"(+{ratio / base_ratio - 1:.1%}, allowed +{host_noise:.0%}; {ms:.4f} ms vs baseline "
+                        f"{base:.4f} ms{host_note})")
     return failures
 
 
