@@ -36,7 +36,8 @@ def test_census_counts_a_steps_aten_ops_and_the_differences_name_what_a_case_add
     def normed():
         torch.nn.functional.normalize(x * 2, dim=-1).sum().backward()
 
-    base, case = rounds.census(plain, steps=2), rounds.census(normed, steps=2)
+    base = rounds.census(plain, rounds.host_ms(plain), steps=2)
+    case = rounds.census(normed, rounds.host_ms(normed), steps=2)
     assert base["aten_ops"]["aten::mul"] >= 1 and base["launches"] == 0  # no GPU: no launches
     assert base["host_ms"] > 0
     diff = dict(rounds.op_differences(case, base))
