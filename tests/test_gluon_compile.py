@@ -145,6 +145,19 @@ REQUESTS.update({f"{variant}-{d}-{c}-{t}": ("gluon_softmax_bwd", dict(head_dim=d
                  for variant, kwargs, d, c, t in ONE_PASS_BACKWARD})
 REQUESTS.update({kernel: ("gluon_softmax_bwd", dict(head_dim=128, dtype="bf16", causal=True, kernel=kernel), None)
                  for kernel in ("delta_zero_dq", "dq_cast")})
+# the threshold and sigmoid backwards' one-pass key-block kernel (`one_pass=True`): (weight name, D, causal, dtype)
+WEIGHTED_ONE_PASS = [("threshold", 128, True, "bf16"), ("threshold", 128, False, "fp16"),
+                     ("threshold", 64, True, "bf16"), ("threshold_p1", 128, True, "bf16"),
+                     ("threshold_p1.5", 128, True, "bf16"), ("sigmoid", 128, True, "bf16"),
+                     ("sigmoid", 64, False, "bf16")]
+REQUESTS.update({
+    f"{name}-dkdv_one_pass-{d}-{c}-{t}": ("gluon_weighted_bwd",
+                                          dict(head_dim=d, dtype=t, causal=c, kernel="dkdv_one_pass", **WEIGHTS[name]),
+                                          f"{name}_bwd_dkdv_one_pass")
+    for name, d, c, t in WEIGHTED_ONE_PASS})
+# every one-pass key-block kernel's REQUESTS name, and its D: the softmax family's, the threshold's and sigmoid's
+ONE_PASS_KERNELS = ([(f"{v}-{d}-{c}-{t}", d) for v, _, d, c, t in ONE_PASS_BACKWARD]
+                    + [(f"{name}-dkdv_one_pass-{d}-{c}-{t}", d) for name, d, c, t in WEIGHTED_ONE_PASS])
 # the differential threshold forward: (gluon_sass_counts variant, its power, D, causal, dtype)
 DIFFERENTIAL = [
     ("diff_threshold", 2.0, 128, True, "bf16"),
@@ -486,16 +499,50 @@ def test_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_bloc
         assert row["loop_spills"] <= ONE_PASS_LOOP_SPILLS.get((variant, head_dim, kind), 0), row
 
 
-@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
-                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
-def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+# the weighted one-pass loops' local memory at D = 128 under the 168 registers a consumer warpgroup gets (the
+# causal diagonal's masked loop, a few blocks per key block): (weight name, loop) -> spill instructions
+WEIGHTED_ONE_PASS_LOOP_SPILLS = {("threshold", "masked"): 16, ("threshold_p1", "masked"): 20,
+                                 ("threshold_p1.5", "unmasked"): 1, ("threshold_p1.5", "masked"): 3}
+
+
+@pytest.mark.parametrize("name,head_dim,causal,dtype", WEIGHTED_ONE_PASS,
+                         ids=[f"{n}-{d}-{'causal' if c else 'full'}-{t}" for n, d, c, t in WEIGHTED_ONE_PASS])
+def test_weighted_one_pass_backward_adds_the_dq_product_and_a_tma_reduce_to_each_key_block_iteration(
+        compiled, name, head_dim, causal, dtype):
+    """The threshold's and sigmoid's one-pass key-block kernel: the separate form's key-block products plus a
+    warpgroup's dQ columns over all BLOCK_N keys, dS through shared memory (stmatrix, ldmatrix) and the fp32 tile
+    to global memory by TMA reduce-adds; the weight's MUFU ops once per score (none at p = 1, 2; lg2 and ex2 at
+    a general p; ex2 and rcp for the sigmoid), within shared memory, a masked loop with either mask, and no local
+    memory in a loop but WEIGHTED_ONE_PASS_LOOP_SPILLS' known ones."""
+    from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
+
+    result = compiled[f"{name}-dkdv_one_pass-{head_dim}-{causal}-{dtype}"]
+    ptx = result["ptx"]
+    _assert_hopper_schedule(ptx, {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    assert "cp.async.bulk.wait_group.read" in ptx
+    assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx and "ldmatrix" in ptx
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    assert set(rows) == {"unmasked", "masked"}
+    width, block_n = result["tile_width"], dkdv_tile_config(head_dim)["BLOCK_N"]
+    mufu_per_score = 0 if name in ("threshold", "threshold_p1") else 2
+    for kind, row in rows.items():
+        assert row["hgmma"] == 2 * (head_dim // 16) + 2 * (width // 16) + block_n // 16, row
+        assert mufu_per_score * width // 2 <= row["mufu"] <= mufu_per_score * width // 2 + 2, row
+        allowed = WEIGHTED_ONE_PASS_LOOP_SPILLS.get((name, kind), 0) if head_dim == 128 else 0
+        assert row["loop_spills"] <= allowed, row
+
+
+@pytest.mark.parametrize("name,head_dim", ONE_PASS_KERNELS, ids=[name for name, _ in ONE_PASS_KERNELS])
+def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, name, head_dim):
     """Each dQ reduce-add is one TMA message of the box the launcher encodes into the descriptor (the
     compiled kernel's tensordesc metadata), its source a subview of exactly that box, and each source
     site's calls together cover the warpgroup's BLOCK_M x D / 2 staging tile: a box narrower than what a
     message is meant to carry leaves dq columns unsummed."""
     from attn.kernels.gluon_softmax_bwd import dkdv_tile_config
 
-    result = compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    result = compiled[name]
     box = result["tensordesc_meta"][-1]["block_size"]  # dq_desc, the kernel's fifth descriptor
     reduces = result["ttgir_reduces"]
     assert reduces and result["ptx"].count("cp.reduce.async.bulk.tensor") == len(reduces)
@@ -512,13 +559,12 @@ def test_one_pass_reduce_messages_cover_the_dq_tile(compiled, variant, kwargs, h
     assert all(calls * box[1] == staging[1] for calls in sites.values()), (sites, box, staging)
 
 
-@pytest.mark.parametrize("variant,kwargs,head_dim,causal,dtype", ONE_PASS_BACKWARD,
-                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in ONE_PASS_BACKWARD])
-def test_one_pass_dq_product_reads_each_k_half_as_its_own_tile(compiled, variant, kwargs, head_dim, causal, dtype):
+@pytest.mark.parametrize("name,head_dim", ONE_PASS_KERNELS, ids=[name for name, _ in ONE_PASS_KERNELS])
+def test_one_pass_dq_product_reads_each_k_half_as_its_own_tile(compiled, name, head_dim):
     """The dQ product's K operand: subviews of each 64-key half's own TMA tile, no shared buffer reinterpreted.
     A view of both halves as one 128-row tile is wrong where a row spans two 128-byte-swizzle column blocks
     (D = 128): its rows 64-127 are the first half's second column block (the second GPU run's dq error)."""
-    assert compiled[f"{variant}-{head_dim}-{causal}-{dtype}"]["ttgir_reinterprets"] == 0
+    assert compiled[name]["ttgir_reinterprets"] == 0
 
 
 def test_one_pass_delta_and_cast_kernels_compile(compiled):

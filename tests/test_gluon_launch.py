@@ -327,6 +327,10 @@ def _entries():
                                                                           cap=3, cap_value=5.0, knee=0.25),
         "threshold_bwd": lambda x: wbw.launch_threshold_backward(x["q"], x["k"], x["v"], x["do"], True, 0.7, 2.0),
         "sigmoid_bwd": lambda x: wbw.launch_sigmoid_backward(x["q"], x["k"], x["v"], x["do"], False, 0.125, None),
+        "threshold_bwd_one_pass": lambda x: wbw.launch_threshold_backward(x["q"], x["k"], x["v"], x["do"], True, 0.7,
+                                                                          1.5, one_pass=True),
+        "sigmoid_bwd_one_pass": lambda x: wbw.launch_sigmoid_backward(x["q"], x["k"], x["v"], x["do"], False, 0.125,
+                                                                      -1.0, one_pass=True),
         "diff_fwd": lambda x: dfw.launch_diff_threshold(x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"], True, 0.8,
                                                         1.5),
         "diff_bwd": lambda x: dbw.launch_diff_threshold_backward(x["q"], x["k"], x["v"], x["q2"], x["k2"], x["lam"],
@@ -346,7 +350,9 @@ SEPARATE_KERNELS = ["_delta_kernel", "_dkdv_kernel", "_dq_kernel"]
 BACKWARD_KERNELS = {"softmax_bwd": SEPARATE_KERNELS, "soft_sign_bwd": SEPARATE_KERNELS, "alsc_bwd_dt": SEPARATE_KERNELS,
                     "softmax_bwd_one_pass": ["_delta_zero_dq_kernel", "_dkdv_dq_kernel", "_dq_cast_kernel"],
                     "tanh_bwd_one_pass_temperature": ["_delta_zero_dq_kernel", "_dkdv_dq_kernel", "_dq_cast_kernel"],
-                    "alsc_bwd_dt_one_pass_set": SEPARATE_KERNELS}  # d-temperature: the separate form
+                    "alsc_bwd_dt_one_pass_set": SEPARATE_KERNELS,  # d-temperature: the separate form
+                    "threshold_bwd_one_pass": ["_dkdv_dq_kernel", "_dq_cast_kernel"],  # dq zeroed by torch
+                    "sigmoid_bwd_one_pass": ["_dkdv_dq_kernel", "_dq_cast_kernel"]}
 
 
 @pytest.fixture
@@ -431,13 +437,16 @@ def test_gluon_launches_bind_every_parameter_and_repeat_directly_with_the_jit_ar
         bound = _binding(fn, args, kwargs)
         _check_binding(fn, args, bound, first, N, KV)
         assert kwargs["num_warps"] == gluon_pipeline.NUM_WARPS
-        if fn.real is gluon_softmax_bwd._dq_cast_kernel:  # one program per CAST_BLOCK elements of dq
+        if fn.real.__name__ == "_dq_cast_kernel":  # one program per CAST_BLOCK elements of dq
             assert bound["numel"] == B * N * H * D and grid == (-(-bound["numel"] // gluon_softmax_bwd.CAST_BLOCK),)
         else:
             assert grid[1] in (B * H, B * H_KV)
     if BACKWARD_KERNELS.get(entry, [None])[0] == "_delta_zero_dq_kernel":  # one fp32 dq: zeroed, reduced into, cast
         zeroed, reduced, cast = (_binding(fn, args, kwargs) for _, fn, args, kwargs, _ in jit_launches)
         assert zeroed["DQ_ACC"] is reduced["dq_desc"].base is cast["DQ_ACC"]
+    if BACKWARD_KERNELS.get(entry, [None])[0] == "_dkdv_dq_kernel":  # a zeroed fp32 dq, reduced into, cast
+        reduced, cast = (_binding(fn, args, kwargs) for _, fn, args, kwargs, _ in jit_launches)
+        assert reduced["dq_desc"].base is cast["DQ_ACC"] and not cast["DQ_ACC"].any()  # the recorder launches none
         assert reduced["grad_scale"] == cast["grad_scale"]
 
     fresh = _inputs(gen)  # new tensors of the same specialization: every launch direct

@@ -13,7 +13,8 @@ through an autograd.Function of their own (their calls through the public functi
 tests/test_gluon_gpu.py's). Neither family has a learnable row parameter (beta, p and the bias are spec
 constants): dq, dk, dv are every gradient there is. The persistent dK / dV and dQ kernels
 (ATTNLAB_GLUON_PERSISTENT=1: a program per SM running work items in turn) must give the per-item kernels' bits
-on the shapes and on more work items than SMs with a last work-item group of fewer pairs.
+on the shapes and on more work items than SMs with a last work-item group of fewer pairs. The one-pass form
+(dQ in the key-block kernel, `one_pass=True`) must be within the rule on every case and keep dk's and dv's bits.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class _GluonWeightedBackward(torch.autograd.Function):
     is the Gluon backward (the way the families' backward plans would call it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, variant, spec, causal, forward_tier):
+    def forward(ctx, q, k, v, variant, spec, causal, forward_tier, one_pass=False):
         from attn.kernels import gluon_weighted_fwd
 
         if forward_tier == "portable":
@@ -89,7 +90,7 @@ class _GluonWeightedBackward(torch.autograd.Function):
         else:
             out = gluon_weighted_fwd.gluon_sigmoid_forward(q, k, v, causal, float(spec.scale(q.shape[-1])), spec.bias)
         ctx.save_for_backward(q, k, v)
-        ctx.variant, ctx.spec, ctx.causal = variant, spec, causal
+        ctx.variant, ctx.spec, ctx.causal, ctx.one_pass = variant, spec, causal, one_pass
         return out
 
     @staticmethod
@@ -99,11 +100,12 @@ class _GluonWeightedBackward(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         spec = ctx.spec
         if ctx.variant == "threshold":
-            dq, dk, dv = gluon_threshold_backward(q, k, v, dout, ctx.causal, float(spec.beta), float(spec.power))
+            dq, dk, dv = gluon_threshold_backward(q, k, v, dout, ctx.causal, float(spec.beta), float(spec.power),
+                                                  one_pass=ctx.one_pass)
         else:
             dq, dk, dv = gluon_sigmoid_backward(q, k, v, dout, ctx.causal, float(spec.scale(q.shape[-1])),
-                                                spec.bias)
-        return dq, dk, dv, None, None, None, None
+                                                spec.bias, one_pass=ctx.one_pass)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _inputs(shape, variant, seed):
@@ -125,7 +127,7 @@ def _case_id(case):
             f"{str(c[7])[6:]}")
 
 
-def _check(case, forward_tier, seed):
+def _check(case, forward_tier, seed, one_pass=False):
     variant, params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant(variant).make_spec(**params)
@@ -137,7 +139,7 @@ def _check(case, forward_tier, seed):
     ref64 = outputs_and_grads(reference, {name: t.clone().requires_grad_() for name, t in tensors.items()}, do)
     same = outputs_and_grads(reference, {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}, do)
     fused = outputs_and_grads(
-        lambda q, k, v: _GluonWeightedBackward.apply(q, k, v, variant, spec, causal, forward_tier),
+        lambda q, k, v: _GluonWeightedBackward.apply(q, k, v, variant, spec, causal, forward_tier, one_pass),
         {name: t.to(dtype).requires_grad_() for name, t in tensors.items()}, do)
     sensitivity = (rounding_sensitivity(reference, tensors, do, dtype) if variant == "threshold"
                    else dict.fromkeys(ref64, 0.0))
@@ -156,6 +158,31 @@ def test_gluon_backward_after_the_portable_forward_is_within_the_rule(case, nan_
 @pytest.mark.parametrize("case", CASES[::3], ids=[_case_id(c) for c in CASES[::3]])
 def test_gluon_backward_after_the_gluon_forward_is_within_the_rule(case, nan_poison):
     _check(case, "gluon", seed=100 + CASES.index(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_the_one_pass_backward_is_within_the_rule_and_keeps_dk_dv_bits(case, nan_poison):
+    """The one-pass form (dQ in the key-block kernel by TMA reduce-adds into an fp32 dq, then a scale-and-cast):
+    dq, dk, dv within the rule on every case, and dk, dv the separate form's bits (the key-block loop's own
+    products are unchanged; only dq's sums run in another order)."""
+    from attn.kernels.gluon_weighted_bwd import gluon_sigmoid_backward, gluon_threshold_backward
+
+    _check(case, "portable", seed=200 + CASES.index(case), one_pass=True)
+    variant, params, shape = case
+    spec = attn.get_variant(variant).make_spec(**params)
+    tensors, do = _inputs(shape, variant, 300 + CASES.index(case))
+    q, k, v = (tensors[name].to(shape[7]) for name in ("q", "k", "v"))
+    do = do.to(shape[7])
+    if variant == "threshold":
+        def run(one_pass):
+            return gluon_threshold_backward(q, k, v, do, shape[6], float(spec.beta), float(spec.power),
+                                            one_pass=one_pass)
+    else:
+        def run(one_pass):
+            return gluon_sigmoid_backward(q, k, v, do, shape[6], float(spec.scale(q.shape[-1])), spec.bias,
+                                          one_pass=one_pass)
+    (_, dk, dv), (_, dk1, dv1) = run(False), run(True)
+    assert torch.equal(dk, dk1) and torch.equal(dv, dv1)
 
 
 @pytest.mark.parametrize("power", [1.0, 2.0, 1.5])

@@ -474,6 +474,54 @@ def _issue_from_zero(j, a_tile, ring, ready, st_layout: gl.constexpr, ROWS: gl.c
 
 
 @gluon.jit
+def publish_ds(j, ds_t16, ds_rows, ds_ready, ds_free):
+    """The one-pass dQ path's first half, per tile j: once both warpgroups have loaded the previous tile's dS
+    (ds_free), this warpgroup's dS^T (16-bit, its keys' rows) goes to ds_rows, the transposed view of its key
+    columns of the shared dS, and ds_ready counts it in."""
+    mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups have loaded the previous tile's dS
+    ds_rows.store(ds_t16)  # read back by ldmatrix only: no async-proxy fence
+    gl.thread_barrier()
+    mbarrier.arrive(ds_ready)
+
+
+@gluon.jit
+def add_dq_tile(j, ds_smem, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_row, dq_col, dq_layout: gl.constexpr,
+                HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+    """The one-pass dQ path's second half, per tile j, once this warpgroup's dV and dK products retired (their
+    16-bit operands' registers free): once both warpgroups' dS^T are in (ds_ready), this warpgroup's dQ columns
+    dQ[:, dq_col:] = dS K[:, cols] (dS (BLOCK_M queries x 2 HALF_N keys) loaded from ds_smem to registers,
+    times k_cols, the pair of K halves' DQ_COLS columns in shared memory; a BLOCK_M x DQ_COLS fp32
+    accumulator in dq_layout); ds_free counts both warpgroups' loads out of ds_smem, and the tile goes through
+    dq_staging to the fp32 dq at (dq_row, dq_col) by TMA reduce-adds, after the previous tile's reduce has
+    read dq_staging."""
+    mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
+    # dS as the dQ product's register operand (ldmatrix): its k steps need no shared-memory
+    # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it. One
+    # product per half of the keys: each K half is its own TMA tile (at D = 128 a half's rows are two
+    # 128-byte-swizzle column blocks, so the halves are not one 128-row tile)
+    ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    ds_lo = ds_smem.slice(0, HALF_N, dim=1).load(ds_operand)
+    ds_hi = ds_smem.slice(HALF_N, HALF_N, dim=1).load(ds_operand)
+    gl.thread_barrier()
+    mbarrier.arrive(ds_free)
+    k_lo = k_cols[0]
+    k_hi = k_cols[1]
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    dq = warpgroup_mma(ds_lo, k_lo, dq_zero, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
+    dq, ds_lo, ds_hi, k_lo, k_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_lo, ds_hi, k_lo, k_hi))
+    tma.store_wait(0)  # the previous tile's reduce has read dq_staging
+    gl.thread_barrier()
+    dq_staging.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    REDUCE_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+    for part in gl.static_range(DQ_COLS // REDUCE_COLS):
+        _tma_reduce_add(dq_desc, [dq_row, dq_col + part * REDUCE_COLS],
+                        dq_staging.slice(part * REDUCE_COLS, REDUCE_COLS, dim=1))
+
+
+@gluon.jit
 def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, lse, delta, t,
                 first_col, qk_scale, cap_scale, alsc_knee,
                 ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_row, dq_col,
@@ -554,10 +602,7 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
     ds_t16 = ds_t.to(q_ring.dtype)
     ds16 = gl.convert_layout(ds_t16, a_layout)
     if ONE_PASS_DQ:
-        mbarrier.wait(ds_free, (j & 1) ^ 1)  # both warpgroups have loaded the previous tile's dS
-        ds_rows.store(ds_t16)  # read back by ldmatrix only: no async-proxy fence
-        gl.thread_barrier()
-        mbarrier.arrive(ds_ready)
+        publish_ds(j, ds_t16, ds_rows, ds_ready, ds_free)
     dv = warpgroup_mma(p16, do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
     if ONE_PASS_DQ:
@@ -566,31 +611,8 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
         release(j, do_empty, STAGES)
         dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
         release(j, q_empty, STAGES)
-        mbarrier.wait(ds_ready, j & 1)  # the other warpgroup's keys' dS^T rows are in too
-        # dS as the dQ product's register operand (ldmatrix): its k steps need no shared-memory
-        # descriptors, and ds_smem is free for the next tile as soon as every warp has loaded it. One
-        # product per half of the keys: each K half is its own TMA tile (at D = 128 a half's rows are two
-        # 128-byte-swizzle column blocks, so the halves are not one 128-row tile)
-        ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-        ds_lo = ds_smem.slice(0, HALF_N, dim=1).load(ds_operand)
-        ds_hi = ds_smem.slice(HALF_N, HALF_N, dim=1).load(ds_operand)
-        gl.thread_barrier()
-        mbarrier.arrive(ds_free)
-        k_lo = k_cols[0]
-        k_hi = k_cols[1]
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq = warpgroup_mma(ds_lo, k_lo, dq_zero, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
-        dq, ds_lo, ds_hi, k_lo, k_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_lo, ds_hi, k_lo, k_hi))
-        tma.store_wait(0)  # the previous tile's reduce has read dq_staging
-        gl.thread_barrier()
-        dq_staging.store(dq)
-        fence_async_shared()
-        gl.thread_barrier()
-        REDUCE_COLS: gl.constexpr = dq_desc.block_type.shape[1]
-        for part in gl.static_range(DQ_COLS // REDUCE_COLS):
-            _tma_reduce_add(dq_desc, [dq_row, dq_col + part * REDUCE_COLS],
-                            dq_staging.slice(part * REDUCE_COLS, REDUCE_COLS, dim=1))
+        add_dq_tile(j, ds_smem, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_row, dq_col, dq_layout, HALF_N,
+                    BLOCK_M, DQ_COLS)
     else:
         dv, p16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, p16, do_tile))
         release(j, do_empty, STAGES)
@@ -782,6 +804,30 @@ def _persistent_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA,
 
 
 @gluon.jit
+def allocate_dq_path(k_halves, dq_desc, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+    """The one-pass dQ path's shared memory and barriers beside a key-block kernel's (K in k_halves, two
+    HALF_N-key tiles): dS's BLOCK_M x 2 HALF_N buffer and each warpgroup's transposed view of its keys'
+    columns, each warpgroup's DQ_COLS columns of both K halves, a BLOCK_M x DQ_COLS fp32 staging tile per
+    warpgroup (dq_desc's layout), and ds_ready / ds_free (one arrival per warpgroup). Returns (ds_smem,
+    ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free)."""
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 2 * HALF_N], k_halves.dtype)
+    ds_smem = gl.allocate_shared_memory(k_halves.dtype, [BLOCK_M, 2 * HALF_N], ds_layout)
+    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_ready, count=2)
+    mbarrier.init(ds_free, count=2)
+    fence_async_shared()
+    ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))  # each warpgroup's keys' columns of dS, as dS^T
+    ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
+    # each warpgroup's dQ columns of K, in each half of the keys (a pair: the halves are separate tiles)
+    k_cols_0 = (k_halves.index(0).slice(0, DQ_COLS, dim=1), k_halves.index(1).slice(0, DQ_COLS, dim=1))
+    k_cols_1 = (k_halves.index(0).slice(DQ_COLS, DQ_COLS, dim=1), k_halves.index(1).slice(DQ_COLS, DQ_COLS, dim=1))
+    return (ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, dq_staging.index(0), dq_staging.index(1), ds_ready,
+            ds_free)
+
+
+@gluon.jit
 def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, TEMP,
                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
                     H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
@@ -807,21 +853,8 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_M, BLOCK_N], ds_layout)
-    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(ds_ready, count=2)
-    mbarrier.init(ds_free, count=2)
-    fence_async_shared()
-    ds_rows_0 = ds_smem.slice(0, HALF_N, dim=1).permute((1, 0))  # each warpgroup's keys' columns of dS, as dS^T
-    ds_rows_1 = ds_smem.slice(HALF_N, HALF_N, dim=1).permute((1, 0))
-    # each warpgroup's dQ columns of K, in each half of the keys (a pair: the halves are separate tiles)
-    k_cols_0 = (k_halves.index(0).slice(0, DQ_COLS, dim=1), k_halves.index(1).slice(0, DQ_COLS, dim=1))
-    k_cols_1 = (k_halves.index(0).slice(DQ_COLS, DQ_COLS, dim=1), k_halves.index(1).slice(DQ_COLS, DQ_COLS, dim=1))
-    staging_0 = dq_staging.index(0)  # each warpgroup's fp32 staging tile
-    staging_1 = dq_staging.index(1)
+    ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
+        k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,

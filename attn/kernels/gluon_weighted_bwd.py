@@ -42,6 +42,12 @@ tiles while this one stores its gradients), each item's arithmetic the per-item 
 (tests/test_gluon_weighted_bwd_gpu.py -k persistent, on the GPU). The plans offer it
 (`tiers.PERSISTENT_BACKWARDS_OFFERED`): ATTNLAB_GLUON_PERSISTENT picks the grid, "auto" times both per key.
 
+The one-pass form (`one_pass=True`, per item; not offered by the plans until its GPU tests pass): the softmax
+family's FlashAttention-3 dQ path (`gluon_softmax_bwd`'s one-pass form) in the key-block kernel
+(`_dkdv_dq_kernel`): each tile's dS^T also goes to a shared dS, and each warpgroup adds its D / 2 columns of
+dS K over the program's keys into a zeroed fp32 dq by TMA reduce-adds; dq = grad_scale dq_acc in q's dtype
+after. dk and dv are the separate form's bits; dq's sums arrive in no fixed order.
+
 Masks: key-block programs visit only query blocks that see their keys; the causal diagonal's blocks
 compare per score, the rest run without mask arithmetic. Query rows past N (a TMA tile running into the
 next batch's rows) start S^T at -1e30: x = -1e30 gives w = g = 0 for the threshold, and for the sigmoid
@@ -84,6 +90,7 @@ from attn.kernels.gluon_pipeline import (
     persistent_programs,
     program_rows,
     release,
+    tma,
     tma_view,
     visible_key,
     warpgroup_mma,
@@ -91,14 +98,22 @@ from attn.kernels.gluon_pipeline import (
 )
 from attn.kernels.gluon_softmax_bwd import (
     _dkdv_producer,
+    _dq_cast_kernel,
     _dq_producer,
     _issue_with_columns,
+    CAST_BLOCK,
+    add_dq_tile,
+    allocate_dq_path,
     backward_tiles,
+    dq_accumulator_block,
+    dq_accumulator_tile,
+    dq_staging_layout,
     dkdv_tile_config,
     dq_tile_config,
     key_block_item,
     key_block_program,
     persistent_dkdv_producer,
+    publish_ds,
 )
 from attn.kernels.gluon_weighted_fwd import (
     SIGMOID,
@@ -185,7 +200,7 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
                 a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False,
-                AHEAD: gl.constexpr = False):
+                AHEAD: gl.constexpr = False, dq_path=0, ONE_PASS_DQ: gl.constexpr = False):
     """One warpgroup's keys against the query block from row m (ring tile j): S^T (from `start`, this
     block's `_query_starts`) and dP^T issued back to back; then, while they run, the starts of the block
     from row m_next (the next block's: computed here, their logf and sqrt stay off the next block's path to
@@ -194,7 +209,11 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     causal compare, key row r visible to query column c when c >= first_col[r] - m. SCALED (the
     differential threshold's second view): W^T times lam and dS^T times -lam p per score. Not AHEAD (for
     a caller whose loop spills with the next starts live): the block computes its own starts from m and
-    `start` passes through. Returns (dk, dv, the next block's starts)."""
+    `start` passes through. ONE_PASS_DQ (the one-pass form, `_dkdv_dq_kernel`): dS^T also goes to the shared dS
+    (`gluon_softmax_bwd.publish_ds`) and, once dK and dV retired, this warpgroup's half of the tile's dQ columns
+    into the fp32 dq (`gluon_softmax_bwd.add_dq_tile`); dq_path = (ds_smem, ds_rows, k_cols, dq_staging,
+    dq_desc, ds_ready, ds_free, the tile's first row and first column of dq). Returns (dk, dv, the next
+    block's starts)."""
     if not AHEAD:
         start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
     s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
@@ -221,12 +240,22 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     ds_t = _score_grad(dp_t, g_t, WEIGHT, POWER_MODE)
     if SCALED:
         ds_t = ds_t * (-lam * power)
-    ds16 = gl.convert_layout(ds_t.to(q_ring.dtype), a_layout)
+    ds_t16 = ds_t.to(q_ring.dtype)
+    ds16 = gl.convert_layout(ds_t16, a_layout)
+    if ONE_PASS_DQ:
+        publish_ds(j, ds_t16, dq_path[1], dq_path[5], dq_path[6])
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
     dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
     release(j, do_empty, STAGES)
     dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
     release(j, q_empty, STAGES)
+    if ONE_PASS_DQ:
+        DQ_COLS: gl.constexpr = dk.shape[1] // 2
+        # the consumer partitions are one warpgroup each (the kernels assert 4 warps)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        add_dq_tile(j, dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[5], dq_path[6], dq_path[7],
+                    dq_path[8], dq_layout, HALF_N, BLOCK_M, DQ_COLS)
     return dk, dv, start_next
 
 
@@ -245,18 +274,28 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                    kv_empty, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                    NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
-                   PERSISTENT: gl.constexpr = False):
+                   PERSISTENT: gl.constexpr = False, H=0, one_pass=0, ONE_PASS_DQ: gl.constexpr = False):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
     each query head of the group; stores its rows of dk (times grad_scale) and dv. The ring's tiles start at
     ring, K's and V's phase is kv_phase. PERSISTENT: one of a persistent program's work items, which arrives
-    on kv_empty once its last product retired (the producer then loads the next item's K and V)."""
+    on kv_empty once its last product retired (the producer then loads the next item's K and V).
+    ONE_PASS_DQ: also adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head of H, query block)
+    tile to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
+    dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the program's keys, so keys
+    past kv_len must have dS = 0: causal, the masked blocks' compare hides them (such a key is visible only to
+    query columns past q_len, whose scores start at DEAD_ROW_START); full, the compare is key < kv_len, and
+    `_dkdv_dq_kernel` makes every block of a program whose keys run past kv_len a masked one."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     # causal: key row r is visible to query rows i >= key - (kv_len - q_len)
-    first_col = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    key_rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
+    first_col = key_rows - (kv_len - q_len)
+    if ONE_PASS_DQ and not CAUSAL:  # every query sees a key before kv_len, none one past it
+        first_col = gl.where(key_rows < kv_len, 0, 1 << 30)
+    AHEAD: gl.constexpr = ROW_VALUES_AHEAD and not ONE_PASS_DQ
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
@@ -265,19 +304,34 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     mbarrier.wait(kv_bar, kv_phase)
     for gi in range(GROUP):  # the row values do not depend on the head: only the ring tiles move on
         j0 = ring + gi * count - i_lo  # ring tile of query block i: j0 + i
-        if CAUSAL:
+        dq_col = 0
+        if ONE_PASS_DQ:
+            dq_col = (hk * GROUP + gi) * HEAD_DIM + one_pass[7]  # this warpgroup's first column of dq
+        if CAUSAL or ONE_PASS_DQ:
             for i in range(i_lo, i_full):
+                dq_path = 0
+                if ONE_PASS_DQ:  # the tile's buffers and its first row and column of dq
+                    dq_path = (one_pass[0], one_pass[1], one_pass[2], one_pass[3], one_pass[4], one_pass[5],
+                               one_pass[6], b * q_len + i * BLOCK_M, dq_col)
                 dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start,
                                             dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
                                             do_empty, q_len, kv_len, first_col, score_scale, start_scale, row_param,
                                             power, st_layout, a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
-                                            True, HALF_N, BLOCK_M, STAGES, AHEAD=ROW_VALUES_AHEAD)
+                                            True, HALF_N, BLOCK_M, STAGES, AHEAD=AHEAD,
+                                            dq_path=dq_path, ONE_PASS_DQ=ONE_PASS_DQ)
         for i in range(i_full, i_hi):
+            dq_path = 0
+            if ONE_PASS_DQ:
+                dq_path = (one_pass[0], one_pass[1], one_pass[2], one_pass[3], one_pass[4], one_pass[5], one_pass[6],
+                           b * q_len + i * BLOCK_M, dq_col)
             dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv,
                                         k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len,
                                         kv_len, first_col, score_scale, start_scale, row_param, power, st_layout,
                                         a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False, HALF_N, BLOCK_M,
-                                        STAGES, AHEAD=ROW_VALUES_AHEAD)
+                                        STAGES, AHEAD=AHEAD,
+                                        dq_path=dq_path, ONE_PASS_DQ=ONE_PASS_DQ)
+    if ONE_PASS_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
     if PERSISTENT:  # every product of the item has retired: K and V are free
         gl.thread_barrier()
         mbarrier.arrive(kv_empty)
@@ -326,6 +380,57 @@ def _dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+@gluon.jit
+def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV,
+                    stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                    H_KV, GROUP, q_len, kv_len, score_scale, start_scale, row_param, power, grad_scale,
+                    WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, NEWTON: gl.constexpr,
+                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """`_dkdv_kernel` with FlashAttention-3's dQ path (the one-pass form, as `gluon_softmax_bwd._dkdv_dq_kernel`):
+    every tile's dS K also goes into the fp32 dq behind dq_desc ((B N, H D), BLOCK_M x D / 2 boxes) by TMA
+    reduce-add, each consumer warpgroup adding half of the head dim's columns over all BLOCK_N keys; dS carries
+    no factor p (or s): the scale-and-cast applies grad_scale. Shared memory at D = 128: 160 KiB of K, V and the
+    ring, 16 KiB of dS, 2 x 16 KiB of staging. Without the causal mask, every query block of a program whose
+    keys run past kv_len runs masked (`_dkdv_consumer` hides those keys from dq)."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    if not CAUSAL:
+        if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
+            i_full = i_hi
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
+        k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
+    H = H_KV * GROUP
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                          stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale, row_param,
+                          power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False, H,
+                          (ds_smem, ds_rows_0, k_cols_0, staging_0, dq_desc, ds_ready, ds_free, 0), True)),
+        (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, DK, DV, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                          stride_dvn, stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale,
+                          row_param, power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
+                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False, H,
+                          (ds_smem, ds_rows_1, k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS), True)),
+        (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
+                          do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
+                          i_hi, HALF_N, HEAD_DIM, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(ds_ready)
+    mbarrier.invalidate(ds_free)
 
 
 @gluon.jit
@@ -572,12 +677,21 @@ _DKDV = DirectLauncher(_dkdv_kernel, "gluon_weighted_bwd_dkdv")
 _DQ = DirectLauncher(_dq_kernel, "gluon_weighted_bwd_dq")
 _PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_weighted_bwd_dkdv_persistent")
 _PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_weighted_bwd_dq_persistent")
+_DKDV_DQ = DirectLauncher(_dkdv_dq_kernel, "gluon_weighted_bwd_dkdv_dq")
+_DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_weighted_bwd_dq_cast")
+_CAST_CONSTEXPRS = dict(BLOCK=CAST_BLOCK)
 
 
 def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_scale: float, row_param: float,
-            power: float, has_bias: bool, newton: int, grad_scale: float, persistent: bool = False):
+            power: float, has_bias: bool, newton: int, grad_scale: float, persistent: bool = False,
+            one_pass: bool = False):
+    """(dq, dk, dv). The separate form: the key-block dK / dV kernel, then the query-block dQ kernel (both on the
+    persistent grid with `persistent`). The one-pass form (`one_pass`, per item): an fp32 dq zeroed, the key-block
+    kernel adding every tile's dS K into it (`_dkdv_dq_kernel`), then dq = grad_scale dq_acc in q's dtype."""
     import torch
 
+    if one_pass and persistent:
+        raise ValueError("the one-pass form runs per item: one_pass and persistent exclude each other")
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     kv_cfg, q_cfg, tiles, dkdv_constexprs, dq_constexprs = _backward_plan(
@@ -599,6 +713,16 @@ def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_
     kv_blocks, q_blocks = cdiv(kv_len, kv_cfg["BLOCK_N"]), cdiv(n, q_cfg["BLOCK_M"])
     dkdv_descriptors, dq_descriptors = (k_half_desc, v_half_desc, q_desc, do_desc), (q_desc, do_desc, k_block_desc,
                                                                                       v_block_desc)
+    if one_pass:
+        dq_acc = torch.zeros((bsz, n, h, d), device=q.device, dtype=torch.float32)
+        # dq_acc as the 2-d (B N, H D) matrix of its reduce boxes (contiguous: a 16-byte aligned base and rows)
+        dq_desc = descriptor((dq_acc, (bsz * n, h * d), (h * d, 1)), dq_accumulator_tile(d))
+        _DKDV_DQ.run((kv_blocks, bsz * h_kv), (*dkdv_descriptors, dq_desc), (dk, dv), dkdv_scalars, dkdv_constexprs,
+                     GLUON_OPTIONS)
+        numel = dq.numel()
+        _DQ_CAST.run((cdiv(numel, CAST_BLOCK),), (), (dq_acc, dq), (numel, grad_scale), _CAST_CONSTEXPRS,
+                     GLUON_OPTIONS)
+        return dq, dk, dv
     if persistent:
         _PERSISTENT_DKDV.run((persistent_programs(kv_blocks * bsz * h_kv, q.device),), dkdv_descriptors, (dk, dv),
                              (*dkdv_scalars, bsz * h_kv), dkdv_constexprs, GLUON_OPTIONS)
@@ -610,25 +734,29 @@ def _launch(q, k, v, dout, causal: bool, weight: int, score_scale: float, start_
     return dq, dk, dv
 
 
-def launch_threshold_backward(q, k, v, dout, causal: bool, beta: float, power: float, persistent: bool = False):
+def launch_threshold_backward(q, k, v, dout, causal: bool, beta: float, power: float, persistent: bool = False,
+                              one_pass: bool = False):
     """(dq, dk, dv) of threshold attention in the inputs' dtype, without checks (for callers that checked
     the operands once): w = relu(q.k - tau_i)^power, tau_i = beta sqrt(2 ln n_i / D), as
     `gluon_weighted_fwd.launch_threshold`. Two launches: the key-block dK / dV kernel, the query-block dQ
-    kernel; `persistent`: both on the persistent grid (a program per SM running work items in turn)."""
+    kernel; `persistent`: both on the persistent grid (a program per SM running work items in turn);
+    `one_pass`: dQ in the key-block kernel by TMA reduce-adds into an fp32 dq (its sums in no fixed order),
+    then a scale-and-cast (`_launch`)."""
     return _launch(q, k, v, dout, causal, 1, 1.0, -1.0, beta * math.sqrt(2.0 / q.shape[-1]), power, False, 0,
-                   power, persistent)
+                   power, persistent, one_pass)
 
 
 def launch_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: float | None,
-                            newton: int | None = None, persistent: bool = False):
+                            newton: int | None = None, persistent: bool = False, one_pass: bool = False):
     """(dq, dk, dv) of sigmoid attention in the inputs' dtype, without checks: w = sigmoid(sm_scale q.k +
     b_i), b_i = bias or -ln n_i, as `gluon_weighted_fwd.launch_sigmoid`; sm_scale > 0 (the spec's rule,
     which the rows past N rely on). `newton`: the reciprocal's Newton steps (0: MUFU.RCP; None:
-    SIGMOID_BWD_NEWTON_STEPS); `persistent` as `launch_threshold_backward`'s."""
+    SIGMOID_BWD_NEWTON_STEPS); `persistent` and `one_pass` as `launch_threshold_backward`'s."""
     if newton is None:
         newton = SIGMOID_BWD_NEWTON_STEPS
     return _launch(q, k, v, dout, causal, 2, -sm_scale * LOG2E, 1.0 / (sm_scale * LOG2E),
-                   0.0 if bias is None else bias * LOG2E, 1.0, bias is not None, newton, sm_scale, persistent)
+                   0.0 if bias is None else bias * LOG2E, 1.0, bias is not None, newton, sm_scale, persistent,
+                   one_pass)
 
 
 def _check_dout(q, dout, what: str):
@@ -641,7 +769,8 @@ def _check_dout(q, dout, what: str):
         raise ValueError(f"{what}: dout must be {q.dtype} on {q.device} as q, got {dout.dtype} on {dout.device}")
 
 
-def gluon_threshold_backward(q, k, v, dout, causal: bool, beta: float = 1.0, power: float = 2.0):
+def gluon_threshold_backward(q, k, v, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
+                             one_pass: bool = False):
     """`launch_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     what = "gluon threshold backward"
     check_operands(q, k, v, causal, what)
@@ -650,11 +779,11 @@ def gluon_threshold_backward(q, k, v, dout, causal: bool, beta: float = 1.0, pow
         raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
     if not math.isfinite(float(beta)):
         raise ValueError(f"{what}: beta must be finite, got {beta}")
-    return launch_threshold_backward(q, k, v, dout, causal, float(beta), float(power))
+    return launch_threshold_backward(q, k, v, dout, causal, float(beta), float(power), one_pass=bool(one_pass))
 
 
 def gluon_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: float | None = None,
-                           newton: int | None = None):
+                           newton: int | None = None, one_pass: bool = False):
     """`launch_sigmoid_backward` with its operands checked (ValueError naming what a call misses)."""
     what = "gluon sigmoid backward"
     check_operands(q, k, v, causal, what)
@@ -666,13 +795,13 @@ def gluon_sigmoid_backward(q, k, v, dout, causal: bool, sm_scale: float, bias: f
     if newton is not None and newton not in (0, 1, 2, 3):
         raise ValueError(f"{what}: newton must be None or one of 0, 1, 2, 3, got {newton!r}")
     return launch_sigmoid_backward(q, k, v, dout, causal, float(sm_scale), None if bias is None else float(bias),
-                                   newton)
+                                   newton, one_pass=bool(one_pass))
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
-KERNELS = ("dkdv", "dq")
+KERNELS = ("dkdv", "dkdv_one_pass", "dq")
 
 
 def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, arch: int = 90,
@@ -688,13 +817,20 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     params = {"row_param": "fp32", "power": "fp32", "grad_scale": "fp32"}
     tail = {name: "constexpr" for name in ("WEIGHT", "POWER_MODE", "HAS_BIAS", "NEWTON", "CAUSAL", "HEAD_DIM",
                                            "BLOCK_M", "BLOCK_N", "STAGES")}
-    if kernel == "dkdv":
+    if persistent and kernel == "dkdv_one_pass":
+        raise ValueError("the one-pass form (kernel='dkdv_one_pass') runs per item only: persistent must be False")
+    if kernel in ("dkdv", "dkdv_one_pass"):
         cfg = dkdv_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"] // 2, head_dim])
-        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "DK": f"*{dtype}",
-                     "DV": f"*{dtype}", **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
+        dq_block = dq_accumulator_block(head_dim)
+        dq_acc = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_staging_layout()!r}>"
+        signature = {"k_desc": keys, "v_desc": keys, "q_desc": rows, "do_desc": rows, "dq_desc": dq_acc,
+                     "DK": f"*{dtype}", "DV": f"*{dtype}",
+                     **{f"stride_d{t}{dim}": "i32" for t in "kv" for dim in "bnh"},
                      "H_KV": "i32", "GROUP": "i32", **scalars, "start_scale": "fp32", **params, **tail}
-        fn, aligned = (_persistent_dkdv_kernel if persistent else _dkdv_kernel), ("DK", "DV")
+        fn = (_dkdv_dq_kernel if kernel == "dkdv_one_pass" else
+              _persistent_dkdv_kernel if persistent else _dkdv_kernel)
+        aligned = ("DK", "DV")
     elif kernel == "dq":
         cfg = dq_tile_config(head_dim)
         keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])

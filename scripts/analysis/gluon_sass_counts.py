@@ -180,7 +180,7 @@ VARIANTS.update({f"{name}_bwd_{kernel}": dict(kernel=kernel, **weight)
                                       ("threshold_p1", dict(weight=1, power=1.0)),
                                       ("threshold_p1.5", dict(weight=1, power=1.5)),
                                       ("sigmoid", dict(weight=2)))
-                 for kernel in ("dkdv", "dq")})
+                 for kernel in ("dkdv", "dkdv_one_pass", "dq")})
 WEIGHTED_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_weighted_bwd.py"
 # the differential threshold forward (gluon_diff_fwd.compile_sm90's power)
 DIFFERENTIAL_VARIANTS = {"diff_threshold": dict(power=2.0), "diff_threshold_p1": dict(power=1.0),

@@ -11,7 +11,8 @@ then times.
    halved when causal): SDPA's backward (plain softmax, the speed users know: torch.autograd.grad through
    scaled_dot_product_attention, the graph kept), and per variant the portable backward (the family's
    `_backward_impl` with ATTNLAB_GLUON=0, which its plans would otherwise hand to the Gluon tier; its tuning
-   done before the timing) and the Gluon backward (`launch_*_backward`), at
+   done before the timing) and the Gluon backward (`launch_*_backward`; for the threshold and sigmoid also its
+   one-pass form, dQ in the key-block kernel, `one_pass=True`), at
    SHAPES (B, H, N, D, causal), bf16; also the differential threshold's (diff_threshold: both views' six
    gradients, per-head lambdas) portable backward against the Gluon one (attn/kernels/gluon_diff_bwd.py, whose
    correctness is tests/test_gluon_diff_bwd_gpu.py's), in each of its key-block forms (`dkdv_form`: key halves
@@ -66,6 +67,7 @@ TIMED = [("threshold", {}), ("sigmoid", {}), ("diff_threshold", {})]
 # with the fused form on 32-row query blocks; the query-block kernel's view-warpgroup form after the key halves
 # and after the view warpgroups
 COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", "gluon")]
+           + ["threshold gluon one pass", "sigmoid gluon one pass"]
            + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent",
               "diff_threshold gluon fused 32 rows", "diff_threshold gluon dq views",
               "diff_threshold gluon views + dq views"])
@@ -146,6 +148,8 @@ def time_shapes(results, shapes=SHAPES, columns=COLUMNS):
                 impls["threshold portable"] = (lambda: with_gluon("0", lambda: threshold_family._backward_impl(
                     do, qn, kn, v, None, None, None, None, beta, power, causal, 0)))
                 impls["threshold gluon"] = lambda: launch_threshold_backward(qn, kn, v, do, causal, beta, power)
+                impls["threshold gluon one pass"] = lambda: launch_threshold_backward(qn, kn, v, do, causal, beta,
+                                                                                      power, one_pass=True)
             elif variant == "diff_threshold":
                 diff_beta, diff_power = float(spec.beta), float(spec.power)
                 impls["diff_threshold portable"] = (lambda: with_gluon("0", lambda: threshold_family._backward_impl(
@@ -171,6 +175,8 @@ def time_shapes(results, shapes=SHAPES, columns=COLUMNS):
                 impls["sigmoid portable"] = (lambda: with_gluon("0", lambda: sigmoid_family._backward_impl(
                     do, q, k, v, None, bias, sm_scale, causal, 0)))
                 impls["sigmoid gluon"] = lambda: launch_sigmoid_backward(q, k, v, do, causal, sm_scale, bias)
+                impls["sigmoid gluon one pass"] = lambda: launch_sigmoid_backward(q, k, v, do, causal, sm_scale, bias,
+                                                                                  one_pass=True)
         flops = 2.5 * attention_flops(b, h, n, d, causal)
         row = {"shape": [b, h, n, d, causal]}
         for name, fn in [(name, fn) for name, fn in impls.items() if name in columns]:
@@ -187,6 +193,10 @@ def time_shapes(results, shapes=SHAPES, columns=COLUMNS):
         speedups = "  ".join(
             f"{variant} gluon vs portable {timed[f'{variant} portable'] / timed[f'{variant} gluon']:.2f}x"
             for variant, _ in TIMED if f"{variant} portable" in timed and f"{variant} gluon" in timed)
+        for variant in ("threshold", "sigmoid"):
+            if f"{variant} gluon" in timed and f"{variant} gluon one pass" in timed:
+                speedups += (f"  {variant} one pass vs separate "
+                             f"{timed[f'{variant} gluon'] / timed[f'{variant} gluon one pass']:.2f}x")
         for form, base in DIFF_BASES.items():
             base_cell = row.get(f"diff_threshold gluon{base}", {})
             form_cell = row.get(f"diff_threshold gluon {form}", {})
