@@ -871,3 +871,65 @@ def test_the_differential_threshold_has_tier_choices_of_its_own_keyed_by_power(m
     for name in ("diff_threshold_fwd", "diff_threshold_bwd"):
         rows = [value for key, value in report.items() if key.startswith(f"{name} tier")]
         assert len(rows) == 2 and all(row.startswith("gluon (portable 2.0000 ms, gluon 1.0000 ms") for row in rows)
+
+
+@pytest.mark.parametrize("variant,launcher", [("threshold", "launch_threshold_backward"),
+                                              ("sigmoid", "launch_sigmoid_backward")])
+def test_the_weighted_one_pass_form_is_offered_only_where_listed_and_timed_per_key_under_auto(variant, launcher,
+                                                                                            gluon_offered,
+                                                                                            monkeypatch):
+    """The threshold's and sigmoid's Gluon backward: the separate form alone while tiers.WEIGHTED_ONE_PASS_OFFERED
+    lacks the family, whatever ATTNLAB_GLUON_DQ says; once listed, "auto" times the separate and the one-pass
+    forms at a key's first backward and keeps the faster, "one_pass" / "separate" pin one, and deterministic
+    algorithms keep the separate form."""
+    import attn
+    from attn.kernels import gluon_weighted_bwd, sigmoid_family, threshold_family
+
+    family = threshold_family if variant == "threshold" else sigmoid_family
+    monkeypatch.setattr(gluon_weighted_bwd, "serves", lambda q, k, v: True)
+    monkeypatch.setattr(family, "_GLUON_DQ_FORMS", tiers.TimedChoice("dq form"))
+    monkeypatch.setattr(family, "_BWD_TIERS", tiers.TierChoice("backward tier"))
+    monkeypatch.setenv(tiers.GLUON_ENV, "1")
+    monkeypatch.delenv("ATTNLAB_AUTOTUNE", raising=False)
+    log = []
+
+    def fake(q, k, v, dout, *args, one_pass=False, **named):
+        log.append("one_pass" if one_pass else "separate")
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(gluon_weighted_bwd, launcher, fake)
+
+    def median_ms(fn):
+        before = len(log)
+        fn()
+        return {"separate": 2.0, "one_pass": 1.0}[log[before]]
+
+    monkeypatch.setattr(runtime, "median_ms", median_ms)
+    spec = attn.get_variant(variant).make_spec()
+
+    def backward():
+        q, k, v = (torch.randn(1, 24, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        attn.attention(q, k, v, spec, causal=True, backend="triton").sum().backward()
+        forms = list(log)
+        del log[:]
+        return forms
+
+    for mode in ("auto", "one_pass"):
+        monkeypatch.setenv(tiers.GLUON_DQ_ENV, mode)
+        runtime.clear_launch_plans()
+        assert backward() == ["separate"]  # not offered
+    monkeypatch.setattr(tiers, "WEIGHTED_ONE_PASS_OFFERED", frozenset({variant}))
+    monkeypatch.setenv(tiers.GLUON_DQ_ENV, "auto")
+    runtime.clear_launch_plans()
+    assert backward() == ["separate", "separate", "one_pass", "one_pass", "one_pass"]  # compile, time, serve
+    assert list(family._GLUON_DQ_FORMS.chosen.values()) == ["one_pass"]
+    assert backward() == ["one_pass"]  # remembered
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward() == ["separate"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for mode in ("separate", "one_pass"):
+        monkeypatch.setenv(tiers.GLUON_DQ_ENV, mode)
+        runtime.clear_launch_plans()
+        assert backward() == [mode]

@@ -63,9 +63,9 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice, TimedChoice,
-                                choose_gluon_backward_grid, choose_gluon_grid, gluon_candidate, gluon_pingpong,
-                                tiered)
+from attn.kernels.tiers import (GLUON_DQ_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_SCHEDULE_ENV, TierChoice,
+                                TimedChoice, choose_gluon_backward_grid, choose_gluon_grid,
+                                choose_gluon_weighted_dq_form, gluon_candidate, gluon_dq_form, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_tile, mask_and_drop, masked_tile, masked_tile_count,
                                 query_block_program, query_row_ranges, tile_visible_in_query_range, visible_counts)
@@ -567,15 +567,17 @@ def _backward_plan(dout, q, k, v, has_bounds, bias, sm_scale, causal, window, dr
     if not gluon_weighted_bwd.serves(q, k, v):
         return backward
 
-    def gluon_grid(persistent):
+    def gluon_grid(persistent, one_pass=False):
         def gluon_backward(dout, q, k, v, bounds, seed):
             return gluon_weighted_bwd.launch_sigmoid_backward(q, k, v, dout, causal, sm_scale, bias,
-                                                              persistent=persistent)
+                                                              persistent=persistent, one_pass=one_pass)
         return gluon_backward
 
     tier_key = (q.dtype, *buckets, group, d, causal, bias is None)
-    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
-                                                "sigmoid")
+    separate = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
+                                          "sigmoid")
+    gluon_backward = choose_gluon_weighted_dq_form(_GLUON_DQ_FORMS, (*tier_key, gluon_dq_form()), separate,
+                                                   gluon_grid(False, one_pass=True), "sigmoid")
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
@@ -586,11 +588,14 @@ _FWD_PLANS = LaunchPlans(_forward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GL
 _TIERS = TierChoice("sigmoid_family_fwd")
 # the Gluon forward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto: "per_item" or "persistent"
 _GLUON_GRIDS = TimedChoice("gluon sigmoid forward grid")
-_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV))
+_BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (PATH_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_DQ_ENV))
 # sigmoid backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones
 _BWD_TIERS = TierChoice("sigmoid_family_bwd")
 # the Gluon backward's grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
 _GLUON_BWD_GRIDS = TimedChoice("gluon sigmoid backward grid")
+# the sigmoid's Gluon dQ form per tuning key under ATTNLAB_GLUON_DQ=auto, where tiers.WEIGHTED_ONE_PASS_OFFERED
+# holds "sigmoid": "separate" or "one_pass"
+_GLUON_DQ_FORMS = TimedChoice("gluon sigmoid backward dq form")
 
 
 # ----------------------------------------------------------------------------------------

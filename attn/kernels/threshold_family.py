@@ -58,10 +58,10 @@ from attn.kernels.runtime import (KERNEL_LIBRARY, PLAN_SETTINGS, AutogradOp, Con
                                   kernel_op, n_bucket, pinned_index)
 from attn.kernels.runtime import tuned_configs as _tuned_configs
 from attn.kernels.splits import sum_key_splits
-from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DQ_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV,
+from attn.kernels.tiers import (GLUON_DIFF_DKDV_ENV, GLUON_DIFF_DQ_ENV, GLUON_DQ_ENV, GLUON_ENV, GLUON_PERSISTENT_ENV,
                                 GLUON_SCHEDULE_ENV, TierChoice, TimedChoice, choose_gluon_backward_grid,
-                                choose_gluon_diff_dkdv_form, choose_gluon_diff_dq_form,
-                                choose_gluon_grid, gluon_candidate, gluon_pingpong, tiered)
+                                choose_gluon_diff_dkdv_form, choose_gluon_diff_dq_form, choose_gluon_grid,
+                                choose_gluon_weighted_dq_form, gluon_candidate, gluon_dq_form, gluon_pingpong, tiered)
 from attn.kernels.tiles import (clip_to_key_split, full_key_span_all_rows, full_query_span_all_rows, head_tile_ptrs,
                                 key_block_program, key_ranges, load_segment_bounds, load_tile, mask_and_drop,
                                 masked_tile, masked_tile_count, query_block_program, query_heads, query_row_ranges,
@@ -896,24 +896,29 @@ def _backward_plan(dout, q, k, v, q2, k2, lam, has_bounds, beta, power, causal, 
     if not gluon_weighted_bwd.serves(q, k, v):
         return backward
 
-    def gluon_grid(persistent):
+    def gluon_grid(persistent, one_pass=False):
         def gluon_backward(dout, q, k, v, q2, k2, lam, bounds, seed):
             return gluon_weighted_bwd.launch_threshold_backward(q, k, v, dout, causal, beta, power,
-                                                                persistent=persistent)
+                                                                persistent=persistent, one_pass=one_pass)
         return gluon_backward
 
-    gluon_backward = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
-                                                "threshold")
+    separate = choose_gluon_backward_grid(_GLUON_BWD_GRIDS, (*tier_key, n_bucket(bsz * heads)), gluon_grid,
+                                          "threshold")
+    gluon_backward = choose_gluon_weighted_dq_form(_GLUON_DQ_FORMS, (*tier_key, gluon_dq_form()), separate,
+                                                   gluon_grid(False, one_pass=True), "threshold")
     return tiered(_BWD_TIERS, tier_key, backward, gluon_backward)
 
 
 _BWD_PLANS = LaunchPlans(_backward_plan, PLAN_SETTINGS + (GLUON_ENV, GLUON_PERSISTENT_ENV, GLUON_DIFF_DKDV_ENV,
-                                                           GLUON_DIFF_DQ_ENV))
+                                                           GLUON_DIFF_DQ_ENV, GLUON_DQ_ENV))
 # backwards on sm_90 that the Gluon kernels serve: the portable kernels or the Gluon ones, chosen per tuning
 # key for the one-map threshold and for the differential threshold
 _BWD_TIERS = TierChoice("threshold_family_bwd")
 # the one-map threshold's Gluon backward grid per tuning key under ATTNLAB_GLUON_PERSISTENT=auto
 _GLUON_BWD_GRIDS = TimedChoice("gluon threshold backward grid")
+# the one-map threshold's Gluon dQ form per tuning key under ATTNLAB_GLUON_DQ=auto, where
+# tiers.WEIGHTED_ONE_PASS_OFFERED holds "threshold": "separate" or "one_pass"
+_GLUON_DQ_FORMS = TimedChoice("gluon threshold backward dq form")
 _DIFF_BWD_TIERS = TierChoice("diff_threshold_bwd")
 # the differential threshold's Gluon key-block form per tuning key, among tiers.DIFF_DKDV_FORMS_OFFERED
 _GLUON_DIFF_DKDV_FORMS = TimedChoice("gluon diff_threshold backward key-block form")

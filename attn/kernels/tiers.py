@@ -244,6 +244,26 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
     return launch
 
 
+# The families (of "threshold", "sigmoid") whose Gluon backward plans offer the one-pass dQ form
+# (gluon_weighted_bwd's `one_pass=True`): none until its GPU tests pass (tests/test_gluon_weighted_bwd_gpu.py -k
+# one_pass) and it is timed (scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py; docs/gluon.md)
+WEIGHTED_ONE_PASS_OFFERED: frozenset[str] = frozenset()
+
+
+def choose_gluon_weighted_dq_form(choice: TimedChoice, key: tuple, separate: Callable, one_pass: Callable,
+                                  family: str) -> Callable:
+    """The threshold's or sigmoid's Gluon backward launch by ATTNLAB_GLUON_DQ (`gluon_dq_form`) where
+    WEIGHTED_ONE_PASS_OFFERED holds `family`: "separate", "one_pass", or under "auto" the faster of the two per
+    tuning key (`choose_gluon_dq_form`: "separate" where nothing is timed or algorithms must be deterministic);
+    the separate form for a family not offered."""
+    if family not in WEIGHTED_ONE_PASS_OFFERED:
+        return separate
+    mode = gluon_dq_form()
+    if mode == "auto":
+        return choose_gluon_dq_form(choice, key, separate, one_pass)
+    return one_pass if mode == "one_pass" else separate
+
+
 # The families whose Gluon backward plans offer the persistent grid: those whose bit-for-bit GPU tests against
 # the per-item grid have passed (tests/test_gluon_weighted_bwd_gpu.py and tests/test_gluon_bwd_gpu.py
 # and tests/test_gluon_diff_bwd_gpu.py -k persistent: all four; docs/gluon.md)
