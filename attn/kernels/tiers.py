@@ -68,11 +68,12 @@ GLUON_DQ_FORMS = ("auto", "separate", "one_pass")
 
 
 def gluon_dq_form() -> str:
-    """How the Gluon softmax backward gets dq, by ATTNLAB_GLUON_DQ: "separate" (the query-block dQ kernel),
-    "one_pass" (the key-block kernel adds each tile's dS K to an fp32 dq by TMA reduce-add;
-    attn/kernels/gluon_softmax_bwd.py) or "auto" (default: the backward plans time both per tuning key and
-    keep the faster, "separate" where nothing is timed; `choose_gluon_dq_form`). A ValueError naming the
-    variable for anything else."""
+    """How the Gluon softmax backward (and the threshold's and sigmoid's, where WEIGHTED_ONE_PASS_OFFERED lists
+    them) gets dq, by ATTNLAB_GLUON_DQ: "separate" (the query-block dQ kernel), "one_pass" (the key-block kernel
+    adds each tile's dS K to an fp32 dq by TMA reduce-add; attn/kernels/gluon_softmax_bwd.py,
+    gluon_weighted_bwd.py) or "auto" (default: the backward plans time both per tuning key and keep the faster,
+    "separate" where nothing is timed; `choose_gluon_dq_form`). A ValueError naming the variable for anything
+    else."""
     raw = setting(GLUON_DQ_ENV, GLUON_DQ_FORMS[0])
     if raw not in GLUON_DQ_FORMS:
         raise ValueError(f"{GLUON_DQ_ENV} must be one of {GLUON_DQ_FORMS}, got {raw!r}")
