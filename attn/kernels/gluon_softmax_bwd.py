@@ -804,6 +804,18 @@ def _persistent_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, DK, DV, LSE, DELTA,
 
 
 @gluon.jit
+def one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr):
+    """`key_block_program` for a one-pass key-block kernel: without the causal mask, a program whose keys run
+    past kv_len runs every query block masked (i_full = i_hi), so that those keys reach no dq."""
+    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    if not CAUSAL:
+        if n0 + BLOCK_N > kv_len:
+            i_full = i_hi
+    return b, hk, n0, i_lo, i_full, i_hi
+
+
+@gluon.jit
 def allocate_dq_path(k_halves, dq_desc, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
     """The one-pass dQ path's shared memory and barriers beside a key-block kernel's (K in k_halves, two
     HALF_N-key tiles): dS's BLOCK_M x 2 HALF_N buffer and each warpgroup's transposed view of its keys'
@@ -845,10 +857,7 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
-    if not CAUSAL:
-        if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
-            i_full = i_hi
+    b, hk, n0, i_lo, i_full, i_hi = one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)

@@ -112,6 +112,7 @@ from attn.kernels.gluon_softmax_bwd import (
     dq_tile_config,
     key_block_item,
     key_block_program,
+    one_pass_key_block_program,
     persistent_dkdv_producer,
     publish_ds,
 )
@@ -399,10 +400,7 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV,
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    b, hk, n0, i_lo, i_full, i_hi = key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
-    if not CAUSAL:
-        if n0 + BLOCK_N > kv_len:  # the last key block runs past kv_len: mask its keys (`_dkdv_consumer`)
-            i_full = i_hi
+    b, hk, n0, i_lo, i_full, i_hi = one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
     k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
         k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
