@@ -156,8 +156,9 @@ class _NoOpFunction(torch.autograd.Function):
 
 def host_probe_step():
     """The host probe as a callable: what every host-bound row pays on the host and nothing else (a Python
-    function call, an autograd node over tensors that require grad, an allocation, one launch of a
-    one-element kernel), so its time per call measures the host's speed at that moment."""
+    function call, a Python-defined autograd.Function over tensors that require grad, its node built where
+    grad mode is on (the call suite; the decode suite times it under no_grad, as its rows), an allocation, one
+    launch of a one-element kernel), so its time per call measures the host's speed at that moment."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v = (torch.zeros(1, device=device, requires_grad=True) for _ in range(3))
     counter = torch.zeros(1, device=device)
