@@ -275,13 +275,13 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                    kv_empty, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                    NEWTON: gl.constexpr, CAUSAL: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS_C: gl.constexpr,
-                   PERSISTENT: gl.constexpr = False, H=0, one_pass=0, ONE_PASS_DQ: gl.constexpr = False):
+                   PERSISTENT: gl.constexpr = False, one_pass=0, ONE_PASS_DQ: gl.constexpr = False):
     """One warpgroup: keys [key0, key0 + HALF_N) against every query block of the program's range for
     each query head of the group; stores its rows of dk (times grad_scale) and dv. The ring's tiles start at
     ring, K's and V's phase is kv_phase. PERSISTENT: one of a persistent program's work items, which arrives
     on kv_empty once its last product retired (the producer then loads the next item's K and V).
-    ONE_PASS_DQ: also adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head of H, query block)
-    tile to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
+    ONE_PASS_DQ: also adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile
+    (of the query head's D columns) to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
     dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the program's keys, so keys
     past kv_len must have dS = 0: causal, the masked blocks' compare hides them (such a key is visible only to
     query columns past q_len, whose scores start at DEAD_ROW_START); full, the compare is key < kv_len, and
@@ -406,20 +406,19 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV,
     v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
     ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
         k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
-    H = H_KV * GROUP
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, b, hk, n0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                           stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale, row_param,
                           power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, HALF_N,
-                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False, H,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False,
                           (ds_smem, ds_rows_0, k_cols_0, staging_0, dq_desc, ds_ready, ds_free, 0), True)),
         (_dkdv_consumer, (k_halves.index(1), v_halves.index(1), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, DK, DV, b, hk, n0 + HALF_N, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                           stride_dvn, stride_dvh, GROUP, q_len, kv_len, i_lo, i_full, i_hi, score_scale, start_scale,
                           row_param, power, grad_scale, 0, 0, kv_bar, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL,
-                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False, H,
+                          HALF_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, False,
                           (ds_smem, ds_rows_1, k_cols_1, staging_1, dq_desc, ds_ready, ds_free, DQ_COLS), True)),
         (_dkdv_producer, (k_desc, v_desc, q_desc, do_desc, k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready,
                           do_ready, q_empty, do_empty, b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo,
