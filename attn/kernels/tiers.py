@@ -246,9 +246,10 @@ def choose_gluon_dq_form(choice: TimedChoice, key: tuple, separate: Callable, on
 
 
 # The families (of "threshold", "sigmoid") whose Gluon backward plans offer the one-pass dQ form
-# (gluon_weighted_bwd's `one_pass=True`): none until its GPU tests pass (tests/test_gluon_weighted_bwd_gpu.py -k
-# one_pass) and it is timed (scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py; docs/gluon.md)
-WEIGHTED_ONE_PASS_OFFERED: frozenset[str] = frozenset()
+# (gluon_weighted_bwd's `one_pass=True`): those whose GPU tests pass (tests/test_gluon_weighted_bwd_gpu.py -k
+# one_pass: both) and whose one-pass form was faster somewhere (scripts/gpu_checks/check_gluon_weighted_bwd_gpu.py;
+# docs/gluon.md): the sigmoid's (its two MUFU ops per score done once), not the threshold's (0.96-0.98x)
+WEIGHTED_ONE_PASS_OFFERED: frozenset[str] = frozenset({"sigmoid"})
 
 
 def choose_gluon_weighted_dq_form(choice: TimedChoice, key: tuple, separate: Callable, one_pass: Callable,
