@@ -880,8 +880,8 @@ def test_the_weighted_one_pass_form_is_offered_only_where_listed_and_timed_per_k
                                                                                             monkeypatch):
     """The threshold's and sigmoid's Gluon backward: the separate form alone while tiers.WEIGHTED_ONE_PASS_OFFERED
     lacks the family (the sigmoid is listed, the threshold not), whatever ATTNLAB_GLUON_DQ says; once listed,
-    "auto" times the separate and the one-pass forms at a key's first backward and keeps the faster, "one_pass" / "separate" pin one, and deterministic
-    algorithms keep the separate form."""
+    "auto" times the separate and the one-pass forms at a key's first backward and keeps the faster, "one_pass" /
+    "separate" pin one, and deterministic algorithms keep the separate form."""
     import attn
     from attn.kernels import gluon_weighted_bwd, sigmoid_family, threshold_family
 
