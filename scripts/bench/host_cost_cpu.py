@@ -16,8 +16,9 @@ request (--modes) also "grad fwd" and "compiled grad fwd", the forward alone of 
 between its forward and its backward.
 Each row also counts the Python and builtin function calls of one call (sys.setprofile), a measure of
 host work that does not move with the machine's load. Yardsticks, the costs torch itself puts on any
-such call: `q * 2` (one built-in op) and a no-op
-autograd.Function (the floor of a Python-defined differentiable op), eager and compiled.
+such call: `q * 2` (one built-in op), a no-op autograd.Function (the floor of a Python-defined differentiable
+op) and an autograd.Function over two registered ops that only allocate (the floor of a family's call:
+the same ops, outputs and saved tensors with nothing inside), eager and compiled.
 
     python scripts/bench/host_cost_cpu.py [--variants softmax,threshold] [--profile softmax] [--out FILE]
 """
@@ -74,8 +75,45 @@ class NoOpFunction(torch.autograd.Function):
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
 
 
+# A forward and a backward op registered as the families' launcher ops are (torch.library's low-level API, a
+# fake each), whose kernels only allocate: the families' structure with nothing inside
+_EMPTY_OPS = torch.library.Library("attnlab_host_cost", "FRAGMENT")
+
+
+def _empty_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _empty_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+for _name, _fn in (("empty_forward", _empty_forward), ("empty_backward", _empty_backward)):
+    _EMPTY_OPS.define(_name + torch.library.infer_schema(_fn, mutates_args=()))
+    _EMPTY_OPS.impl(_name, _fn, "CPU")
+    torch.library.register_fake(f"attnlab_host_cost::{_name}", _fn, lib=_EMPTY_OPS)
+
+
+class EmptyOpsFunction(torch.autograd.Function):
+    """An autograd.Function over an empty forward op and an empty backward op, saving what a family's
+    Function saves (q, k, v, out, lse): what a fused call costs torch with kernels that cost nothing (its
+    compiled rows are torch's compiled-region price for such a call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.ops.attnlab_host_cost.empty_forward.default(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.attnlab_host_cost.empty_backward.default(grad, *ctx.saved_tensors)
+
+
 # the yardsticks: torch's own costs that every call above pays too
-YARDSTICKS = {"torch q*2": lambda q, k, v: q * 2, "no-op Function": NoOpFunction.apply}
+YARDSTICKS = {"torch q*2": lambda q, k, v: q * 2, "no-op Function": NoOpFunction.apply,
+              "empty-ops Function": EmptyOpsFunction.apply}
 
 
 GRAD_MODES = ("fwd+bwd", "compiled fwd+bwd", "grad fwd", "compiled grad fwd")  # inputs that require grad
