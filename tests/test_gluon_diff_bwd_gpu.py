@@ -43,7 +43,7 @@ class _GluonDiffBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q2, k2, lam, spec, causal, forward_tier, dkdv_form="key_halves", fused_query_rows=None,
-                dq_form="rows"):
+                dq_form="rows", one_pass=False):
         from attn.kernels import gluon_diff_fwd, threshold_family
 
         beta, power = float(spec.beta), float(spec.power)
@@ -53,7 +53,7 @@ class _GluonDiffBackward(torch.autograd.Function):
             out = gluon_diff_fwd.gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal, beta, power)
         ctx.save_for_backward(q, k, v, q2, k2, lam)
         ctx.spec, ctx.causal, ctx.dkdv_form, ctx.fused_query_rows = spec, causal, dkdv_form, fused_query_rows
-        ctx.dq_form = dq_form
+        ctx.dq_form, ctx.one_pass = dq_form, one_pass
         return out
 
     @staticmethod
@@ -64,8 +64,9 @@ class _GluonDiffBackward(torch.autograd.Function):
         spec = ctx.spec
         dq, dk, dv, dq2, dk2, dlam = gluon_diff_threshold_backward(
             q, k, v, q2, k2, lam, dout.contiguous(), ctx.causal, float(spec.beta), float(spec.power),
-            dkdv_form=ctx.dkdv_form, fused_query_rows=ctx.fused_query_rows, dq_form=ctx.dq_form)
-        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None, None
+            dkdv_form=ctx.dkdv_form, fused_query_rows=ctx.fused_query_rows, dq_form=ctx.dq_form,
+            one_pass=ctx.one_pass)
+        return dq, dk, dv, dq2, dk2, dlam, None, None, None, None, None, None, None
 
 
 def _inputs(shape, seed):
@@ -82,7 +83,7 @@ def _leaves(tensors, dtype):
             for name, t in tensors.items()}
 
 
-def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=None, dq_form="rows"):
+def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=None, dq_form="rows", one_pass=False):
     params, shape = case
     causal, dtype = shape[6], shape[7]
     spec = attn.get_variant("diff_threshold").make_spec(**params)
@@ -96,7 +97,7 @@ def _check(case, forward_tier, seed, dkdv_form="key_halves", fused_query_rows=No
     same = outputs_and_grads(reference, _leaves(tensors, dtype), do)
     fused = outputs_and_grads(
         lambda q, k, v, q2, k2, lam: _GluonDiffBackward.apply(q, k, v, q2, k2, lam, spec, causal, forward_tier,
-                                                              dkdv_form, fused_query_rows, dq_form),
+                                                              dkdv_form, fused_query_rows, dq_form, one_pass),
         _leaves(tensors, dtype), do)
     sensitivity = rounding_sensitivity(reference, tensors, do, dtype)
     for name in ("out", *GRADIENTS):
@@ -269,6 +270,38 @@ def test_dq_view_warpgroups_is_repeatable_and_close_to_the_rows_form(power, caus
         assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
 
 
+ONE_PASS_CASES = [case for case in CASES if case[0].get("power", 2.0) in (1.0, 2.0)]
+
+
+@pytest.mark.parametrize("case", ONE_PASS_CASES, ids=[case_id(c) for c in ONE_PASS_CASES])
+def test_the_one_pass_form_is_within_the_rule(case, nan_poison):
+    """The view warpgroups' one-pass form (`one_pass=True`: dQ and dQ2 added into fp32 buffers by the key-block
+    kernel, the d-lambda terms written per key, no query-block kernel) on the case matrix's p = 1 and 2 cases:
+    all six gradients within the rule."""
+    _check(case, "portable", seed=700 + CASES.index(case), dkdv_form="view_warpgroups", one_pass=True)
+
+
+@pytest.mark.parametrize("power,causal,d", [(2.0, True, 128), (1.0, False, 128), (2.0, False, 64), (1.0, True, 64)])
+def test_the_one_pass_form_keeps_dk_dv_dk2_bits_and_is_close_to_the_separate_form(power, causal, d, nan_poison):
+    """dk, dv, dk2 the view-warpgroup separate form's bits (the same key-block step, the dQ path beside it); dq, dq2
+    (fp32 sums in no fixed order) and d-lambda (its terms summed per key instead of per query row) within a
+    rounding or two of the separate form's; nothing NaN."""
+    from attn.kernels.gluon_diff_bwd import launch_diff_threshold_backward
+
+    q, k, v, q2, k2, lam, do = _packed(seed=23, d=d)
+    args = (q, k, v, q2, k2, lam, do, causal, 1.0, power)
+    one_pass = launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups", one_pass=True)
+    separate = launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups")
+    for name, a, r in zip(GRADIENTS, one_pass, separate):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert not a.isnan().any(), name
+        if name in ("dk", "dv", "dk2"):
+            assert torch.equal(a, r), name
+            continue
+        scale = r.float().abs().max().item()
+        assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
+
+
 def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):
     """lambda is read per head through its stride and converted to fp32 in the kernels: a bf16 or fp16 lambda, or a
     strided one, gives the gradients of q, k, v, q2, k2 of its contiguous fp32 copy, and d-lambda in its own dtype
@@ -315,6 +348,11 @@ def test_checked_entry_names_what_a_call_misses():
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, fused_query_rows=48)
     with pytest.raises(ValueError, match="dq_form"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, dq_form="views")
+    with pytest.raises(ValueError, match="one_pass"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, one_pass=True)  # the key halves' form
+    with pytest.raises(ValueError, match="one_pass"):
+        gluon_diff_threshold_backward(q, k, v, q, k, lam, q, True, power=1.5, dkdv_form="view_warpgroups",
+                                      one_pass=True)
     with pytest.raises(ValueError, match="causal"):
         gluon_diff_threshold_backward(q, k, v, q, k, lam, q, 1)
     with pytest.raises(ValueError, match="head dim"):

@@ -112,8 +112,9 @@ from attn.kernels.gluon_pipeline import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from attn.kernels.gluon_softmax_bwd import (_dkdv_producer, _issue_with_columns, key_block_item, key_block_program,
-                                           persistent_dkdv_producer)
+from attn.kernels.gluon_softmax_bwd import (CAST_BLOCK, _dkdv_producer, _dq_cast_kernel, _issue_with_columns,
+                                           dq_accumulator_tile, key_block_item, key_block_program,
+                                           one_pass_key_block_program, persistent_dkdv_producer)
 from attn.kernels.gluon_weighted_bwd import (ROW_VALUES_AHEAD, _dkdv_block, _next_block_row, _query_starts,
                                              _score_grad, _weight_and_grad)
 from attn.kernels.gluon_weighted_bwd import _dq_consumer as _weighted_dq_consumer
@@ -159,6 +160,15 @@ def dkdv_tile_config(head_dim: int, views: int, fused_query_rows: int | None = N
     if views == FUSED:
         return dict(BLOCK_M=fused_query_rows or FUSED_QUERY_ROWS, BLOCK_N=128, STAGES=4)
     return dict(BLOCK_M=32, BLOCK_N=128, STAGES=4)
+
+
+def one_pass_tile_config(head_dim: int) -> dict:
+    """`_dkdv_views_dq_kernel`'s constexprs: form 3's 64 keys and 64-row query blocks, DQ_COLS = 64 dQ columns
+    per product and reduce staging tile; STAGES ring slots: 2 at D = 128 (the dQ path's 48 KiB of dS and staging
+    take the third slot's place in shared memory), 3 at D = 64."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2 if head_dim == 128 else 3, DQ_COLS=64)
 
 
 def key_tile_rows(views: int, config: dict) -> int:
@@ -392,23 +402,30 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                    DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
                    tau_scale, power, VIEW: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
                    KEYS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_WARPS_C: gl.constexpr):
+                   NUM_WARPS_C: gl.constexpr, one_pass=0, ONE_PASS_DQ: gl.constexpr = False):
     """The view warpgroups' form (`VIEW_WARPGROUPS`): one warpgroup per score view on the program's KEYS
     keys, each running the one-map threshold's key-block step (`gluon_weighted_bwd._dkdv_block`) on its
     view's K tile and Q ring for every query block of every query head of the group. View 1: dK and
     dV1 += W1^T dO; view 2 (lambda_h riding on its scores, heads of a GQA group differ): dK2 with its factor
     -lambda_h p and dV2 += lambda_h W2^T dO. View 2 stores dk2 and hands dV2 to view 1 through dv2_smem
     (arriving on dv2_bar); view 1 stores dk times p and dv = dV1 - dV2. `DK` is the view's gradient of its
-    keys (dk or dk2)."""
+    keys (dk or dk2). ONE_PASS_DQ (`_dkdv_views_dq_kernel`): each tile's dQ of the view (dS1 K, or dS2 K2 with
+    its factor -lambda_h p) also goes into the view's fp32 dq by TMA reduce-adds (`_dkdv_block`'s DQ_OWN), and
+    view 2 writes each head's d-lambda terms per key (sum over the query rows of dP relu(x2)^p; p = 1 or 2) to
+    DLAM_PART (B, H, KV); one_pass = (ds_smem, ds_rows, dq_staging, dq_desc, DLAM_PART, b, H)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     SCALED: gl.constexpr = VIEW == 2
+    DLAM: gl.constexpr = ONE_PASS_DQ and VIEW == 2
     # the next block's starts computed during this one, but at p = 1, whose causal diagonal's loop spills so
-    AHEAD: gl.constexpr = ROW_VALUES_AHEAD and POWER_MODE != 1
-    first_col = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout)) - (kv_len - q_len)
+    AHEAD: gl.constexpr = ROW_VALUES_AHEAD and POWER_MODE != 1 and not ONE_PASS_DQ
+    key_rows = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))
+    first_col = key_rows - (kv_len - q_len)
+    if ONE_PASS_DQ and not CAUSAL:  # every query sees a key before kv_len, none one past it (dq and d-lambda)
+        first_col = gl.where(key_rows < kv_len, 0, 1 << 30)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     count = i_hi - i_lo
@@ -420,19 +437,47 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         if SCALED:
             lam = gl.load(LAM + (hk * GROUP + gi).to(gl.int64) * stride_lam).to(gl.float32)
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
-        if CAUSAL:
+        dlam_rows = gl.zeros([KEYS], gl.float32, gl.SliceLayout(1, st_layout))
+        if CAUSAL or ONE_PASS_DQ:
             for i in range(i_lo, i_full):
-                dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start,
-                                            dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
-                                            do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power,
-                                            st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
-                                            BLOCK_M, STAGES, lam, SCALED, AHEAD)
+                dq_path = 0
+                if ONE_PASS_DQ:  # the view's dS, K, staging and dq, the tile's first row and column of dq
+                    dq_path = (one_pass[0], one_pass[1], k_tile, one_pass[2], one_pass[3], 0, 0,
+                               one_pass[5] * q_len + i * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM)
+                if DLAM:
+                    dk, dv, start, dlam_rows = _dkdv_block(
+                        j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
+                        q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
+                        tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
+                        BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, True, dlam_rows, True)
+                else:
+                    dk, dv, start = _dkdv_block(
+                        j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
+                        q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
+                        tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
+                        BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, ONE_PASS_DQ)
         for i in range(i_full, i_hi):
-            dk, dv, start = _dkdv_block(j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv,
-                                        k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len,
-                                        kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout, a_layout, THRESHOLD,
-                                        POWER_MODE, False, 0, CAUSAL, False, KEYS, BLOCK_M, STAGES, lam, SCALED,
-                                        AHEAD)
+            dq_path = 0
+            if ONE_PASS_DQ:
+                dq_path = (one_pass[0], one_pass[1], k_tile, one_pass[2], one_pass[3], 0, 0,
+                           one_pass[5] * q_len + i * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM)
+            if DLAM:
+                dk, dv, start, dlam_rows = _dkdv_block(
+                    j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
+                    q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
+                    tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS,
+                    BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, True, dlam_rows, True)
+            else:
+                dk, dv, start = _dkdv_block(
+                    j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
+                    q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
+                    tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS,
+                    BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, ONE_PASS_DQ)
+        if DLAM:  # this head's d-lambda terms per key (keys past kv_len: not stored)
+            part = one_pass[4] + (one_pass[5] * one_pass[6] + hk * GROUP + gi).to(gl.int64) * kv_len
+            gl.store(part + key_rows, dlam_rows, mask=key_rows < kv_len)
+    if ONE_PASS_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
 
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     if VIEW == 2:
@@ -754,6 +799,59 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
                                   BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+
+
+@gluon.jit
+def _dkdv_views_dq_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, dq_desc, dq2_desc, DK, DV, DK2, LAM,
+                          DLAM_PART, stride_kvb, stride_kvn, stride_kvh, stride_lam, H_KV, GROUP, q_len, kv_len,
+                          tau_scale, power, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          DQ_COLS: gl.constexpr):
+    """The one-pass form of the view warpgroups (`launch_diff_threshold_backward(..., one_pass=True)`): form 3's
+    program (BLOCK_N keys, a warpgroup per view, the two-view producer), whose warpgroups also add each tile's
+    dQ of their view into the fp32 dq (view 1, behind dq_desc: dS1 K without the factor p) or dq2 (view 2, behind
+    dq2_desc: dS2 K2 with its factor -lambda_h p) by TMA reduce-adds, DQ_COLS columns at a time, and view 2 writes
+    the d-lambda terms per (batch, head, key) to DLAM_PART; no query-block kernel runs. p = 1 or 2 (the d-lambda
+    terms as dS g). Shared memory at D = 128: K, K2, V 48 KiB, STAGES = 2 slots of Q, Q2, dO (96 KiB), the dV2
+    hand-off 32 KiB, each view's dS^T 8 KiB and fp32 staging 16 KiB. Without the causal mask, every query block
+    of a program whose keys run past kv_len runs masked (those keys reach no dq and no d-lambda)."""
+    NUM_WARPS_C: gl.constexpr = gl.num_warps()
+    gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
+    gl.static_assert(POWER_MODE != 0, "the one-pass form's d-lambda terms need p = 1 or 2")
+    b, hk, n0, i_lo, i_full, i_hi = one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
+    kv_base = b.to(gl.int64) * stride_kvb + hk.to(gl.int64) * stride_kvh
+    k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
+        k_desc, q_desc, do_desc, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, 1)
+    v_tile = gl.allocate_shared_memory(v_desc.dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    dv2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM],
+                                         gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+    dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(dv2_bar, count=1)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    fence_async_shared()
+    heads = H_KV * GROUP
+    ds_1 = ds_smem.index(0)
+    ds_2 = ds_smem.index(1)
+    gl.warp_specialize([
+        (_view_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, dv2_smem, dv2_bar, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0, GROUP,
+                          q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 1, POWER_MODE, CAUSAL, BLOCK_N,
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
+                          (ds_1, ds_1.permute((1, 0)), dq_staging.index(0), dq_desc, DLAM_PART, b, heads), True)),
+        (_view_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
+                          do_empty, dv2_smem, dv2_bar, DK2, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0,
+                          GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 2, POWER_MODE, CAUSAL,
+                          BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
+                          (ds_2, ds_2.permute((1, 0)), dq_staging.index(1), dq2_desc, DLAM_PART, b, heads), True)),
+        (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
+                              q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
+                              hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
+                              1)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    mbarrier.invalidate(dv2_bar)
 
 
 @gluon.jit
@@ -1187,11 +1285,59 @@ _DQ = DirectLauncher(_dq_kernel, "gluon_diff_bwd_dq")
 _PERSISTENT_DKDV = DirectLauncher(_persistent_dkdv_kernel, "gluon_diff_bwd_dkdv_persistent")
 _PERSISTENT_DQ = DirectLauncher(_persistent_dq_kernel, "gluon_diff_bwd_dq_persistent")
 _DQ_VIEWS = DirectLauncher(_dq_views_kernel, "gluon_diff_bwd_dq_views")
+_DKDV_VIEWS_DQ = DirectLauncher(_dkdv_views_dq_kernel, "gluon_diff_bwd_dkdv_views_dq")
+_DQ_CAST = DirectLauncher(_dq_cast_kernel, "gluon_diff_bwd_dq_cast")
+_CAST_CONSTEXPRS = dict(BLOCK=CAST_BLOCK)
+
+
+@functools.cache
+def _one_pass_plan(dtype, head_dim: int, causal: bool, power_constexpr: int):
+    """What every one-pass launch shares: the config, the key tile, the query-block tile, the fp32 dq's reduce
+    tile and the constexprs of `_dkdv_views_dq_kernel`."""
+    cfg = one_pass_tile_config(head_dim)
+    dq_tile = dq_accumulator_tile(head_dim)
+    if dq_tile[0][0] != cfg["BLOCK_M"] or cfg["DQ_COLS"] % dq_tile[0][1]:
+        raise AssertionError(f"the fp32 dq's reduce box {dq_tile[0]} does not tile {cfg}")
+    return (cfg, tma_tile(dtype, cfg["BLOCK_N"], head_dim), tma_tile(dtype, cfg["BLOCK_M"], head_dim), dq_tile,
+            dict(POWER_MODE=power_constexpr, CAUSAL=causal, HEAD_DIM=head_dim, **cfg))
+
+
+def _launch_one_pass(q, k, v, q2, k2, lam, dout, causal: bool, tau_scale: float, power: float):
+    """`launch_diff_threshold_backward(..., one_pass=True)`: dq and dq2 accumulated in fp32 by the view
+    warpgroups' one-pass kernel (zeroed first; their sums in no fixed order), then cast (dq times p); d-lambda
+    from the kernel's per-key terms by torch's fixed-order sum."""
+    import torch
+
+    bsz, n, h, d = q.shape
+    kv_len, h_kv = k.shape[1], k.shape[2]
+    cfg, key_tile, rows_tile, dq_tile, constexprs = _one_pass_plan(q.dtype, d, causal, power_mode(power))
+    dq_acc = torch.zeros((2, bsz, n, h, d), device=q.device, dtype=torch.float32)  # dq's, then dq2's
+    # each as the 2-d (B N, H D) matrix of its reduce boxes (contiguous: 16-byte aligned bases and rows)
+    dq_descs = tuple(descriptor((acc, (bsz * n, h * d), (h * d, 1)), dq_tile) for acc in dq_acc)
+    dk = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k.dtype)
+    dk2 = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=k2.dtype)
+    dv = torch.empty((bsz, kv_len, h_kv, d), device=q.device, dtype=v.dtype)
+    dlam_part = torch.empty((bsz, h, kv_len), device=q.device, dtype=torch.float32)
+    descriptors = (*(descriptor(tma_view(t), key_tile) for t in (k, k2, v)),
+                   *(descriptor(tma_view(t), rows_tile) for t in (q, q2, dout)), *dq_descs)
+    scalars = (kv_len * h_kv * d, h_kv * d, d, lam.stride(0),  # dk's, dv's and dk2's strides (contiguous), lam's
+               h_kv, h // h_kv, n, kv_len, tau_scale, power)
+    _DKDV_VIEWS_DQ.run((cdiv(kv_len, cfg["BLOCK_N"]), bsz * h_kv), descriptors, (dk, dv, dk2, lam, dlam_part),
+                       scalars, constexprs, GLUON_OPTIONS)
+    dq = torch.empty((bsz, n, h, d), device=q.device, dtype=q.dtype)
+    dq2 = torch.empty((bsz, n, h, d), device=q.device, dtype=q2.dtype)
+    numel = dq.numel()
+    for acc, out, scale in ((dq_acc[0], dq, power), (dq_acc[1], dq2, 1.0)):  # dq2's terms carry -lambda_h p
+        _DQ_CAST.run((cdiv(numel, CAST_BLOCK),), (), (acc, out), (numel, scale), _CAST_CONSTEXPRS, GLUON_OPTIONS)
+    # fixed-order reduction of the per-(batch, head, key) terms: deterministic
+    dlam = (-dlam_part.sum(dim=(0, 2))).to(lam.dtype)
+    return dq, dk, dv, dq2, dk2, dlam
 
 
 def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float, power: float,
                                    dkdv_form: str = "key_halves", persistent: bool = False,
-                                   fused_query_rows: int | None = None, dq_form: str = "rows"):
+                                   fused_query_rows: int | None = None, dq_form: str = "rows",
+                                   one_pass: bool = False):
     """(dq, dk, dv, dq2, dk2, dlam) of differential threshold attention without checks (for callers that
     checked the operands once): w = relu(q.k - tau_i)^power - lam_h relu(q2.k2 - tau_i)^power,
     tau_i = beta sqrt(2 ln n_i / D), as `gluon_diff_fwd.launch_diff_threshold`. Gradients of q, k, v, q2,
@@ -1201,9 +1347,19 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
     partials. `persistent`: the query-block kernel and the key halves' launches on their persistent grids (a
     program per SM running work items in turn; the view forms run per item).
     `fused_query_rows`: the fused form's query rows per ring slot (default FUSED_QUERY_ROWS).
-    `dq_form`: the query-block kernel's form (DQ_FORMS; "view_warpgroups" runs per item, `persistent` or not)."""
+    `dq_form`: the query-block kernel's form (DQ_FORMS; "view_warpgroups" runs per item, `persistent` or not).
+    `one_pass` (p = 1 or 2, with the "view_warpgroups" key-block form, per item): no query-block kernel; the view
+    warpgroups add dQ and dQ2 into fp32 buffers as they go and write the d-lambda terms (`_dkdv_views_dq_kernel`),
+    then a cast each (`_launch_one_pass`)."""
     import torch
 
+    if one_pass:
+        if dkdv_form != "view_warpgroups" or persistent or power_mode(power) == 0:
+            raise ValueError("the one-pass form runs the view warpgroups per item at p = 1 or 2: dkdv_form must "
+                             f"be 'view_warpgroups', persistent False, power 1 or 2, got {dkdv_form!r}, "
+                             f"{persistent}, {power}")
+        return _launch_one_pass(q, k, v, q2, k2, lam, dout, causal, float(beta * math.sqrt(2.0 / q.shape[-1])),
+                                float(power))
     bsz, n, h, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     forms, q_cfg, rows_tile, key_tile, dq_constexprs = _backward_plan(q.dtype, d, causal, power_mode(power),
@@ -1252,7 +1408,8 @@ def launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, bet
 
 def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta: float = 1.0, power: float = 2.0,
                                   dkdv_form: str = "key_halves", persistent: bool = False,
-                                  fused_query_rows: int | None = None, dq_form: str = "rows"):
+                                  fused_query_rows: int | None = None, dq_form: str = "rows",
+                                  one_pass: bool = False):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
     import torch
 
@@ -1282,15 +1439,18 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
         raise ValueError(f"{what}: fused_query_rows must be None, 32 or 64, got {fused_query_rows!r}")
     if dq_form not in DQ_FORMS:
         raise ValueError(f"{what}: dq_form must be one of {DQ_FORMS}, got {dq_form!r}")
+    if one_pass and (dkdv_form != "view_warpgroups" or persistent or power_mode(float(power)) == 0):
+        raise ValueError(f"{what}: one_pass=True needs dkdv_form='view_warpgroups', persistent=False and power 1 or "
+                         f"2, got {dkdv_form!r}, {persistent}, {power}")
     return launch_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal, float(beta), float(power), dkdv_form,
-                                          bool(persistent), fused_query_rows, dq_form)
+                                          bool(persistent), fused_query_rows, dq_form, bool(one_pass))
 
 
 # ---------------------------------------------------------------------------------------------
 # compiling without a GPU
 
 KERNELS = ("dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_exchange", "dkdv_persistent",
-           "dkdv_second_persistent", "dq", "dq_persistent", "dq_views")
+           "dkdv_second_persistent", "dq", "dq_persistent", "dq_views", "dkdv_views_one_pass")
 _DKDV_VIEWS = {"dkdv": FUSED, "dkdv_first": FIRST_VIEW, "dkdv_second": SECOND_VIEW, "dkdv_views": VIEW_WARPGROUPS,
                "dkdv_exchange": VIEW_EXCHANGE, "dkdv_second_persistent": SECOND_VIEW}
 
@@ -1304,13 +1464,29 @@ def compile_sm90(head_dim: int = 128, dtype: str = "bf16", causal: bool = True, 
     dim runs: the fused form at D = 64, the first view's at D = 128; `views` picks another form),
     "dkdv_first" / "dkdv_second" / "dkdv_views" / "dkdv_exchange" (forms 1 / 2 / 3 / 4); "dq_persistent",
     "dkdv_persistent" and "dkdv_second_persistent" the persistent forms; "dq_views" the query-block kernel's
-    view-warpgroup form."""
+    view-warpgroup form; "dkdv_views_one_pass" the view warpgroups' one-pass form (p = 1 or 2)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rows = descriptor_type(dtype, [64, head_dim])
     scalars = {"q_len": "i32", "kv_len": "i32", "tau_scale": "fp32", "power": "fp32"}
     tail = {name: "constexpr" for name in ("POWER_MODE", "CAUSAL", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "STAGES")}
     constexprs = {"POWER_MODE": power_mode(power), "CAUSAL": causal, "HEAD_DIM": head_dim}
+    if kernel == "dkdv_views_one_pass":
+        from attn.kernels.gluon_softmax_bwd import dq_accumulator_block, dq_staging_layout
+
+        cfg = one_pass_tile_config(head_dim)
+        if stages is not None:
+            cfg["STAGES"] = stages
+        keys = descriptor_type(dtype, [cfg["BLOCK_N"], head_dim])
+        dq_block = dq_accumulator_block(head_dim)
+        dq_acc = f"tensordesc<fp32[{dq_block[0]}, {dq_block[1]}],{dq_staging_layout()!r}>"
+        signature = {"k_desc": keys, "k2_desc": keys, "v_desc": keys, "q_desc": rows, "q2_desc": rows,
+                     "do_desc": rows, "dq_desc": dq_acc, "dq2_desc": dq_acc, "DK": f"*{dtype}", "DV": f"*{dtype}",
+                     "DK2": f"*{dtype}", "LAM": f"*{lam_dtype}", "DLAM_PART": "*fp32", "stride_kvb": "i32",
+                     "stride_kvn": "i32", "stride_kvh": "i32", "stride_lam": "i32", "H_KV": "i32", "GROUP": "i32",
+                     **scalars, **tail, "DQ_COLS": "constexpr"}
+        return compile_gluon_sm90(_dkdv_views_dq_kernel, signature, {**constexprs, **cfg},
+                                  ("DK", "DV", "DK2", "DLAM_PART"), arch)
     if kernel in ("dq", "dq_persistent", "dq_views"):
         cfg = dq_tile_config(head_dim, "view_warpgroups" if kernel == "dq_views" else "rows")
         if block_n is not None:

@@ -510,6 +510,14 @@ def add_dq_tile(j, ds_smem, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_r
     dq = warpgroup_mma(ds_lo, k_lo, dq_zero, use_acc=False, is_async=True)
     dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
     dq, ds_lo, ds_hi, k_lo, k_hi = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_lo, ds_hi, k_lo, k_hi))
+    reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col, DQ_COLS)
+
+
+@gluon.jit
+def reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col, DQ_COLS: gl.constexpr):
+    """A warpgroup's fp32 dQ tile (registers, DQ_COLS columns) added to the fp32 dq at (dq_row, dq_col): once the
+    previous tile's reduce has read dq_staging, the tile goes there and to dq by TMA reduce-adds, one per
+    dq_desc box of columns."""
     tma.store_wait(0)  # the previous tile's reduce has read dq_staging
     gl.thread_barrier()
     dq_staging.store(dq)

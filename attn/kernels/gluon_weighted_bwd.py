@@ -115,6 +115,7 @@ from attn.kernels.gluon_softmax_bwd import (
     one_pass_key_block_program,
     persistent_dkdv_producer,
     publish_ds,
+    reduce_dq_tile,
 )
 from attn.kernels.gluon_weighted_fwd import (
     SIGMOID,
@@ -201,7 +202,8 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
                 a_layout: gl.constexpr, WEIGHT: gl.constexpr, POWER_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                 NEWTON: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, HALF_N: gl.constexpr,
                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, lam=1.0, SCALED: gl.constexpr = False,
-                AHEAD: gl.constexpr = False, dq_path=0, ONE_PASS_DQ: gl.constexpr = False):
+                AHEAD: gl.constexpr = False, dq_path=0, ONE_PASS_DQ: gl.constexpr = False,
+                DQ_OWN: gl.constexpr = False, dlam_rows=0, DLAM: gl.constexpr = False):
     """One warpgroup's keys against the query block from row m (ring tile j): S^T (from `start`, this
     block's `_query_starts`) and dP^T issued back to back; then, while they run, the starts of the block
     from row m_next (the next block's: computed here, their logf and sqrt stay off the next block's path to
@@ -213,8 +215,12 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     `start` passes through. ONE_PASS_DQ (the one-pass form, `_dkdv_dq_kernel`): dS^T also goes to the shared dS
     (`gluon_softmax_bwd.publish_ds`) and, once dK and dV retired, this warpgroup's half of the tile's dQ columns
     into the fp32 dq (`gluon_softmax_bwd.add_dq_tile`); dq_path = (ds_smem, ds_rows, k_cols, dq_staging,
-    dq_desc, ds_ready, ds_free, the tile's first row and first column of dq). Returns (dk, dv, the next
-    block's starts)."""
+    dq_desc, ds_ready, ds_free, the tile's first row and first column of dq). DQ_OWN (the differential
+    view-warpgroup one-pass kernel, whose warpgroups share no keys' dS): dS^T goes to this warpgroup's own dS and
+    it adds all D columns of the tile's dQ (`add_own_dq_tile`); dq_path = (ds_smem, ds_rows, the K tile,
+    dq_staging, dq_desc, -, -, row, column). DLAM (the differential second view, p = 1 or 2): dlam_rows (one
+    value per key row) gains the tile's d-lambda terms dP W = dS g (before the factor -lam p), and is returned
+    last. Returns (dk, dv, the next block's starts[, dlam_rows])."""
     if not AHEAD:
         start = _query_starts(m, q_len, kv_len, start_scale, row_param, WEIGHT, HAS_BIAS, CAUSAL, BLOCK_M)
     s_t, q_tile = _issue_with_columns(j, k_tile, q_ring, q_ready, start, st_layout, HALF_N, BLOCK_M, STAGES)
@@ -239,25 +245,59 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     dv = warpgroup_mma(w16, do_tile, dv, is_async=True)
     dp_t, v_tile, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, v_tile, do_tile))  # dP^T retired
     ds_t = _score_grad(dp_t, g_t, WEIGHT, POWER_MODE)
+    if DLAM:  # dP relu(x)^p = dS g at p = 1 (g = relu(x), dS = dP where it is > 0) and at p = 2 (dS = dP g)
+        gl.static_assert(POWER_MODE != 0, "the d-lambda terms as dS g hold for p = 1 and 2 only")
+        dlam_rows += gl.sum(ds_t * g_t, axis=1)
     if SCALED:
         ds_t = ds_t * (-lam * power)
     ds_t16 = ds_t.to(q_ring.dtype)
     ds16 = gl.convert_layout(ds_t16, a_layout)
     if ONE_PASS_DQ:
-        publish_ds(j, ds_t16, dq_path[1], dq_path[5], dq_path[6])
+        if DQ_OWN:  # this warpgroup's own dS: its loads of the previous tile's are behind add_own_dq_tile's barrier
+            dq_path[1].store(ds_t16)
+        else:
+            publish_ds(j, ds_t16, dq_path[1], dq_path[5], dq_path[6])
     dk = warpgroup_mma(ds16, q_tile, dk, is_async=True)
     dv, w16, do_tile = warpgroup_mma_wait(num_outstanding=1, deps=(dv, w16, do_tile))
     release(j, do_empty, STAGES)
     dk, ds16, q_tile = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ds16, q_tile))
     release(j, q_empty, STAGES)
     if ONE_PASS_DQ:
-        DQ_COLS: gl.constexpr = dk.shape[1] // 2
-        # the consumer partitions are one warpgroup each (the kernels assert 4 warps)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
-        add_dq_tile(j, dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[5], dq_path[6], dq_path[7],
-                    dq_path[8], dq_layout, HALF_N, BLOCK_M, DQ_COLS)
-    return dk, dv, start_next
+        if DQ_OWN:
+            add_own_dq_tile(dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[7], dq_path[8], BLOCK_M,
+                            dk.shape[1], dq_path[3].shape[1])
+        else:
+            DQ_COLS: gl.constexpr = dk.shape[1] // 2
+            # the consumer partitions are one warpgroup each (the kernels assert 4 warps)
+            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, DQ_COLS, 16])
+            add_dq_tile(j, dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[5], dq_path[6], dq_path[7],
+                        dq_path[8], dq_layout, HALF_N, BLOCK_M, DQ_COLS)
+    result = (dk, dv, start_next)
+    if DLAM:
+        result = (dk, dv, start_next, dlam_rows)
+    return result
+
+
+@gluon.jit
+def add_own_dq_tile(ds_smem, k_tile, dq_staging, dq_desc, dq_row, dq_col, BLOCK_M: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr):
+    """One warpgroup's whole dQ tile from its own dS (ds_smem, BLOCK_M queries x the K tile's keys, filled by this
+    warpgroup) once its dV and dK products retired: dS loaded to registers (ldmatrix), then per DQ_COLS columns
+    of the head dim dQ = dS K[:, cols] (a BLOCK_M x DQ_COLS fp32 accumulator) added to the fp32 dq at (dq_row,
+    dq_col + the columns' first) through dq_staging (`gluon_softmax_bwd.reduce_dq_tile`)."""
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    gl.thread_barrier()  # every warp's rows of dS^T are in ds_smem
+    ds = ds_smem.load(ds_operand)
+    gl.thread_barrier()  # every warp has loaded dS before the next tile's rows go in
+    for part in gl.static_range(HEAD_DIM // DQ_COLS):
+        k_cols = k_tile.slice(part * DQ_COLS, DQ_COLS, dim=1)
+        dq = warpgroup_mma(ds, k_cols, gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dq, ds, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds, k_cols))
+        reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col + part * DQ_COLS, DQ_COLS)
 
 
 @gluon.jit

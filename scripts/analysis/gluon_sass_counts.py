@@ -45,7 +45,8 @@ both warpgroups together run about twice its count per position), diff_bwd_dkdv_
 same, dP^T and dV once: view 1's loop has three products, view 2's three; its row is the shorter loop), diff_bwd_dq
 the query-block dQ / dQ2 / d-lambda kernel (diff_bwd_dq_views its view-warpgroup form: a warpgroup per view on the
 same 64 rows, its row the first view's loop, the shorter; diff_bwd_dq_persistent, diff_bwd_dkdv_persistent and
-diff_bwd_dkdv_second_persistent the persistent forms, diff_bwd_dkdv_fused32 the fused form on 32-row query blocks);
+diff_bwd_dkdv_second_persistent the persistent forms, diff_bwd_dkdv_fused32 the fused form on 32-row query blocks,
+diff_bwd_dkdv_views_one_pass the view warpgroups' one-pass form, dQ and dQ2 added in the key-block loops);
 their per_score counts per (query, key) position as well. The forwards' <form>_pingpong variants compile the two
 consumer warpgroups in
 ping-pong (gluon_pipeline's turn barriers: each loop holds one BAR.SYNC and one BAR.ARV more, counted as sync).
@@ -196,6 +197,10 @@ DIFFERENTIAL_BACKWARD_VARIANTS = {f"diff_bwd_{kernel}{suffix}": dict(kernel=kern
 # the fused key-block form (D = 64) on 32-row query blocks (gluon_diff_bwd's fused_query_rows; FUSED_QUERY_ROWS is 64)
 DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_fused32{suffix}": dict(kernel="dkdv", power=power, block_m=32)
                                        for suffix, power in (("", 2.0), ("_p1", 1.0), ("_p1.5", 1.5))})
+# the view warpgroups' one-pass form (dQ, dQ2 and the d-lambda terms in the key-block kernel; p = 1 and 2 only)
+DIFFERENTIAL_BACKWARD_VARIANTS.update({f"diff_bwd_dkdv_views_one_pass{suffix}": dict(kernel="dkdv_views_one_pass",
+                                                                                     power=power)
+                                       for suffix, power in (("", 2.0), ("_p1", 1.0))})
 VARIANTS.update(DIFFERENTIAL_BACKWARD_VARIANTS)
 DIFFERENTIAL_BACKWARD = Path(__file__).resolve().parents[2] / "attn" / "kernels" / "gluon_diff_bwd.py"
 
@@ -224,6 +229,8 @@ def tile_width(module, variant: str, head_dim: int) -> int:
             return module.dq_tile_config(head_dim)["BLOCK_N"]
         if kernel == "dq_views":
             return module.dq_tile_config(head_dim, "view_warpgroups")["BLOCK_N"]
+        if kernel == "dkdv_views_one_pass":
+            return module.one_pass_tile_config(head_dim)["BLOCK_M"]
         views = {"dkdv_second": module.SECOND_VIEW, "dkdv_second_persistent": module.SECOND_VIEW,
                  "dkdv_views": module.VIEW_WARPGROUPS, "dkdv_exchange": module.VIEW_EXCHANGE}.get(
             kernel, module.dkdv_forms(head_dim)[0])
@@ -255,7 +262,7 @@ def count(module, head_dim: int, causal: bool, dtype: str = "bf16", sass_dir: Pa
     # (the one-pass key-block kernel runs its masked loop without the causal mask too: every query block
     # of a program whose keys run past the key length, whose keys must not reach dq)
     masked_loop = is_masked
-    if VARIANTS[variant].get("kernel") == "dkdv_one_pass" and not causal:
+    if VARIANTS[variant].get("kernel") in ("dkdv_one_pass", "dkdv_views_one_pass") and not causal:
         masked_loop = is_masked_by_select
     for kind, masked in kinds:
         bodies = [body for body in loops if masked_loop(body, 64 * block_n // 128) == masked]

@@ -19,7 +19,9 @@ then times.
    per warpgroup, the default; view warpgroups, a warpgroup per score view; view exchange, the view warpgroups
    with dP^T and dV computed once), the key halves on the persistent grids (`persistent=True`), at D = 64
    the fused form on 32-row query blocks (`fused_query_rows=32`; FUSED_QUERY_ROWS is 64), and the query-block
-   kernel's view-warpgroup form (`dq_form="view_warpgroups"`) after the key halves and after the view warpgroups.
+   kernel's view-warpgroup form (`dq_form="view_warpgroups"`) after the key halves and after the view warpgroups,
+   and the view warpgroups' one-pass form (`one_pass=True`: dQ and dQ2 in the key-block kernel, no query-block
+   kernel) against the view warpgroups with the query-block kernel's view-warpgroup form.
 
 Prints both tables and writes <out>/gluon_weighted_bwd.json. Exits 1 if a correctness case fails (a case whose
 compile or launch raises counts as failed and is reported; the rest still run), 0 otherwise.
@@ -70,10 +72,10 @@ COLUMNS = (["sdpa"] + [f"{v} {tier}" for v, _ in TIMED for tier in ("portable", 
            + ["threshold gluon one pass", "sigmoid gluon one pass"]
            + ["diff_threshold gluon views", "diff_threshold gluon exchange", "diff_threshold gluon persistent",
               "diff_threshold gluon fused 32 rows", "diff_threshold gluon dq views",
-              "diff_threshold gluon views + dq views"])
+              "diff_threshold gluon views + dq views", "diff_threshold gluon views one pass"])
 # each differential column against the one it changes one thing of
 DIFF_BASES = {"views": "", "exchange": "", "persistent": "", "fused 32 rows": "", "dq views": "",
-              "views + dq views": " views"}
+              "views + dq views": " views", "views one pass": " views + dq views"}
 
 
 def _spec(variant, params):
@@ -167,6 +169,9 @@ def time_shapes(results, shapes=SHAPES, columns=COLUMNS):
                 impls["diff_threshold gluon views + dq views"] = (lambda: launch_diff_threshold_backward(
                     qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups",
                     dq_form="view_warpgroups"))
+                impls["diff_threshold gluon views one pass"] = (lambda: launch_diff_threshold_backward(
+                    qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, dkdv_form="view_warpgroups",
+                    one_pass=True))
                 if d == 64:  # the fused key-block form (D = 64 only) on 32-row query blocks
                     impls["diff_threshold gluon fused 32 rows"] = (lambda: launch_diff_threshold_backward(
                         qn, kn, v, q2n, k2n, lam, do, causal, diff_beta, diff_power, fused_query_rows=32))
