@@ -412,7 +412,8 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     keys (dk or dk2). ONE_PASS_DQ (`_dkdv_views_dq_kernel`): each tile's dQ of the view (dS1 K, or dS2 K2 with
     its factor -lambda_h p) also goes into the view's fp32 dq by TMA reduce-adds (`_dkdv_block`'s DQ_OWN), and
     view 2 writes each head's d-lambda terms per key (sum over the query rows of dP relu(x2)^p; p = 1 or 2) to
-    DLAM_PART (B, H, KV); one_pass = (ds_smem, ds_rows, dq_staging, dq_desc, DLAM_PART, b, H)."""
+    DLAM_PART (B, H, KV); one_pass = (ds_smem, ds_rows, the view's two staging tiles, dq_desc, DLAM_PART, b,
+    H)."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -476,8 +477,9 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
         if DLAM:  # this head's d-lambda terms per key (keys past kv_len: not stored)
             part = one_pass[4] + (one_pass[5] * one_pass[6] + hk * GROUP + gi).to(gl.int64) * kv_len
             gl.store(part + key_rows, dlam_rows, mask=key_rows < kv_len)
-    if ONE_PASS_DQ:
-        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
+    if ONE_PASS_DQ:  # the last reduces have read the staging tiles (view 2's take dV2 next; then the program ends)
+        tma.store_wait(0)
+        gl.thread_barrier()
 
     keys = key0 + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     if VIEW == 2:
@@ -812,9 +814,10 @@ def _dkdv_views_dq_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, dq_
     dQ of their view into the fp32 dq (view 1, behind dq_desc: dS1 K without the factor p) or dq2 (view 2, behind
     dq2_desc: dS2 K2 with its factor -lambda_h p) by TMA reduce-adds, DQ_COLS columns at a time, and view 2 writes
     the d-lambda terms per (batch, head, key) to DLAM_PART; no query-block kernel runs. p = 1 or 2 (the d-lambda
-    terms as dS g). Shared memory at D = 128: K, K2, V 48 KiB, STAGES = 2 slots of Q, Q2, dO (96 KiB), the dV2
-    hand-off 32 KiB, each view's dS^T 8 KiB and fp32 staging 16 KiB. Without the causal mask, every query block
-    of a program whose keys run past kv_len runs masked (those keys reach no dq and no d-lambda)."""
+    terms as dS g). Shared memory at D = 128: K, K2, V 48 KiB, STAGES = 2 slots of Q, Q2, dO (96 KiB), each
+    view's dS^T 8 KiB and two fp32 staging tiles of 16 KiB (view 2's also the dV2 hand-off after its loop).
+    Without the causal mask, every query block of a program whose keys run past kv_len runs masked (those keys
+    reach no dq and no d-lambda)."""
     NUM_WARPS_C: gl.constexpr = gl.num_warps()
     gl.static_assert(NUM_WARPS_C == 4, "one warpgroup per consumer partition")
     gl.static_assert(POWER_MODE != 0, "the one-pass form's d-lambda terms need p = 1 or 2")
@@ -823,13 +826,16 @@ def _dkdv_views_dq_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, dq_
     k_tile, k2_tile, q_ring, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = _allocate_ring(
         k_desc, q_desc, do_desc, BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, 1)
     v_tile = gl.allocate_shared_memory(v_desc.dtype, [1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    dv2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEAD_DIM],
-                                         gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
-    dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(dv2_bar, count=1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], k_desc.dtype)
     ds_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-    dq_staging = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    # each view's two fp32 staging tiles; view 2's hold the dV2 hand-off once its last reduce has read them
+    staging_1 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    staging_2 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_desc.layout)
+    gl.static_assert(BLOCK_N * HEAD_DIM <= 2 * BLOCK_M * DQ_COLS, "dV2 fits view 2's staging tiles")
+    dv2_smem = staging_2._reinterpret(gl.float32, [BLOCK_N, HEAD_DIM],
+                                      gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+    dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(dv2_bar, count=1)
     fence_async_shared()
     heads = H_KV * GROUP
     ds_1 = ds_smem.index(0)
@@ -839,12 +845,12 @@ def _dkdv_views_dq_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, dq_
                           do_empty, dv2_smem, dv2_bar, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0, GROUP,
                           q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 1, POWER_MODE, CAUSAL, BLOCK_N,
                           BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
-                          (ds_1, ds_1.permute((1, 0)), dq_staging.index(0), dq_desc, DLAM_PART, b, heads), True)),
+                          (ds_1, ds_1.permute((1, 0)), staging_1, dq_desc, DLAM_PART, b, heads), True)),
         (_view_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, dv2_smem, dv2_bar, DK2, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0,
                           GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 2, POWER_MODE, CAUSAL,
                           BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
-                          (ds_2, ds_2.permute((1, 0)), dq_staging.index(1), dq2_desc, DLAM_PART, b, heads), True)),
+                          (ds_2, ds_2.permute((1, 0)), staging_2, dq2_desc, DLAM_PART, b, heads), True)),
         (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
                               q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
                               hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,

@@ -514,11 +514,13 @@ def add_dq_tile(j, ds_smem, k_cols, dq_staging, dq_desc, ds_ready, ds_free, dq_r
 
 
 @gluon.jit
-def reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col, DQ_COLS: gl.constexpr):
-    """A warpgroup's fp32 dQ tile (registers, DQ_COLS columns) added to the fp32 dq at (dq_row, dq_col): once the
-    previous tile's reduce has read dq_staging, the tile goes there and to dq by TMA reduce-adds, one per
-    dq_desc box of columns."""
-    tma.store_wait(0)  # the previous tile's reduce has read dq_staging
+def reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col, DQ_COLS: gl.constexpr, PENDING: gl.constexpr = 0):
+    """A warpgroup's fp32 dQ tile (registers, DQ_COLS columns) added to the fp32 dq at (dq_row, dq_col): once all
+    but the PENDING latest of this warpgroup's reduces (one bulk group each) have read their staging, the tile
+    goes to dq_staging and to dq by TMA reduce-adds, one per dq_desc box of columns. PENDING = 0: dq_staging
+    is the warpgroup's one staging tile; a tile's reduces behind double-buffered staging may leave the other
+    buffer's in flight."""
+    tma.store_wait(PENDING)  # dq_staging's previous reduces have read it
     gl.thread_barrier()
     dq_staging.store(dq)
     fence_async_shared()

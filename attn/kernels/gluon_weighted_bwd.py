@@ -218,7 +218,7 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     dq_desc, ds_ready, ds_free, the tile's first row and first column of dq). DQ_OWN (the differential
     view-warpgroup one-pass kernel, whose warpgroups share no keys' dS): dS^T goes to this warpgroup's own dS and
     it adds all D columns of the tile's dQ (`add_own_dq_tile`); dq_path = (ds_smem, ds_rows, the K tile,
-    dq_staging, dq_desc, -, -, row, column). DLAM (the differential second view, p = 1 or 2): dlam_rows (one
+    its two staging tiles, dq_desc, -, -, row, column). DLAM (the differential second view, p = 1 or 2): dlam_rows (one
     value per key row) gains the tile's d-lambda terms dP W = dS g (before the factor -lam p), and is returned
     last. Returns (dk, dv, the next block's starts[, dlam_rows])."""
     if not AHEAD:
@@ -264,8 +264,8 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
     release(j, q_empty, STAGES)
     if ONE_PASS_DQ:
         if DQ_OWN:
-            add_own_dq_tile(dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[7], dq_path[8], BLOCK_M,
-                            dk.shape[1], dq_path[3].shape[1])
+            add_own_dq_tile(j, dq_path[0], dq_path[2], dq_path[3], dq_path[4], dq_path[7], dq_path[8], BLOCK_M,
+                            dk.shape[1], dq_path[3].shape[2])
         else:
             DQ_COLS: gl.constexpr = dk.shape[1] // 2
             # the consumer partitions are one warpgroup each (the kernels assert 4 warps)
@@ -280,24 +280,29 @@ def _dkdv_block(j, m, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_
 
 
 @gluon.jit
-def add_own_dq_tile(ds_smem, k_tile, dq_staging, dq_desc, dq_row, dq_col, BLOCK_M: gl.constexpr,
+def add_own_dq_tile(j, ds_smem, k_tile, dq_staging, dq_desc, dq_row, dq_col, BLOCK_M: gl.constexpr,
                     HEAD_DIM: gl.constexpr, DQ_COLS: gl.constexpr):
-    """One warpgroup's whole dQ tile from its own dS (ds_smem, BLOCK_M queries x the K tile's keys, filled by this
-    warpgroup) once its dV and dK products retired: dS loaded to registers (ldmatrix), then per DQ_COLS columns
-    of the head dim dQ = dS K[:, cols] (a BLOCK_M x DQ_COLS fp32 accumulator) added to the fp32 dq at (dq_row,
-    dq_col + the columns' first) through dq_staging (`gluon_softmax_bwd.reduce_dq_tile`)."""
+    """One warpgroup's whole dQ tile (ring tile j) from its own dS (ds_smem, BLOCK_M queries x the K tile's keys,
+    filled by this warpgroup) once its dV and dK products retired: dS loaded to registers (ldmatrix), then per
+    DQ_COLS columns of the head dim dQ = dS K[:, cols] (a BLOCK_M x DQ_COLS fp32 accumulator) added to the fp32
+    dq at (dq_row, dq_col + the columns' first) through dq_staging, two staging tiles taken in turn, so that a
+    part's reduce waits for the one two parts back, not for the one just issued
+    (`gluon_softmax_bwd.reduce_dq_tile`)."""
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, DQ_COLS, 16])
     ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     gl.thread_barrier()  # every warp's rows of dS^T are in ds_smem
     ds = ds_smem.load(ds_operand)
     gl.thread_barrier()  # every warp has loaded dS before the next tile's rows go in
-    for part in gl.static_range(HEAD_DIM // DQ_COLS):
+    PARTS: gl.constexpr = HEAD_DIM // DQ_COLS
+    REDUCES: gl.constexpr = DQ_COLS // dq_desc.block_type.shape[1]  # bulk groups per part
+    for part in gl.static_range(PARTS):
         k_cols = k_tile.slice(part * DQ_COLS, DQ_COLS, dim=1)
         dq = warpgroup_mma(ds, k_cols, gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout), use_acc=False,
                            is_async=True)
         dq, ds, k_cols = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds, k_cols))
-        reduce_dq_tile(dq, dq_staging, dq_desc, dq_row, dq_col + part * DQ_COLS, DQ_COLS)
+        reduce_dq_tile(dq, dq_staging.index((j * PARTS + part) % 2), dq_desc, dq_row, dq_col + part * DQ_COLS,
+                       DQ_COLS, REDUCES)
 
 
 @gluon.jit
