@@ -60,6 +60,11 @@ accumulators started at -tau_i so the scores are x itself):
    item-empty barrier, its stationary ones, while the consumers store this item's gradients: the same bits
    per item. The backward plan times it against the per-item grids per tuning key
    (`tiers.PERSISTENT_BACKWARDS_OFFERED`).
+4. `one_pass=True` (p = 1 or 2, with the view warpgroups): no query-block kernel; `_dkdv_views_dq_kernel`'s view
+   warpgroups also add each block's dQ1 = dS1 K and dQ2 = dS2 K2 into fp32 buffers by TMA reduce-adds and write
+   the d-lambda terms per key, then a cast each. Within the float64 rule on an H100 and slower there (0.63x the
+   separate view forms' speed at (4,16,4096,128): each view's reduce-adds of a 64 x D fp32 tile per 64 keys;
+   docs/gluon.md), so no backward plan offers it.
 
 Masks: as `gluon_weighted_bwd`: the causal diagonal's blocks compare per score (both views' scores
 select -inf where a key is not seen, so w and g vanish there), the rest run without mask arithmetic;
