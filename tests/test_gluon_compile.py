@@ -637,6 +637,56 @@ def test_differential_backward_runs_its_products_without_local_memory_in_its_loo
         assert row["loop_spills"] <= spills_allowed, row
 
 
+# the differential view warpgroups' one-pass form (p = 1 and 2): (gluon_sass_counts variant, power, D, causal, dtype)
+DIFFERENTIAL_ONE_PASS = [("diff_bwd_dkdv_views_one_pass", 2.0, 128, True, "bf16"),
+                         ("diff_bwd_dkdv_views_one_pass_p1", 1.0, 128, True, "fp16"),
+                         ("diff_bwd_dkdv_views_one_pass", 2.0, 64, False, "bf16")]
+# its loops' local memory at D = 128 under the 168 registers a consumer warpgroup gets: (variant, loop) -> spill
+# instructions per iteration (the causal diagonal's masked loop, a block or two per key block)
+DIFFERENTIAL_ONE_PASS_LOOP_SPILLS = {("diff_bwd_dkdv_views_one_pass", "unmasked"): 3,
+                                     ("diff_bwd_dkdv_views_one_pass", "masked"): 38,
+                                     ("diff_bwd_dkdv_views_one_pass_p1", "unmasked"): 3,
+                                     ("diff_bwd_dkdv_views_one_pass_p1", "masked"): 48}
+
+
+@pytest.fixture(scope="module")
+def compiled_diff_one_pass():
+    """`compiled`'s record of each DIFFERENTIAL_ONE_PASS kernel (a child of its own: the main one's time is spent)."""
+    return _compile({f"{v}-{d}-{c}-{t}": ("gluon_diff_bwd", dict(head_dim=d, dtype=t, causal=c, power=p,
+                                                                 kernel="dkdv_views_one_pass"), v)
+                     for v, p, d, c, t in DIFFERENTIAL_ONE_PASS})
+
+
+@pytest.mark.parametrize("variant,power,head_dim,causal,dtype", DIFFERENTIAL_ONE_PASS,
+                         ids=[f"{v}-{d}-{'causal' if c else 'full'}-{t}" for v, _, d, c, t in DIFFERENTIAL_ONE_PASS])
+def test_differential_one_pass_backward_adds_each_views_dq_products_and_reduces(
+        compiled_diff_one_pass, variant, power, head_dim, causal, dtype):
+    """The view warpgroups' one-pass kernel: per loop (one view's warpgroup) the view-warpgroup form's products
+    (S^T, dP^T with k = D; dV, dK with k = its query block) plus the view's dQ over its 64 keys in D / 64 parts
+    (k = 64 each), dS^T through the warpgroup's own shared tile (stmatrix, ldmatrix) and the fp32 parts to global
+    memory by TMA reduce-adds whose staging waits leave the other tile's reduces in flight (wait_group.read 2);
+    no MUFU op per score at p = 1 and 2; within shared memory; a masked loop with either mask; no local memory in
+    a loop but DIFFERENTIAL_ONE_PASS_LOOP_SPILLS' known ones."""
+    from attn.kernels.gluon_diff_bwd import one_pass_tile_config
+
+    result = compiled_diff_one_pass[f"{variant}-{head_dim}-{causal}-{dtype}"]
+    ptx = result["ptx"]
+    _assert_hopper_schedule(ptx, {"bf16": "bf16", "fp16": "f16"}[dtype])
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+2;", ptx)
+    assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx and "ldmatrix" in ptx
+    assert result["shared"] <= 227 * 1024
+    rows = {row["loop"]: row for row in result["loops"]}
+    assert set(rows) == {"unmasked", "masked"}
+    cfg, width = one_pass_tile_config(head_dim), result["tile_width"]
+    for kind, row in rows.items():
+        dq_products = (head_dim // cfg["DQ_COLS"]) * (cfg["BLOCK_N"] // 16)
+        assert row["hgmma"] == 2 * (head_dim // 16) + 2 * (width // 16) + dq_products, row
+        assert row["mufu"] <= 4, row
+        allowed = DIFFERENTIAL_ONE_PASS_LOOP_SPILLS.get((variant, kind), 0) if head_dim == 128 else 0
+        assert row["loop_spills"] <= allowed, row
+
+
 @pytest.mark.parametrize("variant,module,head_dim,causal,dtype", PINGPONG, ids=PINGPONG_IDS)
 def test_pingpong_forward_keeps_the_schedule_and_its_loops(compiled, variant, module, head_dim, causal, dtype):
     """The ping-pong form runs the default form's products per key block (S = Q K^T, O += P V: k = D and
