@@ -215,3 +215,5 @@ def test_the_kernels_suite_times_every_variant_of_the_target_table_on_cpu_stand_
             assert ratios[f"{name}: SDPA / ours"] == rows[f"kernels sdpa {direction}"] / rows[name]
     assert ratios["kernels diff_threshold fwd+bwd / threshold"] == (rows["kernels diff_threshold fwd+bwd"]
                                                                      / rows["kernels threshold fwd+bwd"])
+    some = bp.kernel_rows(["sigmoid"])  # --kernel-variants: SDPA and the variants given
+    assert list(some) == [f"kernels {v} {d}" for v in ("sdpa", "sigmoid") for d in ("fwd", "fwd+bwd")]

@@ -19,6 +19,7 @@ medians after warm-up:
 
     python scripts/bench/bench_public_path.py --out gpu_out/public_path [--baseline FILE|auto]
     python scripts/bench/bench_public_path.py --out gpu_out/public_path --write-baseline FILE
+    python scripts/bench/bench_public_path.py --suites kernels --kernel-variants threshold,sigmoid   # some variants
 
 Rows report the median over the --repeats rounds; the gate reads each row's best round. --baseline
 compares each row with the file's (measured on the same GPU name) and exits 1 when one is slower by
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import re
@@ -268,10 +270,10 @@ def flex_ranker_call(x: dict, ids: torch.Tensor):
     return call, torch.randn_like(q)
 
 
-def kernel_rows() -> dict[str, float]:
+def kernel_rows(variants=KERNEL_VARIANTS) -> dict[str, float]:
     b, h, n, d = KERNEL_SHAPE
     rows = {}
-    for variant in ("sdpa", *KERNEL_VARIANTS):
+    for variant in ("sdpa", *variants):
         x = tensors("softmax" if variant == "sdpa" else variant, b, n, h, d, True)
         do = torch.randn_like(x["q"])
         if variant == "sdpa":
@@ -434,11 +436,19 @@ def main() -> int:
                     help="pairs of (row, yardstick) timings for each host-bound row over its allowance after the "
                          "rounds, before the gate reports it (0: none)")
     ap.add_argument("--write-baseline", default=None, help="write this run's rows as a baseline JSON here")
+    ap.add_argument("--kernel-variants", default=",".join(KERNEL_VARIANTS),
+                    help="comma list of the kernels suite's variants (SDPA always runs; the gate compares the rows "
+                         "run)")
     args = ap.parse_args()
     suites = args.suites.split(",")
     unknown = set(suites) - set(SUITES)
     if unknown:
         raise SystemExit(f"--suites: unknown {sorted(unknown)}; allowed: {', '.join(SUITES)}")
+    kernel_variants = args.kernel_variants.split(",")
+    unknown = set(kernel_variants) - set(KERNEL_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--kernel-variants: unknown {sorted(unknown)}; allowed: {', '.join(KERNEL_VARIANTS)}")
+    SUITES["kernels"] = functools.partial(kernel_rows, kernel_variants)
     meta = {**result_header(), "repeats": args.repeats,
             "baseline": args.baseline, "noise": args.noise, "host_noise": args.host_noise, "host_timing": HOST_TIMING,
             "recheck": args.recheck}
