@@ -259,9 +259,16 @@ def test_dq_view_warpgroups_is_repeatable_and_close_to_the_rows_form(power, caus
     q, k, v, q2, k2, lam, do = _packed(seed=17, d=d)
     args = (q, k, v, q2, k2, lam, do, causal, 1.0, power)
     first, second = (launch_diff_threshold_backward(*args, dq_form="view_warpgroups") for _ in range(2))
-    rows = launch_diff_threshold_backward(*args)
-    for name, a, b, r in zip(GRADIENTS, first, second, rows):
+    for name, a, b in zip(GRADIENTS, first, second):
         assert torch.equal(a, b), name
+    _assert_key_gradients_equal_and_the_rest_close(first, launch_diff_threshold_backward(*args))
+
+
+def _assert_key_gradients_equal_and_the_rest_close(result, other):
+    """dk, dv, dk2 (the same key-block step) `other`'s bits; dq, dq2 and d-lambda within 2 % of `other`'s largest
+    magnitude (a rounding or two of the 16-bit results, a few of d-lambda's fp32 sum); nothing NaN."""
+    for name, a, r in zip(GRADIENTS, result, other):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
         assert not a.isnan().any(), name
         if name in ("dk", "dv", "dk2"):
             assert torch.equal(a, r), name
@@ -290,16 +297,9 @@ def test_the_one_pass_form_keeps_dk_dv_dk2_bits_and_is_close_to_the_separate_for
 
     q, k, v, q2, k2, lam, do = _packed(seed=23, d=d)
     args = (q, k, v, q2, k2, lam, do, causal, 1.0, power)
-    one_pass = launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups", one_pass=True)
-    separate = launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups")
-    for name, a, r in zip(GRADIENTS, one_pass, separate):
-        assert a.dtype == r.dtype and a.shape == r.shape, name
-        assert not a.isnan().any(), name
-        if name in ("dk", "dv", "dk2"):
-            assert torch.equal(a, r), name
-            continue
-        scale = r.float().abs().max().item()
-        assert scale > 0 and (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
+    _assert_key_gradients_equal_and_the_rest_close(
+        launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups", one_pass=True),
+        launch_diff_threshold_backward(*args, dkdv_form="view_warpgroups"))
 
 
 def test_lambda_of_any_float_dtype_and_strides_gives_the_bits_of_its_fp32_copy(nan_poison):

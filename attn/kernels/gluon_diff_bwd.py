@@ -403,6 +403,35 @@ def _dkdv_consumer(k_tile, k2_tile, v_tile, q_ring, q2_ring, do_ring, kv_bar, q_
 
 
 @gluon.jit
+def _view_block(i, j0, i_lo, i_hi, start, dk, dv, dlam_rows, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                q_empty, do_empty, q_len, kv_len, first_col, tau_scale, power, lam, dq_col, one_pass,
+                st_layout: gl.constexpr, a_layout: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                MASKED: gl.constexpr, KEYS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                SCALED: gl.constexpr, AHEAD: gl.constexpr, ONE_PASS_DQ: gl.constexpr, DLAM: gl.constexpr):
+    """A view warpgroup's step on query block i (ring tile j0 + i): `gluon_weighted_bwd._dkdv_block` on the view's
+    tiles, with the one-pass form's dQ path (its own dS, K tile, staging, dq at the block's rows and the head's
+    columns dq_col) and d-lambda terms (DLAM) where asked. Returns (dk, dv, the next block's starts, dlam_rows)."""
+    dq_path = 0
+    if ONE_PASS_DQ:
+        dq_path = (one_pass[0], one_pass[1], k_tile, one_pass[2], one_pass[3], 0, 0, one_pass[5] * q_len + i * BLOCK_M,
+                   dq_col)
+    m_next = _next_block_row(i, i_lo, i_hi, BLOCK_M)
+    if DLAM:
+        dk, dv, start, dlam_rows = _dkdv_block(
+            j0 + i, i * BLOCK_M, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
+            do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout, a_layout, THRESHOLD,
+            POWER_MODE, False, 0, CAUSAL, MASKED, KEYS, BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ,
+            True, dlam_rows, True)
+    else:
+        dk, dv, start = _dkdv_block(
+            j0 + i, i * BLOCK_M, m_next, start, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready, q_empty,
+            do_empty, q_len, kv_len, first_col, 1.0, -1.0, tau_scale, power, st_layout, a_layout, THRESHOLD,
+            POWER_MODE, False, 0, CAUSAL, MASKED, KEYS, BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ,
+            ONE_PASS_DQ)
+    return dk, dv, start, dlam_rows
+
+
+@gluon.jit
 def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dv2_smem, dv2_bar,
                    DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, key0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
                    tau_scale, power, VIEW: gl.constexpr, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
@@ -444,41 +473,18 @@ def _view_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
             lam = gl.load(LAM + (hk * GROUP + gi).to(gl.int64) * stride_lam).to(gl.float32)
         j0 = gi * count - i_lo  # ring tile of query block i: j0 + i
         dlam_rows = gl.zeros([KEYS], gl.float32, gl.SliceLayout(1, st_layout))
+        dq_col = (hk * GROUP + gi) * HEAD_DIM  # the head's first column of dq (one-pass)
         if CAUSAL or ONE_PASS_DQ:
             for i in range(i_lo, i_full):
-                dq_path = 0
-                if ONE_PASS_DQ:  # the view's dS, K, staging and dq, the tile's first row and column of dq
-                    dq_path = (one_pass[0], one_pass[1], k_tile, one_pass[2], one_pass[3], 0, 0,
-                               one_pass[5] * q_len + i * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM)
-                if DLAM:
-                    dk, dv, start, dlam_rows = _dkdv_block(
-                        j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
-                        q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
-                        tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
-                        BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, True, dlam_rows, True)
-                else:
-                    dk, dv, start = _dkdv_block(
-                        j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
-                        q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
-                        tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, True, KEYS,
-                        BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, ONE_PASS_DQ)
+                dk, dv, start, dlam_rows = _view_block(
+                    i, j0, i_lo, i_hi, start, dk, dv, dlam_rows, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                    q_empty, do_empty, q_len, kv_len, first_col, tau_scale, power, lam, dq_col, one_pass, st_layout,
+                    a_layout, POWER_MODE, CAUSAL, True, KEYS, BLOCK_M, STAGES, SCALED, AHEAD, ONE_PASS_DQ, DLAM)
         for i in range(i_full, i_hi):
-            dq_path = 0
-            if ONE_PASS_DQ:
-                dq_path = (one_pass[0], one_pass[1], k_tile, one_pass[2], one_pass[3], 0, 0,
-                           one_pass[5] * q_len + i * BLOCK_M, (hk * GROUP + gi) * HEAD_DIM)
-            if DLAM:
-                dk, dv, start, dlam_rows = _dkdv_block(
-                    j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
-                    q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
-                    tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS,
-                    BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, True, dlam_rows, True)
-            else:
-                dk, dv, start = _dkdv_block(
-                    j0 + i, i * BLOCK_M, _next_block_row(i, i_lo, i_hi, BLOCK_M), start, dk, dv, k_tile, v_tile,
-                    q_ring, do_ring, q_ready, do_ready, q_empty, do_empty, q_len, kv_len, first_col, 1.0, -1.0,
-                    tau_scale, power, st_layout, a_layout, THRESHOLD, POWER_MODE, False, 0, CAUSAL, False, KEYS,
-                    BLOCK_M, STAGES, lam, SCALED, AHEAD, dq_path, ONE_PASS_DQ, ONE_PASS_DQ)
+            dk, dv, start, dlam_rows = _view_block(
+                i, j0, i_lo, i_hi, start, dk, dv, dlam_rows, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready,
+                q_empty, do_empty, q_len, kv_len, first_col, tau_scale, power, lam, dq_col, one_pass, st_layout,
+                a_layout, POWER_MODE, CAUSAL, False, KEYS, BLOCK_M, STAGES, SCALED, AHEAD, ONE_PASS_DQ, DLAM)
         if DLAM:  # this head's d-lambda terms per key (keys past kv_len: not stored)
             part = one_pass[4] + (one_pass[5] * one_pass[6] + hk * GROUP + gi).to(gl.int64) * kv_len
             gl.store(part + key_rows, dlam_rows, mask=key_rows < kv_len)
@@ -748,22 +754,10 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
         dv2_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(dv2_bar, count=1)
         fence_async_shared()
-        gl.warp_specialize([
-            (_view_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
-                              do_empty, dv2_smem, dv2_bar, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0, GROUP,
-                              q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 1, POWER_MODE, CAUSAL, BLOCK_N,
-                              BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
-            (_view_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
-                              do_empty, dv2_smem, dv2_bar, DK2, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0,
-                              GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 2, POWER_MODE, CAUSAL,
-                              BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C)),
-            (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
-                                  q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
-                                  hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
-                                  1)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
-        mbarrier.invalidate(dv2_bar)
+        _view_warpgroups(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                         do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dv2_smem, dv2_bar, DK, DV, DK2, LAM,
+                         stride_lam, kv_base, stride_kvn, b, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi,
+                         tau_scale, power, 0, 0, POWER_MODE, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS_C)
     elif VIEWS == 2:
         k2_halves, q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
             k2_desc, q2_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
@@ -845,17 +839,33 @@ def _dkdv_views_dq_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, dq_
     heads = H_KV * GROUP
     ds_1 = ds_smem.index(0)
     ds_2 = ds_smem.index(1)
+    _view_warpgroups(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                     do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dv2_smem, dv2_bar, DK, DV, DK2, LAM,
+                     stride_lam, kv_base, stride_kvn, b, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                     power, (ds_1, ds_1.permute((1, 0)), staging_1, dq_desc, DLAM_PART, b, heads),
+                     (ds_2, ds_2.permute((1, 0)), staging_2, dq2_desc, DLAM_PART, b, heads), POWER_MODE, CAUSAL,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS_C, True)
+
+
+@gluon.jit
+def _view_warpgroups(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring, q2_ring,
+                     do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, dv2_smem, dv2_bar, DK, DV, DK2, LAM,
+                     stride_lam, kv_base, stride_kvn, b, hk, n0, GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale,
+                     power, one_pass_1, one_pass_2, POWER_MODE: gl.constexpr, CAUSAL: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_WARPS_C: gl.constexpr, ONE_PASS_DQ: gl.constexpr = False):
+    """Form 3's partitions on the allocated ring (K, K2, V tiles of BLOCK_N keys): a `_view_consumer` per view
+    (one_pass_1 / one_pass_2 their dQ paths under ONE_PASS_DQ) and the two-view producer; then the ring's and
+    dv2_bar's barriers invalidated."""
     gl.warp_specialize([
         (_view_consumer, (k_tile.index(0), v_tile.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, dv2_smem, dv2_bar, DK, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0, GROUP,
                           q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 1, POWER_MODE, CAUSAL, BLOCK_N,
-                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
-                          (ds_1, ds_1.permute((1, 0)), staging_1, dq_desc, DLAM_PART, b, heads), True)),
+                          BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, one_pass_1, ONE_PASS_DQ)),
         (_view_consumer, (k2_tile.index(0), v_tile.index(0), q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
                           do_empty, dv2_smem, dv2_bar, DK2, DV, LAM, stride_lam, kv_base, stride_kvn, hk, n0,
                           GROUP, q_len, kv_len, i_lo, i_full, i_hi, tau_scale, power, 2, POWER_MODE, CAUSAL,
-                          BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C,
-                          (ds_2, ds_2.permute((1, 0)), staging_2, dq2_desc, DLAM_PART, b, heads), True)),
+                          BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, NUM_WARPS_C, one_pass_2, ONE_PASS_DQ)),
         (_two_view_producer, (k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, k2_tile, v_tile, q_ring,
                               q2_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, b * kv_len + n0,
                               hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
