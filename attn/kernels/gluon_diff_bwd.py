@@ -169,8 +169,9 @@ def dkdv_tile_config(head_dim: int, views: int, fused_query_rows: int | None = N
 
 def one_pass_tile_config(head_dim: int) -> dict:
     """`_dkdv_views_dq_kernel`'s constexprs: form 3's 64 keys and 64-row query blocks, DQ_COLS = 64 dQ columns
-    per product and reduce staging tile; STAGES ring slots: 2 at D = 128 (the dQ path's 48 KiB of dS and staging
-    take the third slot's place in shared memory), 3 at D = 64."""
+    per product and reduce staging tile; STAGES ring slots: 2 at D = 128 (the dQ path takes the third slot's 48
+    KiB: each view's 8 KiB dS^T and two 16 KiB staging tiles, view 2's holding the dV2 hand-off's 32 KiB), 3 at
+    D = 64."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"gluon differential threshold backward: head dim must be one of {HEAD_DIMS}, got {head_dim}")
     return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2 if head_dim == 128 else 3, DQ_COLS=64)

@@ -326,8 +326,8 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     ring, K's and V's phase is kv_phase. PERSISTENT: one of a persistent program's work items, which arrives
     on kv_empty once its last product retired (the producer then loads the next item's K and V).
     ONE_PASS_DQ: also adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile
-    (of the query head's D columns) to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
-    dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the program's keys, so keys
+    (of the query head's D columns) to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
+    ds_ready, ds_free, dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the program's keys, so keys
     past kv_len must have dS = 0: causal, the masked blocks' compare hides them (such a key is visible only to
     query columns past q_len, whose scores start at DEAD_ROW_START); full, the compare is key < kv_len, and
     `_dkdv_dq_kernel` makes every block of a program whose keys run past kv_len a masked one."""

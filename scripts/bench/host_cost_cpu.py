@@ -5,8 +5,8 @@ checks, mask preparation, the autograd Function, output allocation, scalars, til
 the launcher's key (the fused paths' Python, which is what separates a host-bound call from SDPA;
 a launch through the compiled kernel's launcher adds about 11-15 us each on an H200 host,
 docs/results/host_overhead/). Timed as this thread's CPU time (time.thread_time), so other
-processes' load changes the figures less than it changes wall time. CPU tensors, fp16 (1,2,64,16) (the public function refuses bf16 on the CPU),
-so every tensor op the path runs costs what an allocation costs.
+processes' load changes the figures less than it changes wall time. CPU tensors, fp16 (1,2,64,16) (the public
+function refuses bf16 on the CPU), so every tensor op the path runs costs what an allocation costs.
 
 Rows: fwd+bwd (inputs that require grad), fwd without grad, decode (one query against 256 keys,
 no grad, split into 4 key ranges as a GPU decode step is), and fwd+bwd inside
