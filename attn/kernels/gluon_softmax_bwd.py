@@ -850,6 +850,22 @@ def allocate_dq_path(k_halves, dq_desc, HALF_N: gl.constexpr, BLOCK_M: gl.conste
 
 
 @gluon.jit
+def allocate_one_pass_key_block(k_desc, v_desc, q_desc, do_desc, dq_desc, HALF_N: gl.constexpr,
+                                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                DQ_COLS: gl.constexpr):
+    """A one-pass key-block kernel's shared memory and barriers: K's two HALF_N-key halves with the Q / dO ring
+    (`allocate_ring`), V's halves, and the dQ path's (`allocate_dq_path`). Returns (k_halves, v_halves, then
+    allocate_ring's ring and barriers, then allocate_dq_path's values)."""
+    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
+        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
+    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
+        k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
+    return (k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_rows_0,
+            ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free)
+
+
+@gluon.jit
 def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA, TEMP,
                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_tb, stride_tn,
                     H, H_KV, GROUP, q_len, kv_len, qk_scale, cap_scale, alsc_knee, grad_scale,
@@ -868,12 +884,9 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV, LSE, DELTA
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     b, hk, n0, i_lo, i_full, i_hi = one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
-    # K halves, the Q / dO ring and its barriers (allocate_ring's stationary halves and streamed pair)
-    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
-        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
-    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
-    ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
-        k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
+    (k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_rows_0, ds_rows_1,
+     k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free) = allocate_one_pass_key_block(
+        k_desc, v_desc, q_desc, do_desc, dq_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS)
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,

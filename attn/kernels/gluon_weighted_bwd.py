@@ -103,7 +103,7 @@ from attn.kernels.gluon_softmax_bwd import (
     _issue_with_columns,
     CAST_BLOCK,
     add_dq_tile,
-    allocate_dq_path,
+    allocate_one_pass_key_block,
     backward_tiles,
     dq_accumulator_block,
     dq_accumulator_tile,
@@ -327,10 +327,10 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
     on kv_empty once its last product retired (the producer then loads the next item's K and V).
     ONE_PASS_DQ: also adds dq's columns [dq_col0, dq_col0 + D / 2) of every (query head, query block) tile
     (of the query head's D columns) to the fp32 dq; one_pass = (ds_smem, ds_rows, k_cols, dq_staging, dq_desc,
-    ds_ready, ds_free, dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the program's keys, so keys
-    past kv_len must have dS = 0: causal, the masked blocks' compare hides them (such a key is visible only to
-    query columns past q_len, whose scores start at DEAD_ROW_START); full, the compare is key < kv_len, and
-    `_dkdv_dq_kernel` makes every block of a program whose keys run past kv_len a masked one."""
+    ds_ready, ds_free, dq_col0) (`gluon_softmax_bwd.allocate_dq_path`). The dQ product runs over all the
+    program's keys, so keys past kv_len must have dS = 0: causal, the masked blocks' compare hides them (such a
+    key is visible only to query columns past q_len, whose scores start at DEAD_ROW_START); full, the compare is
+    key < kv_len, and `_dkdv_dq_kernel` makes every block of a program whose keys run past kv_len a masked one."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS_C, 1],
@@ -446,11 +446,9 @@ def _dkdv_dq_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, DK, DV,
     HALF_N: gl.constexpr = BLOCK_N // 2
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
     b, hk, n0, i_lo, i_full, i_hi = one_pass_key_block_program(H_KV, q_len, kv_len, CAUSAL, BLOCK_M, BLOCK_N)
-    k_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty = allocate_ring(
-        k_desc, q_desc, do_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES)
-    v_halves = gl.allocate_shared_memory(v_desc.dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
-    ds_smem, ds_rows_0, ds_rows_1, k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free = allocate_dq_path(
-        k_halves, dq_desc, HALF_N, BLOCK_M, DQ_COLS)
+    (k_halves, v_halves, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_rows_0, ds_rows_1,
+     k_cols_0, k_cols_1, staging_0, staging_1, ds_ready, ds_free) = allocate_one_pass_key_block(
+        k_desc, v_desc, q_desc, do_desc, dq_desc, HALF_N, BLOCK_M, HEAD_DIM, STAGES, DQ_COLS)
 
     gl.warp_specialize([
         (_dkdv_consumer, (k_halves.index(0), v_halves.index(0), q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty,
