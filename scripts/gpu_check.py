@@ -25,7 +25,8 @@ Phases (`--list` names their steps; `PHASE:STEP` runs one step):
             Compute (bench/profile_kernel_pipes.py); the layer's norms against their plain forms
             (bench/layer_norms.py)
   train     bench/bench_train.py: train.py against a plain PyTorch loop at model `small`, GPT-2 small per
-            variant against SDPA, the loop at `small` without torch.compile per variant (also in paired
+            variant against SDPA, both with the public function's kernel tier choice against the portable
+            kernels alone (--tiers), the loop at `small` without torch.compile per variant (also in paired
             rounds with each variant's extra ops, bench/train_eager_rounds.py); two
             deterministic runs bitwise equal, the captured step bitwise the eager step
             (gpu_checks/check_train_determinism.py); no host-device sync inside train.py's steps
@@ -181,6 +182,18 @@ PHASES: dict[str, list[Step]] = {
                                                            "--out", "{dir}/bench_train")),
         Step("gpt2_small_others", 300, bench_train(*GPT2_SMALL, "--variants", "threshold,diff_threshold,sigmoid",
                                                    "--out", "{dir}/bench_train")),
+        # what the Gluon tier changes in a whole step: each kernel case with the public function's tier choice
+        # and with the portable kernels only, train.py (captured step) at `small` and the plain loop at GPT-2 small
+        Step("small_tiers", 420, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
+                                             "--variants", "softcap_tanh,threshold", "--cuda-graphs", "--no-default",
+                                             "--train-py", "--train-py-steps", "100", "--tiers", "auto,portable",
+                                             "--out", "{dir}/bench_train_small_tiers")),
+        Step("gpt2_small_tiers_softmax_family", 300, bench_train(*GPT2_SMALL, "--variants", "softmax,softcap_tanh",
+                                                                 "--tiers", "auto,portable",
+                                                                 "--out", "{dir}/bench_train_tiers")),
+        Step("gpt2_small_tiers_others", 420, bench_train(*GPT2_SMALL, "--variants",
+                                                         "threshold,sigmoid,diff_threshold", "--tiers",
+                                                         "auto,portable", "--out", "{dir}/bench_train_tiers")),
         # the plain loop without torch.compile (notebooks, variable shapes), every variant against SDPA
         Step("small_eager", 240, bench_train("--model", "small", "--vocab", "2048", "--batch", "32", "--steps", "30",
                                              "--eager", "--no-default", "--out", "{dir}/bench_train_small_eager")),

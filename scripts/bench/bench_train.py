@@ -6,18 +6,25 @@ from results.json, Shakespeare tokens). The same model with torch SDPA (plain so
 yardstick, in the same process. bf16 autocast, torch.compile(fullgraph=True) end to end;
 --eager adds the same loop without torch.compile; --cuda-graphs replays the compiled step as CUDA
 graphs: the plain loop through torch.compile (mode reduce-overhead), train.py through
-train.cuda_graphs=step (its whole forward and backward as one graph).
+train.cuda_graphs=step (its whole forward and backward as one graph). --tiers runs every kernel case
+once per kernel tier (`ATTNLAB_GLUON` set for the case, train.py's process included: `auto` the public
+function's timed choice, `gluon` the Gluon kernels wherever they serve, `portable` the portable Triton
+kernels), each row beside the same loop's portable row: on Hopper, what the Gluon tier changes in a
+whole training step.
 
     python scripts/bench/bench_train.py --model gpt2_small --batch 16 --out gpu_out/bench_train
     python scripts/bench/bench_train.py --model small --vocab 2048 --batch 32 --train-py --cuda-graphs
+    python scripts/bench/bench_train.py --model gpt2_small --batch 16 --tiers auto,portable
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from attn.kernels.tiers import GLUON_ENV  # noqa: E402
 from models.gpt import GPT, AttnConfig, GPTConfig  # noqa: E402
 from timing import git_commit, sync  # noqa: E402
 
@@ -44,6 +52,28 @@ CASES = [  # (variant, backend, params)
     ("diff_threshold", "triton", {"beta": 1.0, "power": 2.0}),
     ("sigmoid", "triton", {}),
 ]
+
+
+# --tiers names -> ATTNLAB_GLUON values (attn/kernels/tiers.py)
+TIERS = {"auto": "auto", "gluon": "1", "portable": "0"}
+
+
+@contextlib.contextmanager
+def kernel_tier(tier: str | None):
+    """ATTNLAB_GLUON set for one case (None: the environment as it is), restored after; the public
+    function reads it per call and keys its launch plans by it, and train.py's process inherits it."""
+    if tier is None:
+        yield
+        return
+    before = os.environ.get(GLUON_ENV)
+    os.environ[GLUON_ENV] = TIERS[tier]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLUON_ENV, None)
+        else:
+            os.environ[GLUON_ENV] = before
 
 
 def build_step(model_cfg: dict, variant: str, backend: str, params: dict, batch: int, loss_in_graph: bool = True,
@@ -179,26 +209,35 @@ def write_report(args, model_cfg, rows):
         + (", compiled" if any(r.get("loop", "plain") != "eager" for r in rows) else ", eager")
         + ("" if meta["loss_in_graph"] else ", loss outside the compiled graph"),
         "", f"{meta['date']} | {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit']}", "",
-        "| variant | backend | loop | CUDA graphs | ms/step | tokens/s | vs SDPA (same loop) | vs plain loop (same variant) | MFU | peak mem GB | graphs compiled while timed |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | backend | kernel tier | loop | CUDA graphs | ms/step | tokens/s | vs SDPA (same loop) "
+        "| vs plain loop (same variant) | vs portable tier (same loop) | MFU | peak mem GB "
+        "| graphs compiled while timed |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
-    def find(loop, variant, backend, graphs):
+    def find(loop, variant, backend, graphs, tier):
         return next((r["tokens_per_s"] for r in rows if r.get("loop", "plain") == loop and r["variant"] == variant
-                     and r["backend"] == backend and r.get("cuda_graphs", False) == graphs and "tokens_per_s" in r), None)
+                     and r["backend"] == backend and r.get("cuda_graphs", False) == graphs
+                     and r.get("tier") == tier and "tokens_per_s" in r), None)
+
+    def ratio(value, reference):
+        return f"{value / reference:.2f}x" if reference else "-"
 
     for r in rows:
-        loop, graphs = r.get("loop", "plain"), r.get("cuda_graphs", False)
+        loop, graphs, tier = r.get("loop", "plain"), r.get("cuda_graphs", False), r.get("tier")
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['backend']} | {loop} | {graphs} | error: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['backend']} | {tier or '-'} | {loop} | {graphs} | "
+                         f"error: {r['error'][:80]} | | | | | | | |")
             continue
-        sdpa = find(loop, "softmax", "sdpa", graphs)
-        plain = find("plain", r["variant"], r["backend"], graphs) if loop != "plain" else None
-        rel = f"{r['tokens_per_s'] / sdpa:.2f}x" if sdpa else "-"
-        rel_plain = f"{r['tokens_per_s'] / plain:.2f}x" if plain else "-"
+        tps = r["tokens_per_s"]
+        sdpa = find(loop, "softmax", "sdpa", graphs, None)
+        plain = find("plain", r["variant"], r["backend"], graphs, tier) if loop != "plain" else None
+        portable = (find(loop, r["variant"], r["backend"], graphs, "portable")
+                    if tier is not None and tier != "portable" else None)
         lines.append(
-            f"| {r['variant']} | {r['backend']} | {loop} | {graphs} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{rel} | {rel_plain} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['new_graphs_while_timed']} |"
+            f"| {r['variant']} | {r['backend']} | {tier or '-'} | {loop} | {graphs} | {r['ms_per_step']:.1f} | "
+            f"{tps:,.0f} | {ratio(tps, sdpa)} | {ratio(tps, plain)} | {ratio(tps, portable)} | {100 * r['mfu']:.1f}% | "
+            f"{r['peak_mem_gb']:.1f} | {r['new_graphs_while_timed']} |"
         )
     table = "\n".join(lines)
     if args.out:
@@ -226,6 +265,8 @@ def main():
     ap.add_argument("--train-py", action="store_true", help="also train.py per case (needs hydra and the token cache)")
     ap.add_argument("--train-py-steps", type=int, default=80)
     ap.add_argument("--train-py-overrides", nargs="*", default=[], help="extra Hydra overrides for train.py")
+    ap.add_argument("--tiers", default=None,
+                    help=f"comma list of kernel tiers ({', '.join(TIERS)}): every kernel case once per tier")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     ap.add_argument("--trace", action="store_true",
                     help="print each plain-loop case's GPU timeline over 10 more steps (busy vs wall, top kernels)")
@@ -235,28 +276,33 @@ def main():
     if args.context:
         model_cfg["context"] = args.context
     wanted = set(args.variants.split(",")) if args.variants else None
+    tiers = args.tiers.split(",") if args.tiers else [None]
+    unknown = {t for t in tiers if t is not None and t not in TIERS}
+    if unknown:
+        raise SystemExit(f"--tiers: unknown {sorted(unknown)}; allowed: {', '.join(TIERS)}")
     rows = []
     modes = ([] if args.no_default else ["plain"]) + (["graphs"] if args.cuda_graphs else []) + (
         ["eager"] if args.eager else [])
     for variant, backend, params in CASES:
         if wanted and backend != "sdpa" and variant not in wanted:
             continue
-        for mode in modes:
+        for tier, mode in [(t, m) for t in ([None] if backend == "sdpa" else tiers) for m in modes]:
             graphs = mode == "graphs"
-            try:
-                rows.append(bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops,
-                                       loss_in_graph=not args.loss_outside_graph, cuda_graphs=graphs,
-                                       trace=args.trace, eager=mode == "eager"))
-            except Exception as e:  # report and continue: one failing variant must not hide the others
-                rows.append({"variant": variant, "backend": backend, "cuda_graphs": graphs,
-                             "loop": "eager" if mode == "eager" else "plain",
-                             "error": f"{type(e).__name__}: {e}"[:300]})
-            print(rows[-1], flush=True)
-            write_report(args, model_cfg, rows)
-            if args.train_py and mode != "eager":
-                rows.append(train_py_case(args, model_cfg, variant, backend, params, graphs))
+            with kernel_tier(tier):
+                try:
+                    row = bench_case(model_cfg, variant, backend, params, args.batch, args.steps, args.peak_tflops,
+                                     loss_in_graph=not args.loss_outside_graph, cuda_graphs=graphs,
+                                     trace=args.trace, eager=mode == "eager")
+                except Exception as e:  # report and continue: one failing variant must not hide the others
+                    row = {"variant": variant, "backend": backend, "cuda_graphs": graphs,
+                           "loop": "eager" if mode == "eager" else "plain", "error": f"{type(e).__name__}: {e}"[:300]}
+                rows.append({**row, "tier": tier})
                 print(rows[-1], flush=True)
                 write_report(args, model_cfg, rows)
+                if args.train_py and mode != "eager":
+                    rows.append({**train_py_case(args, model_cfg, variant, backend, params, graphs), "tier": tier})
+                    print(rows[-1], flush=True)
+                    write_report(args, model_cfg, rows)
     print(write_report(args, model_cfg, rows))
 
 
