@@ -632,6 +632,29 @@ def _dkdv_block(j, m, dk, dv, k_tile, v_tile, q_ring, do_ring, q_ready, do_ready
 
 
 @gluon.jit
+def finish_key_block(dk, dv, DK, DV, b, hk, key0, kv_len, grad_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                     stride_dvn, stride_dvh, kv_empty, kv_layout: gl.constexpr, ONE_PASS_DQ: gl.constexpr,
+                     PERSISTENT: gl.constexpr, HALF_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A key-block consumer's end: its last dq reduce read (ONE_PASS_DQ), its persistent item's K and V
+    released on kv_empty (PERSISTENT), then its key rows [key0, key0 + HALF_N) below kv_len of dk (times
+    grad_scale) and dv stored for batch b, kv head hk."""
+    if ONE_PASS_DQ:
+        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
+    if PERSISTENT:  # every product of the item has retired: K and V are free
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty)
+
+    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    in_keys = gl.expand_dims(keys < kv_len, 1)
+    keys64 = gl.expand_dims(keys.to(gl.int64), 1)
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + keys64 * stride_dkn
+    gl.store(dk_ptrs + gl.expand_dims(offs_d, 0), (dk * grad_scale).to(DK.dtype.element_ty), mask=in_keys)
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + keys64 * stride_dvn
+    gl.store(dv_ptrs + gl.expand_dims(offs_d, 0), dv.to(DV.dtype.element_ty), mask=in_keys)
+
+
+@gluon.jit
 def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q_empty, do_empty,
                    DK, DV, LSE, DELTA, TEMP, b, hk, key0, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                    stride_dvh, stride_tb, stride_tn, H, GROUP, q_len, kv_len, i_lo, i_full, i_hi, qk_scale, cap_scale,
@@ -694,20 +717,8 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                                  ds_smem, ds_rows, k_cols, dq_staging, dq_desc, ds_ready, ds_free,
                                  b * q_len + i * BLOCK_M, dq_col, st_layout, a_layout, dq_layout, CAP, HAS_TEMP, False,
                                  ONE_PASS_DQ, HALF_N, BLOCK_M, STAGES)
-    if ONE_PASS_DQ:
-        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
-    if PERSISTENT:  # every product of the item has retired: K and V are free
-        gl.thread_barrier()
-        mbarrier.arrive(kv_empty)
-
-    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    in_keys = gl.expand_dims(keys < kv_len, 1)
-    keys64 = gl.expand_dims(keys.to(gl.int64), 1)
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + keys64 * stride_dkn
-    gl.store(dk_ptrs + gl.expand_dims(offs_d, 0), (dk * grad_scale).to(DK.dtype.element_ty), mask=in_keys)
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + keys64 * stride_dvn
-    gl.store(dv_ptrs + gl.expand_dims(offs_d, 0), dv.to(DV.dtype.element_ty), mask=in_keys)
+    finish_key_block(dk, dv, DK, DV, b, hk, key0, kv_len, grad_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                     stride_dvn, stride_dvh, kv_empty, kv_layout, ONE_PASS_DQ, PERSISTENT, HALF_N, HEAD_DIM)
 
 
 @gluon.jit

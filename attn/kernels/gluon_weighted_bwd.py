@@ -90,7 +90,6 @@ from attn.kernels.gluon_pipeline import (
     persistent_programs,
     program_rows,
     release,
-    tma,
     tma_view,
     visible_key,
     warpgroup_mma,
@@ -110,6 +109,7 @@ from attn.kernels.gluon_softmax_bwd import (
     dq_staging_layout,
     dkdv_tile_config,
     dq_tile_config,
+    finish_key_block,
     key_block_item,
     key_block_program,
     one_pass_key_block_program,
@@ -376,20 +376,8 @@ def _dkdv_consumer(k_tile, v_tile, q_ring, do_ring, kv_bar, q_ready, do_ready, q
                                         a_layout, WEIGHT, POWER_MODE, HAS_BIAS, NEWTON, CAUSAL, False, HALF_N, BLOCK_M,
                                         STAGES, AHEAD=AHEAD,
                                         dq_path=dq_path, ONE_PASS_DQ=ONE_PASS_DQ)
-    if ONE_PASS_DQ:
-        tma.store_wait(0)  # the last reduce has read dq_staging before the program's shared memory goes
-    if PERSISTENT:  # every product of the item has retired: K and V are free
-        gl.thread_barrier()
-        mbarrier.arrive(kv_empty)
-
-    keys = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, kv_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    in_keys = gl.expand_dims(keys < kv_len, 1)
-    keys64 = gl.expand_dims(keys.to(gl.int64), 1)
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh + keys64 * stride_dkn
-    gl.store(dk_ptrs + gl.expand_dims(offs_d, 0), (dk * grad_scale).to(DK.dtype.element_ty), mask=in_keys)
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh + keys64 * stride_dvn
-    gl.store(dv_ptrs + gl.expand_dims(offs_d, 0), dv.to(DV.dtype.element_ty), mask=in_keys)
+    finish_key_block(dk, dv, DK, DV, b, hk, key0, kv_len, grad_scale, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                     stride_dvn, stride_dvh, kv_empty, kv_layout, ONE_PASS_DQ, PERSISTENT, HALF_N, HEAD_DIM)
 
 
 @gluon.jit

@@ -1,0 +1,58 @@
+"""scripts/analysis/gluon_sass_diff.py's verdict on two SASS listings (no compiler needed): identical code, the same
+loops with registers renamed outside them, a loop changed, an instruction added; a kernel either tree can compile
+to counts as identical."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
+
+from gluon_sass_diff import compare, kernel_cases  # noqa: E402
+
+
+def listing(*instructions: str) -> str:
+    """cuobjdump's layout: /*address*/ instruction ; one per 16 bytes."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(instructions))
+
+
+PROLOGUE = ("MOV R1, c[0x0][0x28]", "S2R R0, SR_TID.X")
+LOOP = ("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ", "FMUL R2, R24, R25", "ISETP.GE.AND P0, PT, R0, 0x4, PT",
+        "@!P0 BRA 0x20")  # a branch back to the loop's first instruction at 0x20
+TAIL = ("IADD3 R4, R0, 0x1, RZ", "MOV R5, R4", "EXIT")
+
+
+def test_identical_code_is_identical():
+    code = listing(*PROLOGUE, *LOOP, *TAIL)
+    assert compare([code], [code]) == "identical"
+
+
+def test_a_listing_either_tree_can_compile_to_is_identical():
+    code, other = listing(*PROLOGUE, *LOOP, *TAIL), listing(*PROLOGUE, *LOOP, "NOP", *TAIL)
+    assert compare([other, code], [code]) == "identical"
+
+
+def test_registers_renamed_outside_the_loops_keep_the_loops():
+    renamed_tail = ("IADD3 R6, R0, 0x1, RZ", "MOV R5, R6", "EXIT")
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, *renamed_tail)]) == "same loops"
+
+
+def test_a_loop_reordered_is_not_the_same_loop():
+    reordered = (LOOP[0], LOOP[2], LOOP[1], LOOP[3])
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *reordered, *TAIL)]) == "same opcodes"
+
+
+def test_an_instruction_more_differs():
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, "NOP", *TAIL)]) == "differs"
+
+
+def test_kernel_sets_name_their_cases_and_refuse_unknown_sets():
+    cases = kernel_cases("weighted_bwd")
+    assert {module for module, _ in cases} == {"gluon_weighted_bwd"}
+    assert {kwargs["kernel"] for _, kwargs in cases} == {"dkdv", "dkdv_one_pass"}
+    assert any(kwargs.get("persistent") for _, kwargs in cases)
+    with pytest.raises(ValueError, match="softmax_bwd, weighted_bwd"):
+        kernel_cases("forward")
