@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
 
-from gluon_sass_diff import compare, kernel_cases  # noqa: E402
+from gluon_sass_diff import COMPILE_ERROR, compare, kernel_cases  # noqa: E402
 
 
 def listing(*instructions: str) -> str:
@@ -49,10 +49,18 @@ def test_an_instruction_more_differs():
     assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, "NOP", *TAIL)]) == "differs"
 
 
+def test_a_form_neither_tree_compiles_is_reported_as_such():
+    error = COMPILE_ERROR + "ValueError: no such form"
+    assert compare([error], [error]) == "both fail to compile"
+    assert compare([error], [listing(*PROLOGUE, *LOOP, *TAIL)]) == "differs"
+
+
 def test_kernel_sets_name_their_cases_and_refuse_unknown_sets():
     cases = kernel_cases("weighted_bwd")
     assert {module for module, _ in cases} == {"gluon_weighted_bwd"}
-    assert {kwargs["kernel"] for _, kwargs in cases} == {"dkdv", "dkdv_one_pass"}
+    assert {kwargs["kernel"] for _, kwargs in cases} == {"dkdv", "dkdv_one_pass", "dq"}
+    assert {(kwargs["head_dim"], kwargs["causal"]) for _, kwargs in cases} == {(128, True), (128, False), (64, True),
+                                                                              (64, False)}
     assert any(kwargs.get("persistent") for _, kwargs in cases)
     with pytest.raises(ValueError, match="softmax_bwd, weighted_bwd"):
         kernel_cases("forward")

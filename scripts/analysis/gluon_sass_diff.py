@@ -15,9 +15,12 @@ distinct listings per tree.
     TRITON_INTERPRET=0 python scripts/analysis/gluon_sass_diff.py --before /tmp/before --after . \\
         --kernels softmax_bwd weighted_bwd [--out FILE.md]
 
-Kernel sets (`--kernels`): softmax_bwd, weighted_bwd (the key-block kernels: per-item, one-pass and persistent
-forms of plain, tanh and ALSC-with-temperature / threshold p = 2, 1.5 and sigmoid), at D = 128 and 64, causal
-and full, bf16. Each tree is compiled in its own process (the modules are imported from its root).
+Kernel sets (`--kernels`, default all; `KERNEL_SETS`): the forwards (softmax_fwd: plain, tanh, ALSC with a
+temperature, ping-pong, persistent; weighted_fwd: threshold p = 2, 1.5, sigmoid, persistent; diff_fwd) and the
+backwards (softmax_bwd, weighted_bwd: key-block, one-pass and dQ kernels, persistent forms; diff_bwd: its
+key-block forms and dQ kernels), each at D = 128 and 64, causal and full, bf16. Each tree is compiled in its
+own process (the modules are imported from its root); a form that does not compile at a shape is reported
+`both fail to compile` where both trees refuse it alike.
 """
 
 from __future__ import annotations
@@ -36,25 +39,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sass_listing import innermost_loops, markdown_table, parse_sass  # noqa: E402
 
 
+# kernel set -> (module under attn.kernels, [compile_sm90 arguments besides the shape]); every set compiles at
+# D = 128 and 64, causal and full, bf16
+_SOFTMAX_FORMS = (dict(cap=0), dict(cap=1), dict(cap=3, has_temp=True))
+_WEIGHTS = (dict(weight=1, power=2.0), dict(weight=1, power=1.5), dict(weight=2))
+KERNEL_SETS = {
+    "softmax_fwd": ("gluon_softmax_fwd", [*_SOFTMAX_FORMS, dict(cap=1, pingpong=True), dict(cap=0, persistent=True)]),
+    "weighted_fwd": ("gluon_weighted_fwd", [*_WEIGHTS, dict(weight=1, power=2.0, persistent=True)]),
+    "diff_fwd": ("gluon_diff_fwd", [dict(power=2.0), dict(power=1.5), dict(power=2.0, persistent=True)]),
+    "softmax_bwd": ("gluon_softmax_bwd", [dict(kernel=kernel, **form) for form in _SOFTMAX_FORMS
+                                          for kernel in ("dkdv", "dkdv_one_pass", "dq")]
+                    + [dict(kernel="dkdv", cap=1, persistent=True), dict(kernel="dq", cap=1, persistent=True)]),
+    "weighted_bwd": ("gluon_weighted_bwd", [dict(kernel=kernel, **weight) for weight in _WEIGHTS
+                                            for kernel in ("dkdv", "dkdv_one_pass", "dq")]
+                     + [dict(kernel="dkdv", persistent=True, **weight) for weight in _WEIGHTS]),
+    "diff_bwd": ("gluon_diff_bwd", [dict(kernel=kernel, power=2.0) for kernel in (
+        "dkdv", "dkdv_first", "dkdv_second", "dkdv_views", "dkdv_persistent", "dq", "dq_persistent", "dq_views")]),
+}
+
+
 def kernel_cases(kernel_set: str) -> list[tuple[str, dict]]:
     """(module under attn.kernels, its compile_sm90 arguments) of a kernel set."""
-    cases = []
-    for head_dim in (128, 64):
-        for causal in (True, False):
-            shape = dict(head_dim=head_dim, causal=causal)
-            if kernel_set == "softmax_bwd":
-                for form in (dict(cap=0), dict(cap=1), dict(cap=3, has_temp=True)):
-                    cases += [("gluon_softmax_bwd", dict(shape, kernel="dkdv", **form)),
-                              ("gluon_softmax_bwd", dict(shape, kernel="dkdv_one_pass", **form))]
-                cases.append(("gluon_softmax_bwd", dict(shape, kernel="dkdv", cap=1, persistent=True)))
-            elif kernel_set == "weighted_bwd":
-                for weight in (dict(weight=1, power=2.0), dict(weight=1, power=1.5), dict(weight=2)):
-                    cases += [("gluon_weighted_bwd", dict(shape, kernel="dkdv", **weight)),
-                              ("gluon_weighted_bwd", dict(shape, kernel="dkdv_one_pass", **weight)),
-                              ("gluon_weighted_bwd", dict(shape, kernel="dkdv", persistent=True, **weight))]
-            else:
-                raise ValueError(f"--kernels: unknown set {kernel_set!r}; allowed: softmax_bwd, weighted_bwd")
-    return cases
+    if kernel_set not in KERNEL_SETS:
+        raise ValueError(f"--kernels: unknown set {kernel_set!r}; allowed: {', '.join(KERNEL_SETS)}")
+    module, forms = KERNEL_SETS[kernel_set]
+    return [(module, dict(head_dim=head_dim, causal=causal, **form))
+            for head_dim in (128, 64) for causal in (True, False) for form in forms]
 
 
 def case_name(module: str, kwargs: dict) -> str:
@@ -71,8 +81,11 @@ def start_compiles(root: Path, cases: list[tuple[str, dict]], rounds: int) -> su
         "out = {}\n"
         f"for _ in range({rounds}):\n"
         f"    for name, module, kwargs in {[(case_name(*case), *case) for case in cases]!r}:\n"
-        "        compiled = importlib.import_module('attn.kernels.' + module).compile_sm90(**kwargs)\n"
-        "        sass = cuobjdump(compiled.asm['cubin'], '-sass')\n"
+        "        try:\n"
+        "            compiled = importlib.import_module('attn.kernels.' + module).compile_sm90(**kwargs)\n"
+        "            sass = cuobjdump(compiled.asm['cubin'], '-sass')\n"
+        "        except Exception as e:  # a form this shape does not compile to: the same error both sides\n"
+        "            sass = f'compile error: {type(e).__name__}: {str(e)[:200]}'\n"
         "        out.setdefault(name, [])\n"
         "        if sass not in out[name]:\n"
         "            out[name].append(sass)\n"
@@ -90,6 +103,9 @@ def finish_compiles(root: Path, proc: subprocess.Popen) -> dict[str, list[str]]:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+COMPILE_ERROR = "compile error: "
+
+
 def opcode(instruction: str) -> str:
     return instruction.split(" ")[0]
 
@@ -98,7 +114,9 @@ def compare(before: list[str], after: list[str]) -> str:
     """identical, same loops, same opcodes or differs (see the module's docstring) of two trees' distinct
     listings of one kernel: identical where the two share one, else the verdict on their first listings."""
     if set(before) & set(after):
-        return "identical"
+        return "both fail to compile" if before[0].startswith(COMPILE_ERROR) else "identical"
+    if before[0].startswith(COMPILE_ERROR) or after[0].startswith(COMPILE_ERROR):
+        return "differs"
     a, b = parse_sass(before[0]), parse_sass(after[0])
     if [i for _, i in a] == [i for _, i in b]:
         return "identical"
@@ -116,7 +134,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="the tree before the change")
     ap.add_argument("--after", type=Path, required=True, help="the tree after it")
-    ap.add_argument("--kernels", nargs="+", default=["softmax_bwd", "weighted_bwd"])
+    ap.add_argument("--kernels", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS))
     ap.add_argument("--rounds", type=int, default=2, help="compiles of every kernel per tree")
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
@@ -132,7 +150,7 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
-    return 0 if all(row["result"] in ("identical", "same loops") for row in rows) else 1
+    return 0 if all(row["result"] in ("identical", "same loops", "both fail to compile") for row in rows) else 1
 
 
 if __name__ == "__main__":
