@@ -7,7 +7,7 @@ the loops moved), `same opcodes` (the whole kernel the same multiset of opcodes)
 
 Triton 3.6 does not always compile a kernel to the same SASS: over repeated compiles of one source (Triton's
 cache bypassed), the threshold's one-pass key-block kernel at p = 1.5, D = 128, full came out two ways
-(register numbers outside its loops). So each tree compiles every kernel --rounds times, and a kernel is
+(other register numbers). So each tree compiles every kernel --rounds times, and a kernel is
 `identical` where some compile of the one tree equals some compile of the other (a kernel that is not after
 --rounds compiles gets --recheck-rounds more in each tree); the row gives the number of distinct listings per
 tree.
@@ -21,7 +21,8 @@ temperature, ping-pong, persistent; weighted_fwd: threshold p = 2, 1.5, sigmoid,
 backwards (softmax_bwd, weighted_bwd: key-block, one-pass and dQ kernels, persistent forms; diff_bwd: its
 key-block forms and dQ kernels), each at D = 128 and 64, causal and full, bf16. Each tree is compiled in its
 own process (the modules are imported from its root); a form that does not compile at a shape is reported
-`both fail to compile` where both trees refuse it alike.
+`both fail to compile` where both trees refuse it alike. Exit status 1 where a kernel reads `same opcodes` or
+`differs`.
 """
 
 from __future__ import annotations
