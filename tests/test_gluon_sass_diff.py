@@ -1,9 +1,11 @@
 """scripts/analysis/gluon_sass_diff.py's verdict on two SASS listings (no compiler needed): identical code, the same
 loops with registers renamed outside them, a loop changed, an instruction added; a kernel either tree can compile
-to counts as identical."""
+to counts as identical; and the ptxas wrapper it compiles with (address-space randomization off)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "analysis"))
 
 from gluon_sass_diff import COMPILE_ERROR, compare, kernel_cases  # noqa: E402
+from sass_listing import fixed_layout_ptxas  # noqa: E402
+
+ADDR_NO_RANDOMIZE = 0x0040000  # <linux/personality.h>
 
 
 def listing(*instructions: str) -> str:
@@ -64,3 +69,22 @@ def test_kernel_sets_name_their_cases_and_refuse_unknown_sets():
     assert any(kwargs.get("persistent") for _, kwargs in cases)
     with pytest.raises(ValueError, match="softmax_bwd, weighted_bwd"):
         kernel_cases("forward")
+
+
+@pytest.mark.skipif(shutil.which("setarch") is None, reason="needs util-linux's setarch")
+def test_the_fixed_layout_ptxas_runs_ptxas_without_address_randomization(tmp_path):
+    fake_ptxas = tmp_path / "fake_ptxas"  # prints its arguments and its process's personality flags
+    fake_ptxas.write_text('#!/bin/sh\necho "$@"; cat /proc/self/personality\n')
+    fake_ptxas.chmod(0o755)
+    (tmp_path / "tools").mkdir()
+    wrapper = fixed_layout_ptxas(tmp_path / "tools", str(fake_ptxas))
+    if wrapper is None:
+        pytest.skip("this container refuses setarch -R")
+    args, personality = subprocess.run([wrapper, "--gpu-name=sm_90a", "a b.ptx"], check=True, capture_output=True,
+                                       text=True).stdout.splitlines()
+    assert args == "--gpu-name=sm_90a a b.ptx"
+    assert int(personality, 16) & ADDR_NO_RANDOMIZE
+
+
+def test_no_fixed_layout_ptxas_where_ptxas_does_not_run(tmp_path):
+    assert fixed_layout_ptxas(tmp_path, "/bin/false") is None  # no setarch, or the wrapper's --version fails

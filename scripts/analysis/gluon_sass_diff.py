@@ -5,12 +5,13 @@ its SASS compared. A refactor that moves code into shared @gluon.jit helpers sho
 with an HGMMA identical, the opcodes of the whole kernel the same multiset: register names and order outside
 the loops moved), `same opcodes` (the whole kernel the same multiset of opcodes) or `differs`. No GPU.
 
-Triton 3.6 does not always compile a kernel to the same SASS: over repeated compiles of one source (Triton's
-cache bypassed), the threshold's one-pass key-block kernel at p = 1.5, D = 128, full came out two ways
-(other register numbers). So each tree compiles every kernel --rounds times, and a kernel is
-`identical` where some compile of the one tree equals some compile of the other (a kernel that is not after
---rounds compiles gets --recheck-rounds more in each tree); the row gives the number of distinct listings per
-tree.
+Triton 3.6's bundled ptxas does not always turn one PTX into the same SASS (the threshold's one-pass key-block
+kernel at p = 1.5, D = 128, full came out with two register assignments), but it does with address-space
+randomization off, so the compiles run it under `setarch -R` (`sass_listing.fixed_layout_ptxas`). Where this
+machine cannot, each tree compiles every kernel --rounds times (default 2; 1 with the fixed layout), a kernel
+is `identical` where some compile of the one tree equals some compile of the other, and a kernel that is not
+gets --recheck-rounds more compiles in each tree (default 6; 0 with the fixed layout); the row gives the number
+of distinct listings per tree.
 
     git worktree add --detach /tmp/before HEAD
     TRITON_INTERPRET=0 python scripts/analysis/gluon_sass_diff.py --before /tmp/before --after . \\
@@ -34,11 +35,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sass_listing import innermost_loops, markdown_table, parse_sass  # noqa: E402
+from sass_listing import fixed_layout_ptxas, innermost_loops, markdown_table, parse_sass  # noqa: E402
 
 
 # kernel set -> (module under attn.kernels, [compile_sm90 arguments besides the shape]); every set compiles at
@@ -73,7 +75,7 @@ def case_name(module: str, kwargs: dict) -> str:
     return module + " " + " ".join(f"{k}={v}" for k, v in kwargs.items())
 
 
-def start_compiles(root: Path, cases: list[tuple[str, dict]], rounds: int) -> subprocess.Popen:
+def start_compiles(root: Path, cases: list[tuple[str, dict]], rounds: int, ptxas: str | None) -> subprocess.Popen:
     """A process compiling every case `rounds` times from the tree at root, Triton's cache bypassed (so that
     two trees' modules never meet in one interpreter); `finish_compiles` reads its {case name: [distinct SASS]}."""
     program = (
@@ -94,13 +96,15 @@ def start_compiles(root: Path, cases: list[tuple[str, dict]], rounds: int) -> su
         "print(json.dumps(out))\n"
     )
     env = {**os.environ, "TRITON_ALWAYS_COMPILE": "1", "TRITON_INTERPRET": "0"}
+    if ptxas is not None:
+        env["TRITON_PTXAS_PATH"] = ptxas
     return subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=root, env=env)
 
 
-def compile_both(before: Path, after: Path, cases: list[tuple[str, dict]], rounds: int):
+def compile_both(before: Path, after: Path, cases: list[tuple[str, dict]], rounds: int, ptxas: str | None):
     """({case name: [distinct SASS]} of the tree before, the same of the tree after), compiled side by side."""
-    running = [(root, start_compiles(root, cases, rounds)) for root in (before, after)]  # one tree may be given twice
+    running = [(root, start_compiles(root, cases, rounds, ptxas)) for root in (before, after)]  # one tree may be given twice
     return tuple(finish_compiles(root, proc) for root, proc in running)
 
 
@@ -109,6 +113,19 @@ def finish_compiles(root: Path, proc: subprocess.Popen) -> dict[str, list[str]]:
     if proc.returncode != 0:
         raise SystemExit(f"compiling the kernels of {root} failed:\n{stderr[-2000:]}")
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def compile_trees(before: Path, after: Path, cases: list[tuple[str, dict]], rounds: int, recheck_rounds: int,
+                  ptxas: str | None):
+    """compile_both, then recheck_rounds more compiles of each kernel whose listings the trees do not share."""
+    listings = compile_both(before, after, cases, rounds, ptxas)
+    unshared = [case for case in cases  # no listing in common yet (a form both trees refuse has its error in common)
+                if not set(listings[0][case_name(*case)]) & set(listings[1][case_name(*case)])]
+    if unshared and recheck_rounds:  # a kernel ptxas compiles more than one way may need more tries
+        for tree, more in zip(listings, compile_both(before, after, unshared, recheck_rounds, ptxas)):
+            for name, sass in more.items():
+                tree[name] += [s for s in sass if s not in tree[name]]
+    return listings
 
 
 COMPILE_ERROR = "compile error: "
@@ -143,20 +160,22 @@ def main(argv=None) -> int:
     ap.add_argument("--before", type=Path, required=True, help="the tree before the change")
     ap.add_argument("--after", type=Path, required=True, help="the tree after it")
     ap.add_argument("--kernels", nargs="+", default=list(KERNEL_SETS), choices=list(KERNEL_SETS))
-    ap.add_argument("--rounds", type=int, default=2, help="compiles of every kernel per tree")
-    ap.add_argument("--recheck-rounds", type=int, default=6,
-                    help="more compiles per tree of a kernel whose listings the two trees do not share yet")
+    ap.add_argument("--rounds", type=int, help="compiles of every kernel per tree (default 1 with ptxas's fixed "
+                    "layout, else 2)")
+    ap.add_argument("--recheck-rounds", type=int, help="more compiles per tree of a kernel whose listings the two "
+                    "trees do not share yet (default 0 with ptxas's fixed layout, else 6)")
     ap.add_argument("--out", type=Path, help="also write the table here")
     args = ap.parse_args(argv)
     cases = [case for kernel_set in args.kernels for case in kernel_cases(kernel_set)]
-    before, after = compile_both(args.before, args.after, cases, args.rounds)
-    unshared = [case for case in cases  # no listing in common yet (a form both trees refuse has its error in common)
-                if not set(before[case_name(*case)]) & set(after[case_name(*case)])]
-    if unshared and args.recheck_rounds:  # a kernel Triton compiles more than one way may need more tries
-        more_before, more_after = compile_both(args.before, args.after, unshared, args.recheck_rounds)
-        for listings, more in ((before, more_before), (after, more_after)):
-            for name, sass in more.items():
-                listings[name] += [s for s in sass if s not in listings[name]]
+    with tempfile.TemporaryDirectory() as tools:
+        from triton import knobs
+
+        ptxas = fixed_layout_ptxas(Path(tools), knobs.nvidia.ptxas.path)
+        rounds = args.rounds if args.rounds is not None else (1 if ptxas else 2)
+        recheck = args.recheck_rounds if args.recheck_rounds is not None else (0 if ptxas else 6)
+        print(f"ptxas: {'fixed layout (setarch -R)' if ptxas else 'as bundled'}; {rounds} compiles per kernel and "
+              f"tree, {recheck} more where the trees share no listing", file=sys.stderr)
+        before, after = compile_trees(args.before, args.after, cases, rounds, recheck, ptxas)
     rows = [{"kernel": name, "instructions before": len(parse_sass(before[name][0])),
              "after": len(parse_sass(after[name][0])),
              "listings before / after": f"{len(before[name])} / {len(after[name])}",

@@ -3,15 +3,17 @@
 `parse_sass` gives (address, instruction) pairs, `innermost_loops` the bodies of the innermost loops
 (a branch back to a lower address) holding a given instruction, `opcode_category` sorts an
 instruction into the first matching column of a (column, opcode prefixes) table, and `cuobjdump`
-runs Triton's bundled cuobjdump on a cubin;
+runs Triton's bundled cuobjdump on a cubin; `fixed_layout_ptxas` makes ptxas's output repeatable;
 `markdown_table` prints rows.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 from typing import Callable
 
 LINE_RE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -60,3 +62,22 @@ def cuobjdump(cubin: bytes, *flags: str) -> str:
         f.flush()
         return subprocess.run([knobs.nvidia.cuobjdump.path, *flags, f.name], check=True, capture_output=True,
                               text=True).stdout
+
+
+def fixed_layout_ptxas(directory: Path, ptxas: str) -> str | None:
+    """A wrapper of `ptxas` (written to `directory`) for TRITON_PTXAS_PATH that gives the same SASS for the same
+    PTX every time, or None where this machine cannot run one. Triton 3.6's bundled ptxas (CUDA 12.8) does not:
+    from one PTX file of a Gluon kernel it wrote two listings (other register numbers and order) over repeated
+    runs, and one listing every time with address-space randomization off, so the wrapper runs it under
+    `setarch -R`."""
+    setarch = shutil.which("setarch")
+    if setarch is None:
+        return None
+    wrapper = Path(directory) / "ptxas"
+    wrapper.write_text(f'#!/bin/sh\nexec {setarch} -R {ptxas} "$@"\n')
+    wrapper.chmod(0o755)
+    try:  # a container may refuse the personality change: then setarch fails
+        subprocess.run([str(wrapper), "--version"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return str(wrapper)
