@@ -104,7 +104,8 @@ def start_compiles(root: Path, cases: list[tuple[str, dict]], rounds: int, ptxas
 
 def compile_both(before: Path, after: Path, cases: list[tuple[str, dict]], rounds: int, ptxas: str | None):
     """({case name: [distinct SASS]} of the tree before, the same of the tree after), compiled side by side."""
-    running = [(root, start_compiles(root, cases, rounds, ptxas)) for root in (before, after)]  # one tree may be given twice
+    # one tree may be given twice: each side compiles in its own process
+    running = [(root, start_compiles(root, cases, rounds, ptxas)) for root in (before, after)]
     return tuple(finish_compiles(root, proc) for root, proc in running)
 
 
