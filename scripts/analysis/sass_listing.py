@@ -10,6 +10,7 @@ runs Triton's bundled cuobjdump on a cubin; `fixed_layout_ptxas` makes ptxas's o
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -74,7 +75,7 @@ def fixed_layout_ptxas(directory: Path, ptxas: str) -> str | None:
     if setarch is None:
         return None
     wrapper = Path(directory) / "ptxas"
-    wrapper.write_text(f'#!/bin/sh\nexec {setarch} -R {ptxas} "$@"\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(setarch)} -R {shlex.quote(ptxas)} "$@"\n')
     wrapper.chmod(0o755)
     try:  # a container may refuse the personality change: then setarch fails
         subprocess.run([str(wrapper), "--version"], check=True, capture_output=True)
