@@ -477,3 +477,25 @@ def test_gluon_launches_bind_every_parameter_and_repeat_directly_with_the_jit_ar
     assert [e[0] for e in log] == ["jit"] * len(direct)
     for _, fn, args, kwargs, _ in log:
         _check_binding(fn, args, _binding(fn, args, kwargs), odd, 127, 127)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(q2=torch.zeros(1, 8, 4, 64)), r"q2 must have the shape of q \(1, 9, 4, 64\), got \(1, 8, 4, 64\)"),
+    (dict(k2=torch.zeros(1, 9, 2, 64, dtype=torch.float16)), r"k2 must match k's dtype and device"),
+    (dict(dout=torch.zeros(1, 9, 4, 32, dtype=torch.bfloat16)), r"dout must have the shape of q"),
+    (dict(lam=torch.zeros(2)), r"lam must be a tensor of shape \(H,\) = \(4,\)"),
+    (dict(lam=torch.zeros(4, dtype=torch.float64)), r"lam must be float32, bfloat16 or float16"),
+    (dict(power=0.0), r"power must be > 0 and finite, got 0.0"),
+    (dict(beta=float("nan")), r"beta must be finite"),
+])
+def test_the_differential_entries_name_what_their_second_view_misses(change, message):
+    """Both differential entries (forward; backward with its dout) check the second view, lam, power and beta
+    alike, on any device: the refusal names the argument and what is allowed."""
+    from attn.kernels.gluon_diff_fwd import check_second_view
+
+    q = torch.zeros(1, 9, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 9, 2, 64, dtype=torch.bfloat16)
+    args = dict(q=q, k=k, q2=q.clone(), k2=k.clone(), lam=torch.zeros(4), beta=1.0, power=2.0, dout=q.clone())
+    check_second_view(**args, what="entry")  # every argument as allowed
+    with pytest.raises(ValueError, match=r"^entry: " + message):
+        check_second_view(**{**args, **change}, what="entry")

@@ -88,7 +88,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from attn.kernels.gluon_diff_fwd import (_allocate_ring, _invalidate_ring, _load_queries, _persistent_producer,
-                                         _rectified_power, _stream_keys)
+                                         _rectified_power, _stream_keys, check_second_view)
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
@@ -1433,28 +1433,9 @@ def gluon_diff_threshold_backward(q, k, v, q2, k2, lam, dout, causal: bool, beta
                                   fused_query_rows: int | None = None, dq_form: str = "rows",
                                   one_pass: bool = False):
     """`launch_diff_threshold_backward` with its operands checked (ValueError naming what a call misses)."""
-    import torch
-
     what = "gluon differential threshold backward"
     check_operands(q, k, v, causal, what)
-    for name, t, like in (("q2", q2, q), ("k2", k2, k), ("dout", dout, q)):
-        like_name = "q" if name == "dout" else name[0]
-        if not isinstance(t, torch.Tensor) or t.shape != like.shape:
-            raise ValueError(f"{what}: {name} must have the shape of {like_name} {tuple(like.shape)}, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-        if t.dtype != like.dtype or t.device != like.device:
-            raise ValueError(f"{what}: {name} must match {like_name}'s dtype and device ({like.dtype}, "
-                             f"{like.device}), got {t.dtype}, {t.device}")
-    h = q.shape[2]
-    if not isinstance(lam, torch.Tensor) or tuple(lam.shape) != (h,):
-        raise ValueError(f"{what}: lam must be a tensor of shape (H,) = ({h},), got {getattr(lam, 'shape', lam)}")
-    if lam.dtype not in (torch.float32, torch.bfloat16, torch.float16) or lam.device != q.device:
-        raise ValueError(f"{what}: lam must be float32, bfloat16 or float16 on q's device ({q.device}), got "
-                         f"{lam.dtype} on {lam.device}")
-    if not (math.isfinite(float(power)) and power > 0):
-        raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
-    if not math.isfinite(float(beta)):
-        raise ValueError(f"{what}: beta must be finite, got {beta}")
+    check_second_view(q, k, q2, k2, lam, beta, power, what, dout=dout)
     if dkdv_form not in DKDV_FORMS:
         raise ValueError(f"{what}: dkdv_form must be one of {tuple(DKDV_FORMS)}, got {dkdv_form!r}")
     if fused_query_rows not in (None, 32, 64):

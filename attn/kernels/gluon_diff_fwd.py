@@ -450,19 +450,20 @@ def launch_diff_threshold(q, k, v, q2, k2, lam, causal: bool, beta: float, power
     return out
 
 
-def gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal: bool, beta: float = 1.0, power: float = 2.0):
-    """`launch_diff_threshold` with its operands checked (ValueError naming what a call misses)."""
+def check_second_view(q, k, q2, k2, lam, beta, power, what: str, dout=None):
+    """ValueErrors naming what a direct call of a differential threshold kernel (`what`) misses besides
+    `check_operands`' requirements of q, k, v: q2 (and `dout`, where given) of q's shape, k2 of k's, each of its
+    model's dtype and device; lam an (H,) float tensor on q's device; power > 0 and finite, beta finite."""
     import torch
 
-    what = "gluon differential threshold forward"
-    check_operands(q, k, v, causal, what)
-    for name, t, like in (("q2", q2, q), ("k2", k2, k)):
+    pairs = (("q2", q2, "q", q), ("k2", k2, "k", k)) + ((("dout", dout, "q", q),) if dout is not None else ())
+    for name, t, like_name, like in pairs:
         if not isinstance(t, torch.Tensor) or t.shape != like.shape:
-            raise ValueError(f"{what}: {name} must have the shape of {name[0]} {tuple(like.shape)}, got "
-                             f"{tuple(getattr(t, 'shape', ())) if isinstance(t, torch.Tensor) else type(t)}")
+            raise ValueError(f"{what}: {name} must have the shape of {like_name} {tuple(like.shape)}, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
         if t.dtype != like.dtype or t.device != like.device:
-            raise ValueError(f"{what}: {name} must match {name[0]}'s dtype and device ({like.dtype}, {like.device}), "
-                             f"got {t.dtype}, {t.device}")
+            raise ValueError(f"{what}: {name} must match {like_name}'s dtype and device ({like.dtype}, "
+                             f"{like.device}), got {t.dtype}, {t.device}")
     h = q.shape[2]
     if not isinstance(lam, torch.Tensor) or tuple(lam.shape) != (h,):
         raise ValueError(f"{what}: lam must be a tensor of shape (H,) = ({h},), got {getattr(lam, 'shape', lam)}")
@@ -473,6 +474,13 @@ def gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal: bool, beta: float
         raise ValueError(f"{what}: power must be > 0 and finite, got {power}")
     if not math.isfinite(float(beta)):
         raise ValueError(f"{what}: beta must be finite, got {beta}")
+
+
+def gluon_diff_threshold_forward(q, k, v, q2, k2, lam, causal: bool, beta: float = 1.0, power: float = 2.0):
+    """`launch_diff_threshold` with its operands checked (ValueError naming what a call misses)."""
+    what = "gluon differential threshold forward"
+    check_operands(q, k, v, causal, what)
+    check_second_view(q, k, q2, k2, lam, beta, power, what)
     return launch_diff_threshold(q, k, v, q2, k2, lam, causal, beta, power)
 
 
