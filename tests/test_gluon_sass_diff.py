@@ -1,6 +1,7 @@
-"""scripts/analysis/gluon_sass_diff.py's verdict on two SASS listings (no compiler needed): identical code, the same
-loops with registers renamed outside them, a loop changed, an instruction added; a kernel either tree can compile
-to counts as identical; and the ptxas wrapper it compiles with (address-space randomization off)."""
+"""scripts/analysis/gluon_sass_diff.py's verdict on two SASS listings (no compiler needed): identical code, one program
+with its registers renamed one for one, the same loops with other code outside them, a loop changed, an instruction
+added; a kernel either tree can compile to counts as identical; and the ptxas wrapper it compiles with
+(address-space randomization off)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,27 @@ def test_a_listing_either_tree_can_compile_to_is_identical():
     assert compare([other, code], [code]) == "identical"
 
 
-def test_registers_renamed_outside_the_loops_keep_the_loops():
+def test_registers_renamed_one_for_one_are_the_same_program():
     renamed_tail = ("IADD3 R6, R0, 0x1, RZ", "MOV R5, R6", "EXIT")
-    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, *renamed_tail)]) == "same loops"
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, *renamed_tail)]) == \
+        "registers renamed"
+    # a predicate and a uniform register renamed in the loop, with every use of each
+    loop = (LOOP[0].replace("UR4", "UR6"), LOOP[1], LOOP[2].replace("P0", "P2"), LOOP[3].replace("P0", "P2"))
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *loop, *TAIL)]) == "registers renamed"
+
+
+def test_other_values_outside_the_loops_keep_the_loops():
+    # the value written to R6 is not the one read from R4: another program, whose loops are still the same
+    changed_tail = ("IADD3 R6, R0, 0x1, RZ", "MOV R5, R4", "EXIT")
+    assert compare([listing(*PROLOGUE, *LOOP, *TAIL)], [listing(*PROLOGUE, *LOOP, *changed_tail)]) == "same loops"
+    # two live values of the one in one register of the other: not a renaming either
+    two = ("IADD3 R4, R0, 0x1, RZ", "IADD3 R6, R0, 0x2, RZ", "IADD3 R5, R4, R6, RZ", "EXIT")
+    one = ("IADD3 R4, R0, 0x1, RZ", "IADD3 R4, R0, 0x2, RZ", "IADD3 R5, R4, R4, RZ", "EXIT")
+    assert compare([listing(*PROLOGUE, *LOOP, *two)], [listing(*PROLOGUE, *LOOP, *one)]) == "same loops"
+    # a register reused for a value once the last one it held is dead: the same program
+    reused = ("IADD3 R4, R0, 0x1, RZ", "MOV R5, R4", "IADD3 R4, R5, 0x2, RZ", "EXIT")
+    other = ("IADD3 R7, R0, 0x1, RZ", "MOV R5, R7", "IADD3 R9, R5, 0x2, RZ", "EXIT")
+    assert compare([listing(*PROLOGUE, *LOOP, *reused)], [listing(*PROLOGUE, *LOOP, *other)]) == "registers renamed"
 
 
 def test_a_loop_reordered_is_not_the_same_loop():

@@ -87,8 +87,8 @@ import math
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from attn.kernels.gluon_diff_fwd import (_allocate_ring, _invalidate_ring, _load_queries, _persistent_producer,
-                                         _rectified_power, _stream_keys, check_second_view)
+from attn.kernels.gluon_diff_fwd import (_allocate_ring, _load_queries, _persistent_producer, _rectified_power,
+                                         _stream_keys, check_second_view)
 from attn.kernels.gluon_pipeline import (
     serves,  # which operands the kernels serve: D 64 / 128, bf16 / fp16
     CONSUMER_REGS,
@@ -740,7 +740,7 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
                                   hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
                                   1)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+        invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
         for slot in gl.static_range(XCHG_SLOTS):
             mbarrier.invalidate(xchg_full.index(slot))
             mbarrier.invalidate(xchg_empty.index(slot))
@@ -800,7 +800,7 @@ def _dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, DK, DV, DK2,
                                   b * kv_len + n0, hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, HALF_N, HEAD_DIM,
                                   BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+        invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
 
 
 @gluon.jit
@@ -872,7 +872,7 @@ def _view_warpgroups(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, k_tile, 
                               hk * HEAD_DIM, b * q_len, hk, GROUP, i_lo, i_hi, BLOCK_N, HEAD_DIM, BLOCK_M, STAGES,
                               1)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+    invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
     mbarrier.invalidate(dv2_bar)
 
 
@@ -955,7 +955,7 @@ def _persistent_dkdv_kernel(k_desc, k2_desc, v_desc, q_desc, q2_desc, do_desc, D
                                              q_empty, do_empty, H_KV, GROUP, BHK, n_items, q_len, kv_len, HALF_N,
                                              HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        _invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
+        invalidate_ring(kv_bar, q_ready, do_ready, q_empty, do_empty, STAGES)
     mbarrier.invalidate(kv_empty)
 
 
@@ -1101,7 +1101,7 @@ def _dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2, LAM, 
                         v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, b * q_len + m0, h * HEAD_DIM, b * kv_len,
                         hk * HEAD_DIM, n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
 
 
 @gluon.jit
@@ -1158,7 +1158,7 @@ def _persistent_dq_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ,
                                 q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH,
                                 n_items, HEAD_DIM, HALF_M, BLOCK_N, STAGES, CAUSAL, do_desc, do_smem, True)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
     mbarrier.invalidate(q_empty)
 
 
@@ -1276,7 +1276,7 @@ def _dq_views_kernel(q_desc, q2_desc, do_desc, k_desc, k2_desc, v_desc, DQ, DQ2,
                               do_smem, k_ring, k2_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
                               b * q_len + m0, h * HEAD_DIM, b * kv_len, hk * HEAD_DIM, n_tiles, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from attn.kernels.gluon_pipeline import (
     descriptor,
     descriptor_type,
     fence_async_shared,
+    invalidate_ring,
     issue_pv,
     key_blocks,
     mbarrier,
@@ -108,16 +109,6 @@ def _allocate_ring(q_desc, k_desc, v_desc, HALF_M: gl.constexpr, BLOCK_N: gl.con
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
     return q_smem, q2_smem, k_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty
-
-
-@gluon.jit
-def _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr):
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
-        mbarrier.invalidate(k_empty.index(i))
-        mbarrier.invalidate(v_empty.index(i))
 
 
 @gluon.jit
@@ -348,7 +339,7 @@ def _gluon_diff_threshold_fwd_kernel(q_desc, k_desc, v_desc, q2_desc, k2_desc, O
                      k_ready, v_ready, k_empty, v_empty, b * q_len + m0, b * kv_len, hk * HEAD_DIM, h * HEAD_DIM,
                      n_tiles, HALF_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
 
 
 @gluon.jit
@@ -404,7 +395,7 @@ def _gluon_diff_threshold_fwd_persistent_kernel(q_desc, k_desc, v_desc, q2_desc,
                                 q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, q_len, kv_len, H, GROUP, BH,
                                 n_items, HEAD_DIM, HALF_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
+    invalidate_ring(q_bar, k_ready, v_ready, k_empty, v_empty, STAGES)
     mbarrier.invalidate(q_empty)
 
 
