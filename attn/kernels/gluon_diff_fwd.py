@@ -443,8 +443,8 @@ def launch_diff_threshold(q, k, v, q2, k2, lam, causal: bool, beta: float, power
 
 def check_second_view(q, k, q2, k2, lam, beta, power, what: str, dout=None):
     """ValueErrors naming what a direct call of a differential threshold kernel (`what`) misses besides
-    `check_operands`' requirements of q, k, v: q2 (and `dout`, where given) of q's shape, k2 of k's, each of its
-    model's dtype and device; lam an (H,) float tensor on q's device; power > 0 and finite, beta finite."""
+    `check_operands`' requirements of q, k, v: q2 and `dout` (where given) of q's shape, dtype and device, k2 of
+    k's; lam an (H,) float tensor on q's device; power > 0 and finite, beta finite."""
     import torch
 
     pairs = (("q2", q2, "q", q), ("k2", k2, "k", k)) + ((("dout", dout, "q", q),) if dout is not None else ())

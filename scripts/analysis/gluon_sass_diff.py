@@ -1,9 +1,9 @@
 """Whether a change to the Gluon kernels changes their machine code: each listed kernel compiled for sm_90 on the
 CPU from two trees (`--before DIR`, `--after DIR`, e.g. a `git worktree` of the old commit and the working tree),
 its SASS compared. A refactor that moves code into shared @gluon.jit helpers should leave every kernel
-`identical` or `registers renamed` (the same instructions in the same order, registers renamed one for one:
-ptxas assigns registers by the order it meets values in, which a helper's inlining can move); where it does
-not, the row says how far the difference goes: `same loops` (every innermost loop
+`identical` or `registers renamed` (the same instructions in the same order with values in other registers,
+`sass_listing.registers_renamed`: ptxas assigns registers by the order it meets values in, which a helper's
+inlining can move); where it does not, the row says how far the difference goes: `same loops` (every innermost loop
 with an HGMMA identical, the opcodes of the whole kernel the same multiset: register names and order outside
 the loops moved), `same opcodes` (the whole kernel the same multiset of opcodes) or `differs`. No GPU.
 
