@@ -489,8 +489,8 @@ def test_gluon_launches_bind_every_parameter_and_repeat_directly_with_the_jit_ar
     (dict(beta=float("nan")), r"beta must be finite"),
 ])
 def test_the_differential_entries_name_what_their_second_view_misses(change, message):
-    """Both differential entries (forward; backward with its dout) check the second view, lam, power and beta
-    alike, on any device: the refusal names the argument and what is allowed."""
+    """The differential entries' check of the second view, lam, power and beta (and the backward's dout), on any
+    device: the refusal names the argument and what is allowed."""
     from attn.kernels.gluon_diff_fwd import check_second_view
 
     q = torch.zeros(1, 9, 4, 64, dtype=torch.bfloat16)
@@ -499,3 +499,18 @@ def test_the_differential_entries_name_what_their_second_view_misses(change, mes
     check_second_view(**args, what="entry")  # every argument as allowed
     with pytest.raises(ValueError, match=r"^entry: " + message):
         check_second_view(**{**args, **change}, what="entry")
+
+
+def test_both_differential_entries_run_the_second_view_check(monkeypatch):
+    """The forward and the backward entry refuse a bad second view (the backward a bad dout too) with the check's
+    message under their own names; `check_operands` (CUDA, sm_90) is stood in for to reach it on the CPU."""
+    from attn.kernels import gluon_diff_bwd, gluon_diff_fwd
+
+    for module in (gluon_diff_fwd, gluon_diff_bwd):
+        monkeypatch.setattr(module, "check_operands", lambda *args: None)
+    q = torch.zeros(1, 9, 4, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 9, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^gluon differential threshold forward: q2 must have the shape of q"):
+        gluon_diff_fwd.gluon_diff_threshold_forward(q, k, k, q[:, :8], k, torch.zeros(4), True)
+    with pytest.raises(ValueError, match=r"^gluon differential threshold backward: dout must have the shape of q"):
+        gluon_diff_bwd.gluon_diff_threshold_backward(q, k, k, q, k, torch.zeros(4), q[:, :8], True)
